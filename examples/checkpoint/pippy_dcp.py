@@ -1,0 +1,400 @@
+"""Pipeline-parallel training where every rank checkpoints its own stage through DCP.
+
+Each rank builds one pipeline stage of a small byte-level GPT and trains it with
+a pipeline schedule; every ``--save-every`` steps all ranks save their stage at
+the same time into one folder per step with ``torch.distributed.checkpoint``
+(DCP), and a new run resumes from the newest complete step. At the end the last
+checkpoint is loaded into freshly built stages and checked bit for bit.
+
+    torchrun --nproc-per-node 4 examples/checkpoint/pippy_dcp.py
+
+A first run trains steps 1-20, printing the loss, and each rank prints what it
+saved at step-10 and step-20; it ends with "verified: ... bitwise equal". With
+``--stop-after 10`` it stops after step 10 as if interrupted; the same command
+without the flag then prints "resuming from checkpoints/step-10" and trains on
+to step 20. Raise ``--steps`` to continue a finished run.
+"""
+
+import argparse
+import logging
+import math
+import os
+import sys
+import sysconfig
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pippy import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    SplitPoint,
+    checkpoint,
+    pipeline,
+)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 256  # bytes
+    dim: int = 128
+    n_layers: int = 8
+    n_heads: int = 4
+    max_seq_len: int = 128
+
+
+def rope_table(args: ModelArgs) -> torch.Tensor:
+    """Rotary embedding cos and sin: (2, max_seq_len, head_dim // 2)."""
+    head_dim = args.dim // args.n_heads
+    freqs = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = torch.outer(torch.arange(args.max_seq_len).float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    cos, sin = rope[0, : x.shape[2]], rope[1, : x.shape[2]]  # x: (b, heads, t, hd)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.attn_norm = nn.LayerNorm(args.dim)
+        self.qkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        self.proj = nn.Linear(args.dim, args.dim, bias=False)
+        self.mlp_norm = nn.LayerNorm(args.dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(args.dim, 4 * args.dim),
+            nn.GELU(),
+            nn.Linear(4 * args.dim, args.dim),
+        )
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, self.n_heads, d // self.n_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(
+            apply_rope(q, rope), apply_rope(k, rope), v, is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Keyed by the global layer index: a stage that keeps layers 4 and 5
+        # still calls them "layers.4" and "layers.5", the un-split model's FQNs.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = nn.LayerNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from the config, so not part of the state_dict.
+        self.register_buffer("rope", rope_table(args), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # (b, t) bytes on the first stage, (b, t, dim) activations on the others
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h  # (b, t, vocab)
+
+
+def stage_layers(stage_index: int, num_stages: int, n_layers: int) -> range:
+    """The contiguous layers of one stage; stage sizes differ by at most one."""
+    if not 1 <= num_stages <= n_layers:
+        raise ValueError(
+            f"cannot split {n_layers} layers into {num_stages} stages: "
+            f"launch between 1 and {n_layers} ranks (one stage per rank)"
+        )
+    per_stage, rest = divmod(n_layers, num_stages)
+    start = stage_index * per_stage + min(stage_index, rest)
+    return range(start, start + per_stage + (stage_index < rest))
+
+
+def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
+    """Deletes what the stage does not own; what is left keeps its FQNs."""
+    owned = stage_layers(stage_index, num_stages, len(model.layers))
+    for i in list(model.layers):
+        if int(i) not in owned:
+            del model.layers[i]
+    if stage_index > 0:
+        model.tok_embeddings = None
+    if stage_index < num_stages - 1:
+        model.norm = model.output = None
+    return model
+
+
+def split_traced(model: GPT, stage_index: int, num_stages: int, microbatch, device):
+    """Splits a traced graph of the model before the first layer of each stage."""
+    n_layers = len(model.layers)
+    firsts = [stage_layers(s, num_stages, n_layers)[0] for s in range(1, num_stages)]
+    split_spec = {f"layers.{i}": SplitPoint.BEGINNING for i in firsts}
+    with warnings.catch_warnings():  # torch 2.13's tracer warns about pytree internals
+        warnings.simplefilter("ignore", FutureWarning)
+        pipe = pipeline(model, mb_args=(microbatch,), split_spec=split_spec)
+    stage = pipe.build_stage(stage_index, device)
+    # The tracer makes the rope buffer a persistent key of every stage; without
+    # this, all stages would offer the same "rope" key to DCP.
+    checkpoint.restore_non_persistent_buffers(stage.submod, model)
+    return stage
+
+
+def build_stage(args, rank: int, world_size: int, device, *, seed: int):
+    """Builds this rank's stage: the same full model on every rank, then its part."""
+    torch.manual_seed(seed)
+    model_args = ModelArgs(
+        n_layers=args.n_layers, dim=args.dim, max_seq_len=args.seq_len
+    )
+    model = GPT(model_args).to(device)
+    if args.split == "manual":
+        return PipelineStage(
+            split_manual(model, rank, world_size), rank, world_size, device
+        )
+    shape = (args.batch_size // args.microbatches, args.seq_len)
+    microbatch = torch.zeros(shape, dtype=torch.long, device=device)
+    return split_traced(model, rank, world_size, microbatch, device)
+
+
+def load_text(path: str | None) -> torch.Tensor:
+    """Text as bytes, (num_bytes,) uint8: --data, or the stdlib's own .py files."""
+    if path:
+        data = Path(path).read_bytes()
+    else:
+        files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        data = b"".join(f.read_bytes() for f in files)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class BatchSampler:
+    """Random windows of the text. Every rank draws the same batches (the first
+    stage needs the inputs, the last the targets), so its state is a replica."""
+
+    def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
+        if len(data) <= seq_len + 1:
+            raise ValueError(
+                f"the text has {len(data)} bytes; need more than {seq_len + 1}"
+            )
+        self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each (batch_size, seq_len) int64."""
+        high = len(self.data) - self.seq_len - 1
+        starts = torch.randint(high, (self.batch_size,), generator=self.generator)
+        windows = torch.stack([self.data[s : s + self.seq_len + 1] for s in starts])
+        windows = windows.long()
+        return windows[:, :-1], windows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"rng_state": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.generator.set_state(state_dict["rng_state"])
+
+
+def build_state(args, stage, data: torch.Tensor) -> checkpoint.StageState:
+    """AdamW, warmup + cosine LR schedule and data sampler, with the stage's module."""
+    optimizer = torch.optim.AdamW(
+        stage.submod.parameters(), lr=args.lr, weight_decay=0.1
+    )
+    warmup = max(1, args.steps // 10)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    sampler = BatchSampler(data, args.batch_size, args.seq_len, args.seed)
+    return checkpoint.StageState(
+        stage.submod, optimizer, scheduler, extra={"data": sampler}
+    )
+
+
+def log(message: str) -> None:
+    """Prints a line in one write, so that lines of concurrent ranks never mix."""
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train_step(state: checkpoint.StageState, stage, schedule, device) -> float | None:
+    """One optimizer step over all microbatches; the mean loss on the last stage."""
+    inputs, targets = state.extra["data"].next_batch()  # every rank draws: stay in step
+    losses: list[torch.Tensor] = []
+    args = (inputs.to(device),) if stage.is_first else ()
+    kwargs = {"target": targets.to(device), "losses": losses} if stage.is_last else {}
+    schedule.step(*args, **kwargs)
+    state.optimizer.step()
+    state.optimizer.zero_grad()
+    state.lr_scheduler.step()
+    state.step += 1
+    return torch.stack(losses).mean().item() if losses else None
+
+
+def save(state: checkpoint.StageState, checkpoint_dir: str, rank: int) -> None:
+    start = time.perf_counter()
+    state_dict = state.state_dict()
+    # DCP takes equal keys on two ranks for replicas and keeps one: a collision
+    # would lose a stage without an error, so check before writing anything.
+    checkpoint.check_disjoint_keys(state_dict)
+    # One checkpoint_id for all ranks: each writes its own file into the same
+    # folder and rank 0 writes .metadata, which maps every key to its file.
+    with checkpoint.publish_step(checkpoint_dir, state.step) as checkpoint_id:
+        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+    tensors, nbytes = checkpoint.state_dict_size(state_dict)
+    seconds = time.perf_counter() - start
+    log(
+        f"[rank {rank}] stage {rank}: saved {tensors} tensors, {nbytes / 1e6:.1f} MB "
+        f"to step-{state.step} in {seconds:.2f} s"
+    )
+
+
+def load(state: checkpoint.StageState, path: Path, rank: int) -> None:
+    start = time.perf_counter()
+    # DCP loads in place, into tensors that must already exist: state_dict()
+    # returns this stage's tensors (and creates AdamW's empty moments), so each
+    # rank reads just the keys its stage owns.
+    state_dict = state.state_dict()
+    dcp.load(state_dict, checkpoint_id=path)
+    state.load_state_dict(state_dict)
+    tensors, nbytes = checkpoint.state_dict_size(state_dict)
+    seconds = time.perf_counter() - start
+    log(
+        f"[rank {rank}] stage {rank}: loaded {tensors} tensors, {nbytes / 1e6:.1f} MB "
+        f"from {path.name} in {seconds:.2f} s"
+    )
+
+
+def train(args, state, stage, schedule, device, rank: int) -> None:
+    """Trains up to --steps (or --stop-after), saving every --save-every steps."""
+    last = min(args.steps, args.stop_after or args.steps)
+    if state.step >= last and rank == 0:
+        log(f"already at step {state.step} of {args.steps}: nothing to train")
+    while state.step < last:
+        start = time.time()
+        loss = train_step(state, stage, schedule, device)
+        if loss is not None:  # the loss exists only on the last stage
+            lr, secs = state.lr_scheduler.get_last_lr()[0], time.time() - start
+            log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
+        if state.step % args.save_every == 0 or state.step == args.steps:
+            save(state, args.checkpoint_dir, rank)
+    if state.step < args.steps and rank == 0:
+        log(f"stopping after step {state.step} (--stop-after), as if interrupted")
+
+
+def verify(args, state, path: Path, rank: int, world_size: int, device) -> bool:
+    """Loads `path` into a freshly initialised stage and compares every tensor."""
+    fresh_stage = build_stage(args, rank, world_size, device, seed=args.seed + 1)
+    fresh = build_state(args, fresh_stage, state.extra["data"].data)
+    load(fresh, path, rank)
+    differ = checkpoint.diff_state_dicts(state.state_dict(), fresh.state_dict())
+    if differ:
+        log(f"[rank {rank}] {len(differ)} entries differ: {differ[:5]}")
+    failed = torch.tensor([len(differ)], device=device)
+    dist.all_reduce(failed)
+    if rank == 0 and not failed.item():
+        log(
+            f"verified: {path} loaded into fresh stages on {world_size} ranks, "
+            "model and optimizer bitwise equal"
+        )
+    return not failed.item()
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    if "RANK" not in os.environ:
+        sys.exit(
+            "launch with torchrun, e.g. torchrun --nproc-per-node 4 " + sys.argv[0]
+        )
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--checkpoint-dir", default="checkpoints", help="one step-<N> folder per save")
+    add(
+        "--steps", type=int, default=20, help="optimizer steps in all, resumed included"
+    )
+    add("--save-every", type=int, default=10, help="save every N steps and at the last")
+    add("--stop-after", type=int, help="stop after this step, as if interrupted")
+    add("--split", choices=["manual", "trace"], default="manual", help="stage building")
+    add(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default="gpipe",
+        help="pipeline schedule",
+    )
+    add("--microbatches", type=int, default=4, help="per step; >= stages for 1f1b")
+    add("--batch-size", type=int, default=8, help="sequences per step")
+    add("--seq-len", type=int, default=128, help="bytes per sequence")
+    add("--n-layers", type=int, default=8, help="decoder blocks; >= ranks")
+    add("--dim", type=int, default=128, help="model width")
+    add("--lr", type=float, default=1e-3, help="peak learning rate")
+    add(
+        "--seed", type=int, default=0, help="seed of the initial weights and data order"
+    )
+    add("--data", help="a text file to train on (default: the stdlib's .py files)")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    # set up distributed: gloo on CPU, nccl on GPU; one stage per rank
+    rank, world_size, device = setup_distributed()
+    try:
+        # build and split the model, and the pipeline schedule
+        stage = build_stage(args, rank, world_size, device, seed=args.seed)
+        schedule = SCHEDULES[args.schedule](
+            stage, n_microbatches=args.microbatches, loss_fn=loss_fn
+        )
+        # build the optimizer, LR schedule and data sampler: the state to checkpoint
+        state = build_state(args, stage, load_text(args.data))
+        # resume if a checkpoint exists
+        latest = checkpoint.find_latest_step(args.checkpoint_dir)
+        if latest is not None:
+            if rank == 0:
+                log(f"resuming from {latest}")
+            load(state, latest, rank)
+        # train, saving every --save-every steps and at the last
+        train(args, state, stage, schedule, device, rank)
+        # verify: load the final checkpoint into fresh stages, compare bit for bit
+        final = checkpoint.step_dir(args.checkpoint_dir, state.step)
+        ok = not checkpoint.is_complete(final) or verify(
+            args, state, final, rank, world_size, device
+        )
+    finally:
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""Stage-aware distributed checkpointing for pipeline parallelism.
+
+Every rank of a pipeline holds one stage. To checkpoint, every rank calls
+``torch.distributed.checkpoint.save`` on the same ``checkpoint_id`` at the same
+time: each writes its own data file and the coordinator writes ``.metadata``.
+That works only if each stage's ``state_dict`` keys are the un-split model's
+FQNs for exactly the parameters the stage owns, so that the union over ranks is
+the whole model and no key is offered by two ranks. This module holds what
+makes that hold and what finds the checkpoints again:
+
+* :class:`StageState`: model, optimizer (keyed by FQN), LR scheduler, step and
+  any extra ``Stateful`` of one stage, as one ``state_dict``.
+* :func:`check_disjoint_keys`: a cross-rank check, before a save, that no key
+  is offered by two ranks (DCP would silently keep only one of them).
+* :func:`restore_non_persistent_buffers`: undoes the tracing front end turning
+  non-persistent buffers into persistent keys on every stage.
+* :func:`step_dir`, :func:`publish_step`, :func:`find_latest_step`: one folder
+  per step (``<checkpoint_dir>/step-<N>``), published only once complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+__all__ = [
+    "KeyCollisionError",
+    "StageState",
+    "check_disjoint_keys",
+    "diff_state_dicts",
+    "find_latest_step",
+    "is_complete",
+    "list_steps",
+    "publish_step",
+    "restore_non_persistent_buffers",
+    "state_dict_size",
+    "step_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The file DCP's coordinator writes last; a step folder without it is partial.
+METADATA_FILE = ".metadata"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+# Optimizer state keyed by parameter FQN ("state.layers.3.w.exp_avg") instead of
+# by index into param_groups: indices restart at 0 on every stage, so indexed
+# keys would collide across ranks and DCP would keep only one stage's state.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class KeyCollisionError(ValueError):
+    """Two or more ranks offer the same checkpoint key.
+
+    DCP treats equal keys on different ranks as replicas and writes only one
+    of them, so saving would silently lose the others' values.
+    """
+
+
+class StageState(Stateful):
+    """The checkpointable state of one pipeline stage.
+
+    ``state_dict()`` returns a nested dict whose leaves DCP writes as
+    ``model.<fqn>``, ``optim.state.<fqn>.<name>``,
+    ``optim.param_groups.<fqn>.<option>``, ``lr_scheduler.<name>``, ``step``
+    and ``<extra name>.<name>``. Model and optimizer keys are the un-split
+    model's FQNs of the parameters this stage owns, so the stages' keys are
+    disjoint and together form the whole model; the scheduler, step and extra
+    state are the same on every rank and DCP stores them once.
+
+    Args:
+        module: The stage's module, keeping the un-split model's FQNs (for
+            example ``layers.5.mlp.w1.weight``, never renumbered).
+        optimizer: The optimizer over ``module``'s parameters.
+        lr_scheduler: Optional LR scheduler of ``optimizer``.
+        step: Number of optimizer steps taken so far.
+        extra: Further ``Stateful`` objects saved under their names (for
+            example a data sampler). Their state must be the same on every
+            rank: DCP keeps one copy of equal keys.
+
+    Note:
+        DCP loads in place. Build the stage and its optimizer first, take
+        ``sd = state.state_dict()`` (this creates the empty optimizer state to
+        load into), ``dcp.load(sd, ...)``, then ``state.load_state_dict(sd)``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        *,
+        step: int = 0,
+        extra: Mapping[str, Stateful] | None = None,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.step = step
+        self.extra = dict(extra or {})
+        reserved = {"model", "optim", "lr_scheduler", "step"} & self.extra.keys()
+        if reserved:
+            raise ValueError(f"extra state may not use the reserved names {reserved}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
+
+        Returns:
+            ``{"model": ..., "optim": ..., "step": int}``, plus
+            ``"lr_scheduler"`` when there is one and one entry per ``extra``.
+            Tensors are the live ones (no copies).
+        """
+        model_sd, optim_sd = get_state_dict(
+            self.module, self.optimizer, options=_OPTIONS
+        )
+        sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "step": self.step}
+        if self.lr_scheduler is not None:
+            sd["lr_scheduler"] = self.lr_scheduler.state_dict()
+        for name, obj in self.extra.items():
+            sd[name] = obj.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Applies a state_dict from :meth:`state_dict` (after ``dcp.load``).
+
+        Args:
+            state_dict: The dict that ``dcp.load`` filled in place.
+
+        Raises:
+            RuntimeError: A model key is missing or unexpected
+                (``set_state_dict`` is strict).
+            KeyError: A section (``model``, ``optim``, ...) is missing.
+        """
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+            options=_OPTIONS,
+        )
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        self.step = int(state_dict["step"])
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state_dict[name])
+
+
+def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Yields ``(dotted key, leaf)`` pairs of nested dicts, as DCP names them."""
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], obj
+
+
+def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
+    """Counts the tensors of a (nested) state_dict and their size.
+
+    Args:
+        state_dict: A dict as returned by :meth:`StageState.state_dict`.
+
+    Returns:
+        ``(number of tensors, their total size in bytes)``.
+    """
+    tensors = [v for _, v in _leaves(state_dict) if isinstance(v, torch.Tensor)]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_disjoint_keys(
+    state_dict: Mapping[str, Any],
+    *,
+    sections: tuple[str, ...] = ("model", "optim"),
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Checks across ranks that no stage-owned key is offered by two ranks.
+
+    Every rank sends the names of its keys under ``sections`` (a few KB);
+    call it on every rank before ``dcp.save``, which would otherwise keep one
+    of the colliding values and drop the rest without an error.
+
+    Args:
+        state_dict: This rank's state_dict, as from :meth:`StageState.state_dict`.
+        sections: Top-level entries that each stage owns exclusively. The
+            others (step, scheduler, data state) are replicas by design.
+        process_group: Group of the pipeline ranks; the default group if None.
+
+    Raises:
+        KeyCollisionError: On every rank, naming the keys and their ranks, if
+            any key appears on more than one rank.
+
+    Note:
+        Known causes: layers renumbered per stage (``layers.0`` on every
+        stage), a tied weight copied into two stages, and non-persistent
+        buffers made persistent by tracing (see
+        :func:`restore_non_persistent_buffers`).
+    """
+    keys = sorted(
+        k
+        for s in sections
+        if s in state_dict
+        for k, _ in _leaves(state_dict[s], f"{s}.")
+    )
+    if not dist.is_initialized():
+        return
+    gathered: list[list[str] | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, keys, group=process_group)
+    owners: dict[str, list[int]] = {}
+    for rank, rank_keys in enumerate(gathered):
+        for key in rank_keys or []:
+            owners.setdefault(key, []).append(rank)
+    shared = {key: ranks for key, ranks in owners.items() if len(ranks) > 1}
+    if shared:
+        shown = ", ".join(f"{k!r} (ranks {r})" for k, r in sorted(shared.items())[:10])
+        raise KeyCollisionError(
+            f"{len(shared)} checkpoint key(s) are offered by more than one rank: "
+            f"{shown}{' ...' if len(shared) > 10 else ''}. DCP would keep one copy "
+            "and drop the others. Give every stage the un-split model's FQNs "
+            "(keep layers in a ModuleDict keyed by the global layer index), and "
+            "call restore_non_persistent_buffers() on traced stages."
+        )
+
+
+def restore_non_persistent_buffers(
+    stage_module: nn.Module, model: nn.Module
+) -> list[str]:
+    """Makes the model's non-persistent buffers non-persistent in a traced stage.
+
+    ``torch.distributed.pipelining.pipeline`` registers every buffer of the
+    traced model as a persistent buffer of each stage that uses it, so a
+    buffer the model keeps out of its ``state_dict`` (a RoPE table, a causal
+    mask) appears as the same key on every stage. This re-registers those
+    buffers as non-persistent, in place, so the stage's keys are again a
+    subset of ``model.state_dict()``'s.
+
+    Args:
+        stage_module: The stage's module (``pipe.build_stage(...).submod``).
+        model: The un-split model that was traced.
+
+    Returns:
+        The FQNs of the buffers that were re-registered.
+    """
+    stage_buffers = dict(stage_module.named_buffers())
+    restored = []
+    for owner_name, owner in model.named_modules():
+        for name in owner._non_persistent_buffers_set:
+            fqn = f"{owner_name}.{name}" if owner_name else name
+            if fqn in stage_buffers:
+                stage_owner = stage_module.get_submodule(fqn.rpartition(".")[0])
+                stage_owner.register_buffer(name, stage_buffers[fqn], persistent=False)
+                restored.append(fqn)
+    logger.debug("re-registered non-persistent buffers %s", restored)
+    return restored
+
+
+def step_dir(checkpoint_dir: str | os.PathLike, step: int) -> Path:
+    """Returns the folder of one step's checkpoint: ``<checkpoint_dir>/step-<step>``.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder.
+        step: Number of optimizer steps taken when the checkpoint was saved.
+    """
+    return Path(checkpoint_dir) / f"step-{step}"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Tells whether a step folder holds a complete checkpoint.
+
+    DCP's coordinator writes ``.metadata`` only after every rank has written
+    its data, so a folder without it was interrupted mid-save.
+    """
+    return (Path(path) / METADATA_FILE).is_file()
+
+
+def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
+    """Lists the step folders of a checkpoint folder, complete or not.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
+
+    Returns:
+        ``{step: folder}`` sorted by step; empty if the folder does not exist.
+
+    Raises:
+        NotADirectoryError: ``checkpoint_dir`` exists and is not a folder.
+    """
+    root = Path(checkpoint_dir)
+    if not root.exists():
+        return {}
+    if not root.is_dir():
+        raise NotADirectoryError(
+            f"checkpoint dir {str(root)!r} is a file; pass a folder "
+            "(it is created if missing)"
+        )
+    steps = {}
+    for path in root.iterdir():
+        match = _STEP_RE.match(path.name)
+        if match and path.is_dir():
+            steps[int(match.group(1))] = path
+    return dict(sorted(steps.items()))
+
+
+def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
+    """Finds the newest complete step folder, to resume from.
+
+    Incomplete folders (no ``.metadata``: a crash mid-save) are never chosen;
+    a warning names those newer than the one returned.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
+
+    Returns:
+        The newest complete ``step-<N>`` folder, or None if there is none.
+
+    Raises:
+        NotADirectoryError: ``checkpoint_dir`` exists and is not a folder.
+    """
+    skipped: list[str] = []
+    for path in reversed(list_steps(checkpoint_dir).values()):
+        if is_complete(path):
+            if skipped:
+                logger.warning("skipping incomplete checkpoints %s", skipped)
+            return path
+        skipped.append(str(path))
+    if skipped:
+        logger.warning("skipping incomplete checkpoints %s", skipped)
+    return None
+
+
+def _barrier(process_group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=process_group)
+
+
+@contextmanager
+def publish_step(
+    checkpoint_dir: str | os.PathLike,
+    step: int,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> Iterator[Path]:
+    """Gives every rank a staging folder and publishes it as ``step-<step>``.
+
+    Use it around ``dcp.save``, on every rank::
+
+        with publish_step(checkpoint_dir, step) as checkpoint_id:
+            dcp.save(state_dict, checkpoint_id=checkpoint_id)
+
+    The save goes into ``.step-<step>.partial``; once it returned on every
+    rank (so the coordinator has written ``.metadata``), rank 0 renames the
+    folder to ``step-<step>``, which is atomic on a POSIX file system. A crash
+    before that leaves only the hidden staging folder, which
+    :func:`find_latest_step` never picks and the next save of that step
+    replaces. An existing step folder is never written into.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; created if missing. On
+            several nodes it must be storage that every node sees.
+        step: The step being saved.
+        process_group: Group of the ranks that save; the default group if None.
+
+    Yields:
+        The staging folder, to pass to ``dcp.save`` as ``checkpoint_id``.
+
+    Raises:
+        FileExistsError: ``step-<step>`` already exists.
+        NotADirectoryError: ``checkpoint_dir`` is a file.
+    """
+    final = step_dir(checkpoint_dir, step)
+    staging = final.with_name(f".{final.name}.partial")
+    list_steps(checkpoint_dir)  # raises NotADirectoryError early
+    if final.exists():
+        raise FileExistsError(
+            f"{str(final)!r} already exists; checkpoints are never overwritten. "
+            "Resume from it, or use a new --checkpoint-dir."
+        )
+    is_coordinator = not dist.is_initialized() or dist.get_rank(process_group) == 0
+    if is_coordinator:
+        if staging.exists():  # left by a crash during an earlier save of this step
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+    _barrier(process_group)
+    yield staging
+    _barrier(process_group)
+    if is_coordinator:
+        staging.rename(final)
+    _barrier(process_group)
+
+
+def diff_state_dicts(
+    actual: Mapping[str, Any], expected: Mapping[str, Any]
+) -> list[str]:
+    """Lists the keys whose values differ between two (nested) state_dicts.
+
+    Tensors must match in dtype, shape and every bit (``torch.equal``, so NaNs
+    in equal places compare unequal); other values with ``==``.
+
+    Args:
+        actual: A state_dict, as from :meth:`StageState.state_dict`.
+        expected: The state_dict to compare with.
+
+    Returns:
+        Sorted dotted keys (as DCP names them) that differ or are in only one
+        of the two; empty if they are equal.
+    """
+    a, b = dict(_leaves(actual)), dict(_leaves(expected))
+    differ = set(a.keys() ^ b.keys())
+    for key in a.keys() & b.keys():
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = False
+        else:
+            same = x == y
+        if not same:
+            differ.add(key)
+    return sorted(differ)
