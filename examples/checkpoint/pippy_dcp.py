@@ -268,7 +268,7 @@ def save(state: checkpoint.StageState, checkpoint_dir: str, rank: int) -> None:
     )
 
 
-def load(state: checkpoint.StageState, path: Path, rank: int) -> None:
+def load(state: checkpoint.StageState, path: Path, rank: int, into="") -> None:
     start = time.perf_counter()
     # DCP loads in place, into tensors that must already exist: state_dict()
     # returns this stage's tensors (and creates AdamW's empty moments), so each
@@ -280,7 +280,7 @@ def load(state: checkpoint.StageState, path: Path, rank: int) -> None:
     seconds = time.perf_counter() - start
     log(
         f"[rank {rank}] stage {rank}: loaded {tensors} tensors, {nbytes / 1e6:.1f} MB "
-        f"from {path.name} in {seconds:.2f} s"
+        f"from {path.name}{into} in {seconds:.2f} s"
     )
 
 
@@ -305,7 +305,7 @@ def verify(args, state, path: Path, rank: int, world_size: int, device) -> bool:
     """Loads `path` into a freshly initialised stage and compares every tensor."""
     fresh_stage = build_stage(args, rank, world_size, device, seed=args.seed + 1)
     fresh = build_state(args, fresh_stage, state.extra["data"].data)
-    load(fresh, path, rank)
+    load(fresh, path, rank, into=" into a fresh stage")
     differ = checkpoint.diff_state_dicts(state.state_dict(), fresh.state_dict())
     if differ:
         log(f"[rank {rank}] {len(differ)} entries differ: {differ[:5]}")

@@ -1,0 +1,117 @@
+"""pippy.checkpoint in one process: step folders, comparisons, traced stages."""
+
+import logging
+import warnings
+
+import pippy_dcp
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pippy import SplitPoint, checkpoint, pipeline
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return pippy_dcp.GPT(pippy_dcp.ModelArgs(n_layers=4, dim=32, max_seq_len=16))
+
+
+def save_step(root, step, module):
+    with checkpoint.publish_step(root, step) as checkpoint_id:
+        dcp.save({"model": module.state_dict()}, checkpoint_id=checkpoint_id)
+
+
+def test_publish_step_writes_a_complete_step_folder(tmp_path):
+    save_step(tmp_path, 5, tiny_model())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
+    assert checkpoint.is_complete(tmp_path / "step-5")
+    assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-5"
+
+
+def test_publish_step_never_overwrites_a_step(tmp_path):
+    save_step(tmp_path, 5, tiny_model())
+    before = (tmp_path / "step-5" / ".metadata").read_bytes()
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        save_step(tmp_path, 5, tiny_model())
+    assert (tmp_path / "step-5" / ".metadata").read_bytes() == before
+
+
+def test_failed_save_publishes_nothing(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with checkpoint.publish_step(tmp_path, 7):
+            raise RuntimeError("boom")
+    assert checkpoint.list_steps(tmp_path) == {}
+    assert checkpoint.find_latest_step(tmp_path) is None
+    save_step(tmp_path, 7, tiny_model())  # the stale staging folder is replaced
+    assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-7"
+
+
+def test_latest_step_skips_incomplete_folders(tmp_path, caplog):
+    save_step(tmp_path, 2, tiny_model())
+    save_step(tmp_path, 10, tiny_model())
+    (tmp_path / "step-20").mkdir()  # crashed before .metadata was written
+    (tmp_path / "step-9x").mkdir()  # not a step folder
+    (tmp_path / "step-30").write_text("not a folder")
+    with caplog.at_level(logging.WARNING, logger="pippy.checkpoint"):
+        assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-10"
+    assert "step-20" in caplog.text
+    assert list(checkpoint.list_steps(tmp_path)) == [2, 10, 20]
+
+
+def test_missing_dir_has_no_steps_and_a_file_is_refused(tmp_path):
+    assert checkpoint.find_latest_step(tmp_path / "nope") is None
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file"):
+        checkpoint.find_latest_step(tmp_path / "file")
+    with pytest.raises(NotADirectoryError):
+        save_step(tmp_path / "file", 1, tiny_model())
+
+
+def test_diff_state_dicts_is_bitwise():
+    a = {"model": {"w": torch.zeros(3)}, "step": 1}
+    assert (
+        checkpoint.diff_state_dicts(a, {"model": {"w": torch.zeros(3)}, "step": 1})
+        == []
+    )
+    assert checkpoint.diff_state_dicts(
+        a, {"model": {"w": torch.zeros(3)}, "step": 2}
+    ) == ["step"]
+    tiny = torch.tensor([0.0, 0.0, 1e-45])
+    assert checkpoint.diff_state_dicts(a, {"model": {"w": tiny}, "step": 1}) == [
+        "model.w"
+    ]
+    as_double = torch.zeros(3, dtype=torch.float64)
+    assert checkpoint.diff_state_dicts(a, {"model": {"w": as_double}, "step": 1}) == [
+        "model.w"
+    ]
+    assert checkpoint.diff_state_dicts(a, {"model": {}, "step": 1}) == ["model.w"]
+
+
+def test_restore_non_persistent_buffers_on_traced_stages():
+    model = tiny_model()
+    expected = set(model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        pipe = pipeline(
+            model,
+            mb_args=(torch.zeros(2, 16, dtype=torch.long),),
+            split_spec={"layers.2": SplitPoint.BEGINNING},
+        )
+    keys = []
+    for index in range(2):
+        stage_module = pipe.get_stage_module(index)
+        assert "rope" in stage_module.state_dict()  # what tracing does
+        assert checkpoint.restore_non_persistent_buffers(stage_module, model) == [
+            "rope"
+        ]
+        assert "rope" not in stage_module.state_dict()
+        assert torch.equal(stage_module.get_buffer("rope"), model.rope)  # still used
+        keys.append(set(stage_module.state_dict()))
+    assert keys[0].isdisjoint(keys[1]) and keys[0] | keys[1] == expected
+
+
+def test_stage_state_rejects_reserved_extra_names():
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="reserved"):
+        checkpoint.StageState(model, optimizer, extra={"step": object()})
