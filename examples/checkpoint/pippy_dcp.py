@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import time
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,35 +139,53 @@ def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
     return model
 
 
-def split_traced(model: GPT, stage_index: int, num_stages: int, microbatch, device):
-    """Splits a traced graph of the model before the first layer of each stage."""
+def split_traced(model: GPT, num_stages: int, microbatch: torch.Tensor):
+    """Traces the model and splits the graph before the first layer of each stage."""
     n_layers = len(model.layers)
     firsts = [stage_layers(s, num_stages, n_layers)[0] for s in range(1, num_stages)]
     split_spec = {f"layers.{i}": SplitPoint.BEGINNING for i in firsts}
     with warnings.catch_warnings():  # torch 2.13's tracer warns about pytree internals
         warnings.simplefilter("ignore", FutureWarning)
-        pipe = pipeline(model, mb_args=(microbatch,), split_spec=split_spec)
-    stage = pipe.build_stage(stage_index, device)
-    # The tracer makes the rope buffer a persistent key of every stage; without
-    # this, all stages would offer the same "rope" key to DCP.
-    checkpoint.restore_non_persistent_buffers(stage.submod, model)
-    return stage
+        return pipeline(model, mb_args=(microbatch,), split_spec=split_spec)
+
+
+def init_weights(module: nn.Module, seed: int) -> None:
+    """Initialises every parameter from (seed, its FQN) alone, so that a stage
+    holds the same initial values whatever the split, and none of the un-split
+    model's other parameters need to exist."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.ndim == 1:  # norm weights 1, biases 0
+                param.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+            else:
+                g = torch.Generator().manual_seed(
+                    seed << 32 | zlib.crc32(name.encode())
+                )
+                param.copy_(torch.randn(param.shape, generator=g) * 0.02)
 
 
 def build_stage(args, rank: int, world_size: int, device, *, seed: int):
-    """Builds this rank's stage: the same full model on every rank, then its part."""
-    torch.manual_seed(seed)
+    """Builds this rank's stage, allocating memory for that stage alone."""
     model_args = ModelArgs(
         n_layers=args.n_layers, dim=args.dim, max_seq_len=args.seq_len
     )
-    model = GPT(model_args).to(device)
+    with torch.device("meta"):  # shapes only: no rank holds the whole model
+        model = GPT(model_args)
     if args.split == "manual":
-        return PipelineStage(
-            split_manual(model, rank, world_size), rank, world_size, device
-        )
-    shape = (args.batch_size // args.microbatches, args.seq_len)
-    microbatch = torch.zeros(shape, dtype=torch.long, device=device)
-    return split_traced(model, rank, world_size, microbatch, device)
+        module = split_manual(model, rank, world_size)
+    else:
+        shape = (args.batch_size // args.microbatches, args.seq_len)
+        pipe = split_traced(model, world_size, torch.zeros(shape, dtype=torch.long))
+        module = pipe.get_stage_module(rank)
+        # The tracer makes the rope buffer a persistent key of every stage;
+        # without this, all stages would offer the same "rope" key to DCP.
+        checkpoint.restore_non_persistent_buffers(module, model)
+    module.to_empty(device=device)  # allocate the stage, then fill it
+    init_weights(module, seed)
+    module.get_buffer("rope").copy_(rope_table(model_args))
+    if args.split == "manual":
+        return PipelineStage(module, rank, world_size, device)
+    return pipe.build_stage(rank, device)
 
 
 def load_text(path: str | None) -> torch.Tensor:
@@ -313,7 +332,7 @@ def verify(args, state, path: Path, rank: int, world_size: int, device) -> bool:
     dist.all_reduce(failed)
     if rank == 0 and not failed.item():
         log(
-            f"verified: {path} loaded into fresh stages on {world_size} ranks, "
+            f"verified: {path} loaded into fresh stages on all {world_size} ranks, "
             "model and optimizer bitwise equal"
         )
     return not failed.item()
