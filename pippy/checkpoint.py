@@ -16,12 +16,18 @@ makes that hold and what finds the checkpoints again:
   non-persistent buffers into persistent keys on every stage.
 * :func:`step_dir`, :func:`publish_step`, :func:`find_latest_step`: one folder
   per step (``<checkpoint_dir>/step-<N>``), published only once complete.
+* :class:`SafeFileSystemReader`, :class:`SafeLoadPlanner`: load without
+  running code that a checkpoint's pickles could carry.
+* :func:`explain_failures`: turns DCP's ``CheckpointException`` into one error
+  per rank that says what went wrong.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Iterator, Mapping
@@ -31,7 +37,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    FileSystemReader,
+)
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -40,12 +58,20 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
     "KeyCollisionError",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "UnsafeCheckpointError",
     "StageState",
     "check_disjoint_keys",
     "diff_state_dicts",
+    "explain_failures",
     "find_latest_step",
     "is_complete",
+    "read_checkpoint",
+    "read_metadata",
     "list_steps",
     "publish_step",
     "restore_non_persistent_buffers",
@@ -65,7 +91,11 @@ _STEP_RE = re.compile(r"^step-(\d+)$")
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class KeyCollisionError(ValueError):
+class CheckpointError(Exception):
+    """Base of pippy's checkpoint errors; the message says what to do."""
+
+
+class KeyCollisionError(CheckpointError, ValueError):
     """Two or more ranks offer the same checkpoint key.
 
     DCP treats equal keys on different ranks as replicas and writes only one
@@ -432,3 +462,273 @@ def diff_state_dicts(
         if not same:
             differ.add(key)
     return sorted(differ)
+
+
+# Loading without running code ------------------------------------------------
+#
+# A DCP checkpoint is partly pickle: torch 2.13's FileSystemReader.read_metadata
+# unpickles .metadata with pickle.load, and DefaultLoadPlanner reads non-tensor
+# items with torch.load(weights_only=False). Whoever can write a checkpoint
+# folder could run code on every rank that loads it. The two classes below
+# accept only what a checkpoint legitimately holds.
+
+#: Environment variable that, set to 1, lets the safe reader and planner load
+#: any pickle, as plain DCP does. Only for checkpoints from a trusted source.
+TRUST_ENV = "PIPPY_TRUST_CHECKPOINT"
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {
+    (_DCP_METADATA, name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("builtins", "complex"),
+}
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint where one was asked for."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint holds a pickled object that could run code when loaded."""
+
+
+def _trusted(trusted: bool | None) -> bool:
+    return os.environ.get(TRUST_ENV) == "1" if trusted is None else trusted
+
+
+def _refusal(what: str, refused: str) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"refused to load {what}: it would import {refused}, which no checkpoint "
+        "written by DCP or pippy holds, and unpickling it could run code. If you "
+        f"trust where the checkpoint comes from, set {TRUST_ENV}=1 (or pass "
+        "trusted=True, or --trust-checkpoint on the command line) to load it "
+        "with plain pickle."
+    )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing every global but DCP's own classes."""
+
+    def __init__(self, file: Any, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise _refusal(self.name, f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A ``FileSystemReader`` that unpickles ``.metadata`` with an allow-list.
+
+    Only DCP's metadata classes, ``torch.Size``, torch dtypes and layouts,
+    paths and plain builtins are accepted; any other global (``os.system``,
+    ``builtins.eval``, a class of some package) is refused before it is
+    imported or called.
+
+    The metadata is read and checked when the reader is made, before
+    ``dcp.load`` runs: inside it, DCP would catch the error, log its
+    traceback on every rank and raise an unrelated ``AssertionError``
+    ("metadata is None").
+
+    Args:
+        path: The step folder (the ``checkpoint_id``).
+        trusted: True loads any pickle, as ``FileSystemReader`` does. None
+            (the default) reads ``PIPPY_TRUST_CHECKPOINT=1`` from the
+            environment.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a folder, or has no
+            ``.metadata`` (its save did not finish).
+        UnsafeCheckpointError: ``.metadata`` holds a refused global; the
+            message names the file and the global.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, trusted: bool | None = None) -> None:
+        super().__init__(path)
+        self.trusted = _trusted(trusted)
+        folder = Path(path)
+        if not folder.is_dir():
+            raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
+        if not is_complete(folder):
+            raise CheckpointNotFoundError(
+                f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
+                "its save did not finish); use an earlier step"
+            )
+        metadata_path = folder / METADATA_FILE
+        with open(metadata_path, "rb") as metadata_file:
+            if self.trusted:
+                metadata = pickle.load(metadata_file)
+            else:
+                metadata = _MetadataUnpickler(metadata_file, str(metadata_path)).load()
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpointError(f"{metadata_path} does not hold DCP metadata")
+        self.metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Returns the metadata read and checked when the reader was made."""
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """A ``DefaultLoadPlanner`` that reads non-tensor items with ``weights_only``.
+
+    Non-tensor items (step, LR scheduler state, optimizer options) are read
+    with ``torch.load(weights_only=True)``, which accepts containers,
+    numbers, strings and tensors and refuses other globals.
+
+    Args:
+        trusted: True reads any pickle, as ``DefaultLoadPlanner`` does. None
+            (the default) reads ``PIPPY_TRUST_CHECKPOINT=1`` from the
+            environment.
+        **kwargs: Passed to ``DefaultLoadPlanner``.
+
+    Raises:
+        UnsafeCheckpointError: From :meth:`load_bytes`, naming the key, its
+            file and the refused global.
+    """
+
+    def __init__(self, *, trusted: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.trusted = _trusted(trusted)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Checks one non-tensor item under ``weights_only`` rules, then loads it.
+
+        An item that passes holds only allow-listed globals, so DCP's own
+        loading of the same bytes runs no code either.
+        """
+        if not self.trusted:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                storage = self.metadata.storage_data if self.metadata else {}
+                info = storage.get(read_item.storage_index)
+                where = getattr(info, "relative_path", "its data file")
+                match = re.search(r"GLOBAL ([\w.]+)", str(e))
+                refused = match.group(1) if match else "a global weights_only refuses"
+                what = f"item {read_item.dest_index.fqn!r} of {where}"
+                raise _refusal(what, refused) from None
+            value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+@contextmanager
+def explain_failures(action: str) -> Iterator[None]:
+    """Turns DCP's ``CheckpointException`` into one error that names each rank.
+
+    DCP gathers the ranks' exceptions into a ``CheckpointException``, which
+    is a ``BaseException`` (so ``except Exception`` misses it) and prints as
+    a traceback per rank. Use this around ``dcp.save`` and ``dcp.load``.
+
+    Args:
+        action: What was attempted, for the message (``"loading step-20"``).
+
+    Raises:
+        UnsafeCheckpointError: Some rank refused a pickle (the first message).
+        CheckpointError: Any other failure: one line per failed rank with the
+            exception's type and message.
+    """
+    try:
+        yield
+    except CheckpointException as e:
+        failures = {rank: exc for rank, (exc, _trace) in sorted(e.failures.items())}
+        for exc in failures.values():
+            if isinstance(exc, UnsafeCheckpointError):
+                raise UnsafeCheckpointError(str(exc)) from None
+        lines = [f"  rank {r}: {type(x).__name__}: {x}" for r, x in failures.items()]
+        raise CheckpointError(
+            f"{action} failed on {len(failures)} rank(s):\n" + "\n".join(lines)
+        ) from None
+
+
+def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
+    """Reads a step folder's ``.metadata`` with :class:`SafeFileSystemReader`.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        trusted: See :class:`SafeFileSystemReader`.
+
+    Returns:
+        DCP's ``Metadata``: ``state_dict_metadata`` maps every key to its
+        shape and dtype, ``storage_data`` every chunk to its file.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a complete checkpoint.
+        UnsafeCheckpointError: ``.metadata`` holds a refused global.
+    """
+    return SafeFileSystemReader(path, trusted=trusted).read_metadata()
+
+
+def read_checkpoint(
+    path: str | os.PathLike, *, prefix: str = "", trusted: bool | None = None
+) -> dict[str, Any]:
+    """Reads a whole checkpoint, or the keys under a prefix, in this process.
+
+    The keys come back flat, as DCP names them, with ``prefix`` removed: with
+    ``prefix="model."`` the result is the un-split model's ``state_dict``,
+    ready for ``model.load_state_dict(..., strict=True)``. Works without a
+    process group (reads every rank's file here) and inside one (this rank
+    alone reads, with no collective). Reads through the safe reader and
+    planner.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        prefix: Only keys starting with this are read.
+        trusted: See :class:`SafeFileSystemReader`.
+
+    Returns:
+        ``{key: tensor or value}``; tensors on the CPU, in their saved dtype.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError: As
+            :func:`read_metadata`.
+        KeyError: No key starts with ``prefix``.
+        CheckpointError: A data file is missing or damaged.
+    """
+    reader = SafeFileSystemReader(path, trusted=trusted)
+    state_dict: dict[str, Any] = {}
+    for key, item in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix):
+            if isinstance(item, TensorStorageMetadata):
+                state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
+            else:
+                state_dict[key] = None  # replaced by the loaded value
+    if not state_dict:
+        raise KeyError(f"no key in {str(path)!r} starts with {prefix!r}")
+    with explain_failures(f"reading {path}"):
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(trusted=trusted),
+            no_dist=True,
+        )
+    return {key[len(prefix) :]: value for key, value in state_dict.items()}

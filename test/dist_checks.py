@@ -87,7 +87,12 @@ def check_train(out: Path, rank: int, world_size: int) -> dict:
         schedule_b = cls(stage_b, n_microbatches=4, loss_fn=pippy_dcp.loss_fn)
         before = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
         sd = state_b.state_dict()
-        dcp.load(sd, checkpoint_id=checkpoint.find_latest_step(folder))
+        latest = checkpoint.find_latest_step(folder)
+        dcp.load(
+            sd,
+            storage_reader=checkpoint.SafeFileSystemReader(latest),
+            planner=checkpoint.SafeLoadPlanner(),
+        )
         state_b.load_state_dict(sd)
         after_load = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
         losses_b = train_steps(state_b, stage_b, schedule_b, 3)

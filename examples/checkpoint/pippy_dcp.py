@@ -278,7 +278,8 @@ def save(state: checkpoint.StageState, checkpoint_dir: str, rank: int) -> None:
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
     with checkpoint.publish_step(checkpoint_dir, state.step) as checkpoint_id:
-        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+        with checkpoint.explain_failures(f"saving step-{state.step}"):
+            dcp.save(state_dict, checkpoint_id=checkpoint_id)
     tensors, nbytes = checkpoint.state_dict_size(state_dict)
     seconds = time.perf_counter() - start
     log(
@@ -293,7 +294,13 @@ def load(state: checkpoint.StageState, path: Path, rank: int, into="") -> None:
     # returns this stage's tensors (and creates AdamW's empty moments), so each
     # rank reads just the keys its stage owns.
     state_dict = state.state_dict()
-    dcp.load(state_dict, checkpoint_id=path)
+    # A checkpoint is partly pickle; pippy's reader and planner refuse pickled
+    # code (set PIPPY_TRUST_CHECKPOINT=1 only for checkpoints you trust).
+    with checkpoint.explain_failures(f"loading {path}"):
+        reader = checkpoint.SafeFileSystemReader(path)
+        dcp.load(
+            state_dict, storage_reader=reader, planner=checkpoint.SafeLoadPlanner()
+        )
     state.load_state_dict(state_dict)
     tensors, nbytes = checkpoint.state_dict_size(state_dict)
     seconds = time.perf_counter() - start
@@ -410,6 +417,9 @@ def main() -> None:
         ok = not checkpoint.is_complete(final) or verify(
             args, state, final, rank, world_size, device
         )
+    except checkpoint.CheckpointError as e:  # one sentence, not a traceback per rank
+        log(f"[rank {rank}] error: {e}")
+        ok = False
     finally:
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)

@@ -1,0 +1,137 @@
+"""Loading a checkpoint must not run code from it.
+
+Each attack is shown to work against plain DCP first, so that the tests of
+pippy's refusal can fail.
+"""
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import EXAMPLE, torchrun
+
+from pippy import checkpoint
+
+
+class Payload:
+    """Unpickling this creates a file: what an attacker's pickle could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def save_step(root, step=1, **extra):
+    torch.manual_seed(0)
+    with checkpoint.publish_step(root, step) as checkpoint_id:
+        state = {"model": {"w": torch.randn(4, 4), "b": torch.zeros(4)}, "step": step}
+        dcp.save({**state, **extra}, checkpoint_id=checkpoint_id)
+    return checkpoint.step_dir(root, step)
+
+
+def poison_metadata(folder, marker):
+    """Hides a payload in an otherwise valid .metadata: loads still work."""
+    path = folder / ".metadata"
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)  # our own file, written just now
+    metadata.storage_meta.modules.append(Payload(marker))
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def empty_state():
+    return {"model": {"w": torch.empty(4, 4), "b": torch.empty(4)}, "step": 0}
+
+
+def test_plain_dcp_runs_code_from_metadata(tmp_path):
+    folder, marker = save_step(tmp_path / "ckpt"), tmp_path / "pwned"
+    poison_metadata(folder, marker)
+    dcp.load(empty_state(), checkpoint_id=folder)
+    assert marker.exists()
+
+
+def test_plain_dcp_runs_code_from_a_non_tensor_item(tmp_path):
+    marker = tmp_path / "pwned"
+    folder = save_step(tmp_path / "ckpt", lr_scheduler={"x": Payload(marker)})
+    assert not marker.exists()
+    dcp.load({**empty_state(), "lr_scheduler": {"x": None}}, checkpoint_id=folder)
+    assert marker.exists()
+
+
+def read_with_dcp_load(folder):
+    """dcp.load through pippy's reader and planner, as the example resumes."""
+    with checkpoint.explain_failures(f"loading {folder}"):
+        dcp.load(
+            empty_state(),
+            storage_reader=checkpoint.SafeFileSystemReader(folder),
+            planner=checkpoint.SafeLoadPlanner(),
+        )
+
+
+READ_PATHS = {
+    "dcp.load": read_with_dcp_load,
+    "read_metadata": checkpoint.read_metadata,
+    "read_checkpoint": checkpoint.read_checkpoint,
+    "read_checkpoint(model.)": lambda f: checkpoint.read_checkpoint(f, prefix="model."),
+}
+
+
+@pytest.mark.parametrize("read", READ_PATHS.values(), ids=READ_PATHS.keys())
+def test_pippy_refuses_poisoned_metadata(tmp_path, read):
+    folder, marker = save_step(tmp_path / "ckpt"), tmp_path / "pwned"
+    poison_metadata(folder, marker)
+    with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
+        read(folder)
+    assert not marker.exists()
+    message = str(error.value)
+    assert str(folder / ".metadata") in message and "io.open" in message
+    assert "PIPPY_TRUST_CHECKPOINT=1" in message
+
+
+def test_pippy_refuses_a_poisoned_non_tensor_item(tmp_path):
+    marker = tmp_path / "pwned"
+    folder = save_step(tmp_path / "ckpt", extra={"x": Payload(marker)})
+    with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
+        checkpoint.read_checkpoint(folder)
+    assert not marker.exists()
+    assert "'extra.x' of __0_0.distcp" in str(error.value)
+    assert "io.open" in str(error.value)
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_trusted_checkpoints_load_with_plain_pickle(tmp_path, monkeypatch, how):
+    folder, marker = save_step(tmp_path / "ckpt"), tmp_path / "pwned"
+    poison_metadata(folder, marker)
+    if how == "argument":
+        state = checkpoint.read_checkpoint(folder, trusted=True)
+    else:
+        monkeypatch.setenv("PIPPY_TRUST_CHECKPOINT", "1")
+        state = checkpoint.read_checkpoint(folder)
+    assert marker.exists()  # the opt-out is exactly plain DCP's behaviour
+    assert state["step"] == 1 and state["model.b"].shape == (4,)
+
+
+def test_what_pippy_writes_loads_under_the_restricted_rules(tmp_path):
+    folder = save_step(tmp_path / "ckpt", lr_scheduler={"betas": (0.9, 0.95), "n": 3})
+    state = checkpoint.read_checkpoint(folder)
+    assert state["lr_scheduler.betas"] == (0.9, 0.95)
+    assert state["lr_scheduler.n"] == 3 and state["step"] == 1
+
+
+def test_example_refuses_to_resume_from_a_poisoned_checkpoint(tmp_path):
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "pwned"
+    flags = ["--checkpoint-dir", ckpt, "--n-layers", "2", "--dim", "32"]
+    torchrun(2, EXAMPLE, *flags, "--steps", "1")
+    poison_metadata(ckpt / "step-1", marker)
+    run = torchrun(2, EXAMPLE, *flags, "--steps", "2", expect_ok=False)
+    assert run.returncode != 0
+    assert not marker.exists()
+    for rank in range(2):
+        assert (
+            f"[rank {rank}] error: refused to load {ckpt / 'step-1' / '.metadata'}"
+            in run.stdout
+        )
+    assert not (ckpt / "step-2").exists()
