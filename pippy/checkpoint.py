@@ -10,8 +10,8 @@ makes that hold and what finds the checkpoints again:
 
 * :class:`StageState`: model, optimizer (keyed by FQN), LR scheduler, step and
   any extra ``Stateful`` of one stage, as one ``state_dict``.
-* :func:`check_disjoint_keys`: a cross-rank check, before a save, that no key
-  is offered by two ranks (DCP would silently keep only one of them).
+* :func:`check_keys`: a cross-rank check, before a save, that no key is offered
+  by two ranks and shared entries agree (DCP would silently keep one copy).
 * :func:`restore_non_persistent_buffers`: undoes the tracing front end turning
   non-persistent buffers into persistent keys on every stage.
 * :func:`step_dir`, :func:`publish_step`, :func:`find_latest_step`: one folder
@@ -24,6 +24,7 @@ makes that hold and what finds the checkpoints again:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -49,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -65,7 +66,7 @@ __all__ = [
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
     "StageState",
-    "check_disjoint_keys",
+    "check_keys",
     "diff_state_dicts",
     "explain_failures",
     "find_latest_step",
@@ -213,57 +214,99 @@ def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
-def check_disjoint_keys(
+def _digest(value: Any) -> str:
+    """A fingerprint of a state_dict leaf, to compare replicas across ranks."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        return (
+            f"{value.dtype}{tuple(value.shape)}"
+            + hashlib.sha1(data.numpy().tobytes()).hexdigest()
+        )
+    return repr(value)
+
+
+def _shown(items: dict[str, list[int]]) -> str:
+    text = ", ".join(f"{k!r} (ranks {r})" for k, r in sorted(items.items())[:10])
+    return text + (" ..." if len(items) > 10 else "")
+
+
+def check_keys(
     state_dict: Mapping[str, Any],
     *,
-    sections: tuple[str, ...] = ("model", "optim"),
+    owned: tuple[str, ...] = ("model", "optim"),
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Checks across ranks that no stage-owned key is offered by two ranks.
+    """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
 
-    Every rank sends the names of its keys under ``sections`` (a few KB);
-    call it on every rank before ``dcp.save``, which would otherwise keep one
-    of the colliding values and drop the rest without an error.
+    DCP takes equal keys on different ranks for replicas and writes one of
+    them, without an error. So every key under ``owned`` (model and optimizer
+    state) must be offered by one rank only, and every other entry (step,
+    scheduler, data state) must hold the same value on every rank. Each rank
+    sends its key names and a SHA-1 of each shared entry (a few KB); call it
+    on every rank of ``process_group``.
 
     Args:
         state_dict: This rank's state_dict, as from :meth:`StageState.state_dict`.
-        sections: Top-level entries that each stage owns exclusively. The
-            others (step, scheduler, data state) are replicas by design.
+        owned: Top-level entries that each stage owns exclusively.
         process_group: Group of the pipeline ranks; the default group if None.
 
     Raises:
         KeyCollisionError: On every rank, naming the keys and their ranks, if
-            any key appears on more than one rank.
+            an owned key appears on more than one rank or a shared entry
+            differs between ranks.
 
     Note:
-        Known causes: layers renumbered per stage (``layers.0`` on every
-        stage), a tied weight copied into two stages, and non-persistent
-        buffers made persistent by tracing (see
-        :func:`restore_non_persistent_buffers`).
+        Known causes of collisions: layers renumbered per stage (``layers.0``
+        on every stage), a tied weight copied into two stages, and
+        non-persistent buffers that tracing made persistent (see
+        :func:`restore_non_persistent_buffers`). Per-rank state such as a
+        stage's RNG belongs under a key naming the stage (``rng.stage_3``).
     """
-    keys = sorted(
-        k
-        for s in sections
-        if s in state_dict
-        for k, _ in _leaves(state_dict[s], f"{s}.")
-    )
     if not dist.is_initialized():
         return
-    gathered: list[list[str] | None] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, keys, group=process_group)
+    mine = {
+        "owned": [
+            k
+            for s in owned
+            if s in state_dict
+            for k, _ in _leaves(state_dict[s], f"{s}.")
+        ],
+        "shared": {
+            k: _digest(v)
+            for s in state_dict
+            if s not in owned
+            for k, v in _leaves({s: state_dict[s]})
+        },
+    }
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, mine, group=process_group)
     owners: dict[str, list[int]] = {}
-    for rank, rank_keys in enumerate(gathered):
-        for key in rank_keys or []:
+    for rank, theirs in enumerate(gathered):
+        for key in theirs["owned"]:
             owners.setdefault(key, []).append(rank)
-    shared = {key: ranks for key, ranks in owners.items() if len(ranks) > 1}
-    if shared:
-        shown = ", ".join(f"{k!r} (ranks {r})" for k, r in sorted(shared.items())[:10])
+    collisions = {key: ranks for key, ranks in owners.items() if len(ranks) > 1}
+    if collisions:
         raise KeyCollisionError(
-            f"{len(shared)} checkpoint key(s) are offered by more than one rank: "
-            f"{shown}{' ...' if len(shared) > 10 else ''}. DCP would keep one copy "
-            "and drop the others. Give every stage the un-split model's FQNs "
-            "(keep layers in a ModuleDict keyed by the global layer index), and "
-            "call restore_non_persistent_buffers() on traced stages."
+            f"{len(collisions)} checkpoint key(s) are offered by more than one rank: "
+            f"{_shown(collisions)}. DCP would keep one copy and drop the others. "
+            "Give every stage the un-split model's FQNs (keep layers in a "
+            "ModuleDict keyed by the global layer index), and call "
+            "restore_non_persistent_buffers() on traced stages."
+        )
+    digests: dict[str, dict[str, list[int]]] = {}
+    for rank, theirs in enumerate(gathered):
+        for key, digest in theirs["shared"].items():
+            digests.setdefault(key, {}).setdefault(digest, []).append(rank)
+    differing = {
+        key: min(by_digest.values(), key=len)  # the odd rank(s) out
+        for key, by_digest in digests.items()
+        if len(by_digest) > 1
+    }
+    if differing:
+        raise KeyCollisionError(
+            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
+            f"{_shown(differing)}. DCP would keep one rank's value. Keep per-rank "
+            "state under a key that names the stage, or make it equal on all ranks."
         )
 
 
@@ -599,26 +642,64 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """A ``DefaultLoadPlanner`` that reads non-tensor items with ``weights_only``.
+    """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
 
     Non-tensor items (step, LR scheduler state, optimizer options) are read
     with ``torch.load(weights_only=True)``, which accepts containers,
     numbers, strings and tensors and refuses other globals.
 
+    It also checks, on the coordinator, that every checkpoint key under
+    ``must_read`` is read by some rank. DCP ignores keys that no rank asks
+    for, so without this a checkpoint with more layers than the model, or
+    per-stage state saved under a stage index that no longer exists after a
+    change of pipeline degree, would load "successfully" and lose them.
+
     Args:
         trusted: True reads any pickle, as ``DefaultLoadPlanner`` does. None
             (the default) reads ``PIPPY_TRUST_CHECKPOINT=1`` from the
             environment.
+        must_read: Prefixes of the checkpoint keys that some rank must read;
+            ``("",)`` (the default) is every key, ``()`` none. Loading only
+            the weights (a fine-tuning start) passes ``("model.",)``.
         **kwargs: Passed to ``DefaultLoadPlanner``.
 
     Raises:
         UnsafeCheckpointError: From :meth:`load_bytes`, naming the key, its
             file and the refused global.
+        CheckpointError: From :meth:`create_global_plan`, naming the keys
+            that no rank reads.
     """
 
-    def __init__(self, *, trusted: bool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        trusted: bool | None = None,
+        must_read: tuple[str, ...] = ("",),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.trusted = _trusted(trusted)
+        self.must_read = must_read
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """DCP's global plan, after checking that no required key is left unread."""
+        global_plan = super().create_global_plan(global_plan)
+        read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
+        unread = sorted(
+            key
+            for key in (self.metadata.state_dict_metadata if self.metadata else {})
+            if key.startswith(self.must_read) and key not in read
+        )
+        if unread:
+            shown = ", ".join(repr(k) for k in unread[:8])
+            raise CheckpointError(
+                f"{len(unread)} key(s) of the checkpoint are read by no rank and "
+                f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. "
+                "The model or its split does not match the checkpoint (fewer "
+                "layers? per-stage state keyed by a stage index that no longer "
+                "exists?). Fix the model, or remap those keys before loading."
+            )
+        return global_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Checks one non-tensor item under ``weights_only`` rules, then loads it.
@@ -728,7 +809,7 @@ def read_checkpoint(
         dcp.load(
             state_dict,
             storage_reader=reader,
-            planner=SafeLoadPlanner(trusted=trusted),
+            planner=SafeLoadPlanner(trusted=trusted, must_read=(prefix,)),
             no_dist=True,
         )
     return {key[len(prefix) :]: value for key, value in state_dict.items()}

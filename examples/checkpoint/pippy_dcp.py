@@ -16,7 +16,6 @@ to step 20. Raise ``--steps`` to continue a finished run.
 """
 
 import argparse
-import logging
 import math
 import os
 import sys
@@ -32,26 +31,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from pippy import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    SplitPoint,
-    checkpoint,
-    pipeline,
-)
+import pippy
+from pippy import checkpoint
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": pippy.ScheduleGPipe, "1f1b": pippy.Schedule1F1B}
 
 
 @dataclass
 class ModelArgs:
-    vocab_size: int = 256  # bytes
-    dim: int = 128
     n_layers: int = 8
+    dim: int = 128
     n_heads: int = 4
     max_seq_len: int = 128
+    vocab_size: int = 256  # bytes
 
 
 def rope_table(args: ModelArgs) -> torch.Tensor:
@@ -76,10 +70,9 @@ class Block(nn.Module):
         self.qkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
         self.proj = nn.Linear(args.dim, args.dim, bias=False)
         self.mlp_norm = nn.LayerNorm(args.dim)
+        hidden = 4 * args.dim
         self.mlp = nn.Sequential(
-            nn.Linear(args.dim, 4 * args.dim),
-            nn.GELU(),
-            nn.Linear(4 * args.dim, args.dim),
+            nn.Linear(args.dim, hidden), nn.GELU(), nn.Linear(hidden, args.dim)
         )
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -143,10 +136,10 @@ def split_traced(model: GPT, num_stages: int, microbatch: torch.Tensor):
     """Traces the model and splits the graph before the first layer of each stage."""
     n_layers = len(model.layers)
     firsts = [stage_layers(s, num_stages, n_layers)[0] for s in range(1, num_stages)]
-    split_spec = {f"layers.{i}": SplitPoint.BEGINNING for i in firsts}
+    split_spec = {f"layers.{i}": pippy.SplitPoint.BEGINNING for i in firsts}
     with warnings.catch_warnings():  # torch 2.13's tracer warns about pytree internals
         warnings.simplefilter("ignore", FutureWarning)
-        return pipeline(model, mb_args=(microbatch,), split_spec=split_spec)
+        return pippy.pipeline(model, mb_args=(microbatch,), split_spec=split_spec)
 
 
 def init_weights(module: nn.Module, seed: int) -> None:
@@ -166,9 +159,7 @@ def init_weights(module: nn.Module, seed: int) -> None:
 
 def build_stage(args, rank: int, world_size: int, device, *, seed: int):
     """Builds this rank's stage, allocating memory for that stage alone."""
-    model_args = ModelArgs(
-        n_layers=args.n_layers, dim=args.dim, max_seq_len=args.seq_len
-    )
+    model_args = ModelArgs(args.n_layers, args.dim, max_seq_len=args.seq_len)
     with torch.device("meta"):  # shapes only: no rank holds the whole model
         model = GPT(model_args)
     if args.split == "manual":
@@ -184,7 +175,7 @@ def build_stage(args, rank: int, world_size: int, device, *, seed: int):
     init_weights(module, seed)
     module.get_buffer("rope").copy_(rope_table(model_args))
     if args.split == "manual":
-        return PipelineStage(module, rank, world_size, device)
+        return pippy.PipelineStage(module, rank, world_size, device)
     return pipe.build_stage(rank, device)
 
 
@@ -204,9 +195,7 @@ class BatchSampler:
 
     def __init__(self, data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
         if len(data) <= seq_len + 1:
-            raise ValueError(
-                f"the text has {len(data)} bytes; need more than {seq_len + 1}"
-            )
+            raise ValueError(f"the text has {len(data)} bytes, too few for --seq-len")
         self.data, self.batch_size, self.seq_len = data, batch_size, seq_len
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -227,9 +216,8 @@ class BatchSampler:
 
 def build_state(args, stage, data: torch.Tensor) -> checkpoint.StageState:
     """AdamW, warmup + cosine LR schedule and data sampler, with the stage's module."""
-    optimizer = torch.optim.AdamW(
-        stage.submod.parameters(), lr=args.lr, weight_decay=0.1
-    )
+    params = stage.submod.parameters()
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
     warmup = max(1, args.steps // 10)
 
     def lr_factor(step: int) -> float:
@@ -240,9 +228,8 @@ def build_state(args, stage, data: torch.Tensor) -> checkpoint.StageState:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     sampler = BatchSampler(data, args.batch_size, args.seq_len, args.seed)
-    return checkpoint.StageState(
-        stage.submod, optimizer, scheduler, extra={"data": sampler}
-    )
+    extra = {"data": sampler}
+    return checkpoint.StageState(stage.submod, optimizer, scheduler, extra=extra)
 
 
 def log(message: str) -> None:
@@ -269,45 +256,49 @@ def train_step(state: checkpoint.StageState, stage, schedule, device) -> float |
     return torch.stack(losses).mean().item() if losses else None
 
 
+def report(rank: int, verb: str, state_dict: dict, where: str, start: float) -> None:
+    tensors, nbytes = checkpoint.state_dict_size(state_dict)
+    seconds = time.perf_counter() - start
+    log(
+        f"[rank {rank}] stage {rank}: {verb} {tensors} tensors, {nbytes / 1e6:.1f} MB "
+        f"{where} in {seconds:.2f} s"
+    )
+
+
 def save(state: checkpoint.StageState, checkpoint_dir: str, rank: int) -> None:
     start = time.perf_counter()
     state_dict = state.state_dict()
     # DCP takes equal keys on two ranks for replicas and keeps one: a collision
     # would lose a stage without an error, so check before writing anything.
-    checkpoint.check_disjoint_keys(state_dict)
+    checkpoint.check_keys(state_dict)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
     with checkpoint.publish_step(checkpoint_dir, state.step) as checkpoint_id:
         with checkpoint.explain_failures(f"saving step-{state.step}"):
             dcp.save(state_dict, checkpoint_id=checkpoint_id)
-    tensors, nbytes = checkpoint.state_dict_size(state_dict)
-    seconds = time.perf_counter() - start
-    log(
-        f"[rank {rank}] stage {rank}: saved {tensors} tensors, {nbytes / 1e6:.1f} MB "
-        f"to step-{state.step} in {seconds:.2f} s"
-    )
+    report(rank, "saved", state_dict, f"to step-{state.step}", start)
 
 
-def load(state: checkpoint.StageState, path: Path, rank: int, into="") -> None:
+def load(state, path: Path, rank: int, *, weights_only=False, note="") -> None:
+    """Fills the stage's state from `path`; with weights_only, the model alone."""
     start = time.perf_counter()
     # DCP loads in place, into tensors that must already exist: state_dict()
     # returns this stage's tensors (and creates AdamW's empty moments), so each
     # rank reads just the keys its stage owns.
     state_dict = state.state_dict()
-    # A checkpoint is partly pickle; pippy's reader and planner refuse pickled
-    # code (set PIPPY_TRUST_CHECKPOINT=1 only for checkpoints you trust).
+    if weights_only:  # a fine-tuning start: fresh optimizer, LR schedule, step
+        state_dict = {"model": state_dict["model"]}
+    # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
+    # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), and keys that no rank reads.
+    planner = checkpoint.SafeLoadPlanner(must_read=("model." if weights_only else "",))
     with checkpoint.explain_failures(f"loading {path}"):
         reader = checkpoint.SafeFileSystemReader(path)
-        dcp.load(
-            state_dict, storage_reader=reader, planner=checkpoint.SafeLoadPlanner()
-        )
-    state.load_state_dict(state_dict)
-    tensors, nbytes = checkpoint.state_dict_size(state_dict)
-    seconds = time.perf_counter() - start
-    log(
-        f"[rank {rank}] stage {rank}: loaded {tensors} tensors, {nbytes / 1e6:.1f} MB "
-        f"from {path.name}{into} in {seconds:.2f} s"
-    )
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
+    if weights_only:
+        set_model_state_dict(state.module, state_dict["model"])
+    else:
+        state.load_state_dict(state_dict)
+    report(rank, "loaded", state_dict, f"from {path}{note}", start)
 
 
 def train(args, state, stage, schedule, device, rank: int) -> None:
@@ -331,7 +322,7 @@ def verify(args, state, path: Path, rank: int, world_size: int, device) -> bool:
     """Loads `path` into a freshly initialised stage and compares every tensor."""
     fresh_stage = build_stage(args, rank, world_size, device, seed=args.seed + 1)
     fresh = build_state(args, fresh_stage, state.extra["data"].data)
-    load(fresh, path, rank, into=" into a fresh stage")
+    load(fresh, path, rank, note=" into a fresh stage")
     differ = checkpoint.diff_state_dicts(state.state_dict(), fresh.state_dict())
     if differ:
         log(f"[rank {rank}] {len(differ)} entries differ: {differ[:5]}")
@@ -347,9 +338,7 @@ def verify(args, state, path: Path, rank: int, world_size: int, device) -> bool:
 
 def setup_distributed() -> tuple[int, int, torch.device]:
     if "RANK" not in os.environ:
-        sys.exit(
-            "launch with torchrun, e.g. torchrun --nproc-per-node 4 " + sys.argv[0]
-        )
+        sys.exit(f"launch with torchrun: torchrun --nproc-per-node 4 {sys.argv[0]}")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -364,44 +353,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--checkpoint-dir", default="checkpoints", help="one step-<N> folder per save")
-    add(
-        "--steps", type=int, default=20, help="optimizer steps in all, resumed included"
-    )
+    add("--steps", type=int, default=20, help="steps in all, resumed ones included")
     add("--save-every", type=int, default=10, help="save every N steps and at the last")
     add("--stop-after", type=int, help="stop after this step, as if interrupted")
     add("--split", choices=["manual", "trace"], default="manual", help="stage building")
-    add(
-        "--schedule",
-        choices=sorted(SCHEDULES),
-        default="gpipe",
-        help="pipeline schedule",
-    )
+    add("--schedule", choices=sorted(SCHEDULES), default="gpipe", help="schedule")
     add("--microbatches", type=int, default=4, help="per step; >= stages for 1f1b")
     add("--batch-size", type=int, default=8, help="sequences per step")
     add("--seq-len", type=int, default=128, help="bytes per sequence")
     add("--n-layers", type=int, default=8, help="decoder blocks; >= ranks")
     add("--dim", type=int, default=128, help="model width")
     add("--lr", type=float, default=1e-3, help="peak learning rate")
-    add(
-        "--seed", type=int, default=0, help="seed of the initial weights and data order"
-    )
+    add("--seed", type=int, default=0, help="seed of the weights and data order")
+    add("--init-from", help="a step folder whose weights start a new run")
     add("--data", help="a text file to train on (default: the stdlib's .py files)")
     return p.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
     # set up distributed: gloo on CPU, nccl on GPU; one stage per rank
     rank, world_size, device = setup_distributed()
     try:
         # build and split the model, and the pipeline schedule
         stage = build_stage(args, rank, world_size, device, seed=args.seed)
-        schedule = SCHEDULES[args.schedule](
-            stage, n_microbatches=args.microbatches, loss_fn=loss_fn
-        )
+        schedule_class = SCHEDULES[args.schedule]
+        schedule = schedule_class(stage, args.microbatches, loss_fn=loss_fn)
         # build the optimizer, LR schedule and data sampler: the state to checkpoint
         state = build_state(args, stage, load_text(args.data))
         # resume if a checkpoint exists
@@ -410,13 +387,16 @@ def main() -> None:
             if rank == 0:
                 log(f"resuming from {latest}")
             load(state, latest, rank)
+        elif args.init_from:
+            if rank == 0:
+                log(f"starting from the weights of {args.init_from}")
+            load(state, Path(args.init_from), rank, weights_only=True)
         # train, saving every --save-every steps and at the last
         train(args, state, stage, schedule, device, rank)
         # verify: load the final checkpoint into fresh stages, compare bit for bit
         final = checkpoint.step_dir(args.checkpoint_dir, state.step)
-        ok = not checkpoint.is_complete(final) or verify(
-            args, state, final, rank, world_size, device
-        )
+        saved = checkpoint.is_complete(final)
+        ok = not saved or verify(args, state, final, rank, world_size, device)
     except checkpoint.CheckpointError as e:  # one sentence, not a traceback per rank
         log(f"[rank {rank}] error: {e}")
         ok = False
