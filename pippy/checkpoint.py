@@ -18,6 +18,8 @@ makes that hold and what finds the checkpoints again:
   per step (``<checkpoint_dir>/step-<N>``), published only once complete.
 * :class:`SafeFileSystemReader`, :class:`SafeLoadPlanner`: load without
   running code that a checkpoint's pickles could carry.
+* :func:`read_checkpoint`, :func:`load_model`: a checkpoint in one process,
+  as a flat dict or into the un-split model (plain or FSDP2-sharded).
 * :func:`explain_failures`: turns DCP's ``CheckpointException`` into one error
   per rank that says what went wrong.
 """
@@ -53,7 +55,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
@@ -74,6 +78,7 @@ __all__ = [
     "read_checkpoint",
     "read_metadata",
     "list_steps",
+    "load_model",
     "publish_step",
     "restore_non_persistent_buffers",
     "state_dict_size",
@@ -813,3 +818,68 @@ def read_checkpoint(
             no_dist=True,
         )
     return {key[len(prefix) :]: value for key, value in state_dict.items()}
+
+
+def load_model(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    trusted: bool | None = None,
+) -> int:
+    """Loads a pipeline checkpoint into the un-split model, in one process.
+
+    The stages' keys are the un-split model's FQNs, so their union is the
+    whole model: no process group and no pipeline are needed. For example::
+
+        model = GPT(ModelArgs())
+        step = pippy.checkpoint.load_model("checkpoints/step-20", model)
+        logits = model(tokens)  # equal to the pipeline's
+
+    The same call loads into a model sharded with FSDP2 (``fully_shard``),
+    on every rank of its group: DCP reads each rank's shards.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        model: The un-split model; every parameter and persistent buffer must
+            be in the checkpoint (strict), and every model key of the
+            checkpoint must be in the model.
+        optimizer: If given, its state (AdamW moments, step, options) is loaded
+            too; build it over ``model.parameters()`` first. Option entries
+            it lacks (an LR scheduler's ``initial_lr``) are not required.
+        trusted: See :class:`SafeFileSystemReader`.
+
+    Returns:
+        The step the checkpoint was saved at.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
+        CheckpointError: Keys missing on either side, or shapes that differ.
+    """
+    reader = SafeFileSystemReader(path, trusted=trusted)
+    if optimizer is None:
+        state_dict: dict[str, Any] = {"model": get_model_state_dict(model), "step": 0}
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        state_dict = {"model": model_sd, "optim": optim_sd, "step": 0}
+    # Every weight and every optimizer moment must land somewhere; per-group
+    # options the new optimizer lacks (a scheduler's initial_lr) may not.
+    must_read = ("model.", "optim.state.") if optimizer is not None else ("model.",)
+    with explain_failures(f"loading {path}"):
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(trusted=trusted, must_read=must_read),
+            process_group=None,
+        )
+    if optimizer is None:
+        set_model_state_dict(model, state_dict["model"])
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+            options=_OPTIONS,
+        )
+    return int(state_dict["step"])

@@ -41,3 +41,9 @@ def torchrun(nproc, script, *args, timeout=240, expect_ok=True):
             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def loss_lines(stdout):
+    """The "step N | loss X | lr Y" part of the example's progress lines."""
+    lines = stdout.splitlines()
+    return [line.rsplit("|", 1)[0] for line in lines if line.startswith("step ")]

@@ -108,7 +108,107 @@ def check_train(out: Path, rank: int, world_size: int) -> dict:
     return result
 
 
-CHECKS = {"keys": check_keys, "train": check_train}
+def check_logits(out: Path, rank: int, world_size: int) -> dict:
+    """Trains 2 steps, saves, and keeps what the un-split model must reproduce:
+    each stage's tensors and the pipeline's logits on one batch."""
+    args = pippy_dcp.parse_args([*TINY, "--microbatches", "4"])
+    stage, state = build(args, rank, world_size, seed=0)
+    schedule = pippy_dcp.SCHEDULES["gpipe"](stage, 4, loss_fn=pippy_dcp.loss_fn)
+    train_steps(state, stage, schedule, 2)
+    with checkpoint.publish_step(out / "ckpt", state.step) as checkpoint_id:
+        dcp.save(state.state_dict(), checkpoint_id=checkpoint_id)
+    torch.save(state.state_dict(), out / f"stage-{rank}.pt")
+    inputs, targets = state.extra["data"].next_batch()
+    logits = schedule.eval(*([inputs] if stage.is_first else []), target=targets)
+    if stage.is_last:
+        torch.save({"inputs": inputs, "logits": logits}, out / "logits.pt")
+    return {"step": state.step}
+
+
+def check_fsdp(out: Path, rank: int, world_size: int) -> dict:
+    """The pipeline checkpoint in out/ckpt, loaded into the un-split model
+    sharded with FSDP2 (model and AdamW state), then 2 more training steps."""
+    from torch.distributed.fsdp import fully_shard
+
+    args = pippy_dcp.parse_args(TINY)
+    with torch.device("meta"):
+        model = pippy_dcp.GPT(pippy_dcp.ModelArgs(4, 32, max_seq_len=32))
+    for layer in model.layers.values():
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device=DEVICE)  # uninitialised: everything comes from the load
+    model.rope.copy_(pippy_dcp.rope_table(pippy_dcp.ModelArgs(4, 32, max_seq_len=32)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    path = checkpoint.find_latest_step(out / "ckpt")
+    step = checkpoint.load_model(path, model, optimizer)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    torch.save(full, out / f"fsdp-model-{rank}.pt")
+    moments = {
+        k: v["exp_avg"].full_tensor()
+        for k, v in optimizer.state_dict()["state"].items()
+    }
+    # Data parallel: each rank takes its share of the pipeline's batch.
+    sampler = pippy_dcp.BatchSampler(pippy_dcp.load_text(None), 8, 32, seed=5)
+    losses = []
+    for _ in range(2):
+        inputs, targets = sampler.next_batch()
+        share = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+        loss = pippy_dcp.loss_fn(model(inputs[share]), targets[share])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world_size)
+    return {"step": step, "losses": losses, "moments": len(moments)}
+
+
+def check_memory(out: Path, rank: int, world_size: int) -> dict:
+    """Peak memory of building one stage of a model of ~200 MB, against the
+    whole model's size: a rank must not allocate the layers it does not own."""
+    import resource
+
+    argv = ["--n-layers", "16", "--dim", "512", "--seq-len", "32"]
+    args = pippy_dcp.parse_args(argv)
+
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes
+
+    with torch.device("meta"):
+        full = pippy_dcp.GPT(pippy_dcp.ModelArgs(16, 512, max_seq_len=32))
+    full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
+    before = peak()
+    stage = pippy_dcp.build_stage(args, rank, world_size, DEVICE, seed=0)
+    stage_peak = peak() - before
+    stage_bytes = sum(p.numel() * p.element_size() for p in stage.submod.parameters())
+    names = sorted(
+        {
+            int(n.split(".")[1])
+            for n, _ in stage.submod.named_parameters()
+            if n.startswith("layers.")
+        }
+    )
+    # Control: materialising the whole model does raise the peak by its size.
+    before = peak()
+    whole = pippy_dcp.GPT(pippy_dcp.ModelArgs(16, 512, max_seq_len=32))
+    whole_peak = peak() - before
+    del whole
+    return {
+        "full_bytes": full_bytes,
+        "stage_bytes": stage_bytes,
+        "stage_peak": stage_peak,
+        "whole_peak": whole_peak,
+        "layers": names,
+    }
+
+
+CHECKS = {
+    "keys": check_keys,
+    "train": check_train,
+    "logits": check_logits,
+    "fsdp": check_fsdp,
+    "memory": check_memory,
+}
 
 if __name__ == "__main__":
     check, out = sys.argv[1], Path(sys.argv[2])

@@ -2,7 +2,7 @@
 
 import pippy_dcp
 import pytest
-from conftest import EXAMPLE, torchrun
+from conftest import EXAMPLE, loss_lines, torchrun
 
 from pippy import checkpoint
 
@@ -13,15 +13,6 @@ def load_whole(step_folder):
     """Every tensor and value of a checkpoint, read in one plain process under
     pippy's restricted unpickling rules (so this also shows they accept it)."""
     return checkpoint.read_checkpoint(step_folder)
-
-
-def loss_lines(stdout):
-    """The "step N | loss X | lr Y" part of the progress lines, without timings."""
-    return [
-        line.rsplit("|", 1)[0]
-        for line in stdout.splitlines()
-        if line.startswith("step ")
-    ]
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    set_model_state_dict,
+)
 
 import pippy
 from pippy import checkpoint
@@ -285,9 +288,10 @@ def load(state, path: Path, rank: int, *, weights_only=False, note="") -> None:
     # DCP loads in place, into tensors that must already exist: state_dict()
     # returns this stage's tensors (and creates AdamW's empty moments), so each
     # rank reads just the keys its stage owns.
-    state_dict = state.state_dict()
-    if weights_only:  # a fine-tuning start: fresh optimizer, LR schedule, step
-        state_dict = {"model": state_dict["model"]}
+    if weights_only:  # a fine-tuning start: optimizer, schedule and step stay new
+        state_dict = {"model": get_model_state_dict(state.module)}
+    else:
+        state_dict = state.state_dict()
     # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
     # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), and keys that no rank reads.
     planner = checkpoint.SafeLoadPlanner(must_read=("model." if weights_only else "",))

@@ -1,0 +1,199 @@
+"""Checkpoints are not tied to one layout: other pipeline degrees, the
+un-split model, FSDP2, weights-only starts, several nodes, per-stage memory."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pippy_dcp
+import pytest
+import torch
+from conftest import DIST_CHECKS, EXAMPLE, ROOT, loss_lines, torchrun
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from pippy import checkpoint
+
+FLAGS = ["--steps", "6", "--save-every", "3"]
+TINY = pippy_dcp.ModelArgs(4, 32, max_seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """An uninterrupted 4-rank run of the example: the reference."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    run = torchrun(4, EXAMPLE, *FLAGS, "--checkpoint-dir", folder)
+    return folder, loss_lines(run.stdout)
+
+
+@pytest.mark.parametrize("before, after", [(4, 2), (2, 4)])
+def test_resume_on_another_number_of_stages(tmp_path, uninterrupted, before, after):
+    torchrun(before, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path, "--stop-after", "3")
+    run = torchrun(after, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path)
+    assert f"resuming from {tmp_path / 'step-3'}" in run.stdout
+    assert "verified:" in run.stdout
+    reference, reference_losses = uninterrupted
+    # Splitting into stages changes no arithmetic (each layer runs the same ops
+    # on the same microbatches), so the resumed run matches bit for bit.
+    assert loss_lines(run.stdout) == reference_losses[3:]
+    resumed = checkpoint.read_checkpoint(tmp_path / "step-6")
+    assert (
+        checkpoint.diff_state_dicts(
+            resumed, checkpoint.read_checkpoint(reference / "step-6")
+        )
+        == []
+    )
+
+
+def test_init_from_takes_the_weights_and_nothing_else(tmp_path, uninterrupted):
+    source = uninterrupted[0] / "step-6"
+    # lr 0: one AdamW step leaves the weights as loaded, and moves the rest.
+    flags = ["--steps", "1", "--lr", "0", "--init-from", source]
+    run = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    assert f"starting from the weights of {source}" in run.stdout
+    new, old = (
+        checkpoint.read_checkpoint(tmp_path / "step-1"),
+        checkpoint.read_checkpoint(source),
+    )
+    model_keys = [k for k in old if k.startswith("model.")]
+    assert model_keys and all(torch.equal(new[k], old[k]) for k in model_keys)
+    assert new["step"] == 1 and old["step"] == 6
+    adam_steps = {
+        v.item()
+        for k, v in new.items()
+        if k.startswith("optim.state.") and k.endswith(".step")
+    }
+    assert adam_steps == {1.0}  # a fresh optimizer, one step old
+    assert new["lr_scheduler.last_epoch"] == 1
+
+
+@pytest.fixture(scope="module")
+def pipeline_outputs(tmp_path_factory):
+    """A 4-stage run that saved step-2, its stage tensors and its logits."""
+    out = tmp_path_factory.mktemp("pipeline")
+    torchrun(4, DIST_CHECKS, "logits", out)
+    return out
+
+
+def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
+    model = pippy_dcp.GPT(TINY)
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = pipeline_outputs / "ckpt" / "step-2"
+    assert checkpoint.load_model(path, model, optimizer) == 2
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    stages = [
+        torch.load(pipeline_outputs / f"stage-{r}.pt", weights_only=True)
+        for r in range(4)
+    ]
+    assert sorted(k for s in stages for k in s["model"]) == sorted(model_sd)
+    moments = dict(checkpoint._leaves(optim_sd))
+    for stage in stages:
+        own = {k: model_sd[k] for k in stage["model"]}
+        assert checkpoint.diff_state_dicts(own, stage["model"]) == []
+        stage_moments = {
+            k: v
+            for k, v in checkpoint._leaves(stage["optim"])
+            if k.startswith("state.")
+        }
+        assert stage_moments
+        assert (
+            checkpoint.diff_state_dicts(
+                {k: moments[k] for k in stage_moments}, stage_moments
+            )
+            == []
+        )
+    saved = torch.load(pipeline_outputs / "logits.pt", weights_only=True)
+    with torch.no_grad():  # the pipeline ran the same 4 microbatches
+        logits = torch.cat([model(mb) for mb in saved["inputs"].chunk(4)])
+    assert torch.equal(logits, saved["logits"])
+
+
+def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(pipeline_outputs):
+    torchrun(2, DIST_CHECKS, "fsdp", pipeline_outputs)
+    ranks = [
+        json.loads((pipeline_outputs / f"fsdp-rank{r}.json").read_text())
+        for r in range(2)
+    ]
+    saved = checkpoint.read_checkpoint(
+        pipeline_outputs / "ckpt" / "step-2", prefix="model."
+    )
+    for rank in range(2):
+        assert ranks[rank]["step"] == 2 and ranks[rank]["moments"] == len(saved)
+        loaded = torch.load(
+            pipeline_outputs / f"fsdp-model-{rank}.pt", weights_only=True
+        )
+        assert checkpoint.diff_state_dicts(loaded, saved) == []
+    # The same two steps in one process on the un-split model: FSDP averages
+    # gradients over ranks in another order, so the losses agree to 1e-5.
+    model = pippy_dcp.GPT(TINY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    checkpoint.load_model(pipeline_outputs / "ckpt" / "step-2", model, optimizer)
+    sampler = pippy_dcp.BatchSampler(pippy_dcp.load_text(None), 8, 32, seed=5)
+    losses = []
+    for _ in range(2):
+        inputs, targets = sampler.next_batch()
+        loss = pippy_dcp.loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    assert ranks[0]["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_each_rank_allocates_only_its_own_stage(tmp_path):
+    torchrun(4, DIST_CHECKS, "memory", tmp_path)
+    for rank in range(4):
+        r = json.loads((tmp_path / f"memory-rank{rank}.json").read_text())
+        assert r["layers"] == list(pippy_dcp.stage_layers(rank, 4, 16))
+        assert r["stage_bytes"] < 0.3 * r["full_bytes"]
+        # Peak memory while building the stage stays far below the whole
+        # model, which the control (building the whole model) does reach.
+        assert r["stage_peak"] < 0.5 * r["full_bytes"], r
+        assert r["whole_peak"] > 0.8 * r["full_bytes"], r
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_write_one_checkpoint_then_one_node_resumes(tmp_path):
+    """Two torchrun launchers on localhost stand in for two nodes of 2 ranks."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    launch = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", str(EXAMPLE),
+        *FLAGS, "--checkpoint-dir", str(tmp_path), "--stop-after", "3",
+    ]  # fmt: skip
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    nodes = [
+        subprocess.Popen(
+            launch,
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    stdout = "".join(out for out, _ in outputs)
+    for rank in range(4):
+        assert f"[rank {rank}] stage {rank}: saved" in stdout
+    files = sorted(p.name for p in (tmp_path / "step-3").iterdir())
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+
+    run = torchrun(4, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path)
+    assert f"resuming from {tmp_path / 'step-3'}" in run.stdout
+    assert "verified:" in run.stdout
