@@ -31,6 +31,19 @@ def build(args, rank, world_size, seed):
     return stage, state
 
 
+class PerRank:
+    """A Stateful whose value differs per rank, e.g. a stage's RNG."""
+
+    def __init__(self, rank):
+        self.value = torch.tensor([rank])
+
+    def state_dict(self):
+        return {"state": self.value}
+
+    def load_state_dict(self, state_dict):
+        self.value = state_dict["state"]
+
+
 def check_keys(out: Path, rank: int, world_size: int) -> dict:
     """Each rank's keys for both split methods, and the collision check's verdicts."""
     result = {}
@@ -43,6 +56,15 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
             "model": sorted(sd["model"]),
             "optim": sorted(k for k, _ in checkpoint._leaves(sd["optim"])),
         }
+    # Per-rank state under a shared key: DCP would keep one rank's copy.
+    args = pippy_dcp.parse_args(TINY)
+    _, state = build(args, rank, world_size, seed=0)
+    state.extra["rng"] = PerRank(rank)
+    try:
+        checkpoint.check_keys(state.state_dict())
+        result["per_rank_error"] = None
+    except checkpoint.KeyCollisionError as e:
+        result["per_rank_error"] = str(e)
     # A stage built from layers[i] without the global index: every stage has
     # "layers.0". The check must refuse it on every rank.
     args = pippy_dcp.parse_args(TINY)

@@ -115,3 +115,25 @@ def test_stage_state_rejects_reserved_extra_names():
     optimizer = torch.optim.AdamW(model.parameters())
     with pytest.raises(ValueError, match="reserved"):
         checkpoint.StageState(model, optimizer, extra={"step": object()})
+
+
+def test_keys_that_no_rank_reads_are_an_error_not_a_silent_drop(tmp_path):
+    """E.g. per-stage state of a stage that no longer exists after a change of
+    pipeline degree, or layers the model no longer has."""
+    with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
+        extra = {"stage_3": {"rng": torch.arange(3)}}
+        dcp.save(
+            {"model": tiny_model().state_dict(), **extra}, checkpoint_id=checkpoint_id
+        )
+    folder = checkpoint.step_dir(tmp_path, 1)
+
+    def load(planner):
+        state_dict = {"model": tiny_model().state_dict()}
+        with checkpoint.explain_failures(f"loading {folder}"):
+            reader = checkpoint.SafeFileSystemReader(folder)
+            dcp.load(state_dict, storage_reader=reader, planner=planner)
+
+    dcp.load({"model": tiny_model().state_dict()}, checkpoint_id=folder)  # DCP: fine
+    with pytest.raises(checkpoint.CheckpointError, match=r"1 key\(s\).*'stage_3.rng'"):
+        load(checkpoint.SafeLoadPlanner())
+    load(checkpoint.SafeLoadPlanner(must_read=("model.",)))  # explicitly partial

@@ -42,6 +42,11 @@ def test_stage_keys_are_disjoint_and_cover_the_model(tmp_path, world_size):
         error = ranks[0]["renumbered_error"]
         assert error is not None and "'model.layers.0.attn_norm.weight'" in error
         assert all(r["renumbered_error"] == error for r in ranks)
+        error = ranks[0]["per_rank_error"]
+        assert error is not None and "'rng.state'" in error
+        assert all(r["per_rank_error"] == error for r in ranks)
+    else:
+        assert ranks[0]["per_rank_error"] is None
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -1,0 +1,301 @@
+"""python -m pippy: inspect and export, on real checkpoints saved by DCP."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pippy_dcp
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import ROOT
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_safety import poison_metadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from pippy import checkpoint
+from pippy.__main__ import main
+
+MODEL_ARGS = pippy_dcp.ModelArgs(n_layers=2, dim=32, max_seq_len=16)
+
+
+def save(root, step, state):
+    with checkpoint.publish_step(root, step) as checkpoint_id:
+        dcp.save(state, checkpoint_id=checkpoint_id)
+    return checkpoint.step_dir(root, step)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run folder: step-3 (model, AdamW state, step) and an incomplete step-9.
+
+    Returns the folder and the model's state_dict as saved.
+    """
+    root = tmp_path_factory.mktemp("run") / "ckpt"
+    model = pippy_dcp.GPT(MODEL_ARGS)
+    pippy_dcp.init_weights(model, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 256, (2, 8))).mean().backward()
+    optimizer.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    saved = {key: value.clone() for key, value in model_sd.items()}
+    save(root, 3, {"model": model_sd, "optim": optim_sd, "step": 3})
+    (root / "step-9").mkdir()  # a save that did not finish: no .metadata
+    return root, saved
+
+
+def poisoned_copy(step_folder, dest, marker):
+    """A copy of a step whose .metadata creates `marker` when unpickled."""
+    shutil.copytree(step_folder, dest)
+    poison_metadata(dest, marker)
+    return dest
+
+
+def table_rows(out, first_column):
+    """The rows of the printed table whose first cell starts so, by that cell."""
+    rows = (re.split(r"\s{2,}", line.strip()) for line in out.splitlines())
+    return {row[0]: row[1:] for row in rows if row[0].startswith(first_column)}
+
+
+def test_help_lists_the_commands_and_flags(capsys):
+    for argv, words in [
+        ([], ["inspect", "export"]),
+        (["inspect"], ["--step", "--keys", "--trust-checkpoint"]),
+        (["export"], ["--out", "--format", "--dtype", "--force"]),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main([*argv, "--help"])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert all(word in out for word in words), out
+
+
+def test_inspect_lists_steps_keys_and_files(run, capsys):
+    root, saved = run
+    assert main(["inspect", str(root)]) == 0
+    out = capsys.readouterr().out
+    steps = table_rows(out, ("3", "9"))
+    assert steps["3"][0] == "yes" and steps["9"][0].startswith("no")
+    assert f"{root / 'step-3'}: " in out  # the newest complete step, detailed
+    keys = table_rows(out, ("model.", "optim.", "step"))
+    for key, tensor in saved.items():
+        shape, dtype, size, file = keys[f"model.{key}"]
+        assert shape == str(list(tensor.shape)) and dtype == "float32"
+        assert int(size) == tensor.numel() * 4 and file == "__0_0.distcp"
+    assert keys["model.layers.0.qkv.weight"] == [
+        "[96, 32]",
+        "float32",
+        "12288",
+        "__0_0.distcp",
+    ]
+    assert keys["optim.state.layers.1.mlp.0.weight.exp_avg"][:2] == [
+        "[128, 32]",
+        "float32",
+    ]
+    assert keys["step"][1] == "object" and keys["step"][3] == "__0_0.distcp"
+    files = table_rows(out, ("__0_0.distcp", "total"))
+    assert files["__0_0.distcp"][:2] == ["0", str(len(keys))]
+    assert files["total"][0] == str(len(keys))
+
+
+def test_inspect_a_step_folder_with_key_patterns(run, capsys):
+    root, _ = run
+    argv = ["inspect", str(root / "step-3"), "--keys", "model.norm.*", "step"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "STEP" not in out  # a step folder: no list of steps
+    keys = table_rows(out, ("model.", "optim.", "step"))
+    assert sorted(keys) == ["model.norm.bias", "model.norm.weight", "step"]
+    assert main(["inspect", str(root), "--step", "3", "--keys", "optim.*"]) == 0
+    keys = table_rows(capsys.readouterr().out, ("model.", "optim.", "step"))
+    assert keys and all(key.startswith("optim.") for key in keys)
+
+
+def load_export(path, fmt):
+    if fmt == "pt":
+        return torch.load(path, weights_only=True)
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        keys = set(f.keys())
+    state = load_file(path)
+    assert set(state) == keys
+    return state
+
+
+@pytest.mark.parametrize(
+    "name, flags, fmt",
+    [
+        ("model.pt", [], "pt"),
+        ("model.safetensors", [], "safetensors"),
+        ("model.bin", ["--format", "safetensors"], "safetensors"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_export_round_trip(run, tmp_path, capsys, name, flags, fmt, dtype):
+    root, saved = run
+    out = tmp_path / name
+    if dtype is not None:
+        flags = [*flags, "--dtype", str(dtype).removeprefix("torch.")]
+    assert main(["export", str(root / "step-3"), "--out", str(out), *flags]) == 0
+    assert str(out) in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == [out]  # no temporary file left
+    umask = os.umask(0o22)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    state = load_export(out, fmt)
+    assert state.keys() == saved.keys()  # the model's keys, no optimizer state
+    for key, tensor in saved.items():
+        expected = tensor if dtype is None else tensor.to(dtype)
+        assert state[key].dtype == expected.dtype and torch.equal(state[key], expected)
+    if dtype is None:
+        fresh = pippy_dcp.GPT(MODEL_ARGS)
+        fresh.load_state_dict(state, strict=True)
+        for key, tensor in fresh.state_dict().items():
+            assert torch.equal(tensor, saved[key]), key
+
+
+def test_export_force_overwrites(run, tmp_path):
+    root, saved = run
+    out = tmp_path / "model.pt"
+    out.write_bytes(b"old")
+    assert main(["export", str(root), "--out", str(out), "--force"]) == 0
+    assert torch.load(out, weights_only=True).keys() == saved.keys()
+
+
+def test_trusted_export_of_a_poisoned_checkpoint(run, tmp_path):
+    root, saved = run
+    marker = tmp_path / "pwned"
+    step = poisoned_copy(root / "step-3", tmp_path / "step-3", marker)
+    out = tmp_path / "model.pt"
+    assert main(["export", str(step), "--out", str(out), "--trust-checkpoint"]) == 0
+    assert marker.exists()  # trusted: plain pickle, as documented
+    state = torch.load(out, weights_only=True)
+    assert all(torch.equal(state[key], value) for key, value in saved.items())
+
+
+@pytest.fixture(scope="module")
+def cli_runs(run, tmp_path_factory):
+    """Runs each command line in its own process, a few at a time.
+
+    Returns {case: (argv, returncode, stderr, expected part of the message)}
+    for eight failing commands and one export, and the files they concern.
+    """
+    root, _ = run
+    tmp = tmp_path_factory.mktemp("errors")
+    step = root / "step-3"
+    (tmp / "existing.pt").write_bytes(b"keep me")
+    markers = {name: tmp / f"pwned-{name}" for name in ("inspect", "export")}
+    poisoned = {
+        name: poisoned_copy(step, tmp / name / "step-3", marker)
+        for name, marker in markers.items()
+    }
+    cases = {
+        "missing": (["inspect", tmp / "nowhere"], "no such folder"),
+        "file": (["inspect", step / "__0_0.distcp"], "is a file"),
+        "incomplete": (["inspect", root / "step-9"], "not a complete checkpoint"),
+        "unknown_step": (["inspect", root, "--step", "5"], "no step 5"),
+        "no_key_matches": (["inspect", root, "--keys", "nothing.*"], "no key"),
+        "out_exists": (
+            ["export", step, "--out", tmp / "existing.pt"],
+            "pass --force",
+        ),
+        "poisoned_inspect": (["inspect", poisoned["inspect"]], "refused to load"),
+        "poisoned_export": (
+            ["export", poisoned["export"], "--out", tmp / "poisoned.pt"],
+            "refused to load",
+        ),
+        "ok_export": (["export", root, "--out", tmp / "ok.safetensors"], None),
+    }
+    env = {k: v for k, v in os.environ.items() if k != checkpoint.TRUST_ENV}
+
+    def cli(case):
+        argv, expected = cases[case]
+        cmd = [sys.executable, "-m", "pippy", *map(str, argv)]
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+            )
+        except subprocess.TimeoutExpired:
+            return argv, None, "timed out", expected
+        return argv, proc.returncode, proc.stderr, expected
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        results = dict(zip(cases, pool.map(cli, cases), strict=True))
+    results["markers"] = markers
+    results["existing"] = tmp / "existing.pt"
+    results["ok"] = tmp / "ok.safetensors"
+    results["poisoned_out"] = tmp / "poisoned.pt"
+    return results
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing",
+        "file",
+        "incomplete",
+        "unknown_step",
+        "no_key_matches",
+        "out_exists",
+        "poisoned_inspect",
+        "poisoned_export",
+    ],
+)
+def test_errors_are_one_line_and_exit_2(cli_runs, case):
+    argv, returncode, stderr, expected = cli_runs[case]
+    assert returncode == 2, (argv, stderr)
+    assert "Traceback" not in stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert expected in lines[0]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["inspect", "{root}", "--step", "9"], "step-9' is not a complete checkpoint"),
+        (["export", "{root}/step-9", "--out", "{tmp}/m.pt"], "not a complete"),
+        (["export", "{tmp}/no_model/step-1", "--out", "{tmp}/m.pt"], "'model.'"),
+        (["inspect", "{root}/step-3", "--step", "4"], "--step needs a run folder"),
+        (["inspect", "{tmp}"], "holds no step-<N>"),
+        (["export", "{root}", "--out", "{tmp}/no/m.pt"], "no folder"),
+    ],
+)
+def test_more_errors_in_process(run, tmp_path, capsys, argv, expected):
+    save(tmp_path / "no_model", 1, {"step": 1, "data": {"x": torch.ones(2)}})
+    argv = [arg.format(root=run[0], tmp=tmp_path) for arg in argv]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_bad_arguments_are_argparse_errors(run, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", str(run[0])])  # no --out
+    assert exit_.value.code == 2
+    assert "required: --out" in capsys.readouterr().err
+
+
+def test_export_from_the_command_line(run, cli_runs):
+    _, returncode, stderr, _ = cli_runs["ok_export"]
+    assert returncode == 0 and stderr == ""  # no warning from DCP either
+    state = load_file(cli_runs["ok"])
+    assert all(torch.equal(state[key], value) for key, value in run[1].items())
+
+
+def test_an_existing_out_file_is_left_unchanged(cli_runs):
+    assert cli_runs["existing"].read_bytes() == b"keep me"
+    assert list(cli_runs["existing"].parent.glob(".*.tmp")) == []
+
+
+def test_poisoned_checkpoints_run_no_code(cli_runs):
+    for case in ("inspect", "export"):
+        assert "--trust-checkpoint" in cli_runs[f"poisoned_{case}"][2]
+        assert not cli_runs["markers"][case].exists()
+    assert not cli_runs["poisoned_out"].exists()
