@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -615,6 +616,7 @@ class SafeFileSystemReader(FileSystemReader):
             ``.metadata`` (its save did not finish).
         UnsafeCheckpointError: ``.metadata`` holds a refused global; the
             message names the file and the global.
+        CheckpointError: ``.metadata`` is truncated or not DCP's.
     """
 
     def __init__(self, path: str | os.PathLike, *, trusted: bool | None = None) -> None:
@@ -629,13 +631,19 @@ class SafeFileSystemReader(FileSystemReader):
                 "its save did not finish); use an earlier step"
             )
         metadata_path = folder / METADATA_FILE
-        with open(metadata_path, "rb") as metadata_file:
-            if self.trusted:
-                metadata = pickle.load(metadata_file)
-            else:
-                metadata = _MetadataUnpickler(metadata_file, str(metadata_path)).load()
+        try:
+            with open(metadata_path, "rb") as metadata_file:
+                if self.trusted:
+                    metadata = pickle.load(metadata_file)
+                else:
+                    unpickler = _MetadataUnpickler(metadata_file, str(metadata_path))
+                    metadata = unpickler.load()
+        except UnsafeCheckpointError:
+            raise
+        except (EOFError, pickle.UnpicklingError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{metadata_path} is damaged: {e}") from None
         if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{metadata_path} does not hold DCP metadata")
+            raise CheckpointError(f"{metadata_path} does not hold DCP metadata")
         self.metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -810,7 +818,9 @@ def read_checkpoint(
                 state_dict[key] = None  # replaced by the loaded value
     if not state_dict:
         raise KeyError(f"no key in {str(path)!r} starts with {prefix!r}")
-    with explain_failures(f"reading {path}"):
+    with explain_failures(f"reading {path}"), warnings.catch_warnings():
+        # One process reading alone is the point here, not a mistake to warn of.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(
             state_dict,
             storage_reader=reader,
