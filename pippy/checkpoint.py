@@ -64,6 +64,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = [
+    "AsyncSaver",
+    "CheckpointDirError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "KeyCollisionError",
@@ -81,6 +83,7 @@ __all__ = [
     "list_steps",
     "load_model",
     "publish_step",
+    "remove_old_steps",
     "restore_non_persistent_buffers",
     "state_dict_size",
     "step_dir",
@@ -108,6 +111,31 @@ class KeyCollisionError(CheckpointError, ValueError):
     DCP treats equal keys on different ranks as replicas and writes only one
     of them, so saving would silently lose the others' values.
     """
+
+
+@contextmanager
+def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hides param groups without parameters from DCP's ``set_state_dict``.
+
+    The flattened optimizer state is keyed by parameter FQN, so a group with
+    no parameters has no entries (nothing to lose), and torch 2.13's
+    ``_unflatten_optim_state_dict`` fails on it with an ``IndexError``
+    (it reads the group's first parameter). A stage can own no parameters
+    of some group, e.g. a no-decay group for biases on a stage with none.
+    """
+    groups = optimizer.param_groups
+    kept = [i for i, group in enumerate(groups) if group["params"]]
+    if len(kept) == len(groups):
+        yield
+        return
+    optimizer.param_groups = [groups[i] for i in kept]
+    try:
+        yield
+    finally:  # loading replaced the kept groups' dicts: put those back in place
+        merged = list(groups)
+        for i, group in zip(kept, optimizer.param_groups, strict=True):
+            merged[i] = group
+        optimizer.param_groups = merged
 
 
 class StageState(Stateful):
@@ -184,13 +212,14 @@ class StageState(Stateful):
                 (``set_state_dict`` is strict).
             KeyError: A section (``model``, ``optim``, ...) is missing.
         """
-        set_state_dict(
-            self.module,
-            self.optimizer,
-            model_state_dict=state_dict["model"],
-            optim_state_dict=state_dict["optim"],
-            options=_OPTIONS,
-        )
+        with _without_empty_groups(self.optimizer):
+            set_state_dict(
+                self.module,
+                self.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=state_dict["optim"],
+                options=_OPTIONS,
+            )
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])
@@ -377,13 +406,13 @@ def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
         ``{step: folder}`` sorted by step; empty if the folder does not exist.
 
     Raises:
-        NotADirectoryError: ``checkpoint_dir`` exists and is not a folder.
+        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder.
     """
     root = Path(checkpoint_dir)
     if not root.exists():
         return {}
     if not root.is_dir():
-        raise NotADirectoryError(
+        raise CheckpointDirError(
             f"checkpoint dir {str(root)!r} is a file; pass a folder "
             "(it is created if missing)"
         )
@@ -408,7 +437,7 @@ def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
         The newest complete ``step-<N>`` folder, or None if there is none.
 
     Raises:
-        NotADirectoryError: ``checkpoint_dir`` exists and is not a folder.
+        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder.
     """
     skipped: list[str] = []
     for path in reversed(list_steps(checkpoint_dir).values()):
@@ -422,9 +451,96 @@ def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
     return None
 
 
-def _barrier(process_group: dist.ProcessGroup | None) -> None:
+def _on_coordinator(
+    action: str, fn: Any, process_group: dist.ProcessGroup | None
+) -> None:
+    """Runs ``fn`` on rank 0 only; if it fails, every rank raises the error.
+
+    A failure on rank 0 alone would leave the other ranks waiting in the next
+    collective; broadcasting it lets all of them stop with the same message.
+    """
+    rank0 = not dist.is_initialized() or dist.get_rank(process_group) == 0
+    error: list[str | None] = [None]
+    if rank0:
+        try:
+            fn()
+        except OSError as e:
+            error[0] = f"{action}: {e.strerror or e} ({e.filename or ''})"
     if dist.is_initialized():
-        dist.barrier(group=process_group)
+        src = dist.get_global_rank(process_group, 0) if process_group else 0
+        dist.broadcast_object_list(error, src=src, group=process_group)
+    if error[0] is not None:
+        raise CheckpointDirError(f"{error[0]}; pass a writable --checkpoint-dir")
+
+
+def _staging_dir(checkpoint_dir: str | os.PathLike, step: int) -> Path:
+    final = step_dir(checkpoint_dir, step)
+    return final.with_name(f".{final.name}.partial")
+
+
+def _prepare_step(
+    checkpoint_dir: str | os.PathLike,
+    step: int,
+    process_group: dist.ProcessGroup | None,
+) -> Path:
+    """Checks that step-<step> is new and makes its (empty) staging folder."""
+    final, staging = step_dir(checkpoint_dir, step), _staging_dir(checkpoint_dir, step)
+    list_steps(checkpoint_dir)  # a file where the folder should be: say so
+    if final.exists():
+        raise CheckpointDirError(
+            f"{str(final)!r} already exists; checkpoints are never overwritten. "
+            "Resume from it, or use a new --checkpoint-dir."
+        )
+
+    def make_staging() -> None:
+        if staging.exists():  # left by a crash during an earlier save of this step
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+
+    _on_coordinator(f"cannot create {staging}", make_staging, process_group)
+    return staging
+
+
+def _publish(
+    checkpoint_dir: str | os.PathLike,
+    step: int,
+    keep_last: int | None,
+    process_group: dist.ProcessGroup | None,
+) -> None:
+    """Renames the staging folder to step-<step>; then prunes old steps."""
+
+    def rename_and_prune() -> None:
+        _staging_dir(checkpoint_dir, step).rename(step_dir(checkpoint_dir, step))
+        if keep_last is not None:
+            remove_old_steps(checkpoint_dir, keep_last)
+
+    _on_coordinator(f"cannot publish step-{step}", rename_and_prune, process_group)
+
+
+def remove_old_steps(checkpoint_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Deletes all but the newest ``keep_last`` complete step folders.
+
+    Incomplete folders are left alone (they may be a save in progress).
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder.
+        keep_last: How many complete steps to keep; at least 1.
+
+    Returns:
+        The folders deleted.
+
+    Raises:
+        ValueError: ``keep_last`` is less than 1.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, not {keep_last}")
+    complete = [p for p in list_steps(checkpoint_dir).values() if is_complete(p)]
+    old = complete[:-keep_last]
+    for path in old:
+        shutil.rmtree(path)
+    if old:
+        logger.info("removed old checkpoints %s", [p.name for p in old])
+    return old
 
 
 @contextmanager
@@ -432,6 +548,7 @@ def publish_step(
     checkpoint_dir: str | os.PathLike,
     step: int,
     *,
+    keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> Iterator[Path]:
     """Gives every rank a staging folder and publishes it as ``step-<step>``.
@@ -443,43 +560,109 @@ def publish_step(
 
     The save goes into ``.step-<step>.partial``; once it returned on every
     rank (so the coordinator has written ``.metadata``), rank 0 renames the
-    folder to ``step-<step>``, which is atomic on a POSIX file system. A crash
-    before that leaves only the hidden staging folder, which
-    :func:`find_latest_step` never picks and the next save of that step
-    replaces. An existing step folder is never written into.
+    folder to ``step-<step>``, which is atomic on a POSIX file system, and
+    only then removes steps beyond ``keep_last``. A crash before that leaves
+    only the hidden staging folder, which :func:`find_latest_step` never picks
+    and the next save of that step replaces. An existing step folder is never
+    written into. If the body raises, nothing is published.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing. On
             several nodes it must be storage that every node sees.
         step: The step being saved.
+        keep_last: If set, keep only this many newest complete steps.
         process_group: Group of the ranks that save; the default group if None.
 
     Yields:
         The staging folder, to pass to ``dcp.save`` as ``checkpoint_id``.
 
     Raises:
-        FileExistsError: ``step-<step>`` already exists.
-        NotADirectoryError: ``checkpoint_dir`` is a file.
+        CheckpointDirError: On every rank: ``step-<step>`` exists, or
+            ``checkpoint_dir`` is a file or cannot be written.
     """
-    final = step_dir(checkpoint_dir, step)
-    staging = final.with_name(f".{final.name}.partial")
-    list_steps(checkpoint_dir)  # raises NotADirectoryError early
-    if final.exists():
-        raise FileExistsError(
-            f"{str(final)!r} already exists; checkpoints are never overwritten. "
-            "Resume from it, or use a new --checkpoint-dir."
-        )
-    is_coordinator = not dist.is_initialized() or dist.get_rank(process_group) == 0
-    if is_coordinator:
-        if staging.exists():  # left by a crash during an earlier save of this step
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-    _barrier(process_group)
+    staging = _prepare_step(checkpoint_dir, step, process_group)
     yield staging
-    _barrier(process_group)
-    if is_coordinator:
-        staging.rename(final)
-    _barrier(process_group)
+    _publish(checkpoint_dir, step, keep_last, process_group)
+
+
+class AsyncSaver:
+    """Saves in the background with ``dcp.async_save``, one save at a time.
+
+    ``save`` returns once DCP has copied the state (staging), so training can
+    change the live tensors at once: the checkpoint holds the values of the
+    moment of the call. The files are written by a background thread over a
+    dedicated gloo group (async saves must not share a group with training
+    collectives, and CPU-capable collectives need gloo). The step is
+    published, as by :func:`publish_step`, when the save is waited for: by
+    the next ``save``, by :meth:`wait`, which a load or the end of training
+    must call first, or by ``close``. Two saves in flight on one gloo group
+    crash (torch 2.13: "Connection reset by peer"), hence one at a time.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder.
+        keep_last: If set, keep only this many newest complete steps.
+
+    Note:
+        Staging holds a second copy of the state in CPU memory until the
+        write finishes: budget the state's size again per rank.
+    """
+
+    def __init__(
+        self, checkpoint_dir: str | os.PathLike, *, keep_last: int | None = None
+    ):
+        self.checkpoint_dir = checkpoint_dir
+        self.keep_last = keep_last
+        self.process_group = (
+            dist.new_group(backend="gloo") if dist.is_initialized() else None
+        )
+        self._pending: tuple[Any, int] | None = None
+
+    def save(self, state_dict: dict[str, Any], step: int) -> Path:
+        """Waits for the previous save, then starts saving ``state_dict``.
+
+        Returns:
+            The staging folder being written.
+
+        Raises:
+            CheckpointError: The previous save failed (see :meth:`wait`).
+            CheckpointDirError: As :func:`publish_step`.
+        """
+        self.wait()
+        staging = _prepare_step(self.checkpoint_dir, step, self.process_group)
+        with explain_failures(f"saving step-{step}"):
+            future = dcp.async_save(
+                state_dict, checkpoint_id=staging, process_group=self.process_group
+            )
+        self._pending = (future, step)
+        return staging
+
+    def wait(self) -> Path | None:
+        """Waits for the save in flight and publishes it.
+
+        Returns:
+            The published step folder, or None if no save was in flight.
+
+        Raises:
+            CheckpointError: The background save failed, on some rank; the
+                step is not published and earlier steps are untouched.
+        """
+        if self._pending is None:
+            return None
+        future, step = self._pending
+        self._pending = None
+        with explain_failures(f"saving step-{step} in the background"):
+            future.result()
+        _publish(self.checkpoint_dir, step, self.keep_last, self.process_group)
+        return step_dir(self.checkpoint_dir, step)
+
+    def close(self) -> None:
+        """Waits for the save in flight (publishing it) and frees the group."""
+        try:
+            self.wait()
+        finally:
+            if self.process_group is not None:
+                dist.destroy_process_group(self.process_group)
+                self.process_group = None
 
 
 def diff_state_dicts(
@@ -552,6 +735,10 @@ _METADATA_GLOBALS = {
     ("builtins", "slice"),
     ("builtins", "complex"),
 }
+
+
+class CheckpointDirError(CheckpointError, NotADirectoryError):
+    """The checkpoint folder is not a folder, or cannot be written."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -693,6 +880,41 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.trusted = _trusted(trusted)
         self.must_read = must_read
+
+    def create_local_plan(self) -> LoadPlan:
+        """Checks every requested key (present, shape, dtype), then plans.
+
+        DCP itself stops at the first missing key or shape, and copies a
+        tensor of another dtype without a word (float32 into bfloat16).
+        """
+        saved = self.metadata.state_dict_metadata if self.metadata else {}
+        problems = []
+        for key, value in self.state_dict.items():
+            item = saved.get(key)
+            if item is None:
+                if not self.allow_partial_load:
+                    problems.append(f"{key!r} is not in the checkpoint")
+            elif isinstance(value, torch.Tensor):
+                if not isinstance(item, TensorStorageMetadata):
+                    problems.append(f"{key!r} is not a tensor in the checkpoint")
+                elif tuple(item.size) != tuple(value.shape):
+                    problems.append(
+                        f"{key!r} has shape {list(item.size)} in the checkpoint, "
+                        f"{list(value.shape)} here"
+                    )
+                elif item.properties.dtype != value.dtype:
+                    problems.append(
+                        f"{key!r} is {item.properties.dtype} in the checkpoint, "
+                        f"{value.dtype} here"
+                    )
+        if problems:
+            shown = "; ".join(problems[:6])
+            raise CheckpointError(
+                f"the checkpoint does not match this model ({len(problems)} "
+                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
+                "Build the model with the configuration it was saved with."
+            )
+        return super().create_local_plan()
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """DCP's global plan, after checking that no required key is left unread."""

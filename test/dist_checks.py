@@ -224,7 +224,67 @@ def check_memory(out: Path, rank: int, world_size: int) -> dict:
     }
 
 
+class Unpicklable:
+    """Extra state whose value cannot be written: the background save fails."""
+
+    def state_dict(self):
+        return {"callback": lambda: None}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def check_async(out: Path, rank: int, world_size: int) -> dict:
+    """--async-save: values of the moment of the call, one save in flight,
+    failures reported by wait(), nothing published on failure."""
+    args = pippy_dcp.parse_args(TINY)
+    stage, state = build(args, rank, world_size, seed=0)
+    schedule = pippy_dcp.SCHEDULES["gpipe"](stage, 4, loss_fn=pippy_dcp.loss_fn)
+    saver = checkpoint.AsyncSaver(out / "ckpt", keep_last=2)
+    train_steps(state, stage, schedule, 2)
+    snapshots = {}
+    for _ in range(3):  # saves at steps 2, 4, 6; training goes on meanwhile
+        snapshots[state.step] = copy.deepcopy(state.state_dict())
+        saver.save(state.state_dict(), state.step)
+        train_steps(state, stage, schedule, 2)
+    saver.wait()
+    steps = sorted(checkpoint.list_steps(out / "ckpt"))
+    differ = {}
+    for step in steps:
+        fresh_stage, fresh = build(args, rank, world_size, seed=1)
+        sd = fresh.state_dict()
+        path = checkpoint.step_dir(out / "ckpt", step)
+        dcp.load(
+            sd,
+            storage_reader=checkpoint.SafeFileSystemReader(path),
+            planner=checkpoint.SafeLoadPlanner(),
+        )
+        fresh.load_state_dict(sd)
+        differ[step] = checkpoint.diff_state_dicts(fresh.state_dict(), snapshots[step])
+    # A save that fails in the background is reported by wait(), not lost.
+    state.extra["bad"] = Unpicklable()
+    error, raised_in = None, None
+    try:
+        raised_in = "save"
+        saver.save(state.state_dict(), state.step)
+        raised_in = "wait"
+        saver.wait()
+        raised_in = None
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    saver.close()
+    after = sorted(checkpoint.list_steps(out / "ckpt"))
+    return {
+        "steps": steps,
+        "differ": differ,
+        "error": error,
+        "raised_in": raised_in,
+        "after": after,
+    }
+
+
 CHECKS = {
+    "async": check_async,
     "keys": check_keys,
     "train": check_train,
     "logits": check_logits,

@@ -31,7 +31,7 @@ def test_publish_step_writes_a_complete_step_folder(tmp_path):
 def test_publish_step_never_overwrites_a_step(tmp_path):
     save_step(tmp_path, 5, tiny_model())
     before = (tmp_path / "step-5" / ".metadata").read_bytes()
-    with pytest.raises(FileExistsError, match="never overwritten"):
+    with pytest.raises(checkpoint.CheckpointDirError, match="never overwritten"):
         save_step(tmp_path, 5, tiny_model())
     assert (tmp_path / "step-5" / ".metadata").read_bytes() == before
 

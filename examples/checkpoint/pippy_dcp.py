@@ -268,15 +268,19 @@ def report(rank: int, verb: str, state_dict: dict, where: str, start: float) -> 
     )
 
 
-def save(state: checkpoint.StageState, checkpoint_dir: str, rank: int) -> None:
+def save(state: checkpoint.StageState, args, rank: int, saver) -> None:
     start = time.perf_counter()
     state_dict = state.state_dict()
     # DCP takes equal keys on two ranks for replicas and keeps one: a collision
     # would lose a stage without an error, so check before writing anything.
     checkpoint.check_keys(state_dict)
+    if saver is not None:  # --async-save: returns once the state is copied
+        saver.save(state_dict, state.step)
+        return report(rank, "staged", state_dict, f"for step-{state.step}", start)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
-    with checkpoint.publish_step(checkpoint_dir, state.step) as checkpoint_id:
+    dir_, keep = args.checkpoint_dir, args.keep_last
+    with checkpoint.publish_step(dir_, state.step, keep_last=keep) as checkpoint_id:
         with checkpoint.explain_failures(f"saving step-{state.step}"):
             dcp.save(state_dict, checkpoint_id=checkpoint_id)
     report(rank, "saved", state_dict, f"to step-{state.step}", start)
@@ -305,7 +309,7 @@ def load(state, path: Path, rank: int, *, weights_only=False, note="") -> None:
     report(rank, "loaded", state_dict, f"from {path}{note}", start)
 
 
-def train(args, state, stage, schedule, device, rank: int) -> None:
+def train(args, state, stage, schedule, device, rank: int, saver) -> None:
     """Trains up to --steps (or --stop-after), saving every --save-every steps."""
     last = min(args.steps, args.stop_after or args.steps)
     if state.step >= last and rank == 0:
@@ -317,7 +321,7 @@ def train(args, state, stage, schedule, device, rank: int) -> None:
             lr, secs = state.lr_scheduler.get_last_lr()[0], time.time() - start
             log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
         if state.step % args.save_every == 0 or state.step == args.steps:
-            save(state, args.checkpoint_dir, rank)
+            save(state, args, rank, saver)
     if state.step < args.steps and rank == 0:
         log(f"stopping after step {state.step} (--stop-after), as if interrupted")
 
@@ -369,6 +373,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dim", type=int, default=128, help="model width")
     add("--lr", type=float, default=1e-3, help="peak learning rate")
     add("--seed", type=int, default=0, help="seed of the weights and data order")
+    add("--keep-last", type=int, help="keep only the newest K complete steps")
+    add("--async-save", action="store_true", help="save in the background")
     add("--init-from", help="a step folder whose weights start a new run")
     add("--data", help="a text file to train on (default: the stdlib's .py files)")
     return p.parse_args(argv)
@@ -381,8 +387,7 @@ def main() -> None:
     try:
         # build and split the model, and the pipeline schedule
         stage = build_stage(args, rank, world_size, device, seed=args.seed)
-        schedule_class = SCHEDULES[args.schedule]
-        schedule = schedule_class(stage, args.microbatches, loss_fn=loss_fn)
+        schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=loss_fn)
         # build the optimizer, LR schedule and data sampler: the state to checkpoint
         state = build_state(args, stage, load_text(args.data))
         # resume if a checkpoint exists
@@ -395,13 +400,19 @@ def main() -> None:
             if rank == 0:
                 log(f"starting from the weights of {args.init_from}")
             load(state, Path(args.init_from), rank, weights_only=True)
-        # train, saving every --save-every steps and at the last
-        train(args, state, stage, schedule, device, rank)
+        # train, saving every --save-every steps and at the last; with
+        # --async-save, in the background, one save at a time
+        saver = None
+        if args.async_save:
+            saver = checkpoint.AsyncSaver(args.checkpoint_dir, keep_last=args.keep_last)
+        train(args, state, stage, schedule, device, rank, saver)
+        if saver is not None:
+            saver.close()  # waits for the last save, then publishes it
         # verify: load the final checkpoint into fresh stages, compare bit for bit
         final = checkpoint.step_dir(args.checkpoint_dir, state.step)
         saved = checkpoint.is_complete(final)
         ok = not saved or verify(args, state, final, rank, world_size, device)
-    except checkpoint.CheckpointError as e:  # one sentence, not a traceback per rank
+    except (checkpoint.CheckpointError, ValueError) as e:  # a sentence, not a traceback
         log(f"[rank {rank}] error: {e}")
         ok = False
     finally:

@@ -1,0 +1,275 @@
+"""Never lose a checkpoint silently: bad input, partial saves, async saves, crashes.
+
+Each protection has a test that fails without it; where DCP alone would lose
+data quietly, the test shows that first.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import DIST_CHECKS, EXAMPLE, ROOT, torchrun
+
+from pippy import checkpoint
+
+TINY = [
+    "--n-layers",
+    "4",
+    "--dim",
+    "32",
+    "--seq-len",
+    "32",
+    "--steps",
+    "2",
+    "--save-every",
+    "1",
+]
+
+
+def linear_state(optimizer_groups=None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    groups = optimizer_groups(model) if optimizer_groups else model.parameters()
+    optimizer = torch.optim.AdamW(groups)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return checkpoint.StageState(model, optimizer)
+
+
+def save(state, root, step=1):
+    with checkpoint.publish_step(root, step) as checkpoint_id:
+        dcp.save(state.state_dict(), checkpoint_id=checkpoint_id)
+    return checkpoint.step_dir(root, step)
+
+
+def load(state, folder):
+    state_dict = state.state_dict()
+    with checkpoint.explain_failures(f"loading {folder}"):
+        reader = checkpoint.SafeFileSystemReader(folder)
+        dcp.load(
+            state_dict, storage_reader=reader, planner=checkpoint.SafeLoadPlanner()
+        )
+    state.load_state_dict(state_dict)
+
+
+def test_a_stage_with_an_empty_param_group_saves_and_loads(tmp_path):
+    def with_empty_group(model):
+        return [{"params": list(model.parameters())}, {"params": [], "lr": 0.5}]
+
+    saved = linear_state(with_empty_group)
+    saved.optimizer.param_groups[0]["lr"] = 0.25  # as a scheduler would
+    folder = save(saved, tmp_path)
+    loaded = linear_state(with_empty_group)
+    load(loaded, folder)  # torch 2.13's set_state_dict alone: IndexError
+    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+    groups = loaded.optimizer.param_groups
+    assert (
+        groups[0]["lr"] == 0.25 and groups[1]["params"] == [] and groups[1]["lr"] == 0.5
+    )
+
+
+def test_missing_optimizer_state_is_an_error_not_fresh_moments(tmp_path):
+    state = linear_state()
+    state_dict = state.state_dict()
+    del state_dict["optim"]["state.weight.exp_avg"]
+    with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
+        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+    with pytest.raises(
+        checkpoint.CheckpointError, match="'optim.state.weight.exp_avg' is not in"
+    ):
+        load(linear_state(), checkpoint.step_dir(tmp_path, 1))
+
+
+def test_dtype_mismatch_is_an_error_where_dcp_converts_silently(tmp_path):
+    folder = save(linear_state(), tmp_path)
+    state = linear_state()
+    state.module.to(torch.bfloat16)
+    state_dict = {"model": state.module.state_dict()}
+    dcp.load(state_dict, checkpoint_id=folder)  # DCP: converts, no word
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="'model.weight' is torch.float32 in the checkpoint, torch.bfloat16 here",
+    ):
+        with checkpoint.explain_failures("loading"):
+            dcp.load(
+                state_dict,
+                storage_reader=checkpoint.SafeFileSystemReader(folder),
+                planner=checkpoint.SafeLoadPlanner(must_read=("model.",)),
+            )
+
+
+def test_an_explicitly_requested_step_must_exist_and_be_complete(tmp_path):
+    save(linear_state(), tmp_path, step=1)
+    (tmp_path / "step-2").mkdir()
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError, match="not a complete checkpoint"
+    ):
+        checkpoint.SafeFileSystemReader(tmp_path / "step-2")
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError, match="no checkpoint folder"
+    ):
+        checkpoint.SafeFileSystemReader(tmp_path / "step-3")
+
+
+def test_keep_last_removes_old_steps_only_after_a_newer_one_is_published(tmp_path):
+    state = linear_state()
+    for step in (1, 2, 3):
+        with checkpoint.publish_step(tmp_path, step, keep_last=2) as checkpoint_id:
+            # while step 3 is being written, steps 1 and 2 are both still there
+            assert list(checkpoint.list_steps(tmp_path)) == list(range(1, step))[-2:]
+            dcp.save(state.state_dict(), checkpoint_id=checkpoint_id)
+    assert list(checkpoint.list_steps(tmp_path)) == [2, 3]
+    with pytest.raises(RuntimeError):
+        with checkpoint.publish_step(tmp_path, 4, keep_last=1):
+            raise RuntimeError("the save failed")
+    assert list(checkpoint.list_steps(tmp_path)) == [2, 3]  # nothing removed
+
+
+def test_async_save_keeps_the_values_of_the_call_and_reports_failures(tmp_path):
+    torchrun(2, DIST_CHECKS, "async", tmp_path)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"async-rank{rank}.json").read_text())
+        assert r["steps"] == [4, 6]  # keep_last=2 removed step 2
+        assert r["differ"] == {"4": [], "6": []}  # saved while training went on
+        assert r["raised_in"] == "wait"
+        assert "saving step-8 in the background failed" in r["error"]
+        assert "pickle" in r["error"]
+        assert r["after"] == [4, 6]  # the failed step is not published
+
+
+def example(nproc, *flags, ok=True):
+    run = torchrun(nproc, EXAMPLE, *flags, expect_ok=ok)
+    if not ok:
+        assert run.returncode != 0
+        assert "Traceback" not in run.stdout
+    return run
+
+
+def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    run = example(2, *TINY, "--checkpoint-dir", a_file, ok=False)
+    assert f"[rank 0] error: checkpoint dir {str(a_file)!r} is a file" in run.stdout
+    assert a_file.read_text() == "not a folder"
+
+    run = example(2, *TINY, "--checkpoint-dir", a_file / "sub", ok=False)
+    assert (
+        "[rank 1] error: cannot create" in run.stdout
+        and "writable --checkpoint-dir" in run.stdout
+    )
+
+    run = example(
+        4, *TINY, "--n-layers", "2", "--checkpoint-dir", tmp_path / "x", ok=False
+    )
+    assert "error: cannot split 2 layers into 4 stages" in run.stdout
+
+    run = example(
+        4,
+        *TINY,
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "2",
+        "--checkpoint-dir",
+        tmp_path / "x",
+        ok=False,
+    )
+    assert (
+        "error: Number of microbatches (2) must be greater than or equal to the number of stages (4)"
+        in run.stdout
+    )
+
+    ckpt = tmp_path / "ckpt"
+    example(2, *TINY, "--checkpoint-dir", ckpt)
+    before = {p.name: p.read_bytes() for p in (ckpt / "step-2").iterdir()}
+
+    run = example(
+        2, *TINY, "--steps", "3", "--dim", "64", "--checkpoint-dir", ckpt, ok=False
+    )
+    assert "error: loading" in run.stdout and "does not match this model" in run.stdout
+    assert (
+        "'model.layers.0.qkv.weight' has shape [96, 32] in the checkpoint, [192, 64] here"
+        in run.stdout
+    )
+
+    run = example(
+        2, *TINY, "--steps", "3", "--n-layers", "2", "--checkpoint-dir", ckpt, ok=False
+    )
+    assert "read by no rank and would be dropped: 'model.layers.2" in run.stdout
+
+    data = ckpt / "step-2" / "__1_0.distcp"
+    data.write_bytes(before["__1_0.distcp"][:1000])  # truncated
+    run = example(2, *TINY, "--steps", "3", "--checkpoint-dir", ckpt, ok=False)
+    assert "error: loading" in run.stdout and "rank 1:" in run.stdout
+    data.unlink()  # missing
+    run = example(2, *TINY, "--steps", "3", "--checkpoint-dir", ckpt, ok=False)
+    assert "No such file or directory" in run.stdout and "__1_0.distcp" in run.stdout
+    data.write_bytes(before["__1_0.distcp"])
+    # Nothing that was saved before was lost or changed by the failed runs.
+    assert {p.name: p.read_bytes() for p in (ckpt / "step-2").iterdir()} == before
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-1", "step-2"]
+
+
+def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):
+    """SIGKILL one rank while step 4 is being written (a ~40 MB stage per rank,
+    so the save takes long enough to be caught in the middle)."""
+    flags = [
+        "--n-layers",
+        "4",
+        "--dim",
+        "512",
+        "--seq-len",
+        "32",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        *flags,
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    staging = tmp_path / ".step-4.partial"
+    try:
+        deadline = time.monotonic() + 180
+        while (
+            not staging.exists()
+            and launcher.poll() is None
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.005)
+        assert staging.exists(), "the save of step 4 never started"
+        ranks = subprocess.run(
+            ["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True
+        ).stdout.split()
+        os.kill(int(ranks[-1]), signal.SIGKILL)
+        launcher.wait(timeout=120)
+    finally:
+        launcher.kill()
+    assert launcher.returncode != 0
+    assert not (tmp_path / "step-4").exists()  # the partial save was never published
+    assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-2"
+    assert checkpoint.read_checkpoint(tmp_path / "step-2")["step"] == 2
+
+    run = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    assert f"resuming from {tmp_path / 'step-2'}" in run.stdout
+    assert "verified:" in run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
