@@ -73,7 +73,9 @@ __all__ = [
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
     "StageState",
+    "TiedParametersError",
     "check_keys",
+    "check_untied",
     "diff_state_dicts",
     "explain_failures",
     "find_latest_step",
@@ -342,6 +344,42 @@ def check_keys(
             f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
             f"{_shown(differing)}. DCP would keep one rank's value. Keep per-rank "
             "state under a key that names the stage, or make it equal on all ranks."
+        )
+
+
+class TiedParametersError(CheckpointError, ValueError):
+    """The model shares a parameter under several FQNs (tied weights)."""
+
+
+def check_untied(model: nn.Module) -> None:
+    """Refuses a model with tied weights before it is split into stages.
+
+    A parameter reachable under two FQNs (an output head tied to the
+    embedding) ends up on two stages after a split: each stage trains its own
+    copy, the copies drift apart, and both go into the checkpoint, where one
+    silently overwrites the other in the un-split model (a manual split) or
+    their keys collide (tracing copies the tie as ``output.weight`` onto both
+    stages). pippy does not keep tied weights in sync across stages, so it
+    says so instead. Call it on the un-split (for example meta) model.
+
+    Args:
+        model: The un-split model.
+
+    Raises:
+        TiedParametersError: Naming each pair of FQNs that share a parameter.
+    """
+    first_name: dict[int, str] = {}
+    ties = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = first_name.setdefault(id(param), name)
+        if first != name:
+            ties.append(f"{name!r} is {first!r}")
+    if ties:
+        raise TiedParametersError(
+            f"tied weights: {', '.join(ties)}. Split into pipeline stages, each "
+            "stage would train its own copy and the checkpoint would keep one. "
+            "pippy does not synchronise tied weights across stages: untie them "
+            "(give each module its own nn.Parameter) before splitting."
         )
 
 

@@ -31,6 +31,14 @@ def build(args, rank, world_size, seed):
     return stage, state
 
 
+def collision(state_dict):
+    try:
+        checkpoint.check_keys(state_dict)
+    except checkpoint.KeyCollisionError as e:
+        return str(e)
+    return None
+
+
 class PerRank:
     """A Stateful whose value differs per rank, e.g. a stage's RNG."""
 
@@ -65,6 +73,20 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         result["per_rank_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["per_rank_error"] = str(e)
+    # Tracing without restore_non_persistent_buffers: "rope" on every stage.
+    args = pippy_dcp.parse_args([*TINY, "--split", "trace"])
+    _, state = build(args, rank, world_size, seed=0)
+    state.module.register_buffer("rope", state.module.get_buffer("rope"))
+    result["traced_buffer_error"] = collision(state.state_dict())
+    # A tied output head, traced: a copy named output.weight on two stages.
+    with torch.device("meta"):
+        tied = pippy_dcp.GPT(pippy_dcp.ModelArgs(4, 32, max_seq_len=32))
+    tied.output.weight = tied.tok_embeddings.weight
+    pipe = pippy_dcp.split_traced(
+        tied, world_size, torch.zeros(2, 32, dtype=torch.long)
+    )
+    stage_module = pipe.get_stage_module(rank)
+    result["traced_tie_error"] = collision({"model": stage_module.state_dict()})
     # A stage built from layers[i] without the global index: every stage has
     # "layers.0". The check must refuse it on every rank.
     args = pippy_dcp.parse_args(TINY)

@@ -137,3 +137,14 @@ def test_keys_that_no_rank_reads_are_an_error_not_a_silent_drop(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match=r"1 key\(s\).*'stage_3.rng'"):
         load(checkpoint.SafeLoadPlanner())
     load(checkpoint.SafeLoadPlanner(must_read=("model.",)))  # explicitly partial
+
+
+def test_tied_weights_are_refused_before_splitting():
+    model = tiny_model()
+    checkpoint.check_untied(model)  # untied: fine
+    model.output.weight = model.tok_embeddings.weight
+    with pytest.raises(
+        checkpoint.TiedParametersError,
+        match="'output.weight' is 'tok_embeddings.weight'",
+    ):
+        checkpoint.check_untied(model)

@@ -42,6 +42,13 @@ def test_stage_keys_are_disjoint_and_cover_the_model(tmp_path, world_size):
         error = ranks[0]["renumbered_error"]
         assert error is not None and "'model.layers.0.attn_norm.weight'" in error
         assert all(r["renumbered_error"] == error for r in ranks)
+        for check, key in [
+            ("traced_buffer_error", "'model.rope'"),
+            ("traced_tie_error", "'model.output.weight'"),
+        ]:
+            error = ranks[0][check]
+            assert error is not None and key in error, check
+            assert all(r[check] == error for r in ranks)
         error = ranks[0]["per_rank_error"]
         assert error is not None and "'rng.state'" in error
         assert all(r["per_rank_error"] == error for r in ranks)

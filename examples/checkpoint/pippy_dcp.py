@@ -165,6 +165,7 @@ def build_stage(args, rank: int, world_size: int, device, *, seed: int):
     model_args = ModelArgs(args.n_layers, args.dim, max_seq_len=args.seq_len)
     with torch.device("meta"):  # shapes only: no rank holds the whole model
         model = GPT(model_args)
+    checkpoint.check_untied(model)  # a weight tied across stages would drift
     if args.split == "manual":
         module = split_manual(model, rank, world_size)
     else:
