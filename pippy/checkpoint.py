@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -76,6 +77,7 @@ __all__ = [
     "TiedParametersError",
     "check_keys",
     "check_untied",
+    "check_writable",
     "diff_state_dicts",
     "explain_failures",
     "find_latest_step",
@@ -478,15 +480,15 @@ def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
         CheckpointDirError: ``checkpoint_dir`` exists and is not a folder.
     """
     skipped: list[str] = []
+    latest = None
     for path in reversed(list_steps(checkpoint_dir).values()):
         if is_complete(path):
-            if skipped:
-                logger.warning("skipping incomplete checkpoints %s", skipped)
-            return path
+            latest = path
+            break
         skipped.append(str(path))
-    if skipped:
-        logger.warning("skipping incomplete checkpoints %s", skipped)
-    return None
+    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("skipping incomplete checkpoints (no .metadata) %s", skipped)
+    return latest
 
 
 def _on_coordinator(
@@ -524,13 +526,17 @@ def _prepare_step(
     """Checks that step-<step> is new and makes its (empty) staging folder."""
     final, staging = step_dir(checkpoint_dir, step), _staging_dir(checkpoint_dir, step)
     list_steps(checkpoint_dir)  # a file where the folder should be: say so
-    if final.exists():
+    if is_complete(final):
         raise CheckpointDirError(
             f"{str(final)!r} already exists; checkpoints are never overwritten. "
             "Resume from it, or use a new --checkpoint-dir."
         )
 
     def make_staging() -> None:
+        if final.exists():  # incomplete, not written by publish_step: keep it aside
+            aside = final.with_name(f".{final.name}.incomplete-{int(time.time())}")
+            final.rename(aside)
+            logger.warning("moved incomplete %s aside to %s", final, aside.name)
         if staging.exists():  # left by a crash during an earlier save of this step
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
@@ -553,6 +559,36 @@ def _publish(
             remove_old_steps(checkpoint_dir, keep_last)
 
     _on_coordinator(f"cannot publish step-{step}", rename_and_prune, process_group)
+
+
+def check_writable(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Checks, before training, that checkpoints can be written there.
+
+    Rank 0 creates the folder if needed and writes and deletes a probe file,
+    so that a wrong path fails in the first second, not at the first save.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder.
+        process_group: The ranks that will save; the default group if None.
+
+    Raises:
+        CheckpointDirError: On every rank, if the folder is a file, cannot be
+            created, or cannot be written.
+    """
+    list_steps(checkpoint_dir)
+    root = Path(checkpoint_dir)
+
+    def probe() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        probe_file = root / f".write-test-{os.getpid()}"
+        probe_file.write_bytes(b"")
+        probe_file.unlink()
+
+    _on_coordinator(f"cannot write to {root}", probe, process_group)
 
 
 def remove_old_steps(checkpoint_dir: str | os.PathLike, keep_last: int) -> list[Path]:
@@ -703,13 +739,18 @@ class AsyncSaver:
                 self.process_group = None
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, so that equal NaNs compare equal and -0.0 != 0.0."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
 def diff_state_dicts(
     actual: Mapping[str, Any], expected: Mapping[str, Any]
 ) -> list[str]:
     """Lists the keys whose values differ between two (nested) state_dicts.
 
-    Tensors must match in dtype, shape and every bit (``torch.equal``, so NaNs
-    in equal places compare unequal); other values with ``==``.
+    Tensors must match in dtype, shape and every bit (a NaN equals the same
+    NaN; ``0.0`` and ``-0.0`` differ); other values compare with ``==``.
 
     Args:
         actual: A state_dict, as from :meth:`StageState.state_dict`.
@@ -724,7 +765,11 @@ def diff_state_dicts(
     for key in a.keys() & b.keys():
         x, y = a[key], b[key]
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+            same = (
+                x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(_bits(x), _bits(y))
+            )
         elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             same = False
         else:
@@ -796,7 +841,7 @@ def _refusal(what: str, refused: str) -> UnsafeCheckpointError:
         f"refused to load {what}: it would import {refused}, which no checkpoint "
         "written by DCP or pippy holds, and unpickling it could run code. If you "
         f"trust where the checkpoint comes from, set {TRUST_ENV}=1 (or pass "
-        "trusted=True, or --trust-checkpoint on the command line) to load it "
+        "trusted=True, or --trust-checkpoint to python -m pippy) to load it "
         "with plain pickle."
     )
 
@@ -850,6 +895,12 @@ class SafeFileSystemReader(FileSystemReader):
         folder = Path(path)
         if not folder.is_dir():
             raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
+        steps = [p for p in list_steps(folder).values() if is_complete(p)]
+        if not is_complete(folder) and steps:
+            raise CheckpointNotFoundError(
+                f"{str(folder)!r} is a run's checkpoint folder; pass one of its "
+                f"steps, e.g. {str(steps[-1])!r}"
+            )
         if not is_complete(folder):
             raise CheckpointNotFoundError(
                 f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
@@ -987,10 +1038,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 storage = self.metadata.storage_data if self.metadata else {}
                 info = storage.get(read_item.storage_index)
                 where = getattr(info, "relative_path", "its data file")
-                match = re.search(r"GLOBAL ([\w.]+)", str(e))
-                refused = match.group(1) if match else "a global weights_only refuses"
                 what = f"item {read_item.dest_index.fqn!r} of {where}"
-                raise _refusal(what, refused) from None
+                match = re.search(r"GLOBAL ([\w.]+)", str(e))
+                if match is None:  # not a refused global: the bytes are damaged
+                    raise CheckpointError(f"{what} is damaged: {e}") from None
+                raise _refusal(what, match.group(1)) from None
             value.seek(0)
         super().load_bytes(read_item, value)
 
@@ -1018,7 +1070,12 @@ def explain_failures(action: str) -> Iterator[None]:
         for exc in failures.values():
             if isinstance(exc, UnsafeCheckpointError):
                 raise UnsafeCheckpointError(str(exc)) from None
-        lines = [f"  rank {r}: {type(x).__name__}: {x}" for r, x in failures.items()]
+        lines = [
+            f"  rank {r}: {type(x).__name__}: {x or 'the file ended early'}"
+            if isinstance(x, EOFError)
+            else f"  rank {r}: {type(x).__name__}: {x}"
+            for r, x in failures.items()
+        ]
         raise CheckpointError(
             f"{action} failed on {len(failures)} rank(s):\n" + "\n".join(lines)
         ) from None
@@ -1135,12 +1192,13 @@ def load_model(
     # Every weight and every optimizer moment must land somewhere; per-group
     # options the new optimizer lacks (a scheduler's initial_lr) may not.
     must_read = ("model.", "optim.state.") if optimizer is not None else ("model.",)
-    with explain_failures(f"loading {path}"):
+    with explain_failures(f"loading {path}"), warnings.catch_warnings():
+        # Without a process group, one process reading alone is the intent.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(
             state_dict,
             storage_reader=reader,
             planner=SafeLoadPlanner(trusted=trusted, must_read=must_read),
-            process_group=None,
         )
     if optimizer is None:
         set_model_state_dict(model, state_dict["model"])

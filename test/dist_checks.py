@@ -17,9 +17,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
-import pippy_dcp  # noqa: E402
-
 from pippy import checkpoint  # noqa: E402
+
+import pippy_dcp  # noqa: E402
 
 TINY = ["--n-layers", "4", "--dim", "32", "--seq-len", "32", "--batch-size", "8"]
 DEVICE = torch.device("cpu")

@@ -3,12 +3,13 @@
 import logging
 import warnings
 
-import pippy_dcp
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from pippy import SplitPoint, checkpoint, pipeline
+
+import pippy_dcp
 
 
 def tiny_model():
@@ -58,6 +59,14 @@ def test_latest_step_skips_incomplete_folders(tmp_path, caplog):
     assert list(checkpoint.list_steps(tmp_path)) == [2, 10, 20]
 
 
+def test_a_run_folder_where_a_step_is_wanted_names_a_step(tmp_path):
+    save_step(tmp_path, 4, tiny_model())
+    with pytest.raises(
+        checkpoint.CheckpointNotFoundError, match="pass one of its steps, e.g. .*step-4"
+    ):
+        checkpoint.read_metadata(tmp_path)
+
+
 def test_missing_dir_has_no_steps_and_a_file_is_refused(tmp_path):
     assert checkpoint.find_latest_step(tmp_path / "nope") is None
     (tmp_path / "file").write_text("x")
@@ -85,6 +94,11 @@ def test_diff_state_dicts_is_bitwise():
         "model.w"
     ]
     assert checkpoint.diff_state_dicts(a, {"model": {}, "step": 1}) == ["model.w"]
+    nan = {"w": torch.tensor([float("nan"), 1.0])}
+    assert checkpoint.diff_state_dicts(nan, {"w": nan["w"].clone()}) == []  # bitwise
+    assert checkpoint.diff_state_dicts(
+        {"w": torch.tensor([0.0])}, {"w": torch.tensor([-0.0])}
+    ) == ["w"]
 
 
 def test_restore_non_persistent_buffers_on_traced_stages():

@@ -7,18 +7,19 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import pippy_dcp
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import ROOT
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_safety import poison_metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
 from pippy.__main__ import main
+
+import pippy_dcp
+from conftest import ROOT
+from test_safety import poison_metadata
 
 MODEL_ARGS = pippy_dcp.ModelArgs(n_layers=2, dim=32, max_seq_len=16)
 

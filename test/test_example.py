@@ -1,10 +1,11 @@
 """The reference example, run the way users run it: torchrun, twice."""
 
-import pippy_dcp
 import pytest
-from conftest import EXAMPLE, loss_lines, torchrun
 
 from pippy import checkpoint
+
+import pippy_dcp
+from conftest import EXAMPLE, loss_lines, torchrun
 
 STEPS = ["--steps", "6", "--save-every", "3"]
 

@@ -14,9 +14,10 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import DIST_CHECKS, EXAMPLE, ROOT, torchrun
 
 from pippy import checkpoint
+
+from conftest import DIST_CHECKS, EXAMPLE, ROOT, torchrun
 
 TINY = [
     "--n-layers",
@@ -117,6 +118,15 @@ def test_an_explicitly_requested_step_must_exist_and_be_complete(tmp_path):
         checkpoint.SafeFileSystemReader(tmp_path / "step-3")
 
 
+def test_an_incomplete_step_folder_is_moved_aside_not_written_into(tmp_path):
+    (tmp_path / "step-1").mkdir()  # written by something else, never completed
+    (tmp_path / "step-1" / "stray").write_text("kept")
+    save(linear_state(), tmp_path, step=1)
+    assert checkpoint.is_complete(tmp_path / "step-1")
+    [aside] = tmp_path.glob(".step-1.incomplete-*")
+    assert (aside / "stray").read_text() == "kept"
+
+
 def test_keep_last_removes_old_steps_only_after_a_newer_one_is_published(tmp_path):
     state = linear_state()
     for step in (1, 2, 3):
@@ -159,10 +169,9 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path):
     assert a_file.read_text() == "not a folder"
 
     run = example(2, *TINY, "--checkpoint-dir", a_file / "sub", ok=False)
-    assert (
-        "[rank 1] error: cannot create" in run.stdout
-        and "writable --checkpoint-dir" in run.stdout
-    )
+    assert "[rank 1] error: cannot write to" in run.stdout
+    assert "writable --checkpoint-dir" in run.stdout
+    assert "step   1 |" not in run.stdout  # refused before any training
 
     run = example(
         4, *TINY, "--n-layers", "2", "--checkpoint-dir", tmp_path / "x", ok=False

@@ -9,9 +9,10 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import EXAMPLE, torchrun
 
 from pippy import checkpoint
+
+from conftest import EXAMPLE, torchrun
 
 
 class Payload:
@@ -99,6 +100,21 @@ def test_pippy_refuses_a_poisoned_non_tensor_item(tmp_path):
     assert not marker.exists()
     assert "'extra.x' of __0_0.distcp" in str(error.value)
     assert "io.open" in str(error.value)
+
+
+def test_a_damaged_item_is_reported_as_damage_not_as_an_attack(tmp_path):
+    folder = save_step(tmp_path / "ckpt", extra={"note": "a plain string"})
+    metadata = checkpoint.read_metadata(folder)
+    [info] = [i for k, i in metadata.storage_data.items() if k.fqn == "extra.note"]
+    data = folder / info.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[info.offset : info.offset + info.length] = b"\xff" * info.length
+    data.write_bytes(bytes(raw))
+    with pytest.raises(
+        checkpoint.CheckpointError, match="'extra.note' of __0_0.distcp is damaged"
+    ) as error:
+        checkpoint.read_checkpoint(folder)
+    assert not isinstance(error.value, checkpoint.UnsafeCheckpointError)
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])

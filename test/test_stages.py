@@ -2,8 +2,9 @@
 
 import json
 
-import pippy_dcp
 import pytest
+
+import pippy_dcp
 from conftest import DIST_CHECKS, torchrun
 
 

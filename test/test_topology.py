@@ -6,13 +6,14 @@ import socket
 import subprocess
 import sys
 
-import pippy_dcp
 import pytest
 import torch
-from conftest import DIST_CHECKS, EXAMPLE, ROOT, loss_lines, torchrun
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
+
+import pippy_dcp
+from conftest import DIST_CHECKS, EXAMPLE, ROOT, loss_lines, torchrun
 
 FLAGS = ["--steps", "6", "--save-every", "3"]
 TINY = pippy_dcp.ModelArgs(4, 32, max_seq_len=32)

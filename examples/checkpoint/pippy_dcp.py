@@ -204,23 +204,23 @@ def save(state: checkpoint.StageState, args, rank: int, saver) -> None:
     report(rank, "saved", state_dict, f"to step-{state.step}", start)
 
 
-def load(state, path: Path, rank: int, *, weights_only=False, note="") -> None:
-    """Fills the stage's state from `path`; with weights_only, the model alone."""
+def load(state, path: Path, rank: int, *, model_only=False, note="") -> None:
+    """Fills the stage's state from `path`; with model_only, the weights alone."""
     start = time.perf_counter()
     # DCP loads in place, into tensors that must already exist: state_dict()
     # returns this stage's tensors (and creates AdamW's empty moments), so each
     # rank reads just the keys its stage owns.
-    if weights_only:  # a fine-tuning start: optimizer, schedule and step stay new
+    if model_only:  # a fine-tuning start: optimizer, schedule and step stay new
         state_dict = {"model": get_model_state_dict(state.module)}
     else:
         state_dict = state.state_dict()
     # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
     # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), and keys that no rank reads.
-    planner = checkpoint.SafeLoadPlanner(must_read=("model." if weights_only else "",))
+    planner = checkpoint.SafeLoadPlanner(must_read=("model." if model_only else "",))
     with checkpoint.explain_failures(f"loading {path}"):
         reader = checkpoint.SafeFileSystemReader(path)
         dcp.load(state_dict, storage_reader=reader, planner=planner)
-    if weights_only:
+    if model_only:
         set_model_state_dict(state.module, state_dict["model"])
     else:
         state.load_state_dict(state_dict)
@@ -233,10 +233,10 @@ def train(args, state, stage, schedule, device, rank: int, saver) -> None:
     if state.step >= last and rank == 0:
         log(f"already at step {state.step} of {args.steps}: nothing to train")
     while state.step < last:
-        start = time.time()
+        start, lr = time.time(), state.lr_scheduler.get_last_lr()[0]
         loss = train_step(state, stage, schedule, device)
         if loss is not None:  # the loss exists only on the last stage
-            lr, secs = state.lr_scheduler.get_last_lr()[0], time.time() - start
+            secs = time.time() - start
             log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
         if state.step % args.save_every == 0 or state.step == args.steps:
             save(state, args, rank, saver)
@@ -295,7 +295,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--async-save", action="store_true", help="save in the background")
     add("--init-from", help="a step folder whose weights start a new run")
     add("--data", help="a text file to train on (default: the stdlib's .py files)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if min(args.steps, args.save_every, args.microbatches, args.stop_after or 1) < 1:
+        p.error("--steps, --save-every, --microbatches and --stop-after must be >= 1")
+    if args.batch_size % args.microbatches or args.dim % ModelArgs.n_heads:
+        p.error("--microbatches must divide --batch-size; --dim, a multiple of 4")
+    return args
 
 
 def main() -> None:
@@ -308,16 +313,21 @@ def main() -> None:
         schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=loss_fn)
         # build the optimizer, LR schedule and data sampler: the state to checkpoint
         state = build_state(args, stage, load_text(args.data))
-        # resume if a checkpoint exists
+        # resume if a checkpoint exists (its optimizer and LR schedule win over
+        # --lr); fail now, not at the first save, if the folder is not writable
+        checkpoint.check_writable(args.checkpoint_dir)
         latest = checkpoint.find_latest_step(args.checkpoint_dir)
         if latest is not None:
+            ignored = (
+                " (--init-from applies to new runs only)" if args.init_from else ""
+            )
             if rank == 0:
-                log(f"resuming from {latest}")
+                log(f"resuming from {latest}{ignored}")
             load(state, latest, rank)
         elif args.init_from:
             if rank == 0:
                 log(f"starting from the weights of {args.init_from}")
-            load(state, Path(args.init_from), rank, weights_only=True)
+            load(state, Path(args.init_from), rank, model_only=True)
         # train, saving every --save-every steps and at the last; with
         # --async-save, in the background, one save at a time
         saver = None
@@ -330,7 +340,7 @@ def main() -> None:
         final = checkpoint.step_dir(args.checkpoint_dir, state.step)
         saved = checkpoint.is_complete(final)
         ok = not saved or verify(args, state, final, rank, world_size, device)
-    except (checkpoint.CheckpointError, ValueError) as e:  # a sentence, not a traceback
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         log(f"[rank {rank}] error: {e}")
         ok = False
     finally:

@@ -5,7 +5,7 @@
 Runs pippy_dcp.py with torchrun: 40 steps on 4 ranks without a stop; 20 steps
 on 4 ranks, stopped; then that checkpoint resumed to step 40 on 4 ranks and,
 separately, on 2 ranks. Prints the largest loss difference and writes the plot.
-Takes about two minutes on a 2-core CPU machine.
+Takes 90 s to 2 min on a 2-core CPU machine.
 """
 
 import argparse
