@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint import (
     CheckpointException,
     DefaultLoadPlanner,
+    DefaultSavePlanner,
     FileSystemReader,
 )
 from torch.distributed.checkpoint.metadata import (
@@ -55,6 +56,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -677,8 +679,12 @@ class AsyncSaver:
         keep_last: If set, keep only this many newest complete steps.
 
     Note:
-        Staging holds a second copy of the state in CPU memory until the
-        write finishes: budget the state's size again per rank.
+        Staging copies the state into CPU buffers that are allocated at the
+        first save and kept for the next ones (DCP's ``DefaultStager``), so a
+        rank holds a second copy of its state for as long as the saver lives:
+        budget the state's size again per rank. Keeping them, and DCP's plan
+        caching (``enable_plan_caching``), make the training loop wait about
+        0.1x of a synchronous save instead of 0.25x (``bench/README.md``).
     """
 
     def __init__(
@@ -690,6 +696,15 @@ class AsyncSaver:
             dist.new_group(backend="gloo") if dist.is_initialized() else None
         )
         self._pending: tuple[Any, int] | None = None
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=torch.cuda.is_available(),
+                use_shared_memory=False,
+                use_async_staging=False,  # staged before save() returns
+                use_non_blocking_copy=False,
+            )
+        )
 
     def save(self, state_dict: dict[str, Any], step: int) -> Path:
         """Waits for the previous save, then starts saving ``state_dict``.
@@ -705,7 +720,11 @@ class AsyncSaver:
         staging = _prepare_step(self.checkpoint_dir, step, self.process_group)
         with explain_failures(f"saving step-{step}"):
             future = dcp.async_save(
-                state_dict, checkpoint_id=staging, process_group=self.process_group
+                state_dict,
+                checkpoint_id=staging,
+                process_group=self.process_group,
+                planner=self._planner,
+                async_stager=self._stager,
             )
         self._pending = (future, step)
         return staging
@@ -730,10 +749,11 @@ class AsyncSaver:
         return step_dir(self.checkpoint_dir, step)
 
     def close(self) -> None:
-        """Waits for the save in flight (publishing it) and frees the group."""
+        """Waits for the save in flight (publishing it), frees buffers and group."""
         try:
             self.wait()
         finally:
+            self._stager.close()
             if self.process_group is not None:
                 dist.destroy_process_group(self.process_group)
                 self.process_group = None
