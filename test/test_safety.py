@@ -77,6 +77,7 @@ READ_PATHS = {
     "read_metadata": checkpoint.read_metadata,
     "read_checkpoint": checkpoint.read_checkpoint,
     "read_checkpoint(model.)": lambda f: checkpoint.read_checkpoint(f, prefix="model."),
+    "load_model": lambda f: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
 }
 
 
