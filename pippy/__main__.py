@@ -25,7 +25,6 @@ from pippy import checkpoint
 
 __all__ = ["main"]
 
-_STEP_NAME = re.compile(r"^step-(\d+)$")
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _DTYPES = {
     "float32": torch.float32,
@@ -82,9 +81,9 @@ def _resolve(path: Path, step: int | None) -> tuple[dict[int, Path], Path]:
         raise FileNotFoundError(f"no such folder: {str(path)!r}")
     if not path.is_dir():
         raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
-    match = _STEP_NAME.match(path.name)
-    if checkpoint.is_complete(path) or match:  # one step: read it as it is
-        if step is not None and not (match and int(match.group(1)) == step):
+    own_step = checkpoint.parse_step(path)
+    if checkpoint.is_complete(path) or own_step is not None:  # one step: read it
+        if step is not None and own_step != step:
             raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
         return {}, path
     steps = checkpoint.list_steps(path)

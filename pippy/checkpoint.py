@@ -74,9 +74,9 @@ __all__ = [
     "KeyCollisionError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
-    "UnsafeCheckpointError",
     "StageState",
     "TiedParametersError",
+    "UnsafeCheckpointError",
     "check_keys",
     "check_untied",
     "check_writable",
@@ -84,11 +84,12 @@ __all__ = [
     "explain_failures",
     "find_latest_step",
     "is_complete",
-    "read_checkpoint",
-    "read_metadata",
     "list_steps",
     "load_model",
+    "parse_step",
     "publish_step",
+    "read_checkpoint",
+    "read_metadata",
     "remove_old_steps",
     "restore_non_persistent_buffers",
     "state_dict_size",
@@ -438,6 +439,12 @@ def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / METADATA_FILE).is_file()
 
 
+def parse_step(path: str | os.PathLike) -> int | None:
+    """The step of a ``step-<N>`` folder name, or None for any other name."""
+    match = _STEP_RE.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
     """Lists the step folders of a checkpoint folder, complete or not.
 
@@ -460,9 +467,9 @@ def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
         )
     steps = {}
     for path in root.iterdir():
-        match = _STEP_RE.match(path.name)
-        if match and path.is_dir():
-            steps[int(match.group(1))] = path
+        step = parse_step(path)
+        if step is not None and path.is_dir():
+            steps[step] = path
     return dict(sorted(steps.items()))
 
 
@@ -1204,11 +1211,11 @@ def load_model(
         CheckpointError: Keys missing on either side, or shapes that differ.
     """
     reader = SafeFileSystemReader(path, trusted=trusted)
-    if optimizer is None:
+    state = None if optimizer is None else StageState(model, optimizer)
+    if state is None:
         state_dict: dict[str, Any] = {"model": get_model_state_dict(model), "step": 0}
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        state_dict = {"model": model_sd, "optim": optim_sd, "step": 0}
+        state_dict = state.state_dict()
     # Every weight and every optimizer moment must land somewhere; per-group
     # options the new optimizer lacks (a scheduler's initial_lr) may not.
     must_read = ("model.", "optim.state.") if optimizer is not None else ("model.",)
@@ -1220,14 +1227,8 @@ def load_model(
             storage_reader=reader,
             planner=SafeLoadPlanner(trusted=trusted, must_read=must_read),
         )
-    if optimizer is None:
+    if state is None:
         set_model_state_dict(model, state_dict["model"])
     else:
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=state_dict["model"],
-            optim_state_dict=state_dict["optim"],
-            options=_OPTIONS,
-        )
+        state.load_state_dict(state_dict)
     return int(state_dict["step"])
