@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
@@ -145,16 +146,79 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         optimizer.param_groups = merged
 
 
+def _pack_scalars(optim_sd: dict[str, Any]) -> dict[str, Any]:
+    """Puts all of a parameter's optimizer entries but its tensors in one item.
+
+    ``flatten_optimizer_state_dict`` gives one entry per parameter and name:
+    AdamW's 11 options (``param_groups.<fqn>.lr``, ``...betas``, ...) and its
+    0-dim ``state.<fqn>.step`` beside the moments. DCP writes each entry as an
+    item of its own, at a fixed CPU cost per item (a ``torch.save``, a plan
+    entry, a metadata entry), so that bookkeeping cost 3x the time of the
+    moments themselves on small layers (see ``bench/README.md``). Packed:
+    three items per parameter for AdamW (two moments and this list) instead
+    of fourteen, still keyed by FQN, so any split of the model loads it.
+
+    Args:
+        optim_sd: A flattened optimizer state_dict (``get_state_dict`` with
+            ``flatten_optimizer_state_dict=True``).
+
+    Returns:
+        Tensors with elements under their keys; for each parameter,
+        ``scalars.<fqn>``: a list of ``[name, value]`` pairs (``name`` is
+        ``param_groups.<option>`` or ``state.<name>``); a 0-dim tensor is
+        stored as ``[name, number, dtype name]``. DCP keeps such a list, with
+        no tensor inside, as one item.
+    """
+    packed: dict[str, Any] = {}
+    scalars: dict[str, list[list[Any]]] = {}
+    for key, value in optim_sd.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            packed[key] = value
+            continue
+        section, rest = key.split(".", 1)
+        fqn, name = rest.rsplit(".", 1)
+        entry = [f"{section}.{name}", value]
+        if isinstance(value, torch.Tensor):
+            entry = [entry[0], value.item(), str(value.dtype).removeprefix("torch.")]
+        scalars.setdefault(fqn, []).append(entry)
+    packed.update((f"scalars.{fqn}", entries) for fqn, entries in scalars.items())
+    return packed
+
+
+def _unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`_pack_scalars`: the flattened optimizer state_dict.
+
+    A 0-dim tensor comes back on the CPU with its saved dtype and value
+    (``.item()`` of a real dtype is exact); ``optimizer.load_state_dict``
+    moves ``step`` to the parameter's device where the optimizer wants it
+    there (``capturable``, ``fused``).
+    """
+    flat: dict[str, Any] = {}
+    for key, value in packed.items():
+        if not key.startswith("scalars."):
+            flat[key] = value
+            continue
+        fqn = key.removeprefix("scalars.")
+        for name, item, *dtype in value:
+            section, name = name.split(".", 1)
+            if dtype:
+                item = torch.tensor(item, dtype=getattr(torch, dtype[0]))
+            flat[f"{section}.{fqn}.{name}"] = item
+    return flat
+
+
 class StageState(Stateful):
     """The checkpointable state of one pipeline stage.
 
     ``state_dict()`` returns a nested dict whose leaves DCP writes as
-    ``model.<fqn>``, ``optim.state.<fqn>.<name>``,
-    ``optim.param_groups.<fqn>.<option>``, ``lr_scheduler.<name>``, ``step``
-    and ``<extra name>.<name>``. Model and optimizer keys are the un-split
-    model's FQNs of the parameters this stage owns, so the stages' keys are
-    disjoint and together form the whole model; the scheduler, step and extra
-    state are the same on every rank and DCP stores them once.
+    ``model.<fqn>``, ``optim.state.<fqn>.<name>`` (the optimizer's tensors
+    with elements, e.g. AdamW's ``exp_avg``), ``optim.scalars.<fqn>`` (all
+    else of that parameter's optimizer entry in one item: its param group's
+    options and 0-dim state such as AdamW's ``step``), ``lr_scheduler.<name>``,
+    ``step`` and ``<extra name>.<name>``. Model and optimizer keys are the
+    un-split model's FQNs of the parameters this stage owns, so the stages'
+    keys are disjoint and together form the whole model; the scheduler, step
+    and extra state are the same on every rank and DCP stores them once.
 
     Args:
         module: The stage's module, keeping the un-split model's FQNs (for
@@ -201,6 +265,7 @@ class StageState(Stateful):
         model_sd, optim_sd = get_state_dict(
             self.module, self.optimizer, options=_OPTIONS
         )
+        optim_sd = _pack_scalars(optim_sd)
         sd: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "step": self.step}
         if self.lr_scheduler is not None:
             sd["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -218,13 +283,30 @@ class StageState(Stateful):
             RuntimeError: A model key is missing or unexpected
                 (``set_state_dict`` is strict).
             KeyError: A section (``model``, ``optim``, ...) is missing.
+            CheckpointError: An ``optim.scalars.<fqn>`` item lacks an entry
+                this optimizer has (saved by another optimizer class, or
+                without the LR scheduler that adds ``initial_lr``); DCP cannot
+                see inside the item, and ``set_state_dict`` would load an
+                empty dict for a missing state entry such as ``step``.
         """
+        optim_sd = _unpack_scalars(state_dict["optim"])
+        wanted = get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIONS)
+        missing = sorted(wanted.keys() - optim_sd.keys())
+        if missing:
+            shown = ", ".join(repr(k) for k in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise CheckpointError(
+                f"the checkpoint's optimizer state has no {shown}{more}: it was "
+                "saved by another optimizer class or with other param-group "
+                "options (an LR scheduler adds 'initial_lr'); build the optimizer "
+                "(and scheduler) as the run that saved it did"
+            )
         with _without_empty_groups(self.optimizer):
             set_state_dict(
                 self.module,
                 self.optimizer,
                 model_state_dict=state_dict["model"],
-                optim_state_dict=state_dict["optim"],
+                optim_state_dict=optim_sd,
                 options=_OPTIONS,
             )
         if self.lr_scheduler is not None:
@@ -1218,7 +1300,7 @@ def load_model(
         state_dict = state.state_dict()
     # Every weight and every optimizer moment must land somewhere; per-group
     # options the new optimizer lacks (a scheduler's initial_lr) may not.
-    must_read = ("model.", "optim.state.") if optimizer is not None else ("model.",)
+    must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
     with explain_failures(f"loading {path}"), warnings.catch_warnings():
         # Without a process group, one process reading alone is the intent.
         warnings.filterwarnings("ignore", "torch.distributed is disabled")

@@ -87,6 +87,48 @@ def test_missing_optimizer_state_is_an_error_not_fresh_moments(tmp_path):
         load(linear_state(), checkpoint.step_dir(tmp_path, 1))
 
 
+def test_optimizer_scalars_are_one_item_per_parameter_and_load_exactly(tmp_path):
+    saved = linear_state()
+    saved.optimizer.state[saved.module.weight]["step"] = torch.tensor(7.0)
+    optim_sd = saved.state_dict()["optim"]
+    # Two moments and one item of options and step per parameter, not fourteen.
+    assert sorted(optim_sd) == [
+        "scalars.bias",
+        "scalars.weight",
+        "state.bias.exp_avg",
+        "state.bias.exp_avg_sq",
+        "state.weight.exp_avg",
+        "state.weight.exp_avg_sq",
+    ]
+    folder = save(saved, tmp_path)
+    loaded = linear_state()
+    loaded.optimizer.param_groups[0]["lr"] = 0.5
+    load(loaded, folder)
+    steps = {p: s["step"] for p, s in loaded.optimizer.state.items()}
+    assert steps[loaded.module.weight].dtype == torch.float32
+    assert [steps[loaded.module.weight].item(), steps[loaded.module.bias].item()] == [
+        7.0,
+        1.0,
+    ]
+    assert loaded.optimizer.param_groups[0]["lr"] == 1e-3
+    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+
+
+def test_an_optimizer_option_missing_from_the_checkpoint_is_an_error(tmp_path):
+    folder = save(linear_state(), tmp_path)  # saved without an LR scheduler
+    state = linear_state()
+    state.lr_scheduler = torch.optim.lr_scheduler.StepLR(state.optimizer, 1)
+    state_dict = state.state_dict()
+    del state_dict["lr_scheduler"]
+    reader = checkpoint.SafeFileSystemReader(folder)
+    dcp.load(state_dict, storage_reader=reader, planner=checkpoint.SafeLoadPlanner())
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="has no 'param_groups.bias.initial_lr', 'param_groups.weight.initial_lr'",
+    ):
+        state.load_state_dict(state_dict)
+
+
 def test_dtype_mismatch_is_an_error_where_dcp_converts_silently(tmp_path):
     folder = save(linear_state(), tmp_path)
     state = linear_state()

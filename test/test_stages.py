@@ -23,6 +23,12 @@ def full_model_keys():
     return set(model.state_dict())
 
 
+def optim_fqn(key):
+    """``state.<fqn>.<name>`` or ``scalars.<fqn>``: the parameter's FQN."""
+    section, rest = key.split(".", 1)
+    return rest if section == "scalars" else rest.rsplit(".", 1)[0]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_stage_keys_are_disjoint_and_cover_the_model(tmp_path, world_size):
     torchrun(world_size, DIST_CHECKS, "keys", tmp_path)
@@ -37,7 +43,7 @@ def test_stage_keys_are_disjoint_and_cover_the_model(tmp_path, world_size):
         optim_keys = [set(r[split]["optim"]) for r in ranks]
         assert sum(map(len, optim_keys)) == len(set().union(*optim_keys)), split
         for keys, owned in zip(optim_keys, model_keys, strict=True):
-            fqns = {k.split(".", 1)[1].rsplit(".", 1)[0] for k in keys}
+            fqns = {optim_fqn(k) for k in keys}
             assert fqns == owned, split
     if world_size > 1:
         error = ranks[0]["renumbered_error"]

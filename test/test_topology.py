@@ -60,9 +60,11 @@ def test_init_from_takes_the_weights_and_nothing_else(tmp_path, uninterrupted):
     assert model_keys and all(torch.equal(new[k], old[k]) for k in model_keys)
     assert new["step"] == 1 and old["step"] == 6
     adam_steps = {
-        v.item()
-        for k, v in new.items()
-        if k.startswith("optim.state.") and k.endswith(".step")
+        value
+        for k, entries in new.items()
+        if k.startswith("optim.scalars.")
+        for name, value, *_ in entries
+        if name == "state.step"
     }
     assert adam_steps == {1.0}  # a fresh optimizer, one step old
     assert new["lr_scheduler.last_epoch"] == 1
