@@ -6,12 +6,19 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
 * ``pippy_sync``: the steps of ``examples/checkpoint/pippy_dcp.py``'s
   ``save()``: ``StageState.state_dict()``, ``checkpoint.check_keys``, and
   ``dcp.save`` on every rank into one step folder of ``publish_step``.
+  ``pippy_sync_nocrc``: the same without ``torch.save``'s CRC-32 of every
+  item (``torch.serialization.set_crc32_options(False)``, a process-wide
+  setting; ``torch.load`` never checks that CRC).
 * ``pippy_async``: the same with ``dcp.async_save`` on a dedicated gloo group
-  (what ``checkpoint.AsyncSaver`` does): ``blocked`` until it returns, ``wall``
-  until ``future.result()`` and the step is published.
+  (what ``checkpoint.AsyncSaver`` does): ``blocked`` until it returns,
+  ``wall`` until ``future.result()`` and the step is published.
 * ``pippy_sync_tuned`` / ``pippy_async_tuned``: the same with DCP's own
   options: ``DefaultSavePlanner(enable_plan_caching=True)``, and for async one
   ``DefaultStager`` kept across saves (staging buffers allocated once).
+* ``dcp_flat_optim``: ``pippy_sync`` with the optimizer state as torchtitan
+  saves it, ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``:
+  one item per parameter and option, where ``StageState`` packs a parameter's
+  options and step into one item.
 * ``torch_save_stage``: ``torch.save`` of each stage's state_dict, all at once.
 * ``gather_rank0``: the stages' tensors sent to rank 0, one ``torch.save``.
 * ``raw_write``: the ceiling: the same bytes by the same writers, one file
@@ -36,8 +43,8 @@ the rank had just before the method.
     python bench/bench_checkpoint.py --out-dir bench/results-full
 
 ``--quick`` (a few minutes on 2 cores): 50 and 150 MB of model + AdamW state
-per rank, a 50 MB case with 4x the keys, 3 repeats; the full mode goes up to
-500 MB per rank with 5 repeats. The output folder gets ``results.json`` (every
+per rank, a 50 MB case with 4x the keys, 5 repeats; the full mode goes up to
+500 MB per rank with 7 repeats. The output folder gets ``results.json`` (every
 repeat, medians, ratios, target checks), ``results.md`` (the tables) and
 ``results.png`` (time against bytes per method). Compare the ratios of one
 run, never absolute times across runs.
@@ -72,6 +79,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "checkpoint"))
@@ -92,6 +103,7 @@ CPU_STAGING = StagingOptions(
 # The cross-rank key check that the example's save() runs before dcp.save
 # (check_keys; named check_disjoint_keys in earlier versions of pippy).
 check_keys = getattr(checkpoint, "check_keys", None) or checkpoint.check_disjoint_keys
+FLAT_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 # --------------------------------------------------------------------------
@@ -296,12 +308,41 @@ def quiet(fn: Callable, *args: Any) -> Any:
         return fn(*args)
 
 
-def sync_save(state: checkpoint.StageState, folder: Path, planner=None) -> None:
-    """The example's save(): key check, one step folder, ``dcp.save`` on all ranks."""
+def flat_optim(state: checkpoint.StageState) -> dict[str, Any]:
+    """The state_dict with the optimizer as torchtitan and OLMo-core save it.
+
+    ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``: one item
+    per parameter and option or scalar, where ``StageState`` packs those into
+    one item per parameter.
+    """
     state_dict = state.state_dict()
+    state_dict["optim"] = get_optimizer_state_dict(
+        state.module, state.optimizer, options=FLAT_OPTIM
+    )
+    return state_dict
+
+
+def sync_save(
+    state: checkpoint.StageState,
+    folder: Path,
+    planner=None,
+    *,
+    flat: bool = False,
+    crc32: bool = True,
+) -> None:
+    """The example's save(): key check, one step folder, ``dcp.save`` on all ranks.
+
+    ``flat``: the optimizer as :func:`flat_optim`; ``crc32=False``: without
+    ``torch.save``'s CRC-32 of every item (a process-wide torch setting).
+    """
+    state_dict = flat_optim(state) if flat else state.state_dict()
     check_keys(state_dict)
     with checkpoint.publish_step(folder, STEP) as checkpoint_id:
-        dcp.save(state_dict, checkpoint_id=checkpoint_id, planner=planner)
+        torch.serialization.set_crc32_options(crc32)
+        try:
+            dcp.save(state_dict, checkpoint_id=checkpoint_id, planner=planner)
+        finally:
+            torch.serialization.set_crc32_options(True)
 
 
 def async_save(ctx: Ctx, folder: Path, planner=None, stager=None) -> float:
@@ -327,15 +368,20 @@ def async_save(ctx: Ctx, folder: Path, planner=None, stager=None) -> float:
     return blocked
 
 
-def pippy_save(ctx: Ctx, name: str, *, asynchronous: bool, tuned: bool) -> Method:
-    """pippy's save, sync or async; ``tuned``: with plan caching and a kept stager."""
+def pippy_save(
+    ctx: Ctx, name: str, *, asynchronous: bool, tuned: bool, **variant: bool
+) -> Method:
+    """pippy's save, sync or async; ``tuned``: with plan caching and a kept stager.
+
+    ``variant``: ``flat`` or ``crc32`` of :func:`sync_save`.
+    """
     planner = DefaultSavePlanner(enable_plan_caching=True) if tuned else None
     stager = ctx.stager if tuned else None
 
     def run() -> dict:
         if asynchronous:
             return {"blocked_s": async_save(ctx, ctx.work / name, planner, stager)}
-        sync_save(ctx.state, ctx.work / name, planner)
+        sync_save(ctx.state, ctx.work / name, planner, **variant)
         return {}
 
     return Method(run=run, cleanup=ctx.remover(name))
@@ -520,7 +566,8 @@ def case_tag(case: Case, state: checkpoint.StageState, world: int) -> dict:
     """The case's bytes and keys: per rank (the largest stage) and in all."""
     sd = state.state_dict()
     n_tensors, nbytes = checkpoint.state_dict_size(sd)
-    per_rank = all_ranks((n_tensors, sum(1 for _ in leaves(sd)), nbytes))
+    items, flat_items = (sum(1 for _ in leaves(d)) for d in (sd, flat_optim(state)))
+    per_rank = all_ranks((n_tensors, items, nbytes, flat_items))
     return {
         **asdict(case),
         "case": case.label,
@@ -530,6 +577,7 @@ def case_tag(case: Case, state: checkpoint.StageState, world: int) -> dict:
         "total_bytes": sum(r[2] for r in per_rank),
         "tensors_per_rank": max(r[0] for r in per_rank),
         "items_per_rank": max(r[1] for r in per_rank),
+        "flat_items_per_rank": max(r[3] for r in per_rank),
     }
 
 
@@ -558,6 +606,12 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "pippy_sync": pippy_save(ctx, "pippy_sync", asynchronous=False, tuned=False),
         "pippy_sync_tuned": pippy_save(
             ctx, "pippy_sync_tuned", asynchronous=False, tuned=True
+        ),
+        "pippy_sync_nocrc": pippy_save(
+            ctx, "pippy_sync_nocrc", asynchronous=False, tuned=False, crc32=False
+        ),
+        "dcp_flat_optim": pippy_save(
+            ctx, "dcp_flat_optim", asynchronous=False, tuned=False, flat=True
         ),
         "pippy_async": pippy_save(ctx, "pippy_async", asynchronous=True, tuned=False),
         "pippy_async_tuned": pippy_save(
@@ -702,6 +756,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         walls = [r["wall_s"] for r in group]
         blocked = [r["blocked_s"] for r in group]
         keep = ("saved_by", "bytes_per_rank", "total_bytes", "items_per_rank")
+        keep += ("flat_items_per_rank", "tensors_per_rank")
         wall = statistics.median(walls)
         summary.append(
             {
@@ -709,7 +764,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "ranks": ranks,
                 "case": case,
                 "method": method,
-                **{k: group[0][k] for k in (*keep, "tensors_per_rank")},
+                **{k: group[0][k] for k in keep},
                 "repeats": len(group),
                 "wall_s": wall,
                 "wall_min_s": min(walls),
@@ -805,7 +860,7 @@ def linearity_checks(summary: list[dict]) -> list[dict]:
     """
     checks = []
     for s in summary:
-        if s["phase"] != "save" or not s["method"].startswith("pippy_sync"):
+        if s["phase"] != "save" or s["method"] not in ("pippy_sync", "dcp_flat_optim"):
             continue
         same = [
             t
@@ -912,31 +967,32 @@ def save_cases(summary: list[dict]) -> list[dict[str, dict]]:
 
 def headline_table(summary: list[dict]) -> str:
     """Per degree and size: the saves' medians and their ratios to the references."""
-    head = ["P", "case", "MB/rank", "raw_write s", "copy_fresh s"]
-    head += [
-        "pippy_sync s (x raw, x gather, x torch.save)",
-        "pippy_sync_tuned s (x raw)",
-    ]
+    head = ["P", "case", "MB/rank", "items/rank (flat)", "raw_write s"]
+    head += ["copy_fresh s", "pippy_sync s (x raw, x gather, x torch.save)"]
+    head += [f"{name} s (x raw)" for name in SYNC_VARIANTS]
     head += ["pippy_async blocked s (x copy, x sync)", "pippy_async_tuned (same)"]
     rows = []
     for m in save_cases(summary):
-        sync, tuned = m["pippy_sync"], m["pippy_sync_tuned"]
-        copy = m["copy_fresh"]["wall_s"]
+        sync = m["pippy_sync"]
         rows.append(
             [
                 str(sync["ranks"]),
                 sync["case"],
                 f"{sync['bytes_per_rank'] / MB:.0f}",
+                f"{sync['items_per_rank']} ({sync['flat_items_per_rank']})",
                 f"{m['raw_write']['wall_s']:.2f}",
-                f"{copy:.2f}",
-                f"{sync['wall_s']:.2f} ({sync['x_raw']:.1f}, {sync['x_gather']:.2f}, "
-                f"{sync['x_torch_save']:.1f})",
-                f"{tuned['wall_s']:.2f} ({tuned['x_raw']:.1f})",
+                f"{m['copy_fresh']['wall_s']:.2f}",
+                f"{sync['wall_s']:.2f} ({sync['x_raw']:.2f}, {sync['x_gather']:.2f}, "
+                f"{sync['x_torch_save']:.2f})",
+                *(f"{m[n]['wall_s']:.2f} ({m[n]['x_raw']:.2f})" for n in SYNC_VARIANTS),
                 blocked_cell(m, "pippy_async"),
                 blocked_cell(m, "pippy_async_tuned"),
             ]
         )
     return markdown(head, rows)
+
+
+SYNC_VARIANTS = ("dcp_flat_optim", "pippy_sync_tuned", "pippy_sync_nocrc")
 
 
 def blocked_cell(m: dict[str, dict], name: str) -> str:
@@ -1133,13 +1189,15 @@ def run_all(opts: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(opts.work_dir, ignore_errors=True)
     machine = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join(["python", *sys.argv]),
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "torch": torch.__version__,
         "disk_probe_gb_per_s": disk,
         "seconds": round(time.time() - started),
     }
+    # The measurements first, so that a failing report loses nothing.
+    (out / "rows.json").write_text(json.dumps({"machine": machine, "rows": rows}))
     report(rows, machine, out)
 
 
@@ -1151,7 +1209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = p.add_argument
-    add("--quick", action="store_true", help="50 and 150 MB per rank, 3 repeats")
+    add("--quick", action="store_true", help="50 and 150 MB per rank, 5 repeats")
     add("--out-dir", default="bench-out", help="folder for the JSON, tables and PNG")
     add("--work-dir", help="where checkpoints are written (default: a temp folder)")
     add("--sizes-mb", type=float, nargs="+", help="state per rank, MB (model+AdamW)")
@@ -1159,7 +1217,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--n-layers", type=int, default=8, help="decoder blocks (divisible by 4)")
     add("--dim", type=int, help="one model of this width instead of --sizes-mb")
     add("--keys-x", type=int, default=4, help="extra case: x layers, same bytes")
-    add("--repeats", type=int, help="repeats per method (quick: 3, full: 5)")
+    add("--repeats", type=int, help="repeats per method (quick: 5, full: 7)")
+    add("--report", metavar="ROWS_JSON", help="only redo the tables and plot of a run")
     add("--timeout", type=float, default=1800, help="seconds per launched phase")
     add("--warm-cache", action="store_true", help="keep files cached before loads")
     # Internal: what the driver passes to the ranks it launches.
@@ -1171,7 +1230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if opts.sizes_mb is None:
         opts.sizes_mb = [50, 150] if opts.quick else [50, 150, 500]
     if opts.repeats is None:
-        opts.repeats = 3 if opts.quick else 5
+        opts.repeats = 5 if opts.quick else 7
     return opts
 
 
@@ -1183,6 +1242,10 @@ def main() -> None:
     phases = {"save": phase_save, "reshard": phase_reshard, "unsplit": phase_unsplit}
     if opts.phase:
         phases[opts.phase](opts)
+    elif opts.report:
+        saved = json.loads(Path(opts.report).read_text())
+        Path(opts.out_dir).mkdir(parents=True, exist_ok=True)
+        report(saved["rows"], saved["machine"], Path(opts.out_dir))
     else:
         run_all(opts)
 
