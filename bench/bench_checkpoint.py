@@ -5,20 +5,22 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
 
 * ``pippy_sync``: the steps of ``examples/checkpoint/pippy_dcp.py``'s
   ``save()``: ``StageState.state_dict()``, ``checkpoint.check_keys``, and
-  ``dcp.save`` on every rank into one step folder of ``publish_step``.
+  ``dcp.save`` with ``DefaultSavePlanner(enable_plan_caching=True)`` on every
+  rank into one step folder of ``publish_step``. ``pippy_sync_nocache``: the
+  same with DCP's default planner (no plan caching).
   ``pippy_sync_nocrc``: the same without ``torch.save``'s CRC-32 of every
   item (``torch.serialization.set_crc32_options(False)``, a process-wide
   setting; ``torch.load`` never checks that CRC).
-* ``pippy_async``: the same with ``dcp.async_save`` on a dedicated gloo group
-  (what ``checkpoint.AsyncSaver`` does): ``blocked`` until it returns,
-  ``wall`` until ``future.result()`` and the step is published.
-* ``pippy_sync_tuned`` / ``pippy_async_tuned``: the same with DCP's own
-  options: ``DefaultSavePlanner(enable_plan_caching=True)``, and for async one
-  ``DefaultStager`` kept across saves (staging buffers allocated once).
-* ``dcp_flat_optim``: ``pippy_sync`` with the optimizer state as torchtitan
-  saves it, ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``:
-  one item per parameter and option, where ``StageState`` packs a parameter's
-  options and step into one item.
+* ``pippy_async``: ``pippy_sync_nocache`` with ``dcp.async_save`` on a gloo group
+  (``checkpoint.AsyncSaver`` untuned): ``blocked`` until it returns, ``wall``
+  until ``future.result()`` and the step is published.
+* ``pippy_async_tuned``: the same with DCP's own options, as
+  ``checkpoint.AsyncSaver`` has them: plan caching, and one ``DefaultStager``
+  kept across saves (staging buffers allocated once).
+* ``dcp_flat_optim``: ``pippy_sync_nocache`` with the optimizer state as
+  torchtitan saves it, ``get_optimizer_state_dict(...,
+  flatten_optimizer_state_dict=True)``: one item per parameter and option,
+  where ``StageState`` packs a parameter's options and step into one item.
 * ``torch_save_stage``: ``torch.save`` of each stage's state_dict, all at once.
 * ``gather_rank0``: the stages' tensors sent to rank 0, one ``torch.save``.
 * ``raw_write``: the ceiling: the same bytes by the same writers, one file
@@ -254,6 +256,7 @@ def measure(method: Method) -> dict[str, float]:
     """Runs a method on all ranks at once; its time is the slowest rank's."""
     if method.prepare:
         method.prepare()
+    os.sync()  # no method pays for the write-back of the one before
     reset_peak_memory()
     barrier()
     before = memory_kb("VmRSS")
@@ -582,11 +585,18 @@ def case_tag(case: Case, state: checkpoint.StageState, world: int) -> dict:
 
 
 def run_repeats(methods: dict[str, Method], repeats: int, tag: dict) -> list[dict]:
-    """Each repeat runs every method once, in an order rotated per repeat."""
-    rows, names = [], list(methods)
+    """Each repeat runs every method once: the saves, then the loads.
+
+    Each group's order is rotated per repeat, so that no method always runs
+    first or right after a load: a cold load slows the write that follows it
+    (by 2x here), which in a fixed order charged one method every time.
+    """
+    rows = []
+    saves = [n for n in methods if not n.startswith("load")]
+    loads = [n for n in methods if n.startswith("load")]
     for rep in range(repeats):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = [g[rep % len(g) :] + g[: rep % len(g)] for g in (saves, loads) if g]
+        for name in [n for group in order for n in group]:
             row = {**tag, "method": name, "repeat": rep, **measure(methods[name])}
             rows.append(row)
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -603,12 +613,12 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
     loaded = checkpoint.step_dir(ctx.work / "ckpt", STEP)
     args = (ctx.case, ctx.rank, ctx.world, loaded, cold)
     return {
-        "pippy_sync": pippy_save(ctx, "pippy_sync", asynchronous=False, tuned=False),
-        "pippy_sync_tuned": pippy_save(
-            ctx, "pippy_sync_tuned", asynchronous=False, tuned=True
+        "pippy_sync": pippy_save(ctx, "pippy_sync", asynchronous=False, tuned=True),
+        "pippy_sync_nocache": pippy_save(
+            ctx, "pippy_sync_nocache", asynchronous=False, tuned=False
         ),
         "pippy_sync_nocrc": pippy_save(
-            ctx, "pippy_sync_nocrc", asynchronous=False, tuned=False, crc32=False
+            ctx, "pippy_sync_nocrc", asynchronous=False, tuned=True, crc32=False
         ),
         "dcp_flat_optim": pippy_save(
             ctx, "dcp_flat_optim", asynchronous=False, tuned=False, flat=True
@@ -820,7 +830,7 @@ def save_checks(summary: list[dict]) -> list[dict]:
     checks = []
     for m in save_cases(summary):
         where = f"P={m['pippy_sync']['ranks']} {m['pippy_sync']['case']}"
-        for sync in ("pippy_sync", "pippy_sync_tuned"):
+        for sync in ("pippy_sync",):
             checks.append(
                 check(f"{sync} / raw_write", where, m[sync], m["raw_write"], 1.3)
             )
@@ -992,7 +1002,7 @@ def headline_table(summary: list[dict]) -> str:
     return markdown(head, rows)
 
 
-SYNC_VARIANTS = ("dcp_flat_optim", "pippy_sync_tuned", "pippy_sync_nocrc")
+SYNC_VARIANTS = ("pippy_sync_nocache", "dcp_flat_optim", "pippy_sync_nocrc")
 
 
 def blocked_cell(m: dict[str, dict], name: str) -> str:
@@ -1218,7 +1228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dim", type=int, help="one model of this width instead of --sizes-mb")
     add("--keys-x", type=int, default=4, help="extra case: x layers, same bytes")
     add("--repeats", type=int, help="repeats per method (quick: 5, full: 7)")
-    add("--report", metavar="ROWS_JSON", help="only redo the tables and plot of a run")
+    add("--report", metavar="JSON", help="redo tables and plot from a rows.json")
     add("--timeout", type=float, default=1800, help="seconds per launched phase")
     add("--warm-cache", action="store_true", help="keep files cached before loads")
     # Internal: what the driver passes to the ranks it launches.
