@@ -129,6 +129,20 @@ def test_an_optimizer_option_missing_from_the_checkpoint_is_an_error(tmp_path):
         state.load_state_dict(state_dict)
 
 
+def test_a_step_damaged_after_publishing_names_its_files_and_the_way_out(tmp_path):
+    folder = save(linear_state(), tmp_path)
+    (data,) = folder.glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:-100])  # a copy cut short
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"is damaged: {data.name} has \d+ bytes, its items need \d+.*earlier step",
+    ):
+        load(linear_state(), folder)
+    data.unlink()  # a rank's file lost
+    with pytest.raises(checkpoint.CheckpointError, match=f"{data.name} is missing"):
+        checkpoint.load_model(folder, linear_state().module)
+
+
 def test_dtype_mismatch_is_an_error_where_dcp_converts_silently(tmp_path):
     folder = save(linear_state(), tmp_path)
     state = linear_state()
