@@ -64,6 +64,7 @@ import logging
 import math
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -587,16 +588,18 @@ def case_tag(case: Case, state: checkpoint.StageState, world: int) -> dict:
 def run_repeats(methods: dict[str, Method], repeats: int, tag: dict) -> list[dict]:
     """Each repeat runs every method once: the saves, then the loads.
 
-    Each group's order is rotated per repeat, so that no method always runs
-    first or right after a load: a cold load slows the write that follows it
-    (by 2x here), which in a fixed order charged one method every time.
+    Each group is shuffled per repeat (the same order on every rank), so that
+    no method always follows the same one: a method can slow the next (a cold
+    load, the next write 2x; freeing 500 MB of buffers, the next save), and a
+    fixed or merely rotated order would charge that to one method every time.
     """
     rows = []
     saves = [n for n in methods if not n.startswith("load")]
     loads = [n for n in methods if n.startswith("load")]
     for rep in range(repeats):
-        order = [g[rep % len(g) :] + g[: rep % len(g)] for g in (saves, loads) if g]
-        for name in [n for group in order for n in group]:
+        shuffle = random.Random(rep).sample
+        order = shuffle(saves, len(saves)) + shuffle(loads, len(loads))
+        for name in order:
             row = {**tag, "method": name, "repeat": rep, **measure(methods[name])}
             rows.append(row)
             if not dist.is_initialized() or dist.get_rank() == 0:
