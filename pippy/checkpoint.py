@@ -156,7 +156,8 @@ def _pack_scalars(optim_sd: dict[str, Any]) -> dict[str, Any]:
     entry, a metadata entry). Packed: three items per parameter for AdamW
     (two moments and this list) instead of fourteen, still keyed by FQN, so
     any split of the model loads it. On the benchmark's model that makes a
-    save 1.1x-1.5x faster, 2.2x with four times the layers (``bench/README.md``).
+    save 1.3x-1.7x faster, 2.1x-2.3x with four times the layers
+    (``bench/README.md``).
 
     Args:
         optim_sd: A flattened optimizer state_dict (``get_state_dict`` with
@@ -773,8 +774,9 @@ class AsyncSaver:
         rank holds a second copy of its state for as long as the saver lives:
         budget the state's size again per rank. Keeping them, and DCP's plan
         caching (``enable_plan_caching``), cut the training loop's wait to
-        0.4x-0.75x of an untuned async save, less than a bare copy of the
-        tensors and about a fifth of a synchronous save (``bench/README.md``).
+        0.4x-0.75x of an untuned async save, below a bare copy of the tensors
+        but for many small ones, and a fifth of a synchronous save or less
+        (``bench/README.md``).
     """
 
     def __init__(
