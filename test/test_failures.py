@@ -271,10 +271,13 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path):
     data = ckpt / "step-2" / "__1_0.distcp"
     data.write_bytes(before["__1_0.distcp"][:1000])  # truncated
     run = example(2, *TINY, "--steps", "3", "--checkpoint-dir", ckpt, ok=False)
-    assert "error: loading" in run.stdout and "rank 1:" in run.stdout
+    for rank in (0, 1):  # every rank stops with the same line, before loading
+        assert f"[rank {rank}] error: " in run.stdout
+    assert "step-2' is damaged: __1_0.distcp has 1000 bytes" in run.stdout
+    assert "to resume from an earlier step" in run.stdout
     data.unlink()  # missing
     run = example(2, *TINY, "--steps", "3", "--checkpoint-dir", ckpt, ok=False)
-    assert "No such file or directory" in run.stdout and "__1_0.distcp" in run.stdout
+    assert "is damaged: __1_0.distcp is missing" in run.stdout
     data.write_bytes(before["__1_0.distcp"])
     # Nothing that was saved before was lost or changed by the failed runs.
     assert {p.name: p.read_bytes() for p in (ckpt / "step-2").iterdir()} == before
