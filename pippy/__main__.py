@@ -98,6 +98,24 @@ def _resolve(path: Path, step: int | None) -> tuple[dict[int, Path], Path]:
     return steps, steps[max(complete)]
 
 
+def _completeness(folder: Path, args: argparse.Namespace) -> str:
+    """The COMPLETE column of a step: yes, or why not."""
+    if not checkpoint.is_complete(folder):
+        return "no (no .metadata)"
+    try:
+        metadata = checkpoint.read_metadata(
+            folder, trusted=args.trust_checkpoint or None
+        )
+    except checkpoint.CheckpointError as e:
+        return f"no ({type(e).__name__})"
+    damage = checkpoint.find_damage(folder, metadata)
+    return (
+        f"no (damaged: {damage[0]}{' ...' if len(damage) > 1 else ''})"
+        if damage
+        else "yes"
+    )
+
+
 def _inspect(args: argparse.Namespace) -> None:
     steps, folder = _resolve(Path(args.path), args.step)
     metadata = checkpoint.read_metadata(folder, trusted=args.trust_checkpoint or None)
@@ -129,10 +147,8 @@ def _inspect(args: argparse.Namespace) -> None:
             per_file[name] = (count + 1, total + size)
     if steps:
         print(f"{args.path}: {len(steps)} step(s)")
-        done = {s: checkpoint.is_complete(p) for s, p in steps.items()}
         step_rows = [
-            [s, "yes" if done[s] else "no (no .metadata)", _human(_disk_size(p))]
-            for s, p in steps.items()
+            [s, _completeness(p, args), _human(_disk_size(p))] for s, p in steps.items()
         ]
         _table(["STEP", "COMPLETE", "ON DISK"], step_rows, right={0, 2})
         print()
@@ -146,6 +162,8 @@ def _inspect(args: argparse.Namespace) -> None:
     stored_total = sum(row[3] for row in file_rows)
     file_rows.append(["total", "", len(keys), stored_total, _human(_disk_size(folder))])
     _table(["FILE", "RANK", "KEYS", "BYTES", "ON DISK"], file_rows, right={1, 2, 3, 4})
+    for problem in checkpoint.find_damage(folder, metadata):
+        print(f"damaged: {problem}; this step cannot be loaded")
 
 
 def _export(args: argparse.Namespace) -> None:

@@ -47,7 +47,6 @@ from torch import nn
 from torch.distributed.checkpoint import (
     CheckpointException,
     DefaultLoadPlanner,
-    DefaultSavePlanner,
     FileSystemReader,
 )
 from torch.distributed.checkpoint.metadata import (
@@ -83,6 +82,7 @@ __all__ = [
     "check_writable",
     "diff_state_dicts",
     "explain_failures",
+    "find_damage",
     "find_latest_step",
     "is_complete",
     "list_steps",
@@ -285,23 +285,31 @@ class StageState(Stateful):
                 (``set_state_dict`` is strict).
             KeyError: A section (``model``, ``optim``, ...) is missing.
             CheckpointError: An ``optim.scalars.<fqn>`` item lacks an entry
-                this optimizer has (saved by another optimizer class, or
-                without the LR scheduler that adds ``initial_lr``); DCP cannot
-                see inside the item, and ``set_state_dict`` would load an
-                empty dict for a missing state entry such as ``step``.
+                this optimizer has, or has one it lacks (saved by another
+                optimizer class, or without the LR scheduler that adds
+                ``initial_lr``; an ``initial_lr`` this optimizer lacks is
+                allowed). DCP cannot see inside the item, and
+                ``set_state_dict`` would load an empty dict for a missing
+                state entry such as ``step`` and ignore extra ones.
         """
         optim_sd = _unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIONS)
         missing = sorted(wanted.keys() - optim_sd.keys())
-        if missing:
-            shown = ", ".join(repr(k) for k in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise CheckpointError(
-                f"the checkpoint's optimizer state has no {shown}{more}: it was "
-                "saved by another optimizer class or with other param-group "
-                "options (an LR scheduler adds 'initial_lr'); build the optimizer "
-                "(and scheduler) as the run that saved it did"
-            )
+        # An LR scheduler's initial_lr may stay behind when loading into an
+        # optimizer without one; any other entry is another optimizer's.
+        extra = sorted(
+            k for k in optim_sd.keys() - wanted.keys() if not k.endswith(".initial_lr")
+        )
+        for what, keys in (("has no", missing), ("has entries this one lacks:", extra)):
+            if keys:
+                shown = ", ".join(repr(k) for k in keys[:5])
+                more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+                raise CheckpointError(
+                    f"the checkpoint's optimizer state {what} {shown}{more}: it was "
+                    "saved by another optimizer class or with other param-group "
+                    "options (an LR scheduler adds 'initial_lr'); build the "
+                    "optimizer (and scheduler) as the run that saved it did"
+                )
         with _without_empty_groups(self.optimizer):
             set_state_dict(
                 self.module,
@@ -772,11 +780,12 @@ class AsyncSaver:
         Staging copies the state into CPU buffers that are allocated at the
         first save and kept for the next ones (DCP's ``DefaultStager``), so a
         rank holds a second copy of its state for as long as the saver lives:
-        budget the state's size again per rank. Keeping them, and DCP's plan
-        caching (``enable_plan_caching``), cut the training loop's wait to
-        0.4x-0.75x of an untuned async save, below a bare copy of the tensors
-        but for many small ones, and a fifth of a synchronous save or less
-        (``bench/README.md``).
+        budget the state's size again per rank. Keeping them brings the
+        training loop's wait below a bare copy of the tensors but for many
+        small ones (``bench/README.md``). DCP's plan caching
+        (``enable_plan_caching``) is not used: torch 2.13 compares plans
+        without dtypes, so after a dtype change it writes the old dtype into
+        ``.metadata`` and loads convert silently.
     """
 
     def __init__(
@@ -788,7 +797,6 @@ class AsyncSaver:
             dist.new_group(backend="gloo") if dist.is_initialized() else None
         )
         self._pending: tuple[Any, int] | None = None
-        self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=torch.cuda.is_available(),
@@ -815,7 +823,6 @@ class AsyncSaver:
                 state_dict,
                 checkpoint_id=staging,
                 process_group=self.process_group,
-                planner=self._planner,
                 async_stager=self._stager,
             )
         self._pending = (future, step)
@@ -974,18 +981,24 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _check_data_files(folder: Path, metadata: Metadata) -> None:
-    """Checks that every data file ``.metadata`` names is there, long enough.
+def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
+    """Lists the data files that ``.metadata`` names but are missing or short.
 
-    A step is published whole, so this catches damage done afterwards: a rank's
+    A step is published whole, so this finds damage done afterwards: a rank's
     file deleted, or a copy or sync of the folder cut short. DCP would fail
     mid-load with a ``FileNotFoundError`` (or a short read) on the ranks that
     read that file, and ``find_latest_step`` would pick the same step again
     on every restart.
 
-    Raises:
-        CheckpointError: Naming the missing or short files and the way out.
+    Args:
+        path: A step folder.
+        metadata: Its metadata, from :func:`read_metadata`.
+
+    Returns:
+        One line per damaged file (``"__1_0.distcp is missing"``); empty if
+        every file is there and at least as long as its items.
     """
+    folder = Path(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
@@ -1001,6 +1014,12 @@ def _check_data_files(folder: Path, metadata: Metadata) -> None:
             problems.append(
                 f"{name} has {path.stat().st_size} bytes, its items need {size}"
             )
+    return problems
+
+
+def _check_data_files(folder: Path, metadata: Metadata) -> None:
+    """Raises a :class:`CheckpointError` naming the files of :func:`find_damage`."""
+    problems = find_damage(folder, metadata)
     if problems:
         raise CheckpointError(
             f"{str(folder)!r} is damaged: {'; '.join(problems[:4])}"
@@ -1027,6 +1046,8 @@ class SafeFileSystemReader(FileSystemReader):
         trusted: True loads any pickle, as ``FileSystemReader`` does. None
             (the default) reads ``PIPPY_TRUST_CHECKPOINT=1`` from the
             environment.
+        check_files: Also check the data files (:func:`find_damage`), as a
+            load needs; False reads the metadata alone.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a folder, or has no
@@ -1037,7 +1058,13 @@ class SafeFileSystemReader(FileSystemReader):
             file it names is missing or shorter than the items it should hold.
     """
 
-    def __init__(self, path: str | os.PathLike, *, trusted: bool | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        trusted: bool | None = None,
+        check_files: bool = True,
+    ) -> None:
         super().__init__(path)
         self.trusted = _trusted(trusted)
         folder = Path(path)
@@ -1068,7 +1095,8 @@ class SafeFileSystemReader(FileSystemReader):
             raise CheckpointError(f"{metadata_path} is damaged: {e}") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{metadata_path} does not hold DCP metadata")
-        _check_data_files(folder, metadata)
+        if check_files:
+            _check_data_files(folder, metadata)
         self.metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -1147,10 +1175,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     )
         if problems:
             shown = "; ".join(problems[:6])
+            fix = "Build the model with the configuration it was saved with."
+            wants_packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
+            if wants_packed and any(k.startswith("optim.param_groups.") for k in saved):
+                fix = (
+                    "It was written by pippy before optimizer options were packed "
+                    "into optim.scalars.<fqn> (it has optim.param_groups.* keys): "
+                    "load its weights alone (--init-from, or load_model without "
+                    "an optimizer)."
+                )
             raise CheckpointError(
                 f"the checkpoint does not match this model ({len(problems)} "
-                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
-                "Build the model with the configuration it was saved with."
+                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. {fix}"
             )
         return super().create_local_plan()
 
@@ -1245,7 +1281,8 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
         CheckpointNotFoundError: ``path`` is not a complete checkpoint.
         UnsafeCheckpointError: ``.metadata`` holds a refused global.
     """
-    return SafeFileSystemReader(path, trusted=trusted).read_metadata()
+    reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
+    return reader.read_metadata()
 
 
 def read_checkpoint(

@@ -15,7 +15,7 @@ from conftest import ROOT
 
 SAVE_METHODS = {
     "pippy_sync",
-    "pippy_sync_nocache",
+    "pippy_sync_cached",
     "pippy_sync_nocrc",
     "dcp_flat_optim",
     "pippy_async",

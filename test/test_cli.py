@@ -300,3 +300,17 @@ def test_poisoned_checkpoints_run_no_code(cli_runs):
         assert "--trust-checkpoint" in cli_runs[f"poisoned_{case}"][2]
         assert not cli_runs["markers"][case].exists()
     assert not cli_runs["poisoned_out"].exists()
+
+
+def test_inspect_shows_a_damaged_step_and_says_it_cannot_be_loaded(
+    run, tmp_path, capsys
+):
+    root = tmp_path / "ckpt"
+    shutil.copytree(run[0], root)
+    (data,) = (root / "step-3").glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:1000])  # a copy cut short
+    assert main(["inspect", str(root), "--step", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"no (damaged: {data.name} has 1000 bytes" in out
+    assert f"damaged: {data.name} has 1000 bytes, its items need" in out
+    assert "model.tok_embeddings.weight" in out  # the keys are still listed

@@ -14,6 +14,10 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+)
 
 from pippy import checkpoint
 
@@ -141,6 +145,39 @@ def test_a_step_damaged_after_publishing_names_its_files_and_the_way_out(tmp_pat
     data.unlink()  # a rank's file lost
     with pytest.raises(checkpoint.CheckpointError, match=f"{data.name} is missing"):
         checkpoint.load_model(folder, linear_state().module)
+
+
+def test_another_optimizer_class_is_refused_not_loaded_with_wrong_options(tmp_path):
+    folder = save(linear_state(), tmp_path)  # AdamW
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    radam = checkpoint.StageState(model, torch.optim.RAdam(model.parameters()))
+    # Same tensor keys (step, exp_avg, exp_avg_sq): only the packed options differ.
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="has entries this one lacks: 'param_groups.bias.amsgrad'",
+    ):
+        load(radam, folder)
+
+
+def test_a_checkpoint_from_before_the_packed_layout_says_so(tmp_path):
+    state = linear_state()
+    flat = get_optimizer_state_dict(
+        state.module,
+        state.optimizer,
+        options=StateDictOptions(flatten_optimizer_state_dict=True),
+    )
+    with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
+        dcp.save({**state.state_dict(), "optim": flat}, checkpoint_id=checkpoint_id)
+    folder = checkpoint.step_dir(tmp_path, 1)
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="written by pippy before optimizer options were packed.*weights alone",
+    ):
+        load(linear_state(), folder)
+    model = torch.nn.Linear(4, 4)
+    assert checkpoint.load_model(folder, model) == 0
+    assert torch.equal(model.weight, state.module.weight)
 
 
 def test_dtype_mismatch_is_an_error_where_dcp_converts_silently(tmp_path):

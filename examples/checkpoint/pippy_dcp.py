@@ -197,13 +197,10 @@ def save(state: checkpoint.StageState, args, rank: int, saver) -> None:
         return report(rank, "staged", state_dict, f"for step-{state.step}", start)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
-    # With plan caching, DCP reuses the previous save's plans (it keeps them per
-    # planner class) while no rank's keys change: less to send, nothing to redo.
-    planner = dcp.DefaultSavePlanner(enable_plan_caching=True)
     dir_, keep = args.checkpoint_dir, args.keep_last
     with checkpoint.publish_step(dir_, state.step, keep_last=keep) as checkpoint_id:
         with checkpoint.explain_failures(f"saving step-{state.step}"):
-            dcp.save(state_dict, checkpoint_id=checkpoint_id, planner=planner)
+            dcp.save(state_dict, checkpoint_id=checkpoint_id)
     report(rank, "saved", state_dict, f"to step-{state.step}", start)
 
 
