@@ -154,9 +154,10 @@ def _pack_scalars(optim_sd: dict[str, Any]) -> dict[str, Any]:
     0-dim ``state.<fqn>.step`` beside the moments. DCP writes each entry as an
     item of its own, at a fixed CPU cost per item (a ``torch.save``, a plan
     entry, a metadata entry). Packed: three items per parameter for AdamW
-    (two moments and this list) instead of fourteen, still keyed by FQN, so
+    (two moments and this list) instead of fourteen (fifteen with an LR
+    scheduler's ``initial_lr``), still keyed by FQN, so
     any split of the model loads it. On the benchmark's model that makes a
-    save 1.3x-1.7x faster, 2.1x-2.3x with four times the layers
+    save 1.3x-1.5x faster, 2.1x-2.5x with four times the layers
     (``bench/README.md``).
 
     Args:
