@@ -72,7 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,7 @@ from torch.distributed.checkpoint.state_dict import (
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
+from pippy.checkpoint import _leaves as leaves  # noqa: E402  (DCP's item names)
 
 import pippy_dcp  # noqa: E402
 
@@ -175,15 +176,6 @@ def build_state(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return checkpoint.StageState(module, optimizer, step=STEP)
-
-
-def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(dotted key, leaf)`` of a nested dict, as DCP names its items."""
-    if isinstance(obj, dict):
-        for key, value in obj.items():
-            yield from leaves(value, f"{prefix}{key}.")
-    else:
-        yield prefix[:-1], obj
 
 
 def tensors_of(state: checkpoint.StageState) -> list[torch.Tensor]:
