@@ -35,7 +35,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+# The FQNs DCP's state_dict helpers name a module's parameter by (without the
+# wrappers' prefixes of torch.compile, DDP, activation checkpointing).
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    _get_fqns,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -209,6 +213,37 @@ def _unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter of ``module`` and the FQN that DCP's state_dicts give it."""
+    return {
+        param: next(iter(_get_fqns(module, name)))
+        for name, param in module.named_parameters()
+    }
+
+
+def _state_fqns(keys: Iterable[str], prefix: str = "state.") -> set[str]:
+    """FQNs with optimizer state among flattened keys ``<prefix><fqn>.<name>``."""
+    return {k[len(prefix) :].rsplit(".", 1)[0] for k in keys if k.startswith(prefix)}
+
+
+def _stateless_params(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
+    """FQNs of the parameters that had no optimizer state when saved.
+
+    A parameter whose gradient stayed None (a frozen layer, an expert no token
+    was routed to yet) gets no state from ``optimizer.step()``, so its
+    checkpoint has its ``optim.scalars.<fqn>`` but no ``optim.state.<fqn>.*``.
+    A fresh optimizer to load into has state for every parameter (DCP's
+    ``get_state_dict`` creates it), so such keys are wanted but not saved.
+
+    Args:
+        wanted: The keys to load (DCP's flattened names, ``optim.state...``).
+        saved: The checkpoint's keys.
+    """
+    saved = set(saved)
+    missing = _state_fqns(wanted, "optim.state.") - _state_fqns(saved, "optim.state.")
+    return {fqn for fqn in missing if f"optim.scalars.{fqn}" in saved}
+
+
 class StageState(Stateful):
     """The checkpointable state of one pipeline stage.
 
@@ -281,6 +316,11 @@ class StageState(Stateful):
         Args:
             state_dict: The dict that ``dcp.load`` filled in place.
 
+        A parameter whose ``state.`` entries are all absent from the
+        checkpoint (it had no optimizer state when saved; see
+        :class:`SafeLoadPlanner`) ends with no optimizer state, as saved, so
+        that its next step starts its state afresh, as the saved run would.
+
         Raises:
             RuntimeError: A model key is missing or unexpected
                 (``set_state_dict`` is strict).
@@ -292,9 +332,18 @@ class StageState(Stateful):
                 allowed). DCP cannot see inside the item, and
                 ``set_state_dict`` would load an empty dict for a missing
                 state entry such as ``step`` and ignore extra ones.
+            CheckpointError: A param group here joins parameters saved with
+                different options (``set_state_dict`` would give them all the
+                first one's).
         """
         optim_sd = _unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIONS)
+        # Parameters without state in the checkpoint (SafeLoadPlanner read none
+        # of it): set_state_dict takes the fresh state, dropped after it.
+        stateless = _state_fqns(wanted) - _state_fqns(optim_sd)
+        for key in wanted.keys() - optim_sd.keys():
+            if key.startswith("state.") and _state_fqns([key]) <= stateless:
+                optim_sd[key] = wanted[key]
         missing = sorted(wanted.keys() - optim_sd.keys())
         # An LR scheduler's initial_lr may stay behind when loading into an
         # optimizer without one; any other entry is another optimizer's.
@@ -311,6 +360,8 @@ class StageState(Stateful):
                     "options (an LR scheduler adds 'initial_lr'); build the "
                     "optimizer (and scheduler) as the run that saved it did"
                 )
+        fqn_of = _param_fqns(self.module)
+        self._check_groups(optim_sd, fqn_of)
         with _without_empty_groups(self.optimizer):
             set_state_dict(
                 self.module,
@@ -319,11 +370,42 @@ class StageState(Stateful):
                 optim_state_dict=optim_sd,
                 options=_OPTIONS,
             )
+        for param, fqn in fqn_of.items():
+            if fqn in stateless:
+                self.optimizer.state.pop(param, None)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])
         for name, obj in self.extra.items():
             obj.load_state_dict(state_dict[name])
+
+    def _check_groups(
+        self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
+    ) -> None:
+        """Checks that the params of each group here had the same options saved.
+
+        ``set_state_dict`` gives a param group the saved options of its first
+        parameter, so a group that joins parameters saved with different
+        options (one group here for a decay and a no-decay group there) would
+        silently give them all the first one's learning rate or weight decay.
+
+        Raises:
+            CheckpointError: Naming the group, the option, and two parameters
+                with their saved values.
+        """
+        for index, group in enumerate(self.optimizer.param_groups):
+            fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
+            for option in sorted(group.keys() - {"params"}):
+                values = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
+                for fqn, value in zip(fqns[1:], values[1:], strict=True):
+                    if _digest(value) != _digest(values[0]):
+                        raise CheckpointError(
+                            f"param group {index} here holds parameters saved with "
+                            f"different {option!r}: {values[0]!r} for {fqns[0]!r}, "
+                            f"{value!r} for {fqn!r}; one group would silently get "
+                            "the first one's. Build the param groups as the run "
+                            "that saved it did"
+                        )
 
 
 def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -1121,6 +1203,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     per-stage state saved under a stage index that no longer exists after a
     change of pipeline degree, would load "successfully" and lose them.
 
+    A parameter that had no optimizer state when saved (its gradient stayed
+    None: a frozen layer, an expert no token was routed to) has
+    ``optim.scalars.<fqn>`` in the checkpoint and no ``optim.state.<fqn>.*``,
+    while the fresh optimizer loaded into has state for every parameter. Its
+    ``optim.state.<fqn>.*`` keys are then not read and are removed from the
+    state_dict being loaded, so that :meth:`StageState.load_state_dict` gives
+    it no state, as saved; DCP alone stops at the first such key.
+
     Args:
         trusted: True reads any pickle, as ``DefaultLoadPlanner`` does. None
             (the default) reads ``PIPPY_TRUST_CHECKPOINT=1`` from the
@@ -1155,11 +1245,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         tensor of another dtype without a word (float32 into bfloat16).
         """
         saved = self.metadata.state_dict_metadata if self.metadata else {}
+        self._stateless = _stateless_params(self.state_dict.keys(), saved.keys())
         problems = []
-        for key, value in self.state_dict.items():
+        for key, value in list(self.state_dict.items()):
             item = saved.get(key)
             if item is None:
-                if not self.allow_partial_load:
+                if _state_fqns([key], "optim.state.") & self._stateless:
+                    self._drop(key)  # nothing to read: it had no state
+                elif not self.allow_partial_load:
                     problems.append(f"{key!r} is not in the checkpoint")
             elif isinstance(value, torch.Tensor):
                 if not isinstance(item, TensorStorageMetadata):
@@ -1190,6 +1283,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. {fix}"
             )
         return super().create_local_plan()
+
+    def _drop(self, key: str) -> None:
+        """Removes ``key`` from what DCP reads and from the caller's state_dict."""
+        del self.state_dict[key]
+        path = self.mappings.pop(key, None) if self.flatten_state_dict else None
+        if path is not None:
+            parent: Any = self.original_state_dict
+            for part in path[:-1]:
+                parent = parent[part]
+            del parent[path[-1]]
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """DCP's global plan, after checking that no required key is left unread."""

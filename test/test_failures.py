@@ -378,3 +378,110 @@ def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):
     assert f"resuming from {tmp_path / 'step-2'}" in run.stdout
     assert "verified:" in run.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+
+
+class TwoHeads(torch.nn.Module):
+    """Two linear heads; a step trains only the ones named in ``use``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use=("a", "b")):
+        return sum(getattr(self, name)(x) for name in use)
+
+
+def two_heads_state(optimizer_class=torch.optim.AdamW, **kwargs):
+    model = TwoHeads()
+    return checkpoint.StageState(model, optimizer_class(model.parameters(), **kwargs))
+
+
+def train_step(state, use):
+    torch.manual_seed(state.step)
+    state.module(torch.randn(2, 4), use).sum().backward()
+    state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+
+
+@pytest.mark.parametrize(
+    "optimizer_class, kwargs",
+    [(torch.optim.AdamW, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})],
+)
+def test_parameters_without_optimizer_state_load_and_resume_exactly(
+    tmp_path, optimizer_class, kwargs
+):
+    # An expert no token was routed to, a head not trained yet: its grad
+    # stayed None, so the optimizer has no state for it.
+    saved = two_heads_state(optimizer_class, **kwargs)
+    train_step(saved, use=("a",))
+    assert saved.module.b.weight not in saved.optimizer.state
+    folder = save(saved, tmp_path)
+    loaded = two_heads_state(optimizer_class, **kwargs)
+    load(loaded, folder)
+    assert loaded.module.b.weight not in loaded.optimizer.state
+    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+    for state in (saved, loaded):  # now b trains too, from fresh state in both
+        train_step(state, use=("a", "b"))
+    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+
+
+def test_optimizer_state_with_its_tensors_lost_is_an_error_not_fresh_moments(
+    tmp_path,
+):
+    state = two_heads_state()
+    train_step(state, use=("a", "b"))
+    state_dict = state.state_dict()
+    del state_dict["optim"]["state.b.weight.exp_avg"]
+    del state_dict["optim"]["state.b.weight.exp_avg_sq"]  # its step stays
+    with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
+        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+    with pytest.raises(
+        checkpoint.CheckpointError, match="has no 'state.b.weight.exp_avg'"
+    ):
+        load(two_heads_state(), checkpoint.step_dir(tmp_path, 1))
+
+
+def test_param_groups_joining_parameters_saved_with_other_options_are_refused(
+    tmp_path,
+):
+    def per_head(lrs):
+        def groups(model):
+            return [
+                {"params": getattr(model, name).parameters(), "lr": lr}
+                for name, lr in zip("ab", lrs, strict=True)
+            ]
+
+        return groups
+
+    def heads(groups):
+        model = TwoHeads()
+        state = checkpoint.StageState(model, torch.optim.AdamW(groups(model)))
+        train_step(state, use=("a", "b"))
+        return state
+
+    def one_group(model):
+        return [{"params": model.parameters(), "lr": 0.3}]
+
+    saved = heads(per_head([0.1, 0.2]))
+    folder = save(saved, tmp_path)
+    # set_state_dict would give b the saved lr of a (0.1) without a word.
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="param group 0 here holds parameters saved with different 'lr': "
+        "0.1 for 'a.weight', 0.2 for 'b.weight'",
+    ):
+        load(heads(one_group), folder)
+    # Parameters saved with equal options may be grouped otherwise.
+    same = heads(per_head([0.1, 0.1]))
+    loaded = heads(one_group)
+    load(loaded, save(same, tmp_path, step=2))
+    assert loaded.optimizer.param_groups[0]["lr"] == 0.1
+    assert (
+        checkpoint.diff_state_dicts(
+            loaded.state_dict()["model"], same.state_dict()["model"]
+        )
+        == []
+    )
