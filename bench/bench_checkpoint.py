@@ -80,7 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -235,7 +235,8 @@ def all_ranks(value: Any) -> list[Any]:
 
 @dataclass
 class Method:
-    """``run`` is timed; it may return ``{"blocked_s": s}`` (default: its wall).
+    """``run`` is timed; it may return ``{"blocked_s": s}`` (default: its wall)
+    and ``{"parts": {name: s}}``, the seconds of each part of its time.
 
     ``prepare`` and ``cleanup`` run on every rank, outside the timed region.
     """
@@ -259,12 +260,15 @@ def measure(method: Method) -> dict[str, float]:
     peak = memory_kb("VmHWM")
     if method.cleanup:
         method.cleanup()
-    ranks = all_ranks((wall, out.get("blocked_s", wall), before, peak))
+    ranks = all_ranks((wall, out.get("blocked_s", wall), before, peak, out))
+    slowest = max(ranks, key=lambda r: r[0])
     return {
-        "wall_s": max(r[0] for r in ranks),
+        "wall_s": slowest[0],
         "blocked_s": max(r[1] for r in ranks),
         "peak_rss_mb": max(r[3] for r in ranks) * 1024 / MB,
         "extra_rss_mb": max(r[3] - r[2] for r in ranks) * 1024 / MB,
+        # the parts of the slowest rank's time, if the method reports them
+        **{f"{k}_s": v for k, v in slowest[4].get("parts", {}).items()},
     }
 
 
@@ -318,6 +322,26 @@ def flat_optim(state: checkpoint.StageState) -> dict[str, Any]:
     return state_dict
 
 
+class TimedWriter(FileSystemWriter):
+    """DCP's file system writer, noting when its ``write_data`` starts and ends.
+
+    ``dcp.save`` plans (every rank's plan to the coordinator and back), then
+    calls ``write_data`` on every rank, then gathers the write results for the
+    coordinator's ``.metadata``; these marks split its time into the three.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.marks: dict[str, float] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.marks["write"] = time.perf_counter()
+        future = super().write_data(plan, planner)
+        future.wait()  # FileSystemWriter writes before returning; to be sure
+        self.marks["written"] = time.perf_counter()
+        return future
+
+
 def sync_save(
     state: checkpoint.StageState,
     folder: Path,
@@ -325,20 +349,38 @@ def sync_save(
     *,
     flat: bool = False,
     crc32: bool = True,
-) -> None:
+) -> dict[str, float]:
     """The example's save(): key check, one step folder, ``dcp.save`` on all ranks.
 
     ``flat``: the optimizer as :func:`flat_optim`; ``crc32=False``: without
     ``torch.save``'s CRC-32 of every item (a process-wide torch setting).
+
+    Returns:
+        Seconds of each part: ``pippy`` (``state_dict()``, the key check and
+        ``publish_step``, with their collectives), and of ``dcp.save``:
+        ``dcp_plan`` (until the writes start), ``dcp_write`` (every item
+        through ``torch.save`` and ``fsync``), ``dcp_finish`` (write results
+        to the coordinator, ``.metadata``, outcome back to every rank).
     """
+    start = time.perf_counter()
     state_dict = flat_optim(state) if flat else state.state_dict()
     check_keys(state_dict)
     with checkpoint.publish_step(folder, STEP) as checkpoint_id:
+        writer = TimedWriter(checkpoint_id)
         torch.serialization.set_crc32_options(crc32)
         try:
-            dcp.save(state_dict, checkpoint_id=checkpoint_id, planner=planner)
+            before = time.perf_counter()
+            dcp.save(state_dict, storage_writer=writer, planner=planner)
+            after = time.perf_counter()
         finally:
             torch.serialization.set_crc32_options(True)
+    marks = writer.marks
+    dcp_s = {
+        "dcp_plan": marks["write"] - before,
+        "dcp_write": marks["written"] - marks["write"],
+        "dcp_finish": after - marks["written"],
+    }
+    return {"pippy": time.perf_counter() - start - (after - before), **dcp_s}
 
 
 def async_save(ctx: Ctx, folder: Path, planner=None, stager=None) -> float:
@@ -384,8 +426,7 @@ def pippy_save(
     def run() -> dict:
         if asynchronous:
             return {"blocked_s": async_save(ctx, ctx.work / name, planner, stager)}
-        sync_save(ctx.state, ctx.work / name, planner, **variant)
-        return {}
+        return {"parts": sync_save(ctx.state, ctx.work / name, planner, **variant)}
 
     return Method(run=run, cleanup=ctx.remover(name))
 
@@ -791,6 +832,11 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "extra_rss_mb": statistics.median(r["extra_rss_mb"] for r in group),
                 "extra_rss_max_mb": max(r["extra_rss_mb"] for r in group),
                 "stager_held_mb": group[0].get("stager_held_mb"),
+                **{
+                    part: statistics.median(r[part] for r in group)
+                    for part in PARTS
+                    if part in group[0]
+                },
             }
         )
     index = {(s["phase"], s["ranks"], s["case"], s["method"]): s for s in summary}
@@ -1007,6 +1053,43 @@ def headline_table(summary: list[dict]) -> str:
 
 
 SYNC_VARIANTS = ("pippy_sync_cached", "dcp_flat_optim", "pippy_sync_nocrc")
+# The parts of a sync save's time that sync_save reports, in order.
+PARTS = ("pippy_s", "dcp_plan_s", "dcp_write_s", "dcp_finish_s")
+
+
+def parts_table(summary: list[dict]) -> str:
+    """Where a sync save's time goes: each part's median, in units of raw_write.
+
+    *fixed* is everything but the writes: pippy's and DCP's per-save work and
+    collectives, which a faster write path would not remove. Each part is its
+    own median over the repeats, so the parts need not sum to the wall.
+    """
+    head = ["P", "case", "method", "items/rank", "raw_write s", "wall s (x raw)"]
+    head += [f"{part.removesuffix('_s')} s (x raw)" for part in PARTS]
+    head += ["fixed: all but dcp_write (x raw)"]
+    rows = []
+    for m in save_cases(summary):
+        raw = m["raw_write"]["wall_s"]
+        for name in ("pippy_sync", "dcp_flat_optim", "pippy_sync_nocrc"):
+            s = m[name]
+            if not all(part in s for part in PARTS):
+                continue
+            fixed = sum(s[part] for part in PARTS if part != "dcp_write_s")
+            flat = name == "dcp_flat_optim"
+            items = s["flat_items_per_rank"] if flat else s["items_per_rank"]
+            rows.append(
+                [
+                    str(s["ranks"]),
+                    s["case"],
+                    name,
+                    str(items),
+                    f"{raw:.3f}",
+                    f"{s['wall_s']:.3f} ({s['wall_s'] / raw:.2f})",
+                    *(f"{s[part]:.3f} ({s[part] / raw:.2f})" for part in PARTS),
+                    f"{fixed:.3f} ({fixed / raw:.2f})",
+                ]
+            )
+    return markdown(head, rows)
 
 
 def blocked_cell(m: dict[str, dict], name: str) -> str:
@@ -1113,6 +1196,8 @@ def report(rows: list[dict], machine: dict, out: Path) -> None:
         f"(one writer, 512 MiB + fsync) {machine['disk_probe_gb_per_s']:.2f} GB/s, "
         f"{machine['seconds']} s in all.\n\n"
         f"## Saves\n\n{headline_table(summary)}\n\n"
+        "## Where a sync save's time goes (median seconds of the slowest rank)\n\n"
+        f"{parts_table(summary)}\n\n"
         "## Extra RSS per rank, MB (highest over ranks and repeats)\n\n"
         f"{memory_table(summary)}\n\n"
         f"## Targets\n\n{targets_table(checks)}\n\n"
