@@ -21,7 +21,8 @@ makes that hold and what finds the checkpoints again:
 * :func:`read_checkpoint`, :func:`load_model`: a checkpoint in one process,
   as a flat dict or into the un-split model (plain or FSDP2-sharded).
 * :func:`explain_failures`: turns DCP's ``CheckpointException`` into one error
-  per rank that says what went wrong.
+  per rank that says what went wrong; :func:`fail_together` does the same for
+  a step each rank runs alone (applying a loaded state_dict).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ __all__ = [
     "check_writable",
     "diff_state_dicts",
     "explain_failures",
+    "fail_together",
     "find_damage",
     "find_latest_step",
     "is_complete",
@@ -221,27 +223,53 @@ def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
     }
 
 
-def _state_fqns(keys: Iterable[str], prefix: str = "state.") -> set[str]:
-    """FQNs with optimizer state among flattened keys ``<prefix><fqn>.<name>``."""
-    return {k[len(prefix) :].rsplit(".", 1)[0] for k in keys if k.startswith(prefix)}
+def _state_fqns(keys: Iterable[str]) -> set[str]:
+    """FQNs with optimizer state among flattened keys ``state.<fqn>.<name>``."""
+    return {k[6:].rsplit(".", 1)[0] for k in keys if k.startswith("state.")}
 
 
-def _stateless_params(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
-    """FQNs of the parameters that had no optimizer state when saved.
+_OPTIM_STATE = re.compile(r"(?:^|\.)optim\.state\.")
 
-    A parameter whose gradient stayed None (a frozen layer, an expert no token
-    was routed to yet) gets no state from ``optimizer.step()``, so its
-    checkpoint has its ``optim.scalars.<fqn>`` but no ``optim.state.<fqn>.*``.
-    A fresh optimizer to load into has state for every parameter (DCP's
-    ``get_state_dict`` creates it), so such keys are wanted but not saved.
+
+def _split_state_key(key: str) -> tuple[str, str] | None:
+    """``("app.", "layers.0.w")`` for the key ``app.optim.state.layers.0.w.exp_avg``.
+
+    The root is what stands before ``optim.``: empty when ``StageState``'s
+    state_dict is the whole state_dict, ``app.`` under ``{"app": state}``.
+    """
+    match = _OPTIM_STATE.search(key)
+    if match is None:
+        return None
+    root = key[: match.start() + (1 if match.start() else 0)]
+    return root, key[match.end() :].rsplit(".", 1)[0]
+
+
+def _stateless_params(
+    wanted: Iterable[str], saved: Iterable[str]
+) -> set[tuple[str, str]]:
+    """Parameters that had no optimizer state when saved, as ``(root, fqn)``.
+
+    A parameter that requires grad but whose gradient stayed None (an unused
+    head, an expert no token was routed to yet) gets no state from
+    ``optimizer.step()``, so its checkpoint has its ``optim.scalars.<fqn>``
+    but no ``optim.state.<fqn>.*``. A fresh optimizer to load into has state
+    for every such parameter (DCP's ``get_state_dict`` creates it), so those
+    keys are wanted but not saved.
 
     Args:
-        wanted: The keys to load (DCP's flattened names, ``optim.state...``).
+        wanted: The keys to load (DCP's flattened names).
         saved: The checkpoint's keys.
     """
     saved = set(saved)
-    missing = _state_fqns(wanted, "optim.state.") - _state_fqns(saved, "optim.state.")
-    return {fqn for fqn in missing if f"optim.scalars.{fqn}" in saved}
+
+    def pairs(keys: Iterable[str]) -> set[tuple[str, str]]:
+        return {pair for pair in map(_split_state_key, keys) if pair is not None}
+
+    return {
+        (root, fqn)
+        for root, fqn in pairs(wanted) - pairs(saved)
+        if f"{root}optim.scalars.{fqn}" in saved
+    }
 
 
 class StageState(Stateful):
@@ -321,6 +349,9 @@ class StageState(Stateful):
         :class:`SafeLoadPlanner`) ends with no optimizer state, as saved, so
         that its next step starts its state afresh, as the saved run would.
 
+        Its checks all run before anything is applied (``dcp.load`` has
+        filled the tensors in place already).
+
         Raises:
             RuntimeError: A model key is missing or unexpected
                 (``set_state_dict`` is strict).
@@ -331,10 +362,13 @@ class StageState(Stateful):
                 ``initial_lr``; an ``initial_lr`` this optimizer lacks is
                 allowed). DCP cannot see inside the item, and
                 ``set_state_dict`` would load an empty dict for a missing
-                state entry such as ``step`` and ignore extra ones.
+                state entry such as ``step`` and ignore extra ones. Also:
+                some of a parameter's state is missing while the rest is
+                there (a damaged or edited checkpoint).
             CheckpointError: A param group here joins parameters saved with
                 different options (``set_state_dict`` would give them all the
-                first one's).
+                first one's), or the LR scheduler was saved for another number
+                of param groups.
         """
         optim_sd = _unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizer, options=_OPTIONS)
@@ -342,26 +376,13 @@ class StageState(Stateful):
         # of it): set_state_dict takes the fresh state, dropped after it.
         stateless = _state_fqns(wanted) - _state_fqns(optim_sd)
         for key in wanted.keys() - optim_sd.keys():
-            if key.startswith("state.") and _state_fqns([key]) <= stateless:
+            if _state_fqns([key]) & stateless:
                 optim_sd[key] = wanted[key]
-        missing = sorted(wanted.keys() - optim_sd.keys())
-        # An LR scheduler's initial_lr may stay behind when loading into an
-        # optimizer without one; any other entry is another optimizer's.
-        extra = sorted(
-            k for k in optim_sd.keys() - wanted.keys() if not k.endswith(".initial_lr")
-        )
-        for what, keys in (("has no", missing), ("has entries this one lacks:", extra)):
-            if keys:
-                shown = ", ".join(repr(k) for k in keys[:5])
-                more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
-                raise CheckpointError(
-                    f"the checkpoint's optimizer state {what} {shown}{more}: it was "
-                    "saved by another optimizer class or with other param-group "
-                    "options (an LR scheduler adds 'initial_lr'); build the "
-                    "optimizer (and scheduler) as the run that saved it did"
-                )
+        self._check_entries(wanted, optim_sd)
         fqn_of = _param_fqns(self.module)
         self._check_groups(optim_sd, fqn_of)
+        if self.lr_scheduler is not None:
+            self._check_scheduler(state_dict["lr_scheduler"])
         with _without_empty_groups(self.optimizer):
             set_state_dict(
                 self.module,
@@ -370,14 +391,50 @@ class StageState(Stateful):
                 optim_state_dict=optim_sd,
                 options=_OPTIONS,
             )
+        # No state, as saved; an empty entry (set_state_dict makes one for each
+        # parameter of an optimizer without state, e.g. SGD) is none either.
         for param, fqn in fqn_of.items():
-            if fqn in stateless:
+            if fqn in stateless or not self.optimizer.state.get(param, True):
                 self.optimizer.state.pop(param, None)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])
         for name, obj in self.extra.items():
             obj.load_state_dict(state_dict[name])
+
+    @staticmethod
+    def _check_entries(wanted: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
+        """Checks that the loaded optimizer entries are exactly the wanted ones.
+
+        Raises:
+            CheckpointError: Naming the missing or extra entries.
+        """
+        missing = sorted(wanted.keys() - loaded.keys())
+        # An LR scheduler's initial_lr may stay behind when loading into an
+        # optimizer without one; any other entry is another optimizer's.
+        extra = sorted(
+            k for k in loaded.keys() - wanted.keys() if not k.endswith(".initial_lr")
+        )
+
+        def shown(keys: list[str]) -> str:
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            return ", ".join(repr(k) for k in keys[:5]) + more
+
+        lost = [k for k in missing if k.startswith("state.")]
+        if lost:  # a parameter with none of its state is taken as stateless
+            raise CheckpointError(
+                f"the checkpoint's optimizer state has no {shown(lost)}, though it "
+                "has other state of the same parameters: the checkpoint is "
+                "damaged or was edited; load an earlier step"
+            )
+        for what, keys in (("has no", missing), ("has entries this one lacks:", extra)):
+            if keys:
+                raise CheckpointError(
+                    f"the checkpoint's optimizer state {what} {shown(keys)}: it was "
+                    "saved by another optimizer class or with other param-group "
+                    "options (an LR scheduler adds 'initial_lr'); build the "
+                    "optimizer (and scheduler) as the run that saved it did"
+                )
 
     def _check_groups(
         self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
@@ -390,22 +447,47 @@ class StageState(Stateful):
         silently give them all the first one's learning rate or weight decay.
 
         Raises:
-            CheckpointError: Naming the group, the option, and two parameters
-                with their saved values.
+            CheckpointError: Naming the group, the options that differ, and
+                for the first of them (``lr`` if it is one) two parameters with
+                their saved values.
         """
         for index, group in enumerate(self.optimizer.param_groups):
             fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
-            for option in sorted(group.keys() - {"params"}):
+            differ: dict[str, tuple[str, Any, Any]] = {}
+            for option in sorted(group.keys() - {"params"}, key=lambda o: o != "lr"):
                 values = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
                 for fqn, value in zip(fqns[1:], values[1:], strict=True):
                     if _digest(value) != _digest(values[0]):
-                        raise CheckpointError(
-                            f"param group {index} here holds parameters saved with "
-                            f"different {option!r}: {values[0]!r} for {fqns[0]!r}, "
-                            f"{value!r} for {fqn!r}; one group would silently get "
-                            "the first one's. Build the param groups as the run "
-                            "that saved it did"
-                        )
+                        differ[option] = (fqn, values[0], value)
+                        break
+            if differ:
+                option, (fqn, first, other) = next(iter(differ.items()))
+                raise CheckpointError(
+                    f"param group {index} here holds parameters saved with different "
+                    f"{', '.join(map(repr, differ))}: {option} {first!r} for "
+                    f"{fqns[0]!r}, {other!r} for {fqn!r}; one group would silently "
+                    "get the first one's. Build the param groups as the run that "
+                    "saved it did"
+                )
+
+    def _check_scheduler(self, saved: Mapping[str, Any]) -> None:
+        """Checks that the LR scheduler was saved for as many param groups.
+
+        A scheduler keeps per-group lists (``base_lrs``, LambdaLR's
+        ``lr_lambdas``); loaded for another number of groups, LambdaLR and
+        CosineAnnealingLR fail at their first step, others run on misaligned.
+
+        Raises:
+            CheckpointError: Naming both numbers of groups.
+        """
+        groups = len(self.optimizer.param_groups)
+        saved_groups = len(saved.get("base_lrs", ())) or groups
+        if saved_groups != groups:
+            raise CheckpointError(
+                f"the LR scheduler was saved for {saved_groups} param group(s), this "
+                f"optimizer has {groups}: its per-group schedule would not line up. "
+                "Build the param groups as the run that saved it did"
+            )
 
 
 def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -1203,8 +1285,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     per-stage state saved under a stage index that no longer exists after a
     change of pipeline degree, would load "successfully" and lose them.
 
-    A parameter that had no optimizer state when saved (its gradient stayed
-    None: a frozen layer, an expert no token was routed to) has
+    A parameter that had no optimizer state when saved (it requires grad but
+    its gradient stayed None: an unused head, an expert no token was routed
+    to) has
     ``optim.scalars.<fqn>`` in the checkpoint and no ``optim.state.<fqn>.*``,
     while the fresh optimizer loaded into has state for every parameter. Its
     ``optim.state.<fqn>.*`` keys are then not read and are removed from the
@@ -1250,7 +1333,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         for key, value in list(self.state_dict.items()):
             item = saved.get(key)
             if item is None:
-                if _state_fqns([key], "optim.state.") & self._stateless:
+                if _split_state_key(key) in self._stateless:
                     self._drop(key)  # nothing to read: it had no state
                 elif not self.allow_partial_load:
                     problems.append(f"{key!r} is not in the checkpoint")
@@ -1305,12 +1388,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         )
         if unread:
             shown = ", ".join(repr(k) for k in unread[:8])
-            raise CheckpointError(
-                f"{len(unread)} key(s) of the checkpoint are read by no rank and "
-                f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. "
+            why = (
                 "The model or its split does not match the checkpoint (fewer "
                 "layers? per-stage state keyed by a stage index that no longer "
                 "exists?). Fix the model, or remap those keys before loading."
+            )
+            if all(_split_state_key(k) for k in unread):
+                why = (
+                    "They are optimizer state of parameters for which the optimizer "
+                    "loaded into has none: it has stepped only some of them, or "
+                    "they do not require grad here. Load into a freshly built "
+                    "optimizer (its state is created for every parameter that "
+                    "requires grad), or unfreeze them."
+                )
+            raise CheckpointError(
+                f"{len(unread)} key(s) of the checkpoint are read by no rank and "
+                f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. {why}"
             )
         return global_plan
 
@@ -1368,6 +1461,46 @@ def explain_failures(action: str) -> Iterator[None]:
         raise CheckpointError(
             f"{action} failed on {len(failures)} rank(s):\n" + "\n".join(lines)
         ) from None
+
+
+@contextmanager
+def fail_together(
+    action: str, process_group: dist.ProcessGroup | None = None
+) -> Iterator[None]:
+    """Makes a step that each rank runs alone fail on every rank, or on none.
+
+    Applying a loaded state_dict (:meth:`StageState.load_state_dict`) runs on
+    each rank without collectives. If its checks refuse on one rank only (a
+    param group that only one stage has), the other ranks would go on to
+    train and die in their next collective with a gloo or NCCL error that
+    hides the cause. Around such a step, every rank learns every rank's
+    outcome (one ``all_gather_object``) and all raise the same error. Every
+    rank of ``process_group`` must enter it.
+
+    Args:
+        action: What was attempted, for the message (``"loading step-20"``).
+        process_group: The ranks that agree; the default group if None.
+
+    Raises:
+        CheckpointError: On every rank, if the body raised an ``Exception``
+            on some rank: one line per failed rank with the exception's type
+            and message. Without a process group, the body's own exception.
+    """
+    error: str | None = None
+    try:
+        yield
+    except Exception as e:
+        if not dist.is_initialized():
+            raise
+        error = f"{type(e).__name__}: {e}"
+    if not dist.is_initialized():
+        return
+    errors: list[str | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(errors, error, group=process_group)
+    failed = {rank: e for rank, e in enumerate(errors) if e is not None}
+    if failed:
+        lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed.items())
+        raise CheckpointError(f"{action} failed on {len(failed)} rank(s):\n{lines}")
 
 
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
@@ -1490,8 +1623,9 @@ def load_model(
             storage_reader=reader,
             planner=SafeLoadPlanner(trusted=trusted, must_read=must_read),
         )
-    if state is None:
-        set_model_state_dict(model, state_dict["model"])
-    else:
-        state.load_state_dict(state_dict)
+    with fail_together(f"loading {path}"):
+        if state is None:
+            set_model_state_dict(model, state_dict["model"])
+        else:
+            state.load_state_dict(state_dict)
     return int(state_dict["step"])

@@ -1,6 +1,6 @@
 """Checks that run on real ranks; launched by the tests with torchrun.
 
-    torchrun --nproc-per-node N test/dist_checks.py CHECK OUT_DIR
+    torchrun --nproc-per-node N test/dist_checks.py CHECK[,CHECK...] OUT_DIR
 
 Each rank writes what it found to OUT_DIR/<check>-rank<R>.json and the test
 asserts on it, so a failure shows the values, not just an exit code. Several
@@ -306,8 +306,51 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     }
 
 
+def check_refusal(out: Path, rank: int, world_size: int) -> dict:
+    """A load that one rank refuses (its param groups) stops every rank with
+    that rank's error, instead of the others training on into a dead peer."""
+
+    def build_state(split_groups: bool) -> checkpoint.StageState:
+        torch.manual_seed(rank)
+        heads = torch.nn.ModuleDict(
+            {"a": torch.nn.Linear(4, 4), "b": torch.nn.Linear(4, 4)}
+        )
+        module = torch.nn.ModuleDict({f"stage{rank}": heads})  # FQNs per rank
+        groups = [{"params": heads.parameters(), "lr": 0.1}]
+        if split_groups:
+            groups = [
+                {"params": heads["a"].parameters(), "lr": 0.1},
+                {"params": heads["b"].parameters(), "lr": 0.2},
+            ]
+        state = checkpoint.StageState(module, torch.optim.AdamW(groups))
+        sum(h(torch.randn(2, 4)).sum() for h in heads.values()).backward()
+        state.optimizer.step()
+        return state
+
+    saved = build_state(split_groups=rank == 1)  # rank 1's stage: two groups
+    with checkpoint.publish_step(out / "refusal", 1) as checkpoint_id:
+        dcp.save(saved.state_dict(), checkpoint_id=checkpoint_id)
+    loaded = build_state(split_groups=False)  # rebuilt with one group everywhere
+    state_dict = loaded.state_dict()
+    path = checkpoint.step_dir(out / "refusal", 1)
+    dcp.load(
+        state_dict,
+        storage_reader=checkpoint.SafeFileSystemReader(path),
+        planner=checkpoint.SafeLoadPlanner(),
+    )
+    error = None
+    try:
+        with checkpoint.fail_together(f"loading {path.name}"):
+            loaded.load_state_dict(state_dict)
+    except checkpoint.CheckpointError as e:
+        error = str(e)
+    dist.barrier()  # every rank got here: none trains on into a dead peer
+    return {"error": error}
+
+
 CHECKS = {
     "async": check_async,
+    "refusal": check_refusal,
     "keys": check_keys,
     "train": check_train,
     "logits": check_logits,
@@ -316,12 +359,13 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
-    check, out = sys.argv[1], Path(sys.argv[2])
+    checks, out = sys.argv[1], Path(sys.argv[2])  # checks: "a" or "a,b"
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
-        result = CHECKS[check](out, rank, world_size)
-        (out / f"{check}-rank{rank}.json").write_text(json.dumps(result))
+        for check in checks.split(","):
+            result = CHECKS[check](out, rank, world_size)
+            (out / f"{check}-rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
     # Skip the interpreter's finalization: gloo's worker threads may still hold

@@ -234,16 +234,38 @@ def test_keep_last_removes_old_steps_only_after_a_newer_one_is_published(tmp_pat
     assert list(checkpoint.list_steps(tmp_path)) == [2, 3]  # nothing removed
 
 
-def test_async_save_keeps_the_values_of_the_call_and_reports_failures(tmp_path):
-    torchrun(2, DIST_CHECKS, "async", tmp_path)
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks for the checks below (starting ranks is slow)."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    torchrun(2, DIST_CHECKS, "async,refusal", out)
+    return out
+
+
+def test_async_save_keeps_the_values_of_the_call_and_reports_failures(two_ranks):
     for rank in range(2):
-        r = json.loads((tmp_path / f"async-rank{rank}.json").read_text())
+        r = json.loads((two_ranks / f"async-rank{rank}.json").read_text())
         assert r["steps"] == [4, 6]  # keep_last=2 removed step 2
         assert r["differ"] == {"4": [], "6": []}  # saved while training went on
         assert r["raised_in"] == "wait"
         assert "saving step-8 in the background failed" in r["error"]
         assert "pickle" in r["error"]
         assert r["after"] == [4, 6]  # the failed step is not published
+
+
+def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
+    for rank in range(2):
+        error = json.loads((two_ranks / f"refusal-rank{rank}.json").read_text())[
+            "error"
+        ]
+        assert error.startswith("loading step-1 failed on 1 rank(s):\n  rank 1: ")
+        assert (
+            "CheckpointError: param group 0 here holds parameters saved with " in error
+        )
+        assert (
+            "different 'lr': lr 0.1 for 'stage1.a.weight', 0.2 for 'stage1.b.weight'"
+            in error
+        )
 
 
 def example(nproc, *flags, ok=True):
@@ -406,26 +428,63 @@ def train_step(state, use):
     state.step += 1
 
 
+def load_nested(state, folder):
+    """Loads as DCP's tutorial does: the Stateful under a key, ``{"app": state}``."""
+    reader = checkpoint.SafeFileSystemReader(folder)
+    with checkpoint.explain_failures(f"loading {folder}"):
+        dcp.load(
+            {"app": state}, storage_reader=reader, planner=checkpoint.SafeLoadPlanner()
+        )
+
+
+def state_ids(state):
+    return sorted(state.optimizer.state_dict()["state"])
+
+
 @pytest.mark.parametrize(
-    "optimizer_class, kwargs",
-    [(torch.optim.AdamW, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})],
+    "optimizer_class, kwargs, nested",
+    [
+        (torch.optim.AdamW, {}, False),
+        (torch.optim.AdamW, {}, True),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, False),
+        (torch.optim.SGD, {"lr": 0.1}, False),  # no state for any parameter
+    ],
 )
 def test_parameters_without_optimizer_state_load_and_resume_exactly(
-    tmp_path, optimizer_class, kwargs
+    tmp_path, optimizer_class, kwargs, nested
 ):
     # An expert no token was routed to, a head not trained yet: its grad
     # stayed None, so the optimizer has no state for it.
     saved = two_heads_state(optimizer_class, **kwargs)
     train_step(saved, use=("a",))
     assert saved.module.b.weight not in saved.optimizer.state
-    folder = save(saved, tmp_path)
     loaded = two_heads_state(optimizer_class, **kwargs)
-    load(loaded, folder)
+    if nested:
+        with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
+            dcp.save({"app": saved}, checkpoint_id=checkpoint_id)
+        load_nested(loaded, checkpoint.step_dir(tmp_path, 1))
+    else:
+        load(loaded, save(saved, tmp_path))
     assert loaded.module.b.weight not in loaded.optimizer.state
+    assert state_ids(loaded) == state_ids(saved)
     assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
     for state in (saved, loaded):  # now b trains too, from fresh state in both
         train_step(state, use=("a", "b"))
     assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+
+
+def test_optimizer_state_the_optimizer_loaded_into_cannot_take_says_why(tmp_path):
+    saved = two_heads_state()
+    train_step(saved, use=("a", "b"))
+    folder = save(saved, tmp_path)
+    rolled_back = two_heads_state()
+    train_step(rolled_back, use=("a",))  # has state for a only: none to fill for b
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="'optim.state.b.bias.exp_avg', .* optimizer state of parameters for "
+        "which the optimizer loaded into has none",
+    ):
+        load(rolled_back, folder)
 
 
 def test_optimizer_state_with_its_tensors_lost_is_an_error_not_fresh_moments(
@@ -471,7 +530,7 @@ def test_param_groups_joining_parameters_saved_with_other_options_are_refused(
     with pytest.raises(
         checkpoint.CheckpointError,
         match="param group 0 here holds parameters saved with different 'lr': "
-        "0.1 for 'a.weight', 0.2 for 'b.weight'",
+        "lr 0.1 for 'a.weight', 0.2 for 'b.weight'",
     ):
         load(heads(one_group), folder)
     # Parameters saved with equal options may be grouped otherwise.
@@ -485,3 +544,27 @@ def test_param_groups_joining_parameters_saved_with_other_options_are_refused(
         )
         == []
     )
+
+
+def test_a_scheduler_saved_for_other_param_groups_is_refused(tmp_path):
+    def with_scheduler(groups):
+        model = TwoHeads()
+        optimizer = torch.optim.AdamW(groups(model), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+        state = checkpoint.StageState(model, optimizer, scheduler)
+        train_step(state, use=("a", "b"))
+        scheduler.step()
+        return state
+
+    def two_groups(model):
+        return [{"params": model.a.parameters()}, {"params": model.b.parameters()}]
+
+    folder = save(with_scheduler(two_groups), tmp_path)
+    loaded = with_scheduler(lambda model: model.parameters())
+    # The options are equal, so the optimizer alone could be regrouped; but
+    # LambdaLR would fail at its first step (zip() of 1 group and 2 lambdas).
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="LR scheduler was saved for 2 param group.s., this optimizer has 1",
+    ):
+        load(loaded, folder)

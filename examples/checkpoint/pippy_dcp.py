@@ -220,10 +220,14 @@ def load(state, path: Path, rank: int, *, model_only=False, note="") -> None:
     with checkpoint.explain_failures(f"loading {path}"):
         reader = checkpoint.SafeFileSystemReader(path)
         dcp.load(state_dict, storage_reader=reader, planner=planner)
-    if model_only:
-        set_model_state_dict(state.module, state_dict["model"])
-    else:
-        state.load_state_dict(state_dict)
+    # Applying it runs on each rank alone; if one refuses (its param groups do
+    # not match the checkpoint's), all stop with its error instead of the
+    # others failing later in a collective.
+    with checkpoint.fail_together(f"loading {path}"):
+        if model_only:
+            set_model_state_dict(state.module, state_dict["model"])
+        else:
+            state.load_state_dict(state_dict)
     report(rank, "loaded", state_dict, f"from {path}{note}", start)
 
 
