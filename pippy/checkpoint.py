@@ -451,13 +451,21 @@ class StageState(Stateful):
                 for the first of them (``lr`` if it is one) two parameters with
                 their saved values.
         """
+        # How a step is computed, not what it computes: no need to agree.
+        implementation = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+        def key(value: Any) -> str:  # betas: (0.9, 0.999) and [0.9, 0.999] agree
+            return _digest(list(value) if isinstance(value, tuple) else value)
+
         for index, group in enumerate(self.optimizer.param_groups):
             fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
             differ: dict[str, tuple[str, Any, Any]] = {}
-            for option in sorted(group.keys() - {"params"}, key=lambda o: o != "lr"):
+            for option in sorted(
+                group.keys() - implementation, key=lambda o: o != "lr"
+            ):
                 values = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
                 for fqn, value in zip(fqns[1:], values[1:], strict=True):
-                    if _digest(value) != _digest(values[0]):
+                    if key(value) != key(values[0]):
                         differ[option] = (fqn, values[0], value)
                         break
             if differ:
@@ -473,21 +481,27 @@ class StageState(Stateful):
     def _check_scheduler(self, saved: Mapping[str, Any]) -> None:
         """Checks that the LR scheduler was saved for as many param groups.
 
-        A scheduler keeps per-group lists (``base_lrs``, LambdaLR's
-        ``lr_lambdas``); loaded for another number of groups, LambdaLR and
-        CosineAnnealingLR fail at their first step, others run on misaligned.
+        A scheduler keeps per-group lists (``base_lrs``, ``_last_lr``,
+        ReduceLROnPlateau's ``min_lrs``, LambdaLR's ``lr_lambdas``); loaded for
+        another number of groups, LambdaLR, CosineAnnealingLR and SequentialLR
+        fail at their first step, others run on misaligned. The lists are
+        compared with this scheduler's own (a group added to the optimizer
+        after the scheduler was built is in neither).
 
         Raises:
-            CheckpointError: Naming both numbers of groups.
+            CheckpointError: Naming the list and both lengths.
         """
-        groups = len(self.optimizer.param_groups)
-        saved_groups = len(saved.get("base_lrs", ())) or groups
-        if saved_groups != groups:
-            raise CheckpointError(
-                f"the LR scheduler was saved for {saved_groups} param group(s), this "
-                f"optimizer has {groups}: its per-group schedule would not line up. "
-                "Build the param groups as the run that saved it did"
-            )
+        live = self.lr_scheduler.state_dict() if self.lr_scheduler else {}
+        for key in ("base_lrs", "min_lrs", "_last_lr"):
+            ours, theirs = live.get(key), saved.get(key)
+            if isinstance(ours, list) and isinstance(theirs, list):
+                if len(ours) != len(theirs):
+                    raise CheckpointError(
+                        f"the LR scheduler was saved for {len(theirs)} param "
+                        f"group(s) (its {key!r}), this one has {len(ours)}: its "
+                        "per-group schedule would not line up. Build the param "
+                        "groups as the run that saved it did"
+                    )
 
 
 def _leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -1329,30 +1343,42 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """
         saved = self.metadata.state_dict_metadata if self.metadata else {}
         self._stateless = _stateless_params(self.state_dict.keys(), saved.keys())
-        problems = []
+        problems, bad_keys = [], []
         for key, value in list(self.state_dict.items()):
             item = saved.get(key)
+            problem = None
             if item is None:
                 if _split_state_key(key) in self._stateless:
                     self._drop(key)  # nothing to read: it had no state
                 elif not self.allow_partial_load:
-                    problems.append(f"{key!r} is not in the checkpoint")
+                    problem = f"{key!r} is not in the checkpoint"
             elif isinstance(value, torch.Tensor):
                 if not isinstance(item, TensorStorageMetadata):
-                    problems.append(f"{key!r} is not a tensor in the checkpoint")
+                    problem = f"{key!r} is not a tensor in the checkpoint"
                 elif tuple(item.size) != tuple(value.shape):
-                    problems.append(
+                    problem = (
                         f"{key!r} has shape {list(item.size)} in the checkpoint, "
                         f"{list(value.shape)} here"
                     )
                 elif item.properties.dtype != value.dtype:
-                    problems.append(
+                    problem = (
                         f"{key!r} is {item.properties.dtype} in the checkpoint, "
                         f"{value.dtype} here"
                     )
+            if problem is not None:
+                problems.append(problem)
+                bad_keys.append(key)
         if problems:
             shown = "; ".join(problems[:6])
             fix = "Build the model with the configuration it was saved with."
+            if all(_split_state_key(k) for k in bad_keys):
+                fix = (
+                    "Only the optimizer's state differs: build the optimizer as the "
+                    "run that saved it did (its class, and options that add state, "
+                    "such as amsgrad or momentum)."
+                )
+            elif all(re.search(r"(^|\.)lr_scheduler\.", k) for k in bad_keys):
+                fix = "Build the LR scheduler (or none) as the run that saved it did."
             wants_packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
             if wants_packed and any(k.startswith("optim.param_groups.") for k in saved):
                 fix = (
@@ -1395,11 +1421,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             )
             if all(_split_state_key(k) for k in unread):
                 why = (
-                    "They are optimizer state of parameters for which the optimizer "
-                    "loaded into has none: it has stepped only some of them, or "
-                    "they do not require grad here. Load into a freshly built "
-                    "optimizer (its state is created for every parameter that "
-                    "requires grad), or unfreeze them."
+                    "They are optimizer state that the optimizer loaded into has no "
+                    "place for: it is another class (SGD without momentum has no "
+                    "state), it has stepped only some parameters (a fresh one gets "
+                    "state for every parameter that requires grad), or they do not "
+                    "require grad here. Build the optimizer as the run that saved "
+                    "it did, freshly, and unfreeze them."
                 )
             raise CheckpointError(
                 f"{len(unread)} key(s) of the checkpoint are read by no rank and "
@@ -1483,21 +1510,31 @@ def fail_together(
 
     Raises:
         CheckpointError: On every rank, if the body raised an ``Exception``
-            on some rank: one line per failed rank with the exception's type
-            and message. Without a process group, the body's own exception.
+            on some rank: one line per failed rank (its global rank) with the
+            exception's type and message. Without a process group, the
+            body's own exception.
+        ValueError: This rank is not in ``process_group``.
     """
+    if dist.is_initialized() and dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"fail_together: rank {dist.get_rank()} is not in the process group"
+        )
     error: str | None = None
     try:
         yield
     except Exception as e:
         if not dist.is_initialized():
             raise
-        error = f"{type(e).__name__}: {e}"
+        error = f"{type(e).__name__}: {e}".replace("\n", "\n    ")
     if not dist.is_initialized():
         return
     errors: list[str | None] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(errors, error, group=process_group)
-    failed = {rank: e for rank, e in enumerate(errors) if e is not None}
+    failed = {
+        dist.get_global_rank(process_group, r) if process_group else r: e
+        for r, e in enumerate(errors)
+        if e is not None
+    }
     if failed:
         lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed.items())
         raise CheckpointError(f"{action} failed on {len(failed)} rank(s):\n{lines}")

@@ -345,7 +345,16 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     except checkpoint.CheckpointError as e:
         error = str(e)
     dist.barrier()  # every rank got here: none trains on into a dead peer
-    return {"error": error}
+    # Under a group of rank 1 alone: the error names the global rank, and a
+    # rank outside the group may not enter (it would lose its error).
+    only_1 = dist.new_group([1])
+    in_group = None
+    try:
+        with checkpoint.fail_together("in a group", process_group=only_1):
+            raise RuntimeError("from the group")
+    except (checkpoint.CheckpointError, ValueError) as e:
+        in_group = f"{type(e).__name__}: {e}"
+    return {"error": error, "in_group": in_group}
 
 
 CHECKS = {

@@ -254,18 +254,21 @@ def test_async_save_keeps_the_values_of_the_call_and_reports_failures(two_ranks)
 
 
 def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
-    for rank in range(2):
-        error = json.loads((two_ranks / f"refusal-rank{rank}.json").read_text())[
-            "error"
-        ]
+    results = [
+        json.loads((two_ranks / f"refusal-rank{rank}.json").read_text())
+        for rank in range(2)
+    ]
+    for r in results:
+        error = r["error"]
         assert error.startswith("loading step-1 failed on 1 rank(s):\n  rank 1: ")
-        assert (
-            "CheckpointError: param group 0 here holds parameters saved with " in error
-        )
-        assert (
-            "different 'lr': lr 0.1 for 'stage1.a.weight', 0.2 for 'stage1.b.weight'"
-            in error
-        )
+        assert "CheckpointError: param group 0 here holds parameters saved " in error
+        assert "'lr': lr 0.1 for 'stage1.a.weight', 0.2 for 'stage1.b.weight'" in error
+    # Under a group of rank 1 alone: its global rank; rank 0 may not enter.
+    assert [r["in_group"] for r in results] == [
+        "ValueError: fail_together: rank 0 is not in the process group",
+        "CheckpointError: in a group failed on 1 rank(s):\n"
+        "  rank 1: RuntimeError: from the group",
+    ]
 
 
 def example(nproc, *flags, ok=True):
@@ -481,8 +484,8 @@ def test_optimizer_state_the_optimizer_loaded_into_cannot_take_says_why(tmp_path
     train_step(rolled_back, use=("a",))  # has state for a only: none to fill for b
     with pytest.raises(
         checkpoint.CheckpointError,
-        match="'optim.state.b.bias.exp_avg', .* optimizer state of parameters for "
-        "which the optimizer loaded into has none",
+        match="'optim.state.b.bias.exp_avg', .* optimizer state that the optimizer "
+        "loaded into has no place for: .* it has stepped only some parameters",
     ):
         load(rolled_back, folder)
 
@@ -546,25 +549,101 @@ def test_param_groups_joining_parameters_saved_with_other_options_are_refused(
     )
 
 
-def test_a_scheduler_saved_for_other_param_groups_is_refused(tmp_path):
-    def with_scheduler(groups):
+def lambda_lr(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+
+
+def sequential_lr(optimizer):
+    first = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    then = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, then], [2])
+
+
+def on_plateau(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+
+def with_scheduler(make_scheduler, groups):
+    model = TwoHeads()
+    optimizer = torch.optim.AdamW(groups(model), lr=0.1)
+    scheduler = make_scheduler(optimizer)
+    state = checkpoint.StageState(model, optimizer, scheduler)
+    train_step(state, use=("a", "b"))
+    scheduler.step(*([1.0] if make_scheduler is on_plateau else []))
+    return state
+
+
+def two_groups(model):
+    return [{"params": model.a.parameters()}, {"params": model.b.parameters()}]
+
+
+@pytest.mark.parametrize(
+    "make_scheduler, per_group_list",
+    [(lambda_lr, "base_lrs"), (sequential_lr, "_last_lr"), (on_plateau, "min_lrs")],
+)
+def test_a_scheduler_saved_for_other_param_groups_is_refused(
+    tmp_path, make_scheduler, per_group_list
+):
+    folder = save(with_scheduler(make_scheduler, two_groups), tmp_path)
+    loaded = with_scheduler(make_scheduler, lambda model: model.parameters())
+    # The options are equal, so the optimizer alone could be regrouped; but
+    # LambdaLR and SequentialLR would fail at their first step (zip() of one
+    # group and two lambdas), ReduceLROnPlateau run on with a stray min_lr.
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=f"LR scheduler was saved for 2 param group.s. .its '{per_group_list}'.,"
+        " this one has 1",
+    ):
+        load(loaded, folder)
+
+
+def test_a_group_added_after_its_scheduler_was_built_loads_into_the_same_build(
+    tmp_path,
+):
+    def build():
         model = TwoHeads()
-        optimizer = torch.optim.AdamW(groups(model), lr=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+        optimizer = torch.optim.AdamW(model.a.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        optimizer.add_param_group({"params": model.b.parameters()})
         state = checkpoint.StageState(model, optimizer, scheduler)
         train_step(state, use=("a", "b"))
         scheduler.step()
         return state
 
-    def two_groups(model):
-        return [{"params": model.a.parameters()}, {"params": model.b.parameters()}]
+    saved = build()
+    loaded = build()
+    load(loaded, save(saved, tmp_path))  # one scheduled group of two, both sides
+    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
 
-    folder = save(with_scheduler(two_groups), tmp_path)
-    loaded = with_scheduler(lambda model: model.parameters())
-    # The options are equal, so the optimizer alone could be regrouped; but
-    # LambdaLR would fail at its first step (zip() of 1 group and 2 lambdas).
+
+def test_regrouping_ignores_how_options_are_spelled_and_implementation_flags(
+    tmp_path,
+):
+    def groups(model):
+        return [
+            {"params": model.a.parameters(), "betas": (0.9, 0.99), "foreach": None},
+            {"params": model.b.parameters(), "betas": [0.9, 0.99], "foreach": False},
+        ]
+
+    saved = checkpoint.StageState(model := TwoHeads(), torch.optim.AdamW(groups(model)))
+    train_step(saved, use=("a", "b"))
+    folder = save(saved, tmp_path)
+    model = TwoHeads()
+    loaded = checkpoint.StageState(model, torch.optim.AdamW(model.parameters()))
+    load(loaded, folder)
+    assert list(loaded.optimizer.param_groups[0]["betas"]) == [0.9, 0.99]
+
+
+def test_another_optimizer_or_scheduler_gets_an_error_that_says_so(tmp_path):
+    saved = two_heads_state()
+    train_step(saved, use=("a", "b"))
+    folder = save(saved, tmp_path)
+    sgd = two_heads_state(torch.optim.SGD, lr=0.1, momentum=0.9)
     with pytest.raises(
-        checkpoint.CheckpointError,
-        match="LR scheduler was saved for 2 param group.s., this optimizer has 1",
+        checkpoint.CheckpointError, match="Only the optimizer's state differs"
     ):
-        load(loaded, folder)
+        load(sgd, folder)
+    scheduled = two_heads_state()
+    scheduled.lr_scheduler = lambda_lr(scheduled.optimizer)
+    with pytest.raises(checkpoint.CheckpointError, match="Build the LR scheduler"):
+        load(scheduled, folder)
