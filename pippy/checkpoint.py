@@ -223,11 +223,6 @@ def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
     }
 
 
-def _state_fqns(keys: Iterable[str]) -> set[str]:
-    """FQNs with optimizer state among flattened keys ``state.<fqn>.<name>``."""
-    return {k[6:].rsplit(".", 1)[0] for k in keys if k.startswith("state.")}
-
-
 _OPTIM_STATE = re.compile(r"(?:^|\.)optim\.state\.")
 
 
@@ -242,6 +237,16 @@ def _split_state_key(key: str) -> tuple[str, str] | None:
         return None
     root = key[: match.start() + (1 if match.start() else 0)]
     return root, key[match.end() :].rsplit(".", 1)[0]
+
+
+def _state_params(keys: Iterable[str]) -> set[tuple[str, str]]:
+    """The ``(root, fqn)`` of every key of optimizer state among ``keys``."""
+    return {pair for pair in map(_split_state_key, keys) if pair is not None}
+
+
+def _state_fqns(optim_keys: Iterable[str]) -> set[str]:
+    """FQNs with state among an optimizer state_dict's ``state.<fqn>.<name>``."""
+    return {fqn for _, fqn in _state_params(f"optim.{k}" for k in optim_keys)}
 
 
 def _stateless_params(
@@ -261,13 +266,9 @@ def _stateless_params(
         saved: The checkpoint's keys.
     """
     saved = set(saved)
-
-    def pairs(keys: Iterable[str]) -> set[tuple[str, str]]:
-        return {pair for pair in map(_split_state_key, keys) if pair is not None}
-
     return {
         (root, fqn)
-        for root, fqn in pairs(wanted) - pairs(saved)
+        for root, fqn in _state_params(wanted) - _state_params(saved)
         if f"{root}optim.scalars.{fqn}" in saved
     }
 
@@ -1301,9 +1302,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     A parameter that had no optimizer state when saved (it requires grad but
     its gradient stayed None: an unused head, an expert no token was routed
-    to) has
-    ``optim.scalars.<fqn>`` in the checkpoint and no ``optim.state.<fqn>.*``,
-    while the fresh optimizer loaded into has state for every parameter. Its
+    to) has ``optim.scalars.<fqn>`` in the checkpoint and no
+    ``optim.state.<fqn>.*``, while the fresh optimizer loaded into has state
+    for every parameter. Its
     ``optim.state.<fqn>.*`` keys are then not read and are removed from the
     state_dict being loaded, so that :meth:`StageState.load_state_dict` gives
     it no state, as saved; DCP alone stops at the first such key.
@@ -1343,7 +1344,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """
         saved = self.metadata.state_dict_metadata if self.metadata else {}
         self._stateless = _stateless_params(self.state_dict.keys(), saved.keys())
-        problems, bad_keys = [], []
+        problems: dict[str, str] = {}  # key: what is wrong with it
         for key, value in list(self.state_dict.items()):
             item = saved.get(key)
             problem = None
@@ -1366,18 +1367,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                         f"{value.dtype} here"
                     )
             if problem is not None:
-                problems.append(problem)
-                bad_keys.append(key)
+                problems[key] = problem
         if problems:
-            shown = "; ".join(problems[:6])
+            shown = "; ".join(list(problems.values())[:6])
             fix = "Build the model with the configuration it was saved with."
-            if all(_split_state_key(k) for k in bad_keys):
+            if all(_split_state_key(k) for k in problems):
                 fix = (
                     "Only the optimizer's state differs: build the optimizer as the "
                     "run that saved it did (its class, and options that add state, "
                     "such as amsgrad or momentum)."
                 )
-            elif all(re.search(r"(^|\.)lr_scheduler\.", k) for k in bad_keys):
+            elif all(re.search(r"(^|\.)lr_scheduler\.", k) for k in problems):
                 fix = "Build the LR scheduler (or none) as the run that saved it did."
             wants_packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
             if wants_packed and any(k.startswith("optim.param_groups.") for k in saved):
@@ -1456,6 +1456,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
+def _said(error: BaseException) -> str:
+    """An exception's message; an ``EOFError`` without one is a short file."""
+    if isinstance(error, EOFError):
+        return str(error) or "the file ended early"
+    return str(error)
+
+
+def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
+    """One error for failures on several ranks: a line per rank, by rank."""
+    lines = "\n".join(f"  rank {rank}: {failures[rank]}" for rank in sorted(failures))
+    return CheckpointError(f"{action} failed on {len(failures)} rank(s):\n{lines}")
+
+
 @contextmanager
 def explain_failures(action: str) -> Iterator[None]:
     """Turns DCP's ``CheckpointException`` into one error that names each rank.
@@ -1479,14 +1492,9 @@ def explain_failures(action: str) -> Iterator[None]:
         for exc in failures.values():
             if isinstance(exc, UnsafeCheckpointError):
                 raise UnsafeCheckpointError(str(exc)) from None
-        lines = [
-            f"  rank {r}: {type(x).__name__}: {x or 'the file ended early'}"
-            if isinstance(x, EOFError)
-            else f"  rank {r}: {type(x).__name__}: {x}"
-            for r, x in failures.items()
-        ]
-        raise CheckpointError(
-            f"{action} failed on {len(failures)} rank(s):\n" + "\n".join(lines)
+        raise _failed_on(
+            action,
+            {rank: f"{type(x).__name__}: {_said(x)}" for rank, x in failures.items()},
         ) from None
 
 
@@ -1525,7 +1533,7 @@ def fail_together(
     except Exception as e:
         if not dist.is_initialized():
             raise
-        error = f"{type(e).__name__}: {e}".replace("\n", "\n    ")
+        error = f"{type(e).__name__}: {_said(e)}".replace("\n", "\n    ")
     if not dist.is_initialized():
         return
     errors: list[str | None] = [None] * dist.get_world_size(process_group)
@@ -1536,8 +1544,7 @@ def fail_together(
         if e is not None
     }
     if failed:
-        lines = "\n".join(f"  rank {rank}: {e}" for rank, e in failed.items())
-        raise CheckpointError(f"{action} failed on {len(failed)} rank(s):\n{lines}")
+        raise _failed_on(action, failed)
 
 
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
