@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
 
 import pippy_dcp  # noqa: E402
+from gpt import GPT, ModelArgs, rope_table  # noqa: E402
+from helpers import TINY_FLAGS  # noqa: E402
 
-TINY = ["--n-layers", "4", "--dim", "32", "--seq-len", "32", "--batch-size", "8"]
+TINY = [*TINY_FLAGS, "--batch-size", "8"]
 DEVICE = torch.device("cpu")
 
 
@@ -63,7 +64,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         checkpoint.check_keys(sd)  # must not raise on a correct split
         result[split] = {
             "model": sorted(sd["model"]),
-            "optim": sorted(k for k, _ in checkpoint._leaves(sd["optim"])),
+            "optim": sorted(k for k, _ in checkpoint.named_leaves(sd["optim"])),
         }
     # Per-rank state under a shared key: DCP would keep one rank's copy.
     args = pippy_dcp.parse_args(TINY)
@@ -81,7 +82,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
     result["traced_buffer_error"] = collision(state.state_dict())
     # A tied output head, traced: a copy named output.weight on two stages.
     with torch.device("meta"):
-        tied = pippy_dcp.GPT(pippy_dcp.ModelArgs(4, 32, max_seq_len=32))
+        tied = GPT(ModelArgs(4, 32, max_seq_len=32))
     tied.output.weight = tied.tok_embeddings.weight
     pipe = pippy_dcp.split_traced(
         tied, world_size, torch.zeros(2, 32, dtype=torch.long)
@@ -124,21 +125,13 @@ def check_train(out: Path, rank: int, world_size: int) -> dict:
         train_steps(state, stage, schedule, 3)
         saved = copy.deepcopy(state.state_dict())
         folder = out / schedule_name
-        with checkpoint.publish_step(folder, state.step) as checkpoint_id:
-            dcp.save(state.state_dict(), checkpoint_id=checkpoint_id)
+        checkpoint.save_stage(state, folder)
         losses_a = train_steps(state, stage, schedule, 3)
 
         stage_b, state_b = build(args, rank, world_size, seed=1)
         schedule_b = cls(stage_b, n_microbatches=4, loss_fn=pippy_dcp.loss_fn)
         before = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
-        sd = state_b.state_dict()
-        latest = checkpoint.find_latest_step(folder)
-        dcp.load(
-            sd,
-            storage_reader=checkpoint.SafeFileSystemReader(latest),
-            planner=checkpoint.SafeLoadPlanner(),
-        )
-        state_b.load_state_dict(sd)
+        checkpoint.load_stage(state_b, checkpoint.find_latest_step(folder))
         after_load = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
         losses_b = train_steps(state_b, stage_b, schedule_b, 3)
         final = checkpoint.diff_state_dicts(state_b.state_dict(), state.state_dict())
@@ -160,8 +153,7 @@ def check_logits(out: Path, rank: int, world_size: int) -> dict:
     stage, state = build(args, rank, world_size, seed=0)
     schedule = pippy_dcp.SCHEDULES["gpipe"](stage, 4, loss_fn=pippy_dcp.loss_fn)
     train_steps(state, stage, schedule, 2)
-    with checkpoint.publish_step(out / "ckpt", state.step) as checkpoint_id:
-        dcp.save(state.state_dict(), checkpoint_id=checkpoint_id)
+    checkpoint.save_stage(state, out / "ckpt")
     torch.save(state.state_dict(), out / f"stage-{rank}.pt")
     inputs, targets = state.extra["data"].next_batch()
     logits = schedule.eval(*([inputs] if stage.is_first else []), target=targets)
@@ -177,12 +169,12 @@ def check_fsdp(out: Path, rank: int, world_size: int) -> dict:
 
     args = pippy_dcp.parse_args(TINY)
     with torch.device("meta"):
-        model = pippy_dcp.GPT(pippy_dcp.ModelArgs(4, 32, max_seq_len=32))
+        model = GPT(ModelArgs(4, 32, max_seq_len=32))
     for layer in model.layers.values():
         fully_shard(layer)
     fully_shard(model)
     model.to_empty(device=DEVICE)  # uninitialised: everything comes from the load
-    model.rope.copy_(pippy_dcp.rope_table(pippy_dcp.ModelArgs(4, 32, max_seq_len=32)))
+    model.rope.copy_(rope_table(ModelArgs(4, 32, max_seq_len=32)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     path = checkpoint.find_latest_step(out / "ckpt")
     step = checkpoint.load_model(path, model, optimizer)
@@ -220,7 +212,7 @@ def check_memory(out: Path, rank: int, world_size: int) -> dict:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes
 
     with torch.device("meta"):
-        full = pippy_dcp.GPT(pippy_dcp.ModelArgs(16, 512, max_seq_len=32))
+        full = GPT(ModelArgs(16, 512, max_seq_len=32))
     full_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
     before = peak()
     stage = pippy_dcp.build_stage(args, rank, world_size, DEVICE, seed=0)
@@ -235,7 +227,7 @@ def check_memory(out: Path, rank: int, world_size: int) -> dict:
     )
     # Control: materialising the whole model does raise the peak by its size.
     before = peak()
-    whole = pippy_dcp.GPT(pippy_dcp.ModelArgs(16, 512, max_seq_len=32))
+    whole = GPT(ModelArgs(16, 512, max_seq_len=32))
     whole_peak = peak() - before
     del whole
     return {
@@ -275,14 +267,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     differ = {}
     for step in steps:
         fresh_stage, fresh = build(args, rank, world_size, seed=1)
-        sd = fresh.state_dict()
-        path = checkpoint.step_dir(out / "ckpt", step)
-        dcp.load(
-            sd,
-            storage_reader=checkpoint.SafeFileSystemReader(path),
-            planner=checkpoint.SafeLoadPlanner(),
-        )
-        fresh.load_state_dict(sd)
+        checkpoint.load_stage(fresh, checkpoint.step_dir(out / "ckpt", step))
         differ[step] = checkpoint.diff_state_dicts(fresh.state_dict(), snapshots[step])
     # A save that fails in the background is reported by wait(), not lost.
     state.extra["bad"] = Unpicklable()
@@ -328,16 +313,10 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         return state
 
     saved = build_state(split_groups=rank == 1)  # rank 1's stage: two groups
-    with checkpoint.publish_step(out / "refusal", 1) as checkpoint_id:
-        dcp.save(saved.state_dict(), checkpoint_id=checkpoint_id)
+    path = checkpoint.save_stage(saved, out / "refusal", step=1)
     loaded = build_state(split_groups=False)  # rebuilt with one group everywhere
-    state_dict = loaded.state_dict()
-    path = checkpoint.step_dir(out / "refusal", 1)
-    dcp.load(
-        state_dict,
-        storage_reader=checkpoint.SafeFileSystemReader(path),
-        planner=checkpoint.SafeLoadPlanner(),
-    )
+    # Read with load_stage, applied below by hand: fail_together is the subject.
+    state_dict = checkpoint.load_stage(loaded.state_dict(), path)
     error = None
     try:
         with checkpoint.fail_together(f"loading {path.name}"):

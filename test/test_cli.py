@@ -9,25 +9,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
-from pippy.__main__ import main
+from pippy.cli import main
 
-import pippy_dcp
-from conftest import ROOT
-from test_safety import poison_metadata
+from gpt import GPT, ModelArgs
+from helpers import ROOT, poison_metadata, tiny_gpt
 
-MODEL_ARGS = pippy_dcp.ModelArgs(n_layers=2, dim=32, max_seq_len=16)
+MODEL_ARGS = ModelArgs(n_layers=2, dim=32, max_seq_len=16)
 
 
 def save(root, step, state):
-    with checkpoint.publish_step(root, step) as checkpoint_id:
-        dcp.save(state, checkpoint_id=checkpoint_id)
-    return checkpoint.step_dir(root, step)
+    return checkpoint.save_stage(state, root, step=step)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +33,7 @@ def run(tmp_path_factory):
     Returns the folder and the model's state_dict as saved.
     """
     root = tmp_path_factory.mktemp("run") / "ckpt"
-    model = pippy_dcp.GPT(MODEL_ARGS)
-    pippy_dcp.init_weights(model, seed=0)
+    model = tiny_gpt(n_layers=2, max_seq_len=16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randint(0, 256, (2, 8))).mean().backward()
     optimizer.step()
@@ -154,7 +149,7 @@ def test_export_round_trip(run, tmp_path, capsys, name, flags, fmt, dtype):
         expected = tensor if dtype is None else tensor.to(dtype)
         assert state[key].dtype == expected.dtype and torch.equal(state[key], expected)
     if dtype is None:
-        fresh = pippy_dcp.GPT(MODEL_ARGS)
+        fresh = GPT(MODEL_ARGS)
         fresh.load_state_dict(state, strict=True)
         for key, tensor in fresh.state_dict().items():
             assert torch.equal(tensor, saved[key]), key

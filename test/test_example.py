@@ -5,7 +5,8 @@ import pytest
 from pippy import checkpoint
 
 import pippy_dcp
-from conftest import EXAMPLE, loss_lines, torchrun
+from gpt import GPT, ModelArgs
+from helpers import EXAMPLE, loss_lines, torchrun
 
 STEPS = ["--steps", "6", "--save-every", "3"]
 
@@ -60,7 +61,7 @@ def test_checkpoint_layout_one_file_per_rank_and_original_fqns(tmp_path):
 
     metadata = checkpoint.read_metadata(folder)
     keys = set(metadata.state_dict_metadata)
-    model = pippy_dcp.GPT(pippy_dcp.ModelArgs())
+    model = GPT(ModelArgs())
     assert {k for k in keys if k.startswith("model.")} == {
         f"model.{k}" for k in model.state_dict()
     }

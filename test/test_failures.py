@@ -4,6 +4,7 @@ Each protection has a test that fails without it; where DCP alone would lose
 data quietly, the test shows that first.
 """
 
+import functools
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pippy import checkpoint
 
-from conftest import DIST_CHECKS, EXAMPLE, ROOT, torchrun
+from helpers import DIST_CHECKS, EXAMPLE, ROOT, linear_state, torchrun
 
 TINY = [
     "--n-layers",
@@ -37,30 +38,8 @@ TINY = [
 ]
 
 
-def linear_state(optimizer_groups=None):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    groups = optimizer_groups(model) if optimizer_groups else model.parameters()
-    optimizer = torch.optim.AdamW(groups)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    return checkpoint.StageState(model, optimizer)
-
-
-def save(state, root, step=1):
-    with checkpoint.publish_step(root, step) as checkpoint_id:
-        dcp.save(state.state_dict(), checkpoint_id=checkpoint_id)
-    return checkpoint.step_dir(root, step)
-
-
-def load(state, folder):
-    state_dict = state.state_dict()
-    with checkpoint.explain_failures(f"loading {folder}"):
-        reader = checkpoint.SafeFileSystemReader(folder)
-        dcp.load(
-            state_dict, storage_reader=reader, planner=checkpoint.SafeLoadPlanner()
-        )
-    state.load_state_dict(state_dict)
+save = functools.partial(checkpoint.save_stage, step=1)
+load = checkpoint.load_stage
 
 
 def test_a_stage_with_an_empty_param_group_saves_and_loads(tmp_path):
@@ -83,8 +62,7 @@ def test_missing_optimizer_state_is_an_error_not_fresh_moments(tmp_path):
     state = linear_state()
     state_dict = state.state_dict()
     del state_dict["optim"]["state.weight.exp_avg"]
-    with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
-        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+    save(state_dict, tmp_path, step=1)
     with pytest.raises(
         checkpoint.CheckpointError, match="'optim.state.weight.exp_avg' is not in"
     ):
@@ -124,8 +102,7 @@ def test_an_optimizer_option_missing_from_the_checkpoint_is_an_error(tmp_path):
     state.lr_scheduler = torch.optim.lr_scheduler.StepLR(state.optimizer, 1)
     state_dict = state.state_dict()
     del state_dict["lr_scheduler"]
-    reader = checkpoint.SafeFileSystemReader(folder)
-    dcp.load(state_dict, storage_reader=reader, planner=checkpoint.SafeLoadPlanner())
+    load(state_dict, folder)  # read, not applied
     with pytest.raises(
         checkpoint.CheckpointError,
         match="has no 'param_groups.bias.initial_lr', 'param_groups.weight.initial_lr'",
@@ -167,8 +144,7 @@ def test_a_checkpoint_from_before_the_packed_layout_says_so(tmp_path):
         state.optimizer,
         options=StateDictOptions(flatten_optimizer_state_dict=True),
     )
-    with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
-        dcp.save({**state.state_dict(), "optim": flat}, checkpoint_id=checkpoint_id)
+    save({**state.state_dict(), "optim": flat}, tmp_path, step=1)
     folder = checkpoint.step_dir(tmp_path, 1)
     with pytest.raises(
         checkpoint.CheckpointError,
@@ -190,12 +166,7 @@ def test_dtype_mismatch_is_an_error_where_dcp_converts_silently(tmp_path):
         checkpoint.CheckpointError,
         match="'model.weight' is torch.float32 in the checkpoint, torch.bfloat16 here",
     ):
-        with checkpoint.explain_failures("loading"):
-            dcp.load(
-                state_dict,
-                storage_reader=checkpoint.SafeFileSystemReader(folder),
-                planner=checkpoint.SafeLoadPlanner(must_read=("model.",)),
-            )
+        load(state_dict, folder, must_read=("model.",))
 
 
 def test_an_explicitly_requested_step_must_exist_and_be_complete(tmp_path):
@@ -463,8 +434,7 @@ def test_parameters_without_optimizer_state_load_and_resume_exactly(
     assert saved.module.b.weight not in saved.optimizer.state
     loaded = two_heads_state(optimizer_class, **kwargs)
     if nested:
-        with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
-            dcp.save({"app": saved}, checkpoint_id=checkpoint_id)
+        save({"app": saved}, tmp_path, step=1)
         load_nested(loaded, checkpoint.step_dir(tmp_path, 1))
     else:
         load(loaded, save(saved, tmp_path))
@@ -498,8 +468,7 @@ def test_optimizer_state_with_its_tensors_lost_is_an_error_not_fresh_moments(
     state_dict = state.state_dict()
     del state_dict["optim"]["state.b.weight.exp_avg"]
     del state_dict["optim"]["state.b.weight.exp_avg_sq"]  # its step stays
-    with checkpoint.publish_step(tmp_path, 1) as checkpoint_id:
-        dcp.save(state_dict, checkpoint_id=checkpoint_id)
+    save(state_dict, tmp_path, step=1)
     with pytest.raises(
         checkpoint.CheckpointError, match="has no 'state.b.weight.exp_avg'"
     ):

@@ -4,43 +4,19 @@ Each attack is shown to work against plain DCP first, so that the tests of
 pippy's refusal can fail.
 """
 
-import pickle
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from pippy import checkpoint
 
-from conftest import EXAMPLE, torchrun
-
-
-class Payload:
-    """Unpickling this creates a file: what an attacker's pickle could do."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
+from helpers import EXAMPLE, Payload, poison_metadata, torchrun
 
 
 def save_step(root, step=1, **extra):
     torch.manual_seed(0)
-    with checkpoint.publish_step(root, step) as checkpoint_id:
-        state = {"model": {"w": torch.randn(4, 4), "b": torch.zeros(4)}, "step": step}
-        dcp.save({**state, **extra}, checkpoint_id=checkpoint_id)
-    return checkpoint.step_dir(root, step)
-
-
-def poison_metadata(folder, marker):
-    """Hides a payload in an otherwise valid .metadata: loads still work."""
-    path = folder / ".metadata"
-    with open(path, "rb") as f:
-        metadata = pickle.load(f)  # our own file, written just now
-    metadata.storage_meta.modules.append(Payload(marker))
-    with open(path, "wb") as f:
-        pickle.dump(metadata, f)
+    state = {"model": {"w": torch.randn(4, 4), "b": torch.zeros(4)}, "step": step}
+    return checkpoint.save_stage({**state, **extra}, root, step=step)
 
 
 def empty_state():
@@ -64,12 +40,7 @@ def test_plain_dcp_runs_code_from_a_non_tensor_item(tmp_path):
 
 def read_with_dcp_load(folder):
     """dcp.load through pippy's reader and planner, as the example resumes."""
-    with checkpoint.explain_failures(f"loading {folder}"):
-        dcp.load(
-            empty_state(),
-            storage_reader=checkpoint.SafeFileSystemReader(folder),
-            planner=checkpoint.SafeLoadPlanner(),
-        )
+    checkpoint.load_stage(empty_state(), folder)
 
 
 READ_PATHS = {

@@ -5,7 +5,8 @@ import json
 import pytest
 
 import pippy_dcp
-from conftest import DIST_CHECKS, torchrun
+from gpt import GPT, ModelArgs
+from helpers import DIST_CHECKS, torchrun
 
 
 def results(out, check, world_size):
@@ -17,9 +18,7 @@ def results(out, check, world_size):
 
 def full_model_keys():
     args = pippy_dcp.parse_args(["--n-layers", "4", "--dim", "32", "--seq-len", "32"])
-    model = pippy_dcp.GPT(
-        pippy_dcp.ModelArgs(n_layers=4, dim=32, max_seq_len=args.seq_len)
-    )
+    model = GPT(ModelArgs(n_layers=4, dim=32, max_seq_len=args.seq_len))
     return set(model.state_dict())
 
 

@@ -13,10 +13,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from pippy import checkpoint
 
 import pippy_dcp
-from conftest import DIST_CHECKS, EXAMPLE, ROOT, loss_lines, torchrun
+from gpt import GPT, ModelArgs
+from helpers import DIST_CHECKS, EXAMPLE, ROOT, loss_lines, torchrun
 
 FLAGS = ["--steps", "6", "--save-every", "3"]
-TINY = pippy_dcp.ModelArgs(4, 32, max_seq_len=32)
+TINY = ModelArgs(4, 32, max_seq_len=32)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def pipeline_outputs(tmp_path_factory):
 
 
 def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
-    model = pippy_dcp.GPT(TINY)
+    model = GPT(TINY)
     optimizer = torch.optim.AdamW(model.parameters())
     path = pipeline_outputs / "ckpt" / "step-2"
     assert checkpoint.load_model(path, model, optimizer) == 2
@@ -91,13 +92,13 @@ def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
         for r in range(4)
     ]
     assert sorted(k for s in stages for k in s["model"]) == sorted(model_sd)
-    moments = dict(checkpoint._leaves(optim_sd))
+    moments = dict(checkpoint.named_leaves(optim_sd))
     for stage in stages:
         own = {k: model_sd[k] for k in stage["model"]}
         assert checkpoint.diff_state_dicts(own, stage["model"]) == []
         stage_moments = {
             k: v
-            for k, v in checkpoint._leaves(stage["optim"])
+            for k, v in checkpoint.named_leaves(stage["optim"])
             if k.startswith("state.")
         }
         assert stage_moments
@@ -130,7 +131,7 @@ def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(pipeline_outputs):
         assert checkpoint.diff_state_dicts(loaded, saved) == []
     # The same two steps in one process on the un-split model: FSDP averages
     # gradients over ranks in another order, so the losses agree to 1e-5.
-    model = pippy_dcp.GPT(TINY)
+    model = GPT(TINY)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     checkpoint.load_model(pipeline_outputs / "ckpt" / "step-2", model, optimizer)
     sampler = pippy_dcp.BatchSampler(pippy_dcp.load_text(None), 8, 32, seed=5)

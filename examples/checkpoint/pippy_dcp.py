@@ -197,8 +197,10 @@ def save(state: checkpoint.StageState, args, rank: int, saver) -> None:
         return report(rank, "staged", state_dict, f"for step-{state.step}", start)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
-    dir_, keep = args.checkpoint_dir, args.keep_last
-    with checkpoint.publish_step(dir_, state.step, keep_last=keep) as checkpoint_id:
+    publish = checkpoint.publish_step(
+        args.checkpoint_dir, state.step, keep_last=args.keep_last
+    )
+    with publish as checkpoint_id:
         with checkpoint.explain_failures(f"saving step-{state.step}"):
             dcp.save(state_dict, checkpoint_id=checkpoint_id)
     report(rank, "saved", state_dict, f"to step-{state.step}", start)
@@ -345,7 +347,10 @@ def main() -> None:
         saved = checkpoint.is_complete(final)
         ok = not saved or verify(args, state, final, rank, world_size, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
-        log(f"[rank {rank}] error: {e}")
+        hint = ""  # pippy names no flag of ours: say which one to change
+        if isinstance(e, checkpoint.CheckpointDirError):
+            hint = "; pass a writable --checkpoint-dir"
+        log(f"[rank {rank}] error: {e}{hint}")
         ok = False
     finally:
         dist.destroy_process_group()

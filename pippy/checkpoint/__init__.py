@@ -1,0 +1,110 @@
+"""Stage-aware distributed checkpointing for pipeline parallelism.
+
+Every rank of a pipeline holds one stage. To checkpoint, every rank calls
+``torch.distributed.checkpoint.save`` on the same ``checkpoint_id`` at the same
+time: each writes its own data file and the coordinator writes ``.metadata``.
+That works only if each stage's ``state_dict`` keys are the un-split model's
+FQNs for exactly the parameters the stage owns, so that the union over ranks is
+the whole model and no key is offered by two ranks. One idea per module:
+
+* :mod:`~pippy.checkpoint.api`: :func:`save_stage` and :func:`load_stage`, the
+  one save path and the one load path; :func:`read_checkpoint` and
+  :func:`load_model`, a checkpoint in one process, as a flat dict or into the
+  un-split model (plain or FSDP2-sharded).
+* :mod:`~pippy.checkpoint.stage_state`: :class:`StageState`, the model,
+  optimizer (keyed by FQN), LR scheduler, step and any extra ``Stateful`` of
+  one stage as one ``state_dict``.
+* :mod:`~pippy.checkpoint.optim_layout`: how optimizer state is keyed, packed
+  into few items and parsed.
+* :mod:`~pippy.checkpoint.checks`: :func:`check_keys` across ranks before a
+  save (DCP would silently keep one copy of a colliding key), tied weights,
+  traced buffers, bitwise state_dict comparison and sizes.
+* :mod:`~pippy.checkpoint.steps`: one folder per step
+  (``<checkpoint_dir>/step-<N>``), published only once complete; the newest
+  complete step; retention.
+* :mod:`~pippy.checkpoint.async_saver`: :class:`AsyncSaver`, saves in the
+  background, one at a time.
+* :mod:`~pippy.checkpoint.safe_load` and :mod:`~pippy.checkpoint.load_planner`:
+  :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`, loading without
+  running code a checkpoint's pickles could carry, and refusing damaged
+  folders and keys DCP would drop or convert.
+* :mod:`~pippy.checkpoint.errors`: the error classes; :func:`explain_failures`
+  and :func:`fail_together`, one error per failure on any rank.
+"""
+
+from pippy.checkpoint.api import load_model, load_stage, read_checkpoint, save_stage
+from pippy.checkpoint.async_saver import AsyncSaver
+from pippy.checkpoint.checks import (
+    check_keys,
+    check_untied,
+    diff_state_dicts,
+    named_leaves,
+    restore_non_persistent_buffers,
+    state_dict_size,
+)
+from pippy.checkpoint.errors import (
+    CheckpointDirError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    KeyCollisionError,
+    TiedParametersError,
+    UnsafeCheckpointError,
+    explain_failures,
+    fail_together,
+)
+from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.safe_load import (
+    TRUST_ENV,
+    SafeFileSystemReader,
+    find_damage,
+    read_metadata,
+)
+from pippy.checkpoint.stage_state import StageState
+from pippy.checkpoint.steps import (
+    METADATA_FILE,
+    check_writable,
+    find_latest_step,
+    is_complete,
+    list_steps,
+    parse_step,
+    publish_step,
+    remove_old_steps,
+    step_dir,
+)
+
+__all__ = [
+    "METADATA_FILE",
+    "TRUST_ENV",
+    "AsyncSaver",
+    "CheckpointDirError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "KeyCollisionError",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "StageState",
+    "TiedParametersError",
+    "UnsafeCheckpointError",
+    "check_keys",
+    "check_untied",
+    "check_writable",
+    "diff_state_dicts",
+    "explain_failures",
+    "fail_together",
+    "find_damage",
+    "find_latest_step",
+    "is_complete",
+    "list_steps",
+    "load_model",
+    "load_stage",
+    "named_leaves",
+    "parse_step",
+    "publish_step",
+    "read_checkpoint",
+    "read_metadata",
+    "remove_old_steps",
+    "restore_non_persistent_buffers",
+    "save_stage",
+    "state_dict_size",
+    "step_dir",
+]

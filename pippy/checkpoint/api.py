@@ -1,0 +1,255 @@
+"""The one save path and the one load path, and reading a checkpoint in one process.
+
+:func:`save_stage` and :func:`load_stage` are what every rank calls; the
+reference example spells the same steps out with ``dcp.save`` and
+``dcp.load`` to teach them. :func:`read_checkpoint` and :func:`load_model`
+read a pipeline checkpoint without a pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import SavePlanner, StorageWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from pippy.checkpoint.checks import check_keys
+from pippy.checkpoint.errors import explain_failures, fail_together
+from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.safe_load import SafeFileSystemReader
+from pippy.checkpoint.stage_state import StageState
+from pippy.checkpoint.steps import publish_step, step_dir
+
+__all__ = ["load_model", "load_stage", "read_checkpoint", "save_stage"]
+
+logger = logging.getLogger(__name__)
+
+
+def save_stage(
+    state: StageState | Mapping[str, Any],
+    checkpoint_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    keep_last: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+) -> Path:
+    """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
+
+    The sequence the reference example spells out: take the state_dict,
+    check across ranks that DCP will lose no key (:func:`check_keys`), then
+    ``dcp.save`` into the step's staging folder, published once complete
+    (:func:`publish_step`). Call it on every rank of ``process_group`` at
+    once.
+
+    Args:
+        state: The stage's :class:`StageState`, or a nested state_dict.
+        checkpoint_dir: The run's checkpoint folder; created if missing.
+        step: The step saved; defaults to ``state.step`` for a
+            :class:`StageState` and is required otherwise.
+        keep_last: If set, keep only this many newest complete steps.
+        process_group: The ranks that save; the default group if None.
+        storage_writer: DCP's storage writer; None writes files with
+            ``FileSystemWriter``. Its path is set to the staging folder.
+        planner: DCP's save planner; None uses ``DefaultSavePlanner``.
+
+    Returns:
+        The published step folder.
+
+    Raises:
+        ValueError: No ``step`` for a plain state_dict.
+        KeyCollisionError: As :func:`check_keys`; nothing is written.
+        CheckpointDirError: As :func:`publish_step`.
+        CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
+            nothing is published.
+    """
+    if isinstance(state, StageState):
+        state_dict = state.state_dict()
+        step = state.step if step is None else step
+    elif step is None:
+        raise ValueError("save_stage needs step= for a plain state_dict")
+    else:
+        state_dict = dict(state)
+    check_keys(state_dict, process_group=process_group)
+    with publish_step(
+        checkpoint_dir, step, keep_last=keep_last, process_group=process_group
+    ) as checkpoint_id:
+        start = time.perf_counter()
+        with explain_failures(f"saving step-{step}"):
+            dcp.save(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                storage_writer=storage_writer,
+                planner=planner,
+                process_group=process_group,
+            )
+        end = time.perf_counter()
+        logger.debug(
+            "dcp.save of step-%d took %.3f s",
+            step,
+            end - start,
+            extra={"dcp_save_start": start, "dcp_save_end": end},
+        )
+    return step_dir(checkpoint_dir, step)
+
+
+def _load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    reader: SafeFileSystemReader,
+    *,
+    must_read: tuple[str, ...],
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+) -> None:
+    """``dcp.load`` in place through the safe reader and planner, errors explained."""
+    planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
+    with explain_failures(f"loading {path}"), warnings.catch_warnings():
+        # Without a process group, one process reading alone is the intent.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=planner,
+            process_group=process_group,
+            no_dist=no_dist,
+        )
+
+
+def load_stage(
+    state: StageState | dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    must_read: tuple[str, ...] = ("",),
+    trusted: bool | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Loads a step into this rank's stage, on every rank.
+
+    The sequence the reference example spells out: build the stage and its
+    optimizer first (DCP loads in place), take the state_dict (this creates
+    the empty optimizer state to fill), ``dcp.load`` it through
+    :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`, then apply it
+    with :meth:`StageState.load_state_dict` on every rank or on none
+    (:func:`fail_together`). Each rank reads only the keys its stage owns.
+
+    Args:
+        state: The stage's :class:`StageState` (``StageState(module)``
+            without an optimizer loads the weights alone), or a nested
+            state_dict that is filled in place and not applied.
+        path: A ``step-<N>`` folder.
+        must_read: Prefixes of the checkpoint's keys that some rank must read
+            (see :class:`SafeLoadPlanner`); ``("model.",)`` for weights alone.
+        trusted: See :class:`SafeFileSystemReader`.
+        process_group: The ranks that load; the default group if None.
+
+    Returns:
+        The state_dict as loaded (tensors are the stage's own).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a complete checkpoint.
+        UnsafeCheckpointError: It holds a pickle that could run code.
+        CheckpointError: It is damaged or does not match the stage (keys,
+            shapes, dtypes, optimizer or param groups): on every rank, one
+            line per rank that refused.
+    """
+    reader = SafeFileSystemReader(path, trusted=trusted)
+    state_dict = state.state_dict() if isinstance(state, StageState) else state
+    _load(state_dict, path, reader, must_read=must_read, process_group=process_group)
+    if isinstance(state, StageState):
+        with fail_together(f"loading {path}", process_group):
+            state.load_state_dict(state_dict)
+    return state_dict
+
+
+def read_checkpoint(
+    path: str | os.PathLike, *, prefix: str = "", trusted: bool | None = None
+) -> dict[str, Any]:
+    """Reads a whole checkpoint, or the keys under a prefix, in this process.
+
+    The keys come back flat, as DCP names them, with ``prefix`` removed: with
+    ``prefix="model."`` the result is the un-split model's ``state_dict``,
+    ready for ``model.load_state_dict(..., strict=True)``. Works without a
+    process group (reads every rank's file here) and inside one (this rank
+    alone reads, with no collective). Reads through the safe reader and
+    planner.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        prefix: Only keys starting with this are read.
+        trusted: See :class:`SafeFileSystemReader`.
+
+    Returns:
+        ``{key: tensor or value}``; tensors on the CPU, in their saved dtype.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
+        KeyError: No key starts with ``prefix``.
+        CheckpointError: A data file is missing or damaged.
+    """
+    reader = SafeFileSystemReader(path, trusted=trusted)
+    state_dict: dict[str, Any] = {}
+    for key, item in reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix):
+            if isinstance(item, TensorStorageMetadata):
+                state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
+            else:
+                state_dict[key] = None  # replaced by the loaded value
+    if not state_dict:
+        raise KeyError(f"no key in {str(path)!r} starts with {prefix!r}")
+    _load(state_dict, path, reader, must_read=(prefix,), no_dist=True)
+    return {key[len(prefix) :]: value for key, value in state_dict.items()}
+
+
+def load_model(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    trusted: bool | None = None,
+) -> int:
+    """Loads a pipeline checkpoint into the un-split model, in one process.
+
+    The stages' keys are the un-split model's FQNs, so their union is the
+    whole model: no process group and no pipeline are needed. For example::
+
+        model = GPT(ModelArgs())
+        step = pippy.checkpoint.load_model("checkpoints/step-20", model)
+
+    The same call loads into a model sharded with FSDP2 (``fully_shard``),
+    on every rank of its group: DCP reads each rank's shards.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        model: The un-split model; every parameter and persistent buffer must
+            be in the checkpoint (strict), and every model key of the
+            checkpoint must be in the model.
+        optimizer: If given, its state (AdamW moments, step, options) is loaded
+            too; build it over ``model.parameters()`` first. Option entries
+            it lacks (an LR scheduler's ``initial_lr``) are not required.
+        trusted: See :class:`SafeFileSystemReader`.
+
+    Returns:
+        The step the checkpoint was saved at.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
+        CheckpointError: Keys missing on either side, or shapes that differ.
+    """
+    state = StageState(model, optimizer)
+    # Every weight and every optimizer moment must land somewhere; per-group
+    # options the new optimizer lacks (a scheduler's initial_lr) may not.
+    must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
+    load_stage(state, path, must_read=must_read, trusted=trusted)
+    return state.step

@@ -1,0 +1,277 @@
+"""Checks of a stage's state_dict: before a save, across ranks, and after a load.
+
+DCP takes equal keys on different ranks for replicas and writes one of them
+without an error, so a stage's keys must be exactly the un-split model's FQNs
+of what it owns. :func:`check_keys` proves that across ranks before writing;
+:func:`check_untied` and :func:`restore_non_persistent_buffers` remove two
+known causes of collisions; :func:`diff_state_dicts` compares bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pippy.checkpoint.errors import KeyCollisionError, TiedParametersError
+
+__all__ = [
+    "check_keys",
+    "check_untied",
+    "diff_state_dicts",
+    "named_leaves",
+    "restore_non_persistent_buffers",
+    "state_dict_size",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def named_leaves(
+    state_dict: Mapping[str, Any], prefix: str = ""
+) -> Iterator[tuple[str, Any]]:
+    """Yields the leaves of a nested state_dict under the keys DCP gives them.
+
+    DCP flattens nested dicts by joining keys with dots:
+    ``{"optim": {"state.w.exp_avg": t}}`` is saved as ``optim.state.w.exp_avg``.
+
+    Args:
+        state_dict: A nested dict, e.g. from ``StageState.state_dict()``.
+        prefix: Put before every key (``"model."``).
+
+    Yields:
+        ``(dotted key, leaf)`` pairs; a leaf is anything but a mapping.
+    """
+    for key, value in state_dict.items():
+        if isinstance(value, Mapping):
+            yield from named_leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
+    """Counts the tensors of a (nested) state_dict and their size.
+
+    Args:
+        state_dict: A dict as returned by ``StageState.state_dict()``.
+
+    Returns:
+        ``(number of tensors, their total size in bytes)``.
+    """
+    tensors = [v for _, v in named_leaves(state_dict) if isinstance(v, torch.Tensor)]
+    return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def fingerprint(value: Any) -> str:
+    """A short text that differs when a state_dict leaf differs.
+
+    Args:
+        value: A tensor (dtype, shape and a SHA-1 of its bytes) or any value
+            with a faithful ``repr`` (numbers, strings, lists of them).
+
+    Returns:
+        A string to compare across ranks (a few dozen characters for a tensor).
+    """
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        return (
+            f"{value.dtype}{tuple(value.shape)}"
+            + hashlib.sha1(data.numpy().tobytes()).hexdigest()
+        )
+    return repr(value)
+
+
+def _with_ranks(items: dict[str, list[int]]) -> str:
+    """The first ten keys with their ranks, for an error message."""
+    text = ", ".join(f"{k!r} (ranks {r})" for k, r in sorted(items.items())[:10])
+    return text + (" ..." if len(items) > 10 else "")
+
+
+def check_keys(
+    state_dict: Mapping[str, Any],
+    *,
+    owned: tuple[str, ...] = ("model", "optim"),
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
+
+    DCP takes equal keys on different ranks for replicas and writes one of
+    them, without an error. So every key under ``owned`` (model and optimizer
+    state) must be offered by one rank only, and every other entry (step,
+    scheduler, data state) must hold the same value on every rank. Each rank
+    sends its key names and a SHA-1 of each shared entry (a few KB); call it
+    on every rank of ``process_group``.
+
+    Args:
+        state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
+        owned: Top-level entries that each stage owns exclusively.
+        process_group: Group of the pipeline ranks; the default group if None.
+
+    Raises:
+        KeyCollisionError: On every rank, naming the keys and their ranks, if
+            an owned key appears on more than one rank or a shared entry
+            differs between ranks.
+
+    Note:
+        Known causes of collisions: layers renumbered per stage (``layers.0``
+        on every stage), a tied weight copied into two stages, and
+        non-persistent buffers that tracing made persistent (see
+        :func:`restore_non_persistent_buffers`). Per-rank state such as a
+        stage's RNG belongs under a key naming the stage (``rng.stage_3``).
+    """
+    if not dist.is_initialized():
+        return
+    mine = {
+        "owned": [
+            k
+            for s in owned
+            if s in state_dict
+            for k, _ in named_leaves(state_dict[s], f"{s}.")
+        ],
+        "shared": {
+            k: fingerprint(v)
+            for s in state_dict
+            if s not in owned
+            for k, v in named_leaves({s: state_dict[s]})
+        },
+    }
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, mine, group=process_group)
+    owners: dict[str, list[int]] = {}
+    for rank, theirs in enumerate(gathered):
+        for key in theirs["owned"]:
+            owners.setdefault(key, []).append(rank)
+    collisions = {key: ranks for key, ranks in owners.items() if len(ranks) > 1}
+    if collisions:
+        raise KeyCollisionError(
+            f"{len(collisions)} checkpoint key(s) are offered by more than one rank: "
+            f"{_with_ranks(collisions)}. DCP would keep one copy and drop the "
+            "others. Give every stage the un-split model's FQNs (keep layers in a "
+            "ModuleDict keyed by the global layer index), and call "
+            "restore_non_persistent_buffers() on traced stages."
+        )
+    fingerprints: dict[str, dict[str, list[int]]] = {}
+    for rank, theirs in enumerate(gathered):
+        for key, print_ in theirs["shared"].items():
+            fingerprints.setdefault(key, {}).setdefault(print_, []).append(rank)
+    differing = {
+        key: min(by_value.values(), key=len)  # the odd rank(s) out
+        for key, by_value in fingerprints.items()
+        if len(by_value) > 1
+    }
+    if differing:
+        raise KeyCollisionError(
+            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
+            f"{_with_ranks(differing)}. DCP would keep one rank's value. Keep "
+            "per-rank state under a key that names the stage, or make it equal "
+            "on all ranks."
+        )
+
+
+def check_untied(model: nn.Module) -> None:
+    """Refuses a model with tied weights before it is split into stages.
+
+    A parameter reachable under two FQNs (an output head tied to the
+    embedding) ends up on two stages after a split: each stage trains its own
+    copy, the copies drift apart, and both go into the checkpoint, where one
+    silently overwrites the other in the un-split model (a manual split) or
+    their keys collide (tracing copies the tie as ``output.weight`` onto both
+    stages). pippy does not keep tied weights in sync across stages, so it
+    says so instead. Call it on the un-split (for example meta) model.
+
+    Args:
+        model: The un-split model.
+
+    Raises:
+        TiedParametersError: Naming each pair of FQNs that share a parameter.
+    """
+    first_name: dict[int, str] = {}
+    ties = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first = first_name.setdefault(id(param), name)
+        if first != name:
+            ties.append(f"{name!r} is {first!r}")
+    if ties:
+        raise TiedParametersError(
+            f"tied weights: {', '.join(ties)}. Split into pipeline stages, each "
+            "stage would train its own copy and the checkpoint would keep one. "
+            "pippy does not synchronise tied weights across stages: untie them "
+            "(give each module its own nn.Parameter) before splitting."
+        )
+
+
+def restore_non_persistent_buffers(
+    stage_module: nn.Module, model: nn.Module
+) -> list[str]:
+    """Makes the model's non-persistent buffers non-persistent in a traced stage.
+
+    ``torch.distributed.pipelining.pipeline`` registers every buffer of the
+    traced model as a persistent buffer of each stage that uses it, so a
+    buffer the model keeps out of its ``state_dict`` (a RoPE table, a causal
+    mask) appears as the same key on every stage. This re-registers those
+    buffers as non-persistent, in place, so the stage's keys are again a
+    subset of ``model.state_dict()``'s.
+
+    Args:
+        stage_module: The stage's module (``pipe.build_stage(...).submod``).
+        model: The un-split model that was traced.
+
+    Returns:
+        The FQNs of the buffers that were re-registered.
+    """
+    stage_buffers = dict(stage_module.named_buffers())
+    restored = []
+    for owner_name, owner in model.named_modules():
+        for name in owner._non_persistent_buffers_set:
+            fqn = f"{owner_name}.{name}" if owner_name else name
+            if fqn in stage_buffers:
+                stage_owner = stage_module.get_submodule(fqn.rpartition(".")[0])
+                stage_owner.register_buffer(name, stage_buffers[fqn], persistent=False)
+                restored.append(fqn)
+    logger.debug("re-registered non-persistent buffers %s", restored)
+    return restored
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, so that equal NaNs compare equal and -0.0 != 0.0."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def diff_state_dicts(
+    actual: Mapping[str, Any], expected: Mapping[str, Any]
+) -> list[str]:
+    """Lists the keys whose values differ between two (nested) state_dicts.
+
+    Tensors must match in dtype, shape and every bit (a NaN equals the same
+    NaN; ``0.0`` and ``-0.0`` differ); other values compare with ``==``.
+
+    Args:
+        actual: A state_dict, as from ``StageState.state_dict()``.
+        expected: The state_dict to compare with.
+
+    Returns:
+        Sorted dotted keys (as DCP names them) that differ or are in only one
+        of the two; empty if they are equal.
+    """
+    a, b = dict(named_leaves(actual)), dict(named_leaves(expected))
+    differ = set(a.keys() ^ b.keys())
+    for key in a.keys() & b.keys():
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            same = (
+                x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(_raw_bytes(x), _raw_bytes(y))
+            )
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = False
+        else:
+            same = x == y
+        if not same:
+            differ.add(key)
+    return sorted(differ)

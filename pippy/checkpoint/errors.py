@@ -1,0 +1,148 @@
+"""pippy's checkpoint errors, and the one way failures on several ranks are worded.
+
+Every error inherits :class:`CheckpointError` and, where one fits, the builtin
+a caller would catch anyway (:class:`CheckpointDirError` is a
+``NotADirectoryError``). DCP reports failures as ``CheckpointException``, a
+``BaseException`` that ``except Exception`` misses; :func:`explain_failures`
+turns it into one :class:`CheckpointError` with a line per failed rank, and
+:func:`fail_together` does the same for a step that each rank runs alone.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+
+__all__ = [
+    "CheckpointDirError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "KeyCollisionError",
+    "TiedParametersError",
+    "UnsafeCheckpointError",
+    "explain_failures",
+    "fail_together",
+]
+
+
+class CheckpointError(Exception):
+    """Base of pippy's checkpoint errors; the message says what to do."""
+
+
+class KeyCollisionError(CheckpointError, ValueError):
+    """Two or more ranks offer the same checkpoint key.
+
+    DCP treats equal keys on different ranks as replicas and writes only one
+    of them, so saving would silently lose the others' values.
+    """
+
+
+class TiedParametersError(CheckpointError, ValueError):
+    """The model shares a parameter under several FQNs (tied weights)."""
+
+
+class CheckpointDirError(CheckpointError, NotADirectoryError):
+    """The checkpoint folder is not a folder, or cannot be written."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint where one was asked for."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint holds a pickled object that could run code when loaded."""
+
+
+def _message(error: BaseException) -> str:
+    """An exception's message; an ``EOFError`` without one is a short file."""
+    if isinstance(error, EOFError):
+        return str(error) or "the file ended early"
+    return str(error)
+
+
+def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
+    """One error for failures on several ranks: a line per rank, by rank."""
+    lines = "\n".join(f"  rank {rank}: {failures[rank]}" for rank in sorted(failures))
+    return CheckpointError(f"{action} failed on {len(failures)} rank(s):\n{lines}")
+
+
+@contextmanager
+def explain_failures(action: str) -> Iterator[None]:
+    """Turns DCP's ``CheckpointException`` into one error that names each rank.
+
+    DCP gathers the ranks' exceptions into a ``CheckpointException``, which
+    is a ``BaseException`` (so ``except Exception`` misses it) and prints as
+    a traceback per rank. Use this around ``dcp.save`` and ``dcp.load``.
+
+    Args:
+        action: What was attempted, for the message (``"loading step-20"``).
+
+    Raises:
+        UnsafeCheckpointError: Some rank refused a pickle (the first message).
+        CheckpointError: Any other failure: one line per failed rank with the
+            exception's type and message.
+    """
+    try:
+        yield
+    except CheckpointException as e:
+        failures = {rank: exc for rank, (exc, _trace) in sorted(e.failures.items())}
+        for exc in failures.values():
+            if isinstance(exc, UnsafeCheckpointError):
+                raise UnsafeCheckpointError(str(exc)) from None
+        raise _failed_on(
+            action,
+            {r: f"{type(x).__name__}: {_message(x)}" for r, x in failures.items()},
+        ) from None
+
+
+@contextmanager
+def fail_together(
+    action: str, process_group: dist.ProcessGroup | None = None
+) -> Iterator[None]:
+    """Makes a step that each rank runs alone fail on every rank, or on none.
+
+    Applying a loaded state_dict (``StageState.load_state_dict``) runs on
+    each rank without collectives. If its checks refuse on one rank only (a
+    param group that only one stage has), the other ranks would go on to
+    train and die in their next collective with a gloo or NCCL error that
+    hides the cause. Around such a step, every rank learns every rank's
+    outcome (one ``all_gather_object``) and all raise the same error. Every
+    rank of ``process_group`` must enter it.
+
+    Args:
+        action: What was attempted, for the message (``"loading step-20"``).
+        process_group: The ranks that agree; the default group if None.
+
+    Raises:
+        CheckpointError: On every rank, if the body raised an ``Exception``
+            on some rank: one line per failed rank (its global rank) with the
+            exception's type and message. Without a process group, the
+            body's own exception.
+        ValueError: This rank is not in ``process_group``.
+    """
+    if dist.is_initialized() and dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"fail_together: rank {dist.get_rank()} is not in the process group"
+        )
+    error: str | None = None
+    try:
+        yield
+    except Exception as e:
+        if not dist.is_initialized():
+            raise
+        error = f"{type(e).__name__}: {_message(e)}".replace("\n", "\n    ")
+    if not dist.is_initialized():
+        return
+    errors: list[str | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(errors, error, group=process_group)
+    failed = {
+        dist.get_global_rank(process_group, r) if process_group else r: e
+        for r, e in enumerate(errors)
+        if e is not None
+    }
+    if failed:
+        raise _failed_on(action, failed)

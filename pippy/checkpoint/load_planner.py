@@ -1,0 +1,204 @@
+"""``SafeLoadPlanner``: what DCP's load plan reads, checked before anything is read.
+
+DCP's ``DefaultLoadPlanner`` unpickles non-tensor items with
+``torch.load(weights_only=False)``, stops at the first missing key, converts
+dtypes without a word and ignores checkpoint keys that no rank asks for. This
+planner refuses each of those, naming the keys and the fix.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+
+from pippy.checkpoint.checks import named_leaves
+from pippy.checkpoint.errors import CheckpointError
+from pippy.checkpoint.optim_layout import split_state_key, stateless_keys
+from pippy.checkpoint.safe_load import refusal, resolve_trusted
+
+__all__ = ["SafeLoadPlanner"]
+
+
+def _drop_leaves(state_dict: dict[str, Any], keys: set[str], prefix: str = "") -> None:
+    """Deletes, in place, the leaves of a nested dict whose dotted key is in keys."""
+    for key in list(state_dict):
+        value = state_dict[key]
+        if isinstance(value, dict):
+            _drop_leaves(value, keys, f"{prefix}{key}.")
+        elif f"{prefix}{key}" in keys:
+            del state_dict[key]
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
+
+    Non-tensor items (step, LR scheduler state, optimizer options) are read
+    with ``torch.load(weights_only=True)``, which accepts containers,
+    numbers, strings and tensors and refuses other globals.
+
+    Before planning, each requested key is checked (present, shape, dtype);
+    DCP alone stops at the first missing key and converts dtypes silently.
+    On the coordinator, every checkpoint key under ``must_read`` must be read
+    by some rank: DCP ignores keys that no rank asks for, so without this a
+    checkpoint with more layers than the model, or per-stage state saved
+    under a stage index that no longer exists, would load "successfully"
+    and lose them.
+
+    A parameter that had no optimizer state when saved (its gradient stayed
+    None: an unused head, an expert no token was routed to) has
+    ``optim.scalars.<fqn>`` in the checkpoint and no ``optim.state.<fqn>.*``,
+    while the fresh optimizer loaded into has state for every parameter.
+    Those keys are removed from the state_dict being loaded when the plan is
+    set up, before anything is read, so that ``StageState.load_state_dict``
+    gives the parameter no state, as saved.
+
+    Args:
+        trusted: True reads any pickle, as ``DefaultLoadPlanner`` does; None
+            decides by :func:`resolve_trusted`.
+        must_read: Prefixes of the checkpoint keys that some rank must read;
+            ``("",)`` (the default) is every key, ``()`` none. Loading only
+            the weights (a fine-tuning start) passes ``("model.",)``.
+        **kwargs: Passed to ``DefaultLoadPlanner``.
+
+    Raises:
+        UnsafeCheckpointError: From :meth:`load_bytes`, naming the key, its
+            file and the refused global.
+        CheckpointError: From :meth:`create_local_plan`, naming keys missing
+            or of another shape or dtype; from :meth:`create_global_plan`,
+            naming the keys that no rank reads.
+    """
+
+    def __init__(
+        self,
+        *,
+        trusted: bool | None = None,
+        must_read: tuple[str, ...] = ("",),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.trusted = resolve_trusted(trusted)
+        self.must_read = must_read
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """Removes the state of parameters saved without any, then sets up DCP's."""
+        if metadata is not None:
+            wanted = (key for key, _ in named_leaves(state_dict))
+            _drop_leaves(
+                state_dict, stateless_keys(wanted, metadata.state_dict_metadata)
+            )
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        """Checks every requested key (present, shape, dtype), then plans."""
+        saved = self.metadata.state_dict_metadata if self.metadata else {}
+        problems: dict[str, str] = {}  # key: what is wrong with it
+        for key, value in self.state_dict.items():
+            item = saved.get(key)
+            if item is None:
+                if not self.allow_partial_load:
+                    problems[key] = f"{key!r} is not in the checkpoint"
+            elif isinstance(value, torch.Tensor):
+                if not isinstance(item, TensorStorageMetadata):
+                    problems[key] = f"{key!r} is not a tensor in the checkpoint"
+                elif tuple(item.size) != tuple(value.shape):
+                    problems[key] = (
+                        f"{key!r} has shape {list(item.size)} in the checkpoint, "
+                        f"{list(value.shape)} here"
+                    )
+                elif item.properties.dtype != value.dtype:
+                    problems[key] = (
+                        f"{key!r} is {item.properties.dtype} in the checkpoint, "
+                        f"{value.dtype} here"
+                    )
+        if problems:
+            shown = "; ".join(list(problems.values())[:6])
+            raise CheckpointError(
+                f"the checkpoint does not match this model ({len(problems)} "
+                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
+                f"{self._fix_for(problems, saved)}"
+            )
+        return super().create_local_plan()
+
+    def _fix_for(self, problems: dict[str, str], saved: Any) -> str:
+        """What to do about the problems :meth:`create_local_plan` found."""
+        wants_packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
+        if wants_packed and any(k.startswith("optim.param_groups.") for k in saved):
+            return (
+                "It was written by pippy before optimizer options were packed "
+                "into optim.scalars.<fqn> (it has optim.param_groups.* keys): "
+                "load its weights alone (load_model, or a StageState, without "
+                "an optimizer)."
+            )
+        if all(split_state_key(k) for k in problems):
+            return (
+                "Only the optimizer's state differs: build the optimizer as the "
+                "run that saved it did (its class, and options that add state, "
+                "such as amsgrad or momentum)."
+            )
+        if all(re.search(r"(^|\.)lr_scheduler\.", k) for k in problems):
+            return "Build the LR scheduler (or none) as the run that saved it did."
+        return "Build the model with the configuration it was saved with."
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """DCP's global plan, after checking that no required key is left unread."""
+        global_plan = super().create_global_plan(global_plan)
+        read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
+        unread = sorted(
+            key
+            for key in (self.metadata.state_dict_metadata if self.metadata else {})
+            if key.startswith(self.must_read) and key not in read
+        )
+        if not unread:
+            return global_plan
+        why = (
+            "The model or its split does not match the checkpoint (fewer "
+            "layers? per-stage state keyed by a stage index that no longer "
+            "exists?). Fix the model, or remap those keys before loading."
+        )
+        if all(split_state_key(k) for k in unread):
+            why = (
+                "They are optimizer state that the optimizer loaded into has no "
+                "place for: it is another class (SGD without momentum has no "
+                "state), it has stepped only some parameters (a fresh one gets "
+                "state for every parameter that requires grad), or they do not "
+                "require grad here. Build the optimizer as the run that saved "
+                "it did, freshly, and unfreeze them."
+            )
+        shown = ", ".join(repr(k) for k in unread[:8])
+        raise CheckpointError(
+            f"{len(unread)} key(s) of the checkpoint are read by no rank and "
+            f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. {why}"
+        )
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Checks one non-tensor item under ``weights_only`` rules, then loads it.
+
+        An item that passes holds only allow-listed globals, so DCP's own
+        loading of the same bytes runs no code either.
+        """
+        if not self.trusted:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                storage = self.metadata.storage_data if self.metadata else {}
+                info = storage.get(read_item.storage_index)
+                where = getattr(info, "relative_path", "its data file")
+                what = f"item {read_item.dest_index.fqn!r} of {where}"
+                match = re.search(r"GLOBAL ([\w.]+)", str(e))
+                if match is None:  # not a refused global: the bytes are damaged
+                    raise CheckpointError(f"{what} is damaged: {e}") from None
+                raise refusal(what, match.group(1)) from None
+            value.seek(0)
+        super().load_bytes(read_item, value)

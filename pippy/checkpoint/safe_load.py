@@ -1,0 +1,262 @@
+"""Reading a checkpoint's index without running code, and finding damage first.
+
+A DCP checkpoint is partly pickle: torch 2.13's ``FileSystemReader`` unpickles
+``.metadata`` with ``pickle.load``, and ``DefaultLoadPlanner`` reads non-tensor
+items with ``torch.load(weights_only=False)``. Whoever can write a checkpoint
+folder could run code on every rank that loads it. :class:`SafeFileSystemReader`
+accepts only DCP's own metadata classes and finds missing or short data files
+before anything is read; :class:`~pippy.checkpoint.load_planner.SafeLoadPlanner`
+does the same for the items.
+
+Whether a checkpoint is trusted is decided once per entry point by
+:func:`resolve_trusted`, the one place that reads ``PIPPY_TRUST_CHECKPOINT``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from pippy.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
+from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps
+
+__all__ = [
+    "TRUST_ENV",
+    "SafeFileSystemReader",
+    "find_damage",
+    "read_metadata",
+    "resolve_trusted",
+]
+
+#: Environment variable that, set to 1, lets the safe reader and planner load
+#: any pickle, as plain DCP does. Only for checkpoints from a trusted source.
+TRUST_ENV = "PIPPY_TRUST_CHECKPOINT"
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_METADATA_GLOBALS = {
+    (_DCP_METADATA, name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("builtins", "complex"),
+}
+
+
+def resolve_trusted(trusted: bool | None) -> bool:
+    """Decides whether to load any pickle: the argument, else the environment.
+
+    Args:
+        trusted: True or False as given; None reads ``PIPPY_TRUST_CHECKPOINT``
+            (``1`` trusts).
+
+    Returns:
+        The decision, to pass on as a plain bool.
+    """
+    return os.environ.get(TRUST_ENV) == "1" if trusted is None else trusted
+
+
+def refusal(what: str, refused: str) -> UnsafeCheckpointError:
+    """The error for a pickle that would import a global no checkpoint holds.
+
+    Args:
+        what: The file or item, for the message.
+        refused: The global's dotted name (``posix.system``).
+
+    Returns:
+        The error, naming both and the way to trust the checkpoint.
+    """
+    return UnsafeCheckpointError(
+        f"refused to load {what}: it would import {refused}, which no checkpoint "
+        "written by DCP or pippy holds, and unpickling it could run code. If you "
+        f"trust where the checkpoint comes from, set {TRUST_ENV}=1 (or pass "
+        "trusted=True, or --trust-checkpoint to python -m pippy) to load it "
+        "with plain pickle."
+    )
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata, refusing every global but DCP's own classes."""
+
+    def __init__(self, file: Any, name: str) -> None:
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Returns an allow-listed global; raises for any other."""
+        allowed = (module, name) in _METADATA_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise refusal(self.name, f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
+    """Lists the data files that ``.metadata`` names but are missing or short.
+
+    A step is published whole, so this finds damage done afterwards: a rank's
+    file deleted, or a copy or sync of the folder cut short. DCP would fail
+    mid-load with a ``FileNotFoundError`` (or a short read) on the ranks that
+    read that file, and ``find_latest_step`` would pick the same step again
+    on every restart.
+
+    Args:
+        path: A step folder.
+        metadata: Its metadata, from :func:`read_metadata`.
+
+    Returns:
+        One line per damaged file (``"__1_0.distcp is missing"``); empty if
+        every file is there and at least as long as its items.
+    """
+    folder = Path(path)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            end = info.offset + info.length
+            needed[name] = max(needed.get(name, 0), end)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(
+                f"{name} has {file.stat().st_size} bytes, its items need {size}"
+            )
+    return problems
+
+
+def _read_metadata_file(path: Path, trusted: bool) -> Metadata:
+    """Unpickles ``path`` (allow-listed unless trusted) into DCP's ``Metadata``."""
+    try:
+        with open(path, "rb") as metadata_file:
+            if trusted:
+                metadata = pickle.load(metadata_file)
+            else:
+                metadata = _MetadataUnpickler(metadata_file, str(path)).load()
+    except UnsafeCheckpointError:
+        raise
+    except (EOFError, pickle.UnpicklingError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is damaged: {e}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} does not hold DCP metadata")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """A ``FileSystemReader`` that unpickles ``.metadata`` with an allow-list.
+
+    Only DCP's metadata classes, ``torch.Size``, torch dtypes and layouts,
+    paths and plain builtins are accepted; any other global (``os.system``,
+    ``builtins.eval``, a class of some package) is refused before it is
+    imported or called.
+
+    The metadata is read and checked when the reader is made, before
+    ``dcp.load`` runs: inside it, DCP would catch the error, log its
+    traceback on every rank and raise an unrelated ``AssertionError``
+    ("metadata is None").
+
+    Args:
+        path: The step folder (the ``checkpoint_id``).
+        trusted: True loads any pickle, as ``FileSystemReader`` does; None
+            decides by :func:`resolve_trusted`.
+        check_files: Also check the data files (:func:`find_damage`), as a
+            load needs; False reads the metadata alone.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a folder, or has no
+            ``.metadata`` (its save did not finish).
+        UnsafeCheckpointError: ``.metadata`` holds a refused global; the
+            message names the file and the global.
+        CheckpointError: ``.metadata`` is truncated or not DCP's, or a data
+            file it names is missing or shorter than the items it should hold.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        trusted: bool | None = None,
+        check_files: bool = True,
+    ) -> None:
+        super().__init__(path)
+        self.trusted = resolve_trusted(trusted)
+        folder = Path(path)
+        if not folder.is_dir():
+            raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
+        if not is_complete(folder):
+            steps = [p for p in list_steps(folder).values() if is_complete(p)]
+            if steps:
+                raise CheckpointNotFoundError(
+                    f"{str(folder)!r} is a run's checkpoint folder; pass one of its "
+                    f"steps, e.g. {str(steps[-1])!r}"
+                )
+            raise CheckpointNotFoundError(
+                f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
+                "its save did not finish); use an earlier step"
+            )
+        self.metadata = _read_metadata_file(folder / METADATA_FILE, self.trusted)
+        problems = find_damage(folder, self.metadata) if check_files else []
+        if problems:
+            raise CheckpointError(
+                f"{str(folder)!r} is damaged: {'; '.join(problems[:4])}"
+                f"{' ...' if len(problems) > 4 else ''}. Restore those files, or "
+                "move the folder out of the checkpoint folder to resume from an "
+                "earlier step"
+            )
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Returns the metadata read and checked when the reader was made."""
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
+def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
+    """Reads a step folder's ``.metadata`` with :class:`SafeFileSystemReader`.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        trusted: See :class:`SafeFileSystemReader`.
+
+    Returns:
+        DCP's ``Metadata``: ``state_dict_metadata`` maps every key to its
+        shape and dtype, ``storage_data`` every chunk to its file.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a complete checkpoint.
+        UnsafeCheckpointError: ``.metadata`` holds a refused global.
+    """
+    reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
+    return reader.read_metadata()

@@ -1,0 +1,268 @@
+"""``StageState``: everything one pipeline stage checkpoints, as one state_dict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from pippy.checkpoint.checks import fingerprint
+from pippy.checkpoint.errors import CheckpointError
+from pippy.checkpoint.optim_layout import (
+    OPTIONS,
+    pack_scalars,
+    param_fqns,
+    state_fqns,
+    unpack_scalars,
+    without_empty_groups,
+)
+
+__all__ = ["StageState"]
+
+# How a step is computed, not what it computes: param groups need not agree.
+_IMPLEMENTATION_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+
+def _listed(keys: list[str]) -> str:
+    """The first five keys, quoted, and how many more."""
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return ", ".join(repr(k) for k in keys[:5]) + more
+
+
+class StageState(Stateful):
+    """The checkpointable state of one pipeline stage.
+
+    ``state_dict()`` returns a nested dict whose leaves DCP writes as
+    ``model.<fqn>``, ``optim.state.<fqn>.<name>`` (the optimizer's tensors
+    with elements, e.g. AdamW's ``exp_avg``), ``optim.scalars.<fqn>`` (all
+    else of that parameter's optimizer entry in one item: its param group's
+    options and 0-dim state such as AdamW's ``step``; see
+    :mod:`pippy.checkpoint.optim_layout`), ``lr_scheduler.<name>``, ``step``
+    and ``<extra name>.<name>``. Model and optimizer keys are the un-split
+    model's FQNs of the parameters this stage owns, so the stages' keys are
+    disjoint and together form the whole model; the scheduler, step and extra
+    state are the same on every rank and DCP stores them once.
+
+    Args:
+        module: The stage's module, keeping the un-split model's FQNs (for
+            example ``layers.5.mlp.w1.weight``, never renumbered).
+        optimizer: The optimizer over ``module``'s parameters; None for the
+            weights alone (no ``optim`` section).
+        lr_scheduler: Optional LR scheduler of ``optimizer``.
+        step: Number of optimizer steps taken so far.
+        extra: Further ``Stateful`` objects saved under their names (for
+            example a data sampler). Their state must be the same on every
+            rank: DCP keeps one copy of equal keys.
+
+    Raises:
+        ValueError: An ``extra`` name is reserved, or a scheduler is given
+            without an optimizer.
+
+    Note:
+        DCP loads in place. Build the stage and its optimizer first, take
+        ``sd = state.state_dict()`` (this creates the empty optimizer state to
+        load into), ``dcp.load(sd, ...)``, then ``state.load_state_dict(sd)``;
+        :func:`pippy.checkpoint.load_stage` does all three.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        *,
+        step: int = 0,
+        extra: Mapping[str, Stateful] | None = None,
+    ) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.step = step
+        self.extra = dict(extra or {})
+        reserved = {"model", "optim", "lr_scheduler", "step"} & self.extra.keys()
+        if reserved:
+            raise ValueError(f"extra state may not use the reserved names {reserved}")
+        if lr_scheduler is not None and optimizer is None:
+            raise ValueError("an LR scheduler needs the optimizer it schedules")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
+
+        Returns:
+            ``{"model": ..., "optim": ..., "step": int}``, plus
+            ``"lr_scheduler"`` when there is one and one entry per ``extra``;
+            no ``"optim"`` without an optimizer. Tensors are the live ones
+            (no copies).
+        """
+        if self.optimizer is None:
+            sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
+        else:
+            model_sd, optim_sd = get_state_dict(
+                self.module, self.optimizer, options=OPTIONS
+            )
+            sd = {"model": model_sd, "optim": pack_scalars(optim_sd)}
+        sd["step"] = self.step
+        if self.lr_scheduler is not None:
+            sd["lr_scheduler"] = self.lr_scheduler.state_dict()
+        for name, obj in self.extra.items():
+            sd[name] = obj.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Applies a state_dict from :meth:`state_dict` (after ``dcp.load``).
+
+        Its checks all run before anything is applied (``dcp.load`` has
+        filled the tensors in place already). A parameter none of whose
+        ``optim.state.`` entries are in ``state_dict`` (it had no optimizer
+        state when saved, so ``SafeLoadPlanner`` read none) ends with no
+        optimizer state, as saved, so that its next step starts its state
+        afresh, as the saved run would.
+
+        Args:
+            state_dict: The dict that ``dcp.load`` filled in place.
+
+        Raises:
+            RuntimeError: A model key is missing or unexpected
+                (``set_state_dict`` is strict).
+            KeyError: A section (``model``, ``optim``, ...) is missing.
+            CheckpointError: An ``optim.scalars.<fqn>`` item lacks an entry
+                this optimizer has, or has one it lacks (saved by another
+                optimizer class, or without the LR scheduler that adds
+                ``initial_lr``; an ``initial_lr`` this optimizer lacks is
+                allowed). DCP cannot see inside the item, and
+                ``set_state_dict`` would load an empty dict for a missing
+                state entry such as ``step`` and ignore extra ones. Also:
+                some of a parameter's state is missing while the rest is
+                there (a damaged or edited checkpoint).
+            CheckpointError: A param group here joins parameters saved with
+                different options (``set_state_dict`` would give them all the
+                first one's), or the LR scheduler was saved for another number
+                of param groups.
+        """
+        if self.optimizer is None:
+            set_model_state_dict(self.module, state_dict["model"])
+        else:
+            self._load_with_optimizer(state_dict)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        self.step = int(state_dict["step"])
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state_dict[name])
+
+    def _load_with_optimizer(self, state_dict: dict[str, Any]) -> None:
+        """Checks optimizer and scheduler state, then applies model and optimizer."""
+        assert self.optimizer is not None
+        optim_sd = unpack_scalars(state_dict["optim"])
+        wanted = get_optimizer_state_dict(self.module, self.optimizer, options=OPTIONS)
+        stateless = state_fqns(wanted) - state_fqns(optim_sd)
+        self._check_entries(wanted, optim_sd, stateless)
+        fqn_of = param_fqns(self.module)
+        self._check_groups(optim_sd, fqn_of)
+        if self.lr_scheduler is not None:
+            self._check_scheduler(state_dict["lr_scheduler"])
+        for param, fqn in fqn_of.items():
+            if fqn in stateless:  # none was saved: none to fill
+                self.optimizer.state.pop(param, None)
+        with without_empty_groups(self.optimizer):
+            set_state_dict(
+                self.module,
+                self.optimizer,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=optim_sd,
+                options=OPTIONS,
+            )
+        # No state, as saved: set_state_dict makes an empty entry for each
+        # parameter without state (all of them for SGD without momentum).
+        for param in fqn_of:
+            if not self.optimizer.state.get(param, True):
+                self.optimizer.state.pop(param, None)
+
+    @staticmethod
+    def _check_entries(
+        wanted: Mapping[str, Any], loaded: Mapping[str, Any], stateless: set[str]
+    ) -> None:
+        """Refuses loaded optimizer entries other than the wanted ones."""
+        missing = sorted(
+            k for k in wanted.keys() - loaded.keys() if not state_fqns([k]) & stateless
+        )
+        # An LR scheduler's initial_lr may stay behind when loading into an
+        # optimizer without one; any other entry is another optimizer's.
+        extra = sorted(
+            k for k in loaded.keys() - wanted.keys() if not k.endswith(".initial_lr")
+        )
+        lost = [k for k in missing if k.startswith("state.")]
+        if lost:  # a parameter with none of its state is taken as stateless
+            raise CheckpointError(
+                f"the checkpoint's optimizer state has no {_listed(lost)}, though it "
+                "has other state of the same parameters: the checkpoint is "
+                "damaged or was edited; load an earlier step"
+            )
+        for what, keys in (("has no", missing), ("has entries this one lacks:", extra)):
+            if keys:
+                raise CheckpointError(
+                    f"the checkpoint's optimizer state {what} {_listed(keys)}: it was "
+                    "saved by another optimizer class or with other param-group "
+                    "options (an LR scheduler adds 'initial_lr'); build the "
+                    "optimizer (and scheduler) as the run that saved it did"
+                )
+
+    def _check_groups(
+        self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
+    ) -> None:
+        """Refuses a param group here whose parameters were saved with other options."""
+        # set_state_dict gives a param group the saved options of its first
+        # parameter, so a group joining parameters saved with different options
+        # would silently give them all the first one's learning rate.
+        assert self.optimizer is not None
+
+        def comparable(value: Any) -> str:  # (0.9, 0.999) and [0.9, 0.999] agree
+            return fingerprint(list(value) if isinstance(value, tuple) else value)
+
+        for index, group in enumerate(self.optimizer.param_groups):
+            fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
+            differ: dict[str, tuple[str, Any, Any]] = {}
+            options = sorted(group.keys() - _IMPLEMENTATION_OPTIONS, key="lr".__ne__)
+            for option in options:
+                values = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
+                for fqn, value in zip(fqns[1:], values[1:], strict=True):
+                    if comparable(value) != comparable(values[0]):
+                        differ[option] = (fqn, values[0], value)
+                        break
+            if differ:
+                option, (fqn, first, other) = next(iter(differ.items()))
+                raise CheckpointError(
+                    f"param group {index} here holds parameters saved with different "
+                    f"{', '.join(map(repr, differ))}: {option} {first!r} for "
+                    f"{fqns[0]!r}, {other!r} for {fqn!r}; one group would silently "
+                    "get the first one's. Build the param groups as the run that "
+                    "saved it did"
+                )
+
+    def _check_scheduler(self, saved: Mapping[str, Any]) -> None:
+        """Refuses an LR scheduler saved for another number of param groups."""
+        # A scheduler keeps per-group lists (base_lrs, _last_lr, min_lrs); loaded
+        # for another number of groups, LambdaLR, CosineAnnealingLR and
+        # SequentialLR fail at their first step, others run on misaligned. They
+        # are compared with this scheduler's own lists: a group added to the
+        # optimizer after the scheduler was built is in neither.
+        live = self.lr_scheduler.state_dict() if self.lr_scheduler else {}
+        for key in ("base_lrs", "min_lrs", "_last_lr"):
+            ours, theirs = live.get(key), saved.get(key)
+            if isinstance(ours, list) and isinstance(theirs, list):
+                if len(ours) != len(theirs):
+                    raise CheckpointError(
+                        f"the LR scheduler was saved for {len(theirs)} param "
+                        f"group(s) (its {key!r}), this one has {len(ours)}: its "
+                        "per-group schedule would not line up. Build the param "
+                        "groups as the run that saved it did"
+                    )

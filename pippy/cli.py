@@ -1,0 +1,310 @@
+"""Command line for pippy checkpoints: ``python -m pippy inspect|export``.
+
+Reads only through :mod:`pippy.checkpoint`'s safe reader and planner
+(:func:`~pippy.checkpoint.read_metadata`, :func:`~pippy.checkpoint.read_checkpoint`),
+so a checkpoint's pickles run no code unless ``--trust-checkpoint`` is given
+(or ``PIPPY_TRUST_CHECKPOINT=1`` is set; decided once, in :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+import os
+import pickle
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from pippy import checkpoint
+from pippy.checkpoint.safe_load import resolve_trusted
+
+__all__ = ["main"]
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# What bad paths and checkpoints raise (EOFError, UnpicklingError: a damaged
+# .metadata); main reports them in one line, never a traceback.
+_ERRORS = (
+    checkpoint.CheckpointError,
+    OSError,
+    KeyError,
+    ValueError,
+    EOFError,
+    pickle.UnpicklingError,
+)
+
+
+def _human(n: float) -> str:
+    """A byte count as B, KiB, MiB or GiB."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _table(header: list[str], rows: list[list], right: set[int]) -> None:
+    """Prints rows as aligned columns; columns in ``right`` align right."""
+    cells = [header, *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        line = (
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        print("  ".join(line).rstrip())
+
+
+def _rank(file_name: str) -> str:
+    """The rank that wrote a DCP data file (``__<rank>_0.distcp``), or ``?``."""
+    match = _RANK_FILE.match(file_name)
+    return match.group(1) if match else "?"
+
+
+def _file_size(path: Path) -> str:
+    """A file's size, or ``missing``."""
+    return _human(path.stat().st_size) if path.is_file() else "missing"
+
+
+def _disk_size(folder: Path) -> int:
+    """Bytes of all files below ``folder``."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _resolve(path: Path, step: int | None) -> tuple[dict[int, Path], Path]:
+    """Returns the run's step folders (none for a step folder) and the chosen one."""
+    if not path.exists():
+        raise FileNotFoundError(f"no such folder: {str(path)!r}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
+    own_step = checkpoint.parse_step(path)
+    if checkpoint.is_complete(path) or own_step is not None:  # one step: read it
+        if step is not None and own_step != step:
+            raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
+        return {}, path
+    steps = checkpoint.list_steps(path)
+    if step is not None:
+        if step not in steps:
+            raise ValueError(f"no step {step} in {str(path)!r} (steps: {list(steps)})")
+        return steps, steps[step]
+    complete = [s for s, p in steps.items() if checkpoint.is_complete(p)]
+    if not complete:
+        found = f"only incomplete steps {list(steps)}" if steps else "no step-<N>"
+        raise checkpoint.CheckpointNotFoundError(f"{str(path)!r} holds {found}")
+    return steps, steps[max(complete)]
+
+
+def _completeness(folder: Path, args: argparse.Namespace) -> str:
+    """The COMPLETE column of a step: yes, or why not."""
+    if not checkpoint.is_complete(folder):
+        return "no (no .metadata)"
+    try:
+        metadata = checkpoint.read_metadata(folder, trusted=args.trusted)
+    except checkpoint.CheckpointError as e:
+        return f"no ({type(e).__name__})"
+    damage = checkpoint.find_damage(folder, metadata)
+    return (
+        f"no (damaged: {damage[0]}{' ...' if len(damage) > 1 else ''})"
+        if damage
+        else "yes"
+    )
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    """``inspect``: the run's steps, then one step's keys and files."""
+    steps, folder = _resolve(Path(args.path), args.step)
+    metadata = checkpoint.read_metadata(folder, trusted=args.trusted)
+    files: dict[str, set[str]] = {}
+    stored: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
+    items = metadata.state_dict_metadata
+    patterns = args.keys or ["*"]
+    keys = [k for k in items if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    if not keys:
+        raise ValueError(f"no key of {str(folder)!r} matches --keys {patterns}")
+    rows: list[list] = []
+    per_file: dict[str, tuple[int, int]] = {}
+    for key in keys:
+        item, where = items[key], sorted(files.get(key, ()))
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            size = math.prod(item.size) * dtype.itemsize
+            rows.append(
+                [key, str(list(item.size)), str(dtype)[6:], size, ",".join(where)]
+            )
+        else:  # pickled: its size as stored
+            size = stored.get(key, 0)
+            rows.append([key, "-", "object", size, ",".join(where)])
+        for name in where:
+            count, total = per_file.get(name, (0, 0))
+            per_file[name] = (count + 1, total + size)
+    if steps:
+        print(f"{args.path}: {len(steps)} step(s)")
+        step_rows = [
+            [s, _completeness(p, args), _human(_disk_size(p))] for s, p in steps.items()
+        ]
+        _table(["STEP", "COMPLETE", "ON DISK"], step_rows, right={0, 2})
+        print()
+    print(f"{folder}: {len(keys)} of {len(items)} keys")
+    _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
+    print()
+    file_rows: list[list] = [
+        [name, _rank(name), count, total, _file_size(folder / name)]
+        for name, (count, total) in sorted(per_file.items())
+    ]
+    stored_total = sum(row[3] for row in file_rows)
+    file_rows.append(["total", "", len(keys), stored_total, _human(_disk_size(folder))])
+    _table(["FILE", "RANK", "KEYS", "BYTES", "ON DISK"], file_rows, right={1, 2, 3, 4})
+    for problem in checkpoint.find_damage(folder, metadata):
+        print(f"damaged: {problem}; this step cannot be loaded")
+
+
+def _export(args: argparse.Namespace) -> None:
+    """``export``: a step's model weights into one file, atomically."""
+    out = Path(args.out)
+    fmt = args.format or ("safetensors" if out.suffix == ".safetensors" else "pt")
+    if out.exists() and not args.force:
+        raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"no folder {str(out.parent)!r} to write {out.name} in")
+    _, folder = _resolve(Path(args.path), None)
+    state = checkpoint.read_checkpoint(folder, prefix="model.", trusted=args.trusted)
+    weights = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model.{key} in {str(folder)!r} is not a tensor")
+        if args.dtype and value.is_floating_point():
+            value = value.to(_DTYPES[args.dtype])
+        weights[key] = value.contiguous()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # same file system
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(weights, tmp, metadata={"format": "pt"})
+        else:
+            torch.save(weights, tmp)
+        umask = os.umask(0o22)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0o600
+        os.replace(tmp, out)  # atomic: a failed export leaves no partial file
+    finally:
+        tmp.unlink(missing_ok=True)
+    size = _human(sum(t.numel() * t.element_size() for t in weights.values()))
+    print(f"{folder} -> {out}: {len(weights)} tensors, {size} ({fmt})")
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m pippy``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pippy",
+        description="Inspect and export pippy (DCP) checkpoints.",
+    )
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load any pickle the checkpoint holds, as plain DCP does; it can "
+        "run code, so only for checkpoints from a trusted source",
+    )
+    inspect = commands.add_parser(
+        "inspect",
+        parents=[common],
+        help="list a run's steps and a step's keys",
+        description="List a run's steps, then each key of one step: shape, "
+        "dtype, bytes (tensor data; for objects, their pickled size) and the "
+        "rank's file that holds it.",
+    )
+    inspect.add_argument(
+        "path",
+        metavar="PATH",
+        help="a run's checkpoint folder (holding step-<N>) or one step folder",
+    )
+    inspect.add_argument(
+        "--step",
+        type=int,
+        metavar="N",
+        help="step to detail (default: the newest complete one)",
+    )
+    inspect.add_argument(
+        "--keys",
+        nargs="+",
+        action="extend",
+        metavar="PATTERN",
+        help="show only keys matching these fnmatch patterns, e.g. 'model.layers.0.*'",
+    )
+    inspect.set_defaults(run=_inspect)
+    export = commands.add_parser(
+        "export",
+        parents=[common],
+        help="write a step's model weights to one file",
+        description="Write a step's model weights (keys under 'model.', prefix "
+        "removed: the un-split model's state_dict, no optimizer state) to one file.",
+    )
+    export.add_argument(
+        "path",
+        metavar="STEP_FOLDER",
+        help="a step folder (or a run folder: its newest complete step)",
+    )
+    export.add_argument("--out", required=True, metavar="FILE", help="file to write")
+    export.add_argument(
+        "--format",
+        choices=["pt", "safetensors"],
+        help="pt (torch.save) or safetensors; default: from FILE's extension "
+        "(.safetensors, else pt)",
+    )
+    export.add_argument(
+        "--dtype",
+        choices=list(_DTYPES),
+        help="convert floating-point tensors to this dtype",
+    )
+    export.add_argument(
+        "--force", action="store_true", help="overwrite FILE if it exists"
+    )
+    export.set_defaults(run=_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line.
+
+    Args:
+        argv: The arguments, without the program name; ``sys.argv[1:]`` if None.
+
+    Returns:
+        The exit status: 0 on success; 2 on a bad path or checkpoint, reported
+        on stderr as one ``error: <message>`` line (argparse exits 2 itself on
+        bad arguments).
+    """
+    args = _parser().parse_args(argv)
+    args.trusted = resolve_trusted(args.trust_checkpoint or None)
+    try:
+        with warnings.catch_warnings():  # one process, reading alone, by design
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            args.run(args)
+    except BrokenPipeError:  # `python -m pippy inspect ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except _ERRORS as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
