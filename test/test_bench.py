@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from helpers import ROOT
 
 SAVE_METHODS = {
     "pippy_sync",

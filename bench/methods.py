@@ -1,0 +1,381 @@
+"""The methods the benchmark times: pippy's saves and loads, and the baselines.
+
+The driver's docstring (``--help``) and bench/README.md describe each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from harness import (
+    STEP,
+    Case,
+    Ctx,
+    Loader,
+    Method,
+    barrier,
+    build_state,
+    drop_page_cache,
+    flat_optim,
+    fsync_path,
+    tensors_of,
+)
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from pippy import checkpoint
+
+# DCP's default staging on CPU: a new stager per save, or one kept by the tuned.
+CPU_STAGING = StagingOptions(
+    use_pinned_memory=False,
+    use_shared_memory=False,
+    use_async_staging=False,
+    use_non_blocking_copy=False,
+)
+
+
+# --------------------------------------------------------------------------
+# pippy's saves
+# --------------------------------------------------------------------------
+
+
+class TimedWriter(FileSystemWriter):
+    """DCP's file system writer, noting when its ``write_data`` starts and ends.
+
+    ``dcp.save`` plans (every rank's plan to the coordinator and back), then
+    calls ``write_data`` on every rank, then gathers the write results for the
+    coordinator's ``.metadata``; these marks split its time into the three.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.marks: dict[str, float] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.marks["write"] = time.perf_counter()
+        future = super().write_data(plan, planner)
+        future.wait()  # FileSystemWriter writes before returning; to be sure
+        self.marks["written"] = time.perf_counter()
+        return future
+
+
+class DcpSaveSpan(logging.Handler):
+    """Keeps ``dcp.save``'s start and end from ``save_stage``'s DEBUG record."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.span: tuple[float, float] | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.span = (record.dcp_save_start, record.dcp_save_end)
+
+
+@contextlib.contextmanager
+def dcp_save_span() -> Iterator[DcpSaveSpan]:
+    """Listens to ``pippy.checkpoint.api`` at DEBUG for the ``with`` block."""
+    handler = DcpSaveSpan()
+    api_log = logging.getLogger("pippy.checkpoint.api")
+    level = api_log.level
+    api_log.setLevel(logging.DEBUG)
+    api_log.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        api_log.removeHandler(handler)
+        api_log.setLevel(level)
+
+
+def sync_save(
+    state: checkpoint.StageState,
+    folder: Path,
+    planner: DefaultSavePlanner | None = None,
+    *,
+    flat: bool = False,
+    crc32: bool = True,
+) -> dict[str, float]:
+    """``checkpoint.save_stage`` into ``folder``, its time split into parts.
+
+    ``flat``: the optimizer as :func:`flat_optim`; ``crc32=False``: without
+    ``torch.save``'s CRC-32 of every item (a process-wide torch setting).
+
+    Returns:
+        Seconds of each part: ``pippy`` (``state_dict()``, the key check and
+        ``publish_step``, with their collectives), and of ``dcp.save``:
+        ``dcp_plan`` (until the writes start), ``dcp_write`` (every item
+        through ``torch.save`` and ``fsync``), ``dcp_finish`` (write results
+        to the coordinator, ``.metadata``, outcome back to every rank).
+    """
+    writer = TimedWriter(folder)  # save_stage points it at the staging folder
+    with dcp_save_span() as listener:
+        start = time.perf_counter()
+        saved = flat_optim(state) if flat else state
+        torch.serialization.set_crc32_options(crc32)
+        try:
+            checkpoint.save_stage(
+                saved, folder, step=STEP, storage_writer=writer, planner=planner
+            )
+        finally:
+            torch.serialization.set_crc32_options(True)
+        end = time.perf_counter()
+    if listener.span is None:
+        raise RuntimeError("save_stage logged no DEBUG record with dcp.save's times")
+    before, after = listener.span
+    marks = writer.marks
+    return {
+        "pippy": end - start - (after - before),
+        "dcp_plan": marks["write"] - before,
+        "dcp_write": marks["written"] - marks["write"],
+        "dcp_finish": after - marks["written"],
+    }
+
+
+def sync_method(
+    ctx: Ctx, name: str, *, cached: bool = False, **variant: bool
+) -> Method:
+    """:func:`sync_save` into ``work/<name>``; ``cached``: DCP's plan caching."""
+    planner = DefaultSavePlanner(enable_plan_caching=True) if cached else None
+
+    def run() -> dict:
+        return {"parts": sync_save(ctx.state, ctx.work / name, planner, **variant)}
+
+    return Method(run=run, cleanup=ctx.remover(name))
+
+
+def async_save(state: checkpoint.StageState, saver: checkpoint.AsyncSaver) -> float:
+    """The example's async save, then ``wait()``: seconds until ``save`` returned."""
+    start = time.perf_counter()
+    state_dict = state.state_dict()
+    checkpoint.check_keys(state_dict)
+    saver.save(state_dict, STEP)
+    blocked = time.perf_counter() - start
+    saver.wait()  # the save is complete and published
+    return blocked
+
+
+def async_method(ctx: Ctx, name: str, *, tuned: bool) -> Method:
+    """``AsyncSaver`` on the async group; ``tuned``: one kept, else one per save."""
+
+    def new_saver() -> checkpoint.AsyncSaver:
+        return checkpoint.AsyncSaver(
+            ctx.work / name,
+            process_group=ctx.async_group,
+            async_stager=DefaultStager(CPU_STAGING),
+        )
+
+    kept = new_saver() if tuned else None
+
+    def run() -> dict:
+        saver = kept or new_saver()
+        try:
+            return {"blocked_s": async_save(ctx.state, saver)}
+        finally:
+            if saver is not kept:
+                saver.close()  # frees its stager, as dcp.async_save frees its own
+
+    close = kept.close if kept else None
+    return Method(run=run, cleanup=ctx.remover(name), close=close)
+
+
+# --------------------------------------------------------------------------
+# The baselines, the ceiling and the floor
+# --------------------------------------------------------------------------
+
+
+def torch_save_stage(ctx: Ctx, name: str) -> Method:
+    """Baseline: each rank ``torch.save``s its model and optimizer state_dicts."""
+
+    def run() -> None:
+        (ctx.work / name).mkdir(parents=True, exist_ok=True)
+        path = ctx.work / name / f"stage-{ctx.rank}.pt"
+        state = {
+            "model": ctx.state.module.state_dict(),
+            "optim": ctx.state.optimizer.state_dict(),
+        }
+        torch.save(state, path)
+        fsync_path(path)
+
+    return Method(run=run, cleanup=ctx.remover(name))
+
+
+def gather_rank0(ctx: Ctx, name: str, keep: Path | None) -> Method:
+    """Baseline: each stage's tensors to rank 0 as one flat byte buffer, one file.
+
+    Rank 0 writes the un-split model's flat ``{key: value}`` dict; ``keep``
+    holds the last one for ``torch_load_full``.
+    """
+
+    def run() -> None:
+        flat = dict(checkpoint.named_leaves(ctx.state.state_dict()))
+        tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        layout = [(k, t.dtype, t.shape, t.nbytes) for k, t in tensors.items()]
+        others = {k: v for k, v in flat.items() if k not in tensors}
+        infos: list[Any] = [None] * ctx.world
+        dist.gather_object((layout, others), infos if ctx.rank == 0 else None, dst=0)
+        if ctx.rank != 0:
+            buf = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
+            dist.send(buf, dst=0)
+            return
+        for src in range(1, ctx.world):
+            src_layout, src_others = infos[src]
+            flat.update(src_others)
+            buf = torch.empty(sum(n for *_, n in src_layout), dtype=torch.uint8)
+            dist.recv(buf, src=src)
+            offset = 0
+            for key, dtype, shape, nbytes in src_layout:
+                flat[key] = buf[offset : offset + nbytes].view(dtype).view(shape)
+                offset += nbytes
+        (ctx.work / name).mkdir(parents=True, exist_ok=True)
+        torch.save(flat, ctx.work / name / "full.pt")
+        fsync_path(ctx.work / name / "full.pt")
+
+    def cleanup() -> None:
+        if ctx.rank == 0 and keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(ctx.work / name / "full.pt", keep)
+        ctx.remover(name)()
+
+    return Method(run=run, cleanup=cleanup)
+
+
+def raw_write(ctx: Ctx, name: str) -> Method:
+    """The ceiling: this rank's tensor bytes straight into one file, fsynced."""
+
+    def run() -> None:
+        (ctx.work / name).mkdir(parents=True, exist_ok=True)
+        with open(ctx.work / name / f"rank-{ctx.rank}.bin", "wb", buffering=0) as f:
+            for t in tensors_of(ctx.state):
+                f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            os.fsync(f.fileno())
+
+    return Method(run=run, cleanup=ctx.remover(name))
+
+
+def copy_fresh(ctx: Ctx) -> Method:
+    """The floor of staging: every tensor copied into newly allocated memory."""
+
+    def run() -> None:
+        copies = [t.clone() for t in tensors_of(ctx.state)]
+        del copies
+
+    return Method(run=run)
+
+
+def copy_reuse(ctx: Ctx) -> Method:
+    """Every tensor copied into buffers allocated (and touched) beforehand."""
+
+    def prepare() -> None:
+        ctx.buffers = [torch.zeros_like(t) for t in tensors_of(ctx.state)]
+
+    def run() -> None:
+        for dst, src in zip(ctx.buffers, tensors_of(ctx.state), strict=True):
+            dst.copy_(src)
+
+    def cleanup() -> None:
+        ctx.buffers = []
+
+    return Method(run=run, prepare=prepare, cleanup=cleanup)
+
+
+# --------------------------------------------------------------------------
+# Loads
+# --------------------------------------------------------------------------
+
+
+def load_plain(state: checkpoint.StageState, path: Path) -> None:
+    """Bare ``dcp.load`` and ``load_state_dict``: no safe reader, planner or check."""
+    state_dict = state.state_dict()
+    dcp.load(state_dict, checkpoint_id=path)
+    state.load_state_dict(state_dict)
+
+
+def load_unsplit(state: checkpoint.StageState, path: Path) -> None:
+    """``checkpoint.load_model`` into the (un-split) stage's module and optimizer."""
+    checkpoint.load_model(path, state.module, state.optimizer)
+
+
+def load_into_fresh(
+    case: Case,
+    rank: int,
+    world: int,
+    path: Path,
+    cold: bool,
+    load: Loader = checkpoint.load_stage,
+) -> Method:
+    """``load`` (pippy's ``load_stage`` by default) into a new stage.
+
+    The stage and its (empty) AdamW are built outside the timed region, as a
+    resumed run would have them; the page cache is dropped if ``cold``.
+    """
+    holder: dict[str, checkpoint.StageState] = {}
+
+    def prepare() -> None:
+        holder["state"] = build_state(case, rank, world, seed=1, stepped=False)
+        barrier()
+        if cold and rank == 0:
+            drop_page_cache(path)
+
+    def run() -> None:
+        load(holder["state"], path)
+
+    return Method(run=run, prepare=prepare, cleanup=holder.clear)
+
+
+def torch_load_full(case: Case, path: Path, cold: bool) -> Method:
+    """Baseline: ``torch.load`` of gather_rank0's file into the un-split model."""
+    holder: dict[str, checkpoint.StageState] = {}
+
+    def prepare() -> None:
+        holder["state"] = build_state(case, 0, 1, seed=1, stepped=False)
+        if cold:
+            drop_page_cache(path.parent)
+
+    def run() -> None:
+        state = holder["state"]
+        full = torch.load(path, weights_only=True)
+        state_dict = state.state_dict()
+        fill_from_flat(state_dict, full)
+        state.load_state_dict(state_dict)
+
+    return Method(run=run, prepare=prepare, cleanup=holder.clear)
+
+
+def fill_from_flat(nested: dict, flat: dict, prefix: str = "") -> None:
+    """Copies ``flat[dotted key]`` into a nested state_dict, in place."""
+    for key, value in nested.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            fill_from_flat(value, flat, dotted + ".")
+        elif isinstance(value, torch.Tensor):
+            value.copy_(flat[dotted])
+        else:
+            nested[key] = flat[dotted]
+
+
+def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
+    """The save phase's methods by name; its loads read ``work/ckpt``."""
+    loaded = checkpoint.step_dir(ctx.work / "ckpt", STEP)
+    args = (ctx.case, ctx.rank, ctx.world, loaded, cold)
+    return {
+        "pippy_sync": sync_method(ctx, "pippy_sync"),
+        "pippy_sync_cached": sync_method(ctx, "pippy_sync_cached", cached=True),
+        "pippy_sync_nocrc": sync_method(ctx, "pippy_sync_nocrc", crc32=False),
+        "dcp_flat_optim": sync_method(ctx, "dcp_flat_optim", flat=True),
+        "pippy_async": async_method(ctx, "pippy_async", tuned=False),
+        "pippy_async_tuned": async_method(ctx, "pippy_async_tuned", tuned=True),
+        "torch_save_stage": torch_save_stage(ctx, "torch_save_stage"),
+        "gather_rank0": gather_rank0(ctx, "gather_rank0", keep),
+        "raw_write": raw_write(ctx, "raw_write"),
+        "copy_fresh": copy_fresh(ctx),
+        "copy_reuse": copy_reuse(ctx),
+        "load_same": load_into_fresh(*args),
+        "load_same_dcp": load_into_fresh(*args, load=load_plain),
+    }

@@ -1,0 +1,377 @@
+"""The report: medians over repeats, ratios, the issue's targets and tables.
+
+``write_report`` turns the rows of a run (one per method, case and repeat)
+into ``results.json``, ``results.md`` and, through ``plot.py``,
+``results.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from harness import MB
+from plot import plot
+
+# --------------------------------------------------------------------------
+# Summary: medians, ratios, the issue's targets
+# --------------------------------------------------------------------------
+
+# Each ratio column: the method's median wall time over this reference's, in
+# the same phase, degree and case.
+REFERENCES = {
+    "x_raw": "raw_write",
+    "x_torch_save": "torch_save_stage",
+    "x_gather": "gather_rank0",
+    "x_ref_load": "load_same",
+    "x_torch_load": "torch_load_full",
+}
+SYNC_VARIANTS = ("pippy_sync_cached", "dcp_flat_optim", "pippy_sync_nocrc")
+# The parts of a sync save's time that methods.sync_save reports, in order.
+PARTS = ("pippy_s", "dcp_plan_s", "dcp_write_s", "dcp_finish_s")
+
+
+def key_of(s: dict) -> tuple:
+    """A row's or summary's (phase, degree, case, method)."""
+    return (s["phase"], s["ranks"], s["case"], s["method"])
+
+
+def spread(group: list[dict], name: str) -> dict[str, float]:
+    """The median, min and max of ``<name>_s`` over a group of repeats."""
+    values = [r[f"{name}_s"] for r in group]
+    return {
+        f"{name}_s": statistics.median(values),
+        f"{name}_min_s": min(values),
+        f"{name}_max_s": max(values),
+    }
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Median, min and max over repeats of each (phase, degree, case, method)."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(key_of(row), []).append(row)
+    summary = []
+    keep = ("phase", "ranks", "case", "method", "saved_by", "bytes_per_rank")
+    keep += ("total_bytes", "items_per_rank", "flat_items_per_rank")
+    keep += ("tensors_per_rank",)
+    for group in groups.values():
+        wall = statistics.median(r["wall_s"] for r in group)
+        summary.append(
+            {
+                **{k: group[0][k] for k in keep},
+                "repeats": len(group),
+                **spread(group, "wall"),
+                **spread(group, "blocked"),
+                "gb_per_s": group[0]["total_bytes"] / wall / 1e9,
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in group),
+                "extra_rss_mb": statistics.median(r["extra_rss_mb"] for r in group),
+                "extra_rss_max_mb": max(r["extra_rss_mb"] for r in group),
+                "stager_held_mb": group[0].get("stager_held_mb"),
+                **{
+                    part: statistics.median(r[part] for r in group)
+                    for part in PARTS
+                    if part in group[0]
+                },
+            }
+        )
+    index = {key_of(s): s for s in summary}
+    for s in summary:
+        for col, method in REFERENCES.items():
+            ref = index.get((s["phase"], s["ranks"], s["case"], method))
+            if ref is not None and ref is not s:
+                s[col] = s["wall_s"] / ref["wall_s"]
+    return summary
+
+
+def check(
+    target: str,
+    where: str,
+    num: dict,
+    den: dict,
+    limit: float,
+    *,
+    times: tuple[str, str] = ("wall", "wall"),
+    factor: float = 1.0,
+) -> dict:
+    """``num``'s time over ``den``'s: of the medians (judged) and of the minima.
+
+    The minima are the repeats least disturbed by other work on the machine.
+    """
+    (t_num, t_den) = times
+    value = num[f"{t_num}_s"] / den[f"{t_den}_s"] * factor
+    best = num[f"{t_num}_min_s"] / den[f"{t_den}_min_s"] * factor
+    return {
+        "target": target,
+        "where": where,
+        "value": value,
+        "best": best,
+        "limit": limit,
+        "met": value <= limit,
+    }
+
+
+def save_cases(summary: list[dict]) -> list[dict[str, dict]]:
+    """The save phase's methods, one dict per (degree, case), smallest first."""
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for s in summary:
+        if s["phase"] == "save":
+            by_case.setdefault((s["ranks"], s["case"]), {})[s["method"]] = s
+
+    def order(key: tuple) -> tuple:
+        size = next(iter(by_case[key].values()))["total_bytes"]
+        return (key[0], "keys" in key[1], size)
+
+    return [by_case[k] for k in sorted(by_case, key=order)]
+
+
+def save_checks(summary: list[dict]) -> list[dict]:
+    """Sync against the ceiling and rank 0; async blocking against copy and sync."""
+    checks = []
+    for m in save_cases(summary):
+        sync = m["pippy_sync"]
+        where = f"P={sync['ranks']} {sync['case']}"
+        checks.append(check("pippy_sync / raw_write", where, sync, m["raw_write"], 1.3))
+        gather = m["gather_rank0"]
+        checks.append(check("pippy_sync / gather_rank0", where, sync, gather, 1.0))
+        blocked = ("blocked", "wall")
+        for name in ("pippy_async", "pippy_async_tuned"):
+            for ref, limit in (("copy_fresh", 1.5), ("pippy_sync", 0.2)):
+                target = f"{name} blocked / {ref}"
+                checks.append(
+                    check(target, where, m[name], m[ref], limit, times=blocked)
+                )
+    return checks
+
+
+def load_checks(summary: list[dict]) -> list[dict]:
+    """A load into another degree against the same-degree load of the same model."""
+    index = {key_of(s): s for s in summary}
+    checks = []
+    for s in summary:
+        if s["method"] == "load_reshard":
+            same = index[s["phase"], s["ranks"], s["case"], "load_same"]
+            where = f"{s['saved_by']}->{s['ranks']} ranks {s['case']}"
+            checks.append(check("load_reshard / load_same", where, s, same, 1.3))
+    return checks
+
+
+def linearity_checks(summary: list[dict]) -> list[dict]:
+    """Seconds per byte of the sync saves: large / small size, more keys / base.
+
+    Fixed costs make small saves dearer per byte; growing faster than the
+    bytes would show as a large size dearer per byte than a small one.
+    """
+    checks = []
+    for s in summary:
+        if s["phase"] != "save" or s["method"] not in ("pippy_sync", "dcp_flat_optim"):
+            continue
+        same = [
+            t
+            for t in summary
+            if (t["phase"], t["ranks"], t["method"])
+            == ("save", s["ranks"], s["method"])
+            and "keys" not in t["case"]
+        ]
+        ordered = sorted(same, key=lambda t: t["total_bytes"])
+        small, large = ordered[0], ordered[-1]
+        if s is large and len(same) > 1:
+            where = f"P={s['ranks']} {small['case']} vs {large['case']}"
+            factor = small["total_bytes"] / large["total_bytes"]
+            target = f"{s['method']} s/byte large / small"
+            checks.append(check(target, where, large, small, 1.3, factor=factor))
+        if "keys" in s["case"]:
+            where = f"P={s['ranks']} {s['case']} vs {small['case']}"
+            factor = small["total_bytes"] / s["total_bytes"]
+            target = f"{s['method']} s/byte more keys / base"
+            checks.append(check(target, where, s, small, 1.3, factor=factor))
+    return checks
+
+
+def evaluate_targets(summary: list[dict]) -> list[dict]:
+    """The issue's targets, per degree and size, from this run's ratios alone."""
+    return save_checks(summary) + load_checks(summary) + linearity_checks(summary)
+
+
+# --------------------------------------------------------------------------
+# Tables and files
+# --------------------------------------------------------------------------
+
+
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def full_table(summary: list[dict]) -> str:
+    """Every method: bytes, seconds, GB/s, memory and the ratios."""
+
+    def ratio(s: dict, col: str) -> str:
+        return f"{s[col]:.2f}" if col in s else ""
+
+    head = ["ranks", "case", "method", "MB/rank", "items/rank"]
+    head += ["wall s: median [min-max]", "blocked s", "GB/s", "peak RSS MB"]
+    head += ["extra MB", *REFERENCES]
+    rows = []
+    for s in summary:
+        blocked = s["blocked_s"] < s["wall_s"] - 1e-9
+        rows.append(
+            [
+                f"{s['saved_by']}->{s['ranks']}",
+                s["case"],
+                s["method"],
+                f"{s['bytes_per_rank'] / MB:.0f}",
+                str(s["items_per_rank"]),
+                f"{s['wall_s']:.2f} [{s['wall_min_s']:.2f}-{s['wall_max_s']:.2f}]",
+                f"{s['blocked_s']:.3f}" if blocked else "",
+                f"{s['gb_per_s']:.2f}",
+                f"{s['peak_rss_mb']:.0f}",
+                f"{s['extra_rss_mb']:.0f}",
+                *(ratio(s, col) for col in REFERENCES),
+            ]
+        )
+    return markdown(head, rows)
+
+
+def targets_table(checks: list[dict]) -> str:
+    """Each target: its ratios, its limit, and whether it is met."""
+    rows = [
+        [
+            c["target"],
+            c["where"],
+            f"{c['value']:.2f}",
+            f"{c['best']:.2f}",
+            f"<= {c['limit']}",
+            "met" if c["met"] else "**not met**",
+        ]
+        for c in checks
+    ]
+    head = ["target", "where", "ratio of medians", "ratio of minima", "limit", ""]
+    return markdown(head, rows)
+
+
+def case_cells(s: dict) -> list[str]:
+    """The first cells of a save case's row: degree, case and MB per rank."""
+    return [str(s["ranks"]), s["case"], f"{s['bytes_per_rank'] / MB:.0f}"]
+
+
+def headline_table(summary: list[dict]) -> str:
+    """Per degree and size: the saves' medians and their ratios to the references."""
+    head = ["P", "case", "MB/rank", "items/rank (flat)", "raw_write s"]
+    head += ["copy_fresh s", "pippy_sync s (x raw, x gather, x torch.save)"]
+    head += [f"{name} s (x raw)" for name in SYNC_VARIANTS]
+    head += ["pippy_async blocked s (x copy, x sync)", "pippy_async_tuned (same)"]
+    rows = []
+    for m in save_cases(summary):
+        sync = m["pippy_sync"]
+        rows.append(
+            [
+                *case_cells(sync),
+                f"{sync['items_per_rank']} ({sync['flat_items_per_rank']})",
+                f"{m['raw_write']['wall_s']:.2f}",
+                f"{m['copy_fresh']['wall_s']:.2f}",
+                f"{sync['wall_s']:.2f} ({sync['x_raw']:.2f}, {sync['x_gather']:.2f}, "
+                f"{sync['x_torch_save']:.2f})",
+                *(f"{m[n]['wall_s']:.2f} ({m[n]['x_raw']:.2f})" for n in SYNC_VARIANTS),
+                blocked_cell(m, "pippy_async"),
+                blocked_cell(m, "pippy_async_tuned"),
+            ]
+        )
+    return markdown(head, rows)
+
+
+def parts_table(summary: list[dict]) -> str:
+    """Where a sync save's time goes: each part's median, in units of raw_write.
+
+    *fixed* is everything but the writes: pippy's and DCP's per-save work and
+    collectives, which a faster write path would not remove. Each part is its
+    own median over the repeats, so the parts need not sum to the wall.
+    """
+    head = ["P", "case", "method", "items/rank", "raw_write s", "wall s (x raw)"]
+    head += [f"{part.removesuffix('_s')} s (x raw)" for part in PARTS]
+    head += ["fixed: all but dcp_write (x raw)"]
+    rows = []
+    for m in save_cases(summary):
+        raw = m["raw_write"]["wall_s"]
+        for name in ("pippy_sync", "dcp_flat_optim", "pippy_sync_nocrc"):
+            s = m[name]
+            fixed = sum(s[part] for part in PARTS if part != "dcp_write_s")
+            flat = name == "dcp_flat_optim"
+            items = s["flat_items_per_rank"] if flat else s["items_per_rank"]
+            rows.append(
+                [
+                    str(s["ranks"]),
+                    s["case"],
+                    name,
+                    str(items),
+                    f"{raw:.3f}",
+                    f"{s['wall_s']:.3f} ({s['wall_s'] / raw:.2f})",
+                    *(f"{s[part]:.3f} ({s[part] / raw:.2f})" for part in PARTS),
+                    f"{fixed:.3f} ({fixed / raw:.2f})",
+                ]
+            )
+    return markdown(head, rows)
+
+
+def blocked_cell(m: dict[str, dict], name: str) -> str:
+    """An async save's blocked time, and its ratios to the copy and the sync save."""
+    blocked = m[name]["blocked_s"]
+    copy, sync = m["copy_fresh"]["wall_s"], m["pippy_sync"]["wall_s"]
+    return f"{blocked:.3f} ({blocked / copy:.2f}, {blocked / sync:.2f})"
+
+
+def memory_table(summary: list[dict]) -> str:
+    """Per degree and size: what each method adds to a rank's RSS, at its peak."""
+    names = ["pippy_sync", "pippy_async", "pippy_async_tuned", "gather_rank0"]
+    names += ["torch_save_stage", "load_same"]
+    head = ["P", "case", "state MB/rank", *names, "kept stager holds"]
+    rows = []
+    for m in save_cases(summary):
+        first = m["pippy_sync"]
+        rows.append(
+            [
+                *case_cells(first),
+                *(f"{m[n]['extra_rss_max_mb']:.0f}" for n in names),
+                f"{first['stager_held_mb']:.0f}",
+            ]
+        )
+    return markdown(head, rows)
+
+
+def rounded(obj: Any) -> Any:
+    """Floats to 4 significant digits, for a JSON file of readable size."""
+    if isinstance(obj, float):
+        return float(f"{obj:.4g}")
+    if isinstance(obj, dict):
+        return {k: rounded(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [rounded(v) for v in obj]
+    return obj
+
+
+def write_report(rows: list[dict], machine: dict, out: Path) -> None:
+    """Writes results.md, results.json and results.png into ``out``."""
+    summary = summarize(rows)
+    checks = evaluate_targets(summary)
+    text = (
+        f"Command: `{machine['command']}`\n\n"
+        f"Machine: {machine['cpus']} CPUs, torch {machine['torch']}, disk probe "
+        f"(one writer, 512 MiB + fsync) {machine['disk_probe_gb_per_s']:.2f} GB/s, "
+        f"{machine['seconds']} s in all.\n\n"
+        f"## Saves\n\n{headline_table(summary)}\n\n"
+        "## Where a sync save's time goes (median seconds of the slowest rank)\n\n"
+        f"{parts_table(summary)}\n\n"
+        "## Extra RSS per rank, MB (highest over ranks and repeats)\n\n"
+        f"{memory_table(summary)}\n\n"
+        f"## Targets\n\n{targets_table(checks)}\n\n"
+        f"## All methods\n\n{full_table(summary)}\n"
+    )
+    (out / "results.md").write_text(text)
+    result = {"machine": machine, "summary": summary, "targets": checks, "rows": rows}
+    (out / "results.json").write_text(json.dumps(rounded(result), indent=1))
+    plot(summary, out / "results.png")
+    print(text)
+    print(f"wrote {out / 'results.json'}, results.md and results.png")
