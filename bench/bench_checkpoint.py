@@ -5,7 +5,7 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
 
 * ``pippy_sync``: ``checkpoint.save_stage`` (``StageState.state_dict()``,
   ``check_keys``, ``publish_step``, ``dcp.save`` on every rank), with DCP's
-  ``FileSystemWriter`` noting when its writes start and end.
+  ``ManifestWriter`` noting when its writes (and checksums) start and end.
   ``pippy_sync_cached``: the same with
   ``DefaultSavePlanner(enable_plan_caching=True)`` (not used by pippy: torch
   2.13 compares cached plans without dtypes). ``pippy_sync_nocrc``: the same

@@ -48,24 +48,30 @@ CPU_STAGING = StagingOptions(
 # --------------------------------------------------------------------------
 
 
-class TimedWriter(FileSystemWriter):
-    """DCP's file system writer, noting when its ``write_data`` starts and ends.
+class Marks:
+    """Notes when a storage writer's ``write_data`` starts and ends.
 
     ``dcp.save`` plans (every rank's plan to the coordinator and back), then
     calls ``write_data`` on every rank, then gathers the write results for the
     coordinator's ``.metadata``; these marks split its time into the three.
     """
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self.marks: dict[str, float] = {}
+    marks: dict[str, float]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
-        self.marks["write"] = time.perf_counter()
-        future = super().write_data(plan, planner)
-        future.wait()  # FileSystemWriter writes before returning; to be sure
+        self.marks = {"write": time.perf_counter()}
+        future = super().write_data(plan, planner)  # type: ignore[misc]
+        future.wait()  # written (and checksummed) before returning; to be sure
         self.marks["written"] = time.perf_counter()
         return future
+
+
+class TimedWriter(Marks, checkpoint.ManifestWriter):
+    """pippy's writer: DCP's, plus a CRC-32C of every item in manifest.json."""
+
+
+class PlainTimedWriter(Marks, FileSystemWriter):
+    """DCP's own writer: no checksums, no manifest (pippy_sync_nomanifest)."""
 
 
 class DcpSaveSpan(logging.Handler):
@@ -101,11 +107,13 @@ def sync_save(
     *,
     flat: bool = False,
     crc32: bool = True,
+    manifest: bool = True,
 ) -> dict[str, float]:
     """``checkpoint.save_stage`` into ``folder``, its time split into parts.
 
     ``flat``: the optimizer as :func:`flat_optim`; ``crc32=False``: without
-    ``torch.save``'s CRC-32 of every item (a process-wide torch setting).
+    ``torch.save``'s CRC-32 of every item (a process-wide torch setting);
+    ``manifest=False``: DCP's ``FileSystemWriter``, without pippy's checksums.
 
     Returns:
         Seconds of each part: ``pippy`` (``state_dict()``, the key check and
@@ -114,7 +122,8 @@ def sync_save(
         through ``torch.save`` and ``fsync``), ``dcp_finish`` (write results
         to the coordinator, ``.metadata``, outcome back to every rank).
     """
-    writer = TimedWriter(folder)  # save_stage points it at the staging folder
+    # save_stage points the writer at the staging folder
+    writer = TimedWriter(folder, step=STEP) if manifest else PlainTimedWriter(folder)
     with dcp_save_span() as listener:
         start = time.perf_counter()
         saved = flat_optim(state) if flat else state
@@ -297,6 +306,11 @@ def load_plain(state: checkpoint.StageState, path: Path) -> None:
     state.load_state_dict(state_dict)
 
 
+def load_unverified(state: checkpoint.StageState, path: Path) -> None:
+    """``checkpoint.load_stage`` without checking items against manifest.json."""
+    checkpoint.load_stage(state, path, verify=False)
+
+
 def load_unsplit(state: checkpoint.StageState, path: Path) -> None:
     """``checkpoint.load_model`` into the (un-split) stage's module and optimizer."""
     checkpoint.load_model(path, state.module, state.optimizer)
@@ -368,6 +382,9 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "pippy_sync": sync_method(ctx, "pippy_sync"),
         "pippy_sync_cached": sync_method(ctx, "pippy_sync_cached", cached=True),
         "pippy_sync_nocrc": sync_method(ctx, "pippy_sync_nocrc", crc32=False),
+        "pippy_sync_nomanifest": sync_method(
+            ctx, "pippy_sync_nomanifest", manifest=False
+        ),
         "dcp_flat_optim": sync_method(ctx, "dcp_flat_optim", flat=True),
         "pippy_async": async_method(ctx, "pippy_async", tuned=False),
         "pippy_async_tuned": async_method(ctx, "pippy_async_tuned", tuned=True),
@@ -378,4 +395,5 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "copy_reuse": copy_reuse(ctx),
         "load_same": load_into_fresh(*args),
         "load_same_dcp": load_into_fresh(*args, load=load_plain),
+        "load_same_unverified": load_into_fresh(*args, load=load_unverified),
     }

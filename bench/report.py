@@ -28,7 +28,12 @@ REFERENCES = {
     "x_ref_load": "load_same",
     "x_torch_load": "torch_load_full",
 }
-SYNC_VARIANTS = ("pippy_sync_cached", "dcp_flat_optim", "pippy_sync_nocrc")
+SYNC_VARIANTS = (
+    "pippy_sync_cached",
+    "dcp_flat_optim",
+    "pippy_sync_nocrc",
+    "pippy_sync_nomanifest",
+)
 # The parts of a sync save's time that methods.sync_save reports, in order.
 PARTS = ("pippy_s", "dcp_plan_s", "dcp_write_s", "dcp_finish_s")
 
@@ -136,6 +141,20 @@ def save_checks(summary: list[dict]) -> list[dict]:
         checks.append(check("pippy_sync / raw_write", where, sync, m["raw_write"], 1.3))
         gather = m["gather_rank0"]
         checks.append(check("pippy_sync / gather_rank0", where, sync, gather, 1.0))
+        plain = m["pippy_sync_nomanifest"]
+        checks.append(
+            check("pippy_sync / pippy_sync_nomanifest", where, sync, plain, 1.1)
+        )
+        unverified = m["load_same_unverified"]
+        checks.append(
+            check(
+                "load_same / load_same_unverified",
+                where,
+                m["load_same"],
+                unverified,
+                1.1,
+            )
+        )
         blocked = ("blocked", "wall")
         for name in ("pippy_async", "pippy_async_tuned"):
             for ref, limit in (("copy_fresh", 1.5), ("pippy_sync", 0.2)):

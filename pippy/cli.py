@@ -125,6 +125,15 @@ def _inspect(args: argparse.Namespace) -> None:
     """``inspect``: the run's steps, then one step's keys and files."""
     steps, folder = _resolve(Path(args.path), args.step)
     metadata = checkpoint.read_metadata(folder, trusted=args.trusted)
+    damage = checkpoint.find_damage(folder, metadata)
+    if args.verify and not damage:
+        try:
+            verified = checkpoint.verify_step(folder, trusted=args.trusted)
+            print(f"verified: {verified} items match {checkpoint.MANIFEST_FILE}")
+        except checkpoint.CheckpointError as e:
+            damage = [str(e)]
+    for problem in damage:
+        print(f"damaged: {problem}; this step cannot be loaded")
     files: dict[str, set[str]] = {}
     stored: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
@@ -168,8 +177,8 @@ def _inspect(args: argparse.Namespace) -> None:
     stored_total = sum(row[3] for row in file_rows)
     file_rows.append(["total", "", len(keys), stored_total, _human(_disk_size(folder))])
     _table(["FILE", "RANK", "KEYS", "BYTES", "ON DISK"], file_rows, right={1, 2, 3, 4})
-    for problem in checkpoint.find_damage(folder, metadata):
-        print(f"damaged: {problem}; this step cannot be loaded")
+    if damage:
+        raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -181,7 +190,9 @@ def _export(args: argparse.Namespace) -> None:
     if not out.parent.is_dir():
         raise FileNotFoundError(f"no folder {str(out.parent)!r} to write {out.name} in")
     _, folder = _resolve(Path(args.path), None)
-    state = checkpoint.read_checkpoint(folder, prefix="model.", trusted=args.trusted)
+    state = checkpoint.read_checkpoint(
+        folder, prefix="model.", trusted=args.trusted, verify=not args.no_verify
+    )
     weights = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
@@ -247,6 +258,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="show only keys matching these fnmatch patterns, e.g. 'model.layers.0.*'",
     )
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every item and check it against the step's manifest.json",
+    )
     inspect.set_defaults(run=_inspect)
     export = commands.add_parser(
         "export",
@@ -274,6 +290,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--force", action="store_true", help="overwrite FILE if it exists"
+    )
+    export.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="read a step without manifest.json (plain DCP's) without checking "
+        "its items' checksums",
     )
     export.set_defaults(run=_export)
     return parser

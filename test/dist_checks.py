@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -313,7 +314,8 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         return state
 
     saved = build_state(split_groups=rank == 1)  # rank 1's stage: two groups
-    path = checkpoint.save_stage(saved, out / "refusal", step=1)
+    saved.step = 1
+    path = checkpoint.save_stage(saved, out / "refusal")
     loaded = build_state(split_groups=False)  # rebuilt with one group everywhere
     # Read with load_stage, applied below by hand: fail_together is the subject.
     state_dict = checkpoint.load_stage(loaded.state_dict(), path)
@@ -336,7 +338,40 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     return {"error": error, "in_group": in_group}
 
 
+def check_twins(out: Path, rank: int, world_size: int) -> dict:
+    """A step whose rank files have the same size (each rank: one 8x8 tensor),
+    and an async save published by poll() as soon as it is on disk."""
+    torch.manual_seed(rank)
+    state = {"model": {f"w{rank}": torch.randn(8, 8)}}  # nothing shared
+    checkpoint.save_stage(state, out / "twins", step=1)
+    saver = checkpoint.AsyncSaver(out / "poll", keep_last=1)
+    saver.save({"model": {f"w{rank}": torch.randn(8, 8)}, "step": 1}, 1)
+    saver.save({"model": {f"w{rank}": torch.randn(8, 8)}, "step": 2}, 2)
+    polls, published = 0, None
+    while published is None and polls < 200:  # what a training loop does
+        polls += 1
+        time.sleep(0.02)
+        published = saver.poll()
+    listed = sorted(checkpoint.list_steps(out / "poll"))
+    saver.close()
+    return {"published": str(published), "polls": polls, "listed": listed}
+
+
+def check_one_fails(out: Path, rank: int, world_size: int) -> dict:
+    """A setup that fails on the last rank only (its data file is missing):
+    every rank stops, the failing one with its own error, the others naming it."""
+    try:
+        with checkpoint.fail_together("setting up", keep_own_error=True):
+            path = out / "missing.txt" if rank == world_size - 1 else None
+            pippy_dcp.load_text(str(path) if path else None)
+        return {"error": None}
+    except (checkpoint.CheckpointError, OSError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 CHECKS = {
+    "one_fails": check_one_fails,
+    "twins": check_twins,
     "async": check_async,
     "refusal": check_refusal,
     "keys": check_keys,

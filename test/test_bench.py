@@ -27,6 +27,8 @@ SAVE_METHODS = {
     "copy_reuse",
     "load_same",
     "load_same_dcp",
+    "load_same_unverified",
+    "pippy_sync_nomanifest",
 }
 
 
@@ -65,6 +67,8 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(tmp_path):
         "pippy_async_tuned blocked / pippy_sync",
         "load_reshard / load_same",
         "pippy_sync s/byte more keys / base",
+        "pippy_sync / pippy_sync_nomanifest",
+        "load_same / load_same_unverified",
     } <= targets
     assert (out / "results.png").stat().st_size > 10_000
     text = (out / "results.md").read_text()

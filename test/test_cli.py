@@ -304,8 +304,10 @@ def test_inspect_shows_a_damaged_step_and_says_it_cannot_be_loaded(
     shutil.copytree(run[0], root)
     (data,) = (root / "step-3").glob("*.distcp")
     data.write_bytes(data.read_bytes()[:1000])  # a copy cut short
-    assert main(["inspect", str(root), "--step", "3"]) == 0
-    out = capsys.readouterr().out
+    assert main(["inspect", str(root), "--step", "3"]) == 2
+    out, err = capsys.readouterr()
     assert f"no (damaged: {data.name} has 1000 bytes" in out
-    assert f"damaged: {data.name} has 1000 bytes, its items need" in out
+    first = out.splitlines()[0]  # said first, not after ~350 lines
+    assert first.startswith(f"damaged: {data.name} has 1000 bytes, its items need")
+    assert err.startswith(f"error: {root / 'step-3'} is damaged: {data.name}")
     assert "model.tok_embeddings.weight" in out  # the keys are still listed

@@ -57,7 +57,9 @@ def test_checkpoint_layout_one_file_per_rank_and_original_fqns(tmp_path):
     torchrun(world_size, EXAMPLE, "--steps", "1", "--checkpoint-dir", tmp_path)
     folder = tmp_path / "step-1"
     files = sorted(p.name for p in folder.iterdir())
-    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)]
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)] + [
+        "manifest.json"
+    ]
 
     metadata = checkpoint.read_metadata(folder)
     keys = set(metadata.state_dict_metadata)

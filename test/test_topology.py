@@ -196,7 +196,9 @@ def test_two_nodes_write_one_checkpoint_then_one_node_resumes(tmp_path):
     for rank in range(4):
         assert f"[rank {rank}] stage {rank}: saved" in stdout
     files = sorted(p.name for p in (tmp_path / "step-3").iterdir())
-    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)] + [
+        "manifest.json"
+    ]
 
     run = torchrun(4, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / 'step-3'}" in run.stdout

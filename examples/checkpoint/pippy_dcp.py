@@ -197,12 +197,15 @@ def save(state: checkpoint.StageState, args, rank: int, saver) -> None:
         return report(rank, "staged", state_dict, f"for step-{state.step}", start)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
+    # DCP stores no checksums: pippy's writer is DCP's, plus a manifest.json
+    # with a CRC-32C of every item, which loading verifies.
     publish = checkpoint.publish_step(
         args.checkpoint_dir, state.step, keep_last=args.keep_last
     )
     with publish as checkpoint_id:
+        writer = checkpoint.ManifestWriter(checkpoint_id, step=state.step)
         with checkpoint.explain_failures(f"saving step-{state.step}"):
-            dcp.save(state_dict, checkpoint_id=checkpoint_id)
+            dcp.save(state_dict, storage_writer=writer)
     report(rank, "saved", state_dict, f"to step-{state.step}", start)
 
 
@@ -233,8 +236,8 @@ def load(state, path: Path, rank: int, *, model_only=False, note="") -> None:
     report(rank, "loaded", state_dict, f"from {path}{note}", start)
 
 
-def train(args, state, stage, schedule, device, rank: int, saver) -> None:
-    """Trains up to --steps (or --stop-after), saving every --save-every steps."""
+def train(args, state, stage, schedule, device, rank: int, saver, stop) -> None:
+    """Trains up to --steps (or --stop-after, or a SIGTERM), saving as it goes."""
     last = min(args.steps, args.stop_after or args.steps)
     if state.step >= last and rank == 0:
         log(f"already at step {state.step} of {args.steps}: nothing to train")
@@ -244,8 +247,20 @@ def train(args, state, stage, schedule, device, rank: int, saver) -> None:
         if loss is not None:  # the loss exists only on the last stage
             secs = time.time() - start
             log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
-        if state.step % args.save_every == 0 or state.step == args.steps:
+        due = state.step % args.save_every == 0 or state.step == args.steps
+        if due:
             save(state, args, rank, saver)
+        elif saver is not None:
+            saver.poll()  # publishes a background save as soon as it is on disk
+        if stop.requested():  # preempted: this step is saved before we go
+            if saver is not None:
+                saver.wait()
+            if not due:
+                save(state, args, rank, None)
+            if rank == 0:
+                step = state.step
+                log(f"stopping after step {step}: SIGTERM received, step-{step} saved")
+            return
     if state.step < args.steps and rank == 0:
         log(f"stopping after step {state.step} (--stop-after), as if interrupted")
 
@@ -297,13 +312,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dim", type=int, default=128, help="model width")
     add("--lr", type=float, default=1e-3, help="peak learning rate")
     add("--seed", type=int, default=0, help="seed of the weights and data order")
-    add("--keep-last", type=int, help="keep only the newest K complete steps")
+    add("--keep-last", type=int, help="keep only the newest K >= 1 complete steps")
     add("--async-save", action="store_true", help="save in the background")
     add("--init-from", help="a step folder whose weights start a new run")
     add("--data", help="a text file to train on (default: the stdlib's .py files)")
     args = p.parse_args(argv)
-    if min(args.steps, args.save_every, args.microbatches, args.stop_after or 1) < 1:
-        p.error("--steps, --save-every, --microbatches and --stop-after must be >= 1")
+    counts = (args.steps, args.save_every, args.microbatches)
+    optional = [n for n in (args.stop_after, args.keep_last) if n is not None]
+    if min(*counts, *optional) < 1:
+        p.error(
+            "--steps, --save-every, --microbatches, --stop-after, --keep-last: >= 1"
+        )
     if args.batch_size % args.microbatches or args.dim % ModelArgs.n_heads:
         p.error("--microbatches must divide --batch-size; --dim, a multiple of 4")
     return args
@@ -311,17 +330,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    # set up distributed: gloo on CPU, nccl on GPU; one stage per rank
+    # set up distributed: gloo on CPU, nccl on GPU; one stage per rank. A rank
+    # whose torchrun died stops at once; a SIGTERM ends training with a save
     rank, world_size, device = setup_distributed()
+    checkpoint.stop_with_launcher()
+    stop = checkpoint.StopSignal(device=device)
+    owner = checkpoint.FolderOwner(args.checkpoint_dir)
     try:
-        # build and split the model, and the pipeline schedule
-        stage = build_stage(args, rank, world_size, device, seed=args.seed)
-        schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=loss_fn)
-        # build the optimizer, LR schedule and data sampler: the state to checkpoint
-        state = build_state(args, stage, load_text(args.data))
-        # resume if a checkpoint exists (its optimizer and LR schedule win over
-        # --lr); fail now, not at the first save, if the folder is not writable
-        checkpoint.check_writable(args.checkpoint_dir)
+        # build and split the model, the pipeline schedule, and the optimizer, LR
+        # schedule and data sampler: the state to checkpoint. A failure on one
+        # rank stops them all, instead of the others waiting in a collective
+        with checkpoint.fail_together("setting up", keep_own_error=True):
+            stage = build_stage(args, rank, world_size, device, seed=args.seed)
+            make_schedule = SCHEDULES[args.schedule]
+            schedule = make_schedule(stage, args.microbatches, loss_fn=loss_fn)
+            state = build_state(args, stage, load_text(args.data))
+        # own the checkpoint folder: one job writes it, a second is refused;
+        # this also fails now, not at the first save, if it is not writable
+        owner.acquire()
+        # resume if a checkpoint exists (its optimizer and LR schedule win over --lr)
         latest = checkpoint.find_latest_step(args.checkpoint_dir)
         if latest is not None:
             ignored = (
@@ -339,7 +366,7 @@ def main() -> None:
         saver = None
         if args.async_save:
             saver = checkpoint.AsyncSaver(args.checkpoint_dir, keep_last=args.keep_last)
-        train(args, state, stage, schedule, device, rank, saver)
+        train(args, state, stage, schedule, device, rank, saver, stop)
         if saver is not None:
             saver.close()  # waits for the last save, then publishes it
         # verify: load the final checkpoint into fresh stages, compare bit for bit
@@ -348,11 +375,12 @@ def main() -> None:
         ok = not saved or verify(args, state, final, rank, world_size, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         hint = ""  # pippy names no flag of ours: say which one to change
-        if isinstance(e, checkpoint.CheckpointDirError):
+        if type(e) is checkpoint.CheckpointDirError:
             hint = "; pass a writable --checkpoint-dir"
         log(f"[rank {rank}] error: {e}{hint}")
         ok = False
     finally:
+        owner.release()
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 

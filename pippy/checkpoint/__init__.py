@@ -22,12 +22,17 @@ the whole model and no key is offered by two ranks. One idea per module:
 * :mod:`~pippy.checkpoint.steps`: one folder per step
   (``<checkpoint_dir>/step-<N>``), published only once complete; the newest
   complete step; retention.
+* :mod:`~pippy.checkpoint.job`: :class:`FolderOwner`, one writer per
+  checkpoint folder; :func:`stop_with_launcher`; :class:`StopSignal`, a last
+  save on preemption.
 * :mod:`~pippy.checkpoint.async_saver`: :class:`AsyncSaver`, saves in the
   background, one at a time.
+* :mod:`~pippy.checkpoint.manifest`: :class:`ManifestWriter`, DCP's writer that
+  also records a CRC-32C of every item in ``manifest.json``.
 * :mod:`~pippy.checkpoint.safe_load` and :mod:`~pippy.checkpoint.load_planner`:
   :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`, loading without
-  running code a checkpoint's pickles could carry, and refusing damaged
-  folders and keys DCP would drop or convert.
+  running code a checkpoint's pickles could carry, verifying content, and
+  refusing damaged folders and keys DCP would drop or convert.
 * :mod:`~pippy.checkpoint.errors`: the error classes; :func:`explain_failures`
   and :func:`fail_together`, one error per failure on any rank.
 """
@@ -44,6 +49,7 @@ from pippy.checkpoint.checks import (
 )
 from pippy.checkpoint.errors import (
     CheckpointDirError,
+    CheckpointDirInUseError,
     CheckpointError,
     CheckpointNotFoundError,
     KeyCollisionError,
@@ -52,12 +58,15 @@ from pippy.checkpoint.errors import (
     explain_failures,
     fail_together,
 )
+from pippy.checkpoint.job import OWNER_FILE, FolderOwner, StopSignal, stop_with_launcher
 from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.manifest import MANIFEST_FILE, ManifestWriter, read_manifest
 from pippy.checkpoint.safe_load import (
     TRUST_ENV,
     SafeFileSystemReader,
     find_damage,
     read_metadata,
+    verify_step,
 )
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.steps import (
@@ -73,16 +82,22 @@ from pippy.checkpoint.steps import (
 )
 
 __all__ = [
+    "MANIFEST_FILE",
     "METADATA_FILE",
+    "OWNER_FILE",
     "TRUST_ENV",
     "AsyncSaver",
     "CheckpointDirError",
+    "CheckpointDirInUseError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "FolderOwner",
     "KeyCollisionError",
+    "ManifestWriter",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "StageState",
+    "StopSignal",
     "TiedParametersError",
     "UnsafeCheckpointError",
     "check_keys",
@@ -101,10 +116,13 @@ __all__ = [
     "parse_step",
     "publish_step",
     "read_checkpoint",
+    "read_manifest",
     "read_metadata",
     "remove_old_steps",
     "restore_non_persistent_buffers",
     "save_stage",
     "state_dict_size",
     "step_dir",
+    "stop_with_launcher",
+    "verify_step",
 ]

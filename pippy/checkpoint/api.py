@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from pippy.checkpoint.checks import check_keys
 from pippy.checkpoint.errors import explain_failures, fail_together
 from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.steps import publish_step, step_dir
@@ -60,15 +61,17 @@ def save_stage(
             :class:`StageState` and is required otherwise.
         keep_last: If set, keep only this many newest complete steps.
         process_group: The ranks that save; the default group if None.
-        storage_writer: DCP's storage writer; None writes files with
-            ``FileSystemWriter``. Its path is set to the staging folder.
+        storage_writer: DCP's storage writer; None writes files and a
+            manifest of their checksums with :class:`ManifestWriter` (which
+            loads verify by default). Its path is set to the staging folder.
         planner: DCP's save planner; None uses ``DefaultSavePlanner``.
 
     Returns:
         The published step folder.
 
     Raises:
-        ValueError: No ``step`` for a plain state_dict.
+        ValueError: No ``step`` for a plain state_dict, or the state's own
+            ``step`` entry is another.
         KeyCollisionError: As :func:`check_keys`; nothing is written.
         CheckpointDirError: As :func:`publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
@@ -81,6 +84,9 @@ def save_stage(
         raise ValueError("save_stage needs step= for a plain state_dict")
     else:
         state_dict = dict(state)
+    stored = state_dict.get("step")
+    if isinstance(stored, int) and stored != step:
+        raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
     check_keys(state_dict, process_group=process_group)
     with publish_step(
         checkpoint_dir, step, keep_last=keep_last, process_group=process_group
@@ -90,7 +96,8 @@ def save_stage(
             dcp.save(
                 state_dict,
                 checkpoint_id=checkpoint_id,
-                storage_writer=storage_writer,
+                storage_writer=storage_writer
+                or ManifestWriter(checkpoint_id, step=step),
                 planner=planner,
                 process_group=process_group,
             )
@@ -133,6 +140,7 @@ def load_stage(
     *,
     must_read: tuple[str, ...] = ("",),
     trusted: bool | None = None,
+    verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
 ) -> dict[str, Any]:
     """Loads a step into this rank's stage, on every rank.
@@ -152,6 +160,8 @@ def load_stage(
         must_read: Prefixes of the checkpoint's keys that some rank must read
             (see :class:`SafeLoadPlanner`); ``("model.",)`` for weights alone.
         trusted: See :class:`SafeFileSystemReader`.
+        verify: Check every item read against the step's ``manifest.json``;
+            False loads a checkpoint without one (plain DCP's), unverified.
         process_group: The ranks that load; the default group if None.
 
     Returns:
@@ -164,7 +174,7 @@ def load_stage(
             shapes, dtypes, optimizer or param groups): on every rank, one
             line per rank that refused.
     """
-    reader = SafeFileSystemReader(path, trusted=trusted)
+    reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
     state_dict = state.state_dict() if isinstance(state, StageState) else state
     _load(state_dict, path, reader, must_read=must_read, process_group=process_group)
     if isinstance(state, StageState):
@@ -174,7 +184,11 @@ def load_stage(
 
 
 def read_checkpoint(
-    path: str | os.PathLike, *, prefix: str = "", trusted: bool | None = None
+    path: str | os.PathLike,
+    *,
+    prefix: str = "",
+    trusted: bool | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Reads a whole checkpoint, or the keys under a prefix, in this process.
 
@@ -189,6 +203,7 @@ def read_checkpoint(
         path: A ``step-<N>`` folder.
         prefix: Only keys starting with this are read.
         trusted: See :class:`SafeFileSystemReader`.
+        verify: As :func:`load_stage`.
 
     Returns:
         ``{key: tensor or value}``; tensors on the CPU, in their saved dtype.
@@ -198,7 +213,7 @@ def read_checkpoint(
         KeyError: No key starts with ``prefix``.
         CheckpointError: A data file is missing or damaged.
     """
-    reader = SafeFileSystemReader(path, trusted=trusted)
+    reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
     state_dict: dict[str, Any] = {}
     for key, item in reader.read_metadata().state_dict_metadata.items():
         if key.startswith(prefix):
@@ -218,6 +233,7 @@ def load_model(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     trusted: bool | None = None,
+    verify: bool = True,
 ) -> int:
     """Loads a pipeline checkpoint into the un-split model, in one process.
 
@@ -239,6 +255,7 @@ def load_model(
             too; build it over ``model.parameters()`` first. Option entries
             it lacks (an LR scheduler's ``initial_lr``) are not required.
         trusted: See :class:`SafeFileSystemReader`.
+        verify: As :func:`load_stage`.
 
     Returns:
         The step the checkpoint was saved at.
@@ -251,5 +268,5 @@ def load_model(
     # Every weight and every optimizer moment must land somewhere; per-group
     # options the new optimizer lacks (a scheduler's initial_lr) may not.
     must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
-    load_stage(state, path, must_read=must_read, trusted=trusted)
+    load_stage(state, path, must_read=must_read, trusted=trusted, verify=verify)
     return state.step

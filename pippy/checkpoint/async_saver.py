@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.staging import (
 )
 
 from pippy.checkpoint.errors import explain_failures
-from pippy.checkpoint.steps import StepFolder, prepare_step, publish
+from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.steps import StepFolder, discard, prepare_step, publish
 
 __all__ = ["AsyncSaver"]
 
@@ -29,9 +30,10 @@ class AsyncSaver:
     moment of the call. The files are written by a background thread over a
     gloo group of their own (async saves must not share a group with training
     collectives, and CPU-capable collectives need gloo). The step is
-    published, as by :func:`~pippy.checkpoint.publish_step`, when the save is
-    waited for: by the next ``save``, by :meth:`wait`, which a load or the end
-    of training must call first, or by ``close``. Two saves in flight on one
+    published, as by :func:`~pippy.checkpoint.publish_step`, as soon as it is
+    on disk on every rank: :meth:`poll`, called once per training step, finds
+    that out without waiting; the next ``save``, :meth:`wait` (which a load
+    must call first) and ``close`` wait for it. Two saves in flight on one
     gloo group crash (torch 2.13: "Connection reset by peer"), hence one at a
     time.
 
@@ -69,6 +71,9 @@ class AsyncSaver:
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
         self._pending: tuple[Any, StepFolder] | None = None
+        # poll() agrees on progress over a gloo group of its own, made at the
+        # first poll: the save's background thread uses process_group.
+        self._poll_group: dist.ProcessGroup | None = None
         self._stager = async_stager or DefaultStager(
             StagingOptions(
                 use_pinned_memory=torch.cuda.is_available(),
@@ -99,6 +104,7 @@ class AsyncSaver:
             future = dcp.async_save(
                 state_dict,
                 checkpoint_id=folder.staging,
+                storage_writer=ManifestWriter(folder.staging, step=step),
                 process_group=self.process_group,
                 async_stager=self._stager,
             )
@@ -119,10 +125,38 @@ class AsyncSaver:
             return None
         future, folder = self._pending
         self._pending = None
-        with explain_failures(f"saving step-{folder.step} in the background"):
-            future.result()
+        try:
+            with explain_failures(f"saving step-{folder.step} in the background"):
+                future.result()
+        except BaseException:
+            discard(folder, self.process_group)
+            raise
         publish(folder, keep_last=self.keep_last, process_group=self.process_group)
         return folder.final
+
+    def poll(self) -> Path | None:
+        """Publishes the save in flight if it is on disk on every rank; never waits.
+
+        Call it on every rank once per training step: each rank says whether
+        its part is done (one ``all_reduce`` of one number, on a gloo group
+        over all ranks made at the first call), so that all publish at the
+        same step. A save is then visible, and ``keep_last``
+        prunes, as soon as it is durable, not only at the next save.
+
+        Returns:
+            The published step folder, or None.
+
+        Raises:
+            CheckpointError: As :meth:`wait`.
+        """
+        if self._pending is None:
+            return None
+        done = torch.tensor([int(self._pending[0].done())])
+        if dist.is_initialized():
+            if self._poll_group is None:
+                self._poll_group = dist.new_group(backend="gloo")
+            dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+        return self.wait() if done.item() else None
 
     def close(self) -> None:
         """Waits for the save in flight (publishing it), frees buffers and group."""
@@ -130,6 +164,9 @@ class AsyncSaver:
             self.wait()
         finally:
             self._stager.close()
+            if self._poll_group is not None:
+                dist.destroy_process_group(self._poll_group)
+                self._poll_group = None
             if self._own_group:
                 dist.destroy_process_group(self.process_group)
                 self._own_group = False

@@ -10,6 +10,7 @@ turns it into one :class:`CheckpointError` with a line per failed rank, and
 
 from __future__ import annotations
 
+import errno
 import pickle
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 __all__ = [
     "CheckpointDirError",
+    "CheckpointDirInUseError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "KeyCollisionError",
@@ -49,6 +51,10 @@ class CheckpointDirError(CheckpointError, NotADirectoryError):
     """The checkpoint folder is not a folder, or cannot be written."""
 
 
+class CheckpointDirInUseError(CheckpointDirError):
+    """Another job owns the checkpoint folder (see ``FolderOwner``)."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No complete checkpoint where one was asked for."""
 
@@ -58,10 +64,17 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
 
 
 def _message(error: BaseException) -> str:
-    """An exception's message; an ``EOFError`` without one is a short file."""
+    """An exception's message, saying plainly when the disk is full."""
+    text = str(error)
     if isinstance(error, EOFError):
-        return str(error) or "the file ended early"
-    return str(error)
+        return text or "the file ended early"
+    # torch.save's zip writer reports a short write as "unexpected pos".
+    if getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in text:
+        return (
+            "no space left on device (the write stopped short); free space, or "
+            "save into a folder on another file system"
+        )
+    return text
 
 
 def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
@@ -101,7 +114,10 @@ def explain_failures(action: str) -> Iterator[None]:
 
 @contextmanager
 def fail_together(
-    action: str, process_group: dist.ProcessGroup | None = None
+    action: str,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    keep_own_error: bool = False,
 ) -> Iterator[None]:
     """Makes a step that each rank runs alone fail on every rank, or on none.
 
@@ -116,6 +132,9 @@ def fail_together(
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
         process_group: The ranks that agree; the default group if None.
+        keep_own_error: A rank whose body failed raises its own exception,
+            unchanged; only the others raise the ``CheckpointError``. For a
+            setup that fails alike on every rank (one clear line each).
 
     Raises:
         CheckpointError: On every rank, if the body raised an ``Exception``
@@ -129,12 +148,14 @@ def fail_together(
             f"fail_together: rank {dist.get_rank()} is not in the process group"
         )
     error: str | None = None
+    own: Exception | None = None
     try:
         yield
     except Exception as e:
         if not dist.is_initialized():
             raise
         error = f"{type(e).__name__}: {_message(e)}".replace("\n", "\n    ")
+        own = e
     if not dist.is_initialized():
         return
     errors: list[str | None] = [None] * dist.get_world_size(process_group)
@@ -144,5 +165,7 @@ def fail_together(
         for r, e in enumerate(errors)
         if e is not None
     }
+    if own is not None and keep_own_error:
+        raise own
     if failed:
         raise _failed_on(action, failed)

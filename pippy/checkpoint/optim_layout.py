@@ -12,7 +12,9 @@ stage's ``optim.`` section:
 * ``state.<fqn>.<name>``: a tensor with elements (AdamW's ``exp_avg``);
 * ``scalars.<fqn>``: ``[[name, value], ...]`` with ``name`` either
   ``param_groups.<option>`` or ``state.<name>``; a 0-dim tensor is stored as
-  ``[name, number, dtype name]``.
+  ``[name, number, dtype name]``; and ``["group", index]``, the position of
+  the parameter's group in its optimizer (an LR scheduler's per-group lists
+  are positional).
 
 A parameter whose gradient stayed None (an unused head, an expert no token
 reached) has ``scalars.<fqn>`` but no ``state.<fqn>.*``: it had no state.
@@ -38,7 +40,9 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _OPTIM_STATE = re.compile(r"(?:^|\.)optim\.state\.")
 
 
-def pack_scalars(optim_sd: dict[str, Any]) -> dict[str, Any]:
+def pack_scalars(
+    optim_sd: dict[str, Any], groups: dict[str, int] | None = None
+) -> dict[str, Any]:
     """Puts all of a parameter's optimizer entries but its tensors in one item.
 
     ``flatten_optimizer_state_dict`` gives one entry per parameter and name:
@@ -52,6 +56,7 @@ def pack_scalars(optim_sd: dict[str, Any]) -> dict[str, Any]:
     Args:
         optim_sd: A flattened optimizer state_dict (``get_state_dict`` with
             ``flatten_optimizer_state_dict=True``).
+        groups: The index of each parameter's param group, by FQN.
 
     Returns:
         Tensors with elements under their keys; for each parameter,
@@ -71,6 +76,9 @@ def pack_scalars(optim_sd: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, torch.Tensor):
             entry = [entry[0], value.item(), str(value.dtype).removeprefix("torch.")]
         scalars.setdefault(fqn, []).append(entry)
+    for fqn, index in (groups or {}).items():
+        if fqn in scalars:
+            scalars[fqn].append(["group", index])
     packed.update((f"scalars.{fqn}", entries) for fqn, entries in scalars.items())
     return packed
 
@@ -96,11 +104,32 @@ def unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
             continue
         fqn = key.removeprefix("scalars.")
         for name, item, *dtype in value:
+            if name == "group":
+                continue
             section, name = name.split(".", 1)
             if dtype:
                 item = torch.tensor(item, dtype=getattr(torch, dtype[0]))
             flat[f"{section}.{fqn}.{name}"] = item
     return flat
+
+
+def saved_groups(packed: dict[str, Any]) -> dict[str, int]:
+    """The index each parameter's param group had when saved, by FQN.
+
+    Args:
+        packed: An optimizer state_dict as :func:`pack_scalars` returns it.
+
+    Returns:
+        ``{fqn: group index}``; empty for checkpoints saved before pippy
+        recorded it.
+    """
+    return {
+        key.removeprefix("scalars."): entry[1]
+        for key, value in packed.items()
+        if key.startswith("scalars.")
+        for entry in value
+        if entry[0] == "group"
+    }
 
 
 def param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:

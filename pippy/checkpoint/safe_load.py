@@ -14,6 +14,7 @@ Whether a checkpoint is trusted is decided once per entry point by
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from pathlib import Path
@@ -21,14 +22,28 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps
+from pippy.checkpoint.manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    read_manifest,
+    verify_ranges,
+)
+from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
 
 __all__ = [
     "TRUST_ENV",
@@ -36,6 +51,7 @@ __all__ = [
     "find_damage",
     "read_metadata",
     "resolve_trusted",
+    "verify_step",
 ]
 
 #: Environment variable that, set to 1, lets the safe reader and planner load
@@ -166,11 +182,107 @@ def _read_metadata_file(path: Path, trusted: bool) -> Metadata:
                 metadata = _MetadataUnpickler(metadata_file, str(path)).load()
     except UnsafeCheckpointError:
         raise
-    except (EOFError, pickle.UnpicklingError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path} is damaged: {e}") from None
+    except Exception as e:  # whatever a crafted pickle makes the unpickler raise
+        raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata")
     return metadata
+
+
+def _data_file(folder: Path, name: Any) -> Path:
+    """The data file ``name`` inside ``folder``; refused if it could be elsewhere."""
+    plain = (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+    path = folder / name if plain else None
+    if path is None or path.resolve().parent != folder.resolve():
+        raise UnsafeCheckpointError(
+            f"refused to load {str(folder)!r}: its {METADATA_FILE} names the data "
+            f"file {name!r}, which is not a plain file name inside the step folder "
+            "(a path, or a link leading out of it). DCP would open it wherever it "
+            "points; no checkpoint written by DCP or pippy does that"
+        )
+    return path
+
+
+def _check_structure(folder: Path, metadata: Metadata) -> None:
+    """Refuses metadata whose items are not where, or not as large as, it says."""
+    damaged = f"{str(folder / METADATA_FILE)!r} is damaged"
+    storage = metadata.storage_data
+    items = metadata.state_dict_metadata
+    if not isinstance(storage, dict) or not isinstance(items, dict):
+        raise CheckpointError(f"{damaged}: it has no table of items and files")
+    for index, info in storage.items():
+        _data_file(folder, getattr(info, "relative_path", None))
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(type(n) is int and n >= 0 for n in (offset, length)):
+            raise CheckpointError(f"{damaged}: item {index.fqn!r} has no valid place")
+    for key, item in items.items():
+        if isinstance(item, BytesStorageMetadata):
+            chunks: list[tuple[MetadataIndex, int]] = [(MetadataIndex(key), 0)]
+        elif isinstance(item, TensorStorageMetadata):
+            size = item.properties.dtype.itemsize
+            chunks = [
+                (MetadataIndex(key, chunk.offsets), math.prod(chunk.sizes) * size)
+                for chunk in item.chunks
+            ]
+        else:
+            raise CheckpointError(f"{damaged}: {key!r} is neither tensor nor object")
+        for index, nbytes in chunks:
+            info = storage.get(index)
+            if info is None:
+                raise CheckpointError(f"{damaged}: no file holds {key!r}")
+            if nbytes > info.length:  # torch.save adds headers, never removes bytes
+                raise CheckpointError(
+                    f"{damaged}: {key!r} declares {nbytes} bytes, but its file "
+                    f"holds {info.length} for it"
+                )
+
+
+def _storage_ranges(metadata: Metadata, indices: Any = None) -> dict:
+    """``(file, offset, length)`` of the items at ``indices`` (default all), to keys."""
+    storage = metadata.storage_data
+    indices = storage.keys() if indices is None else indices
+    return {
+        (storage[i].relative_path, storage[i].offset, storage[i].length): i.fqn
+        for i in indices
+    }
+
+
+def _check_manifest(folder: Path, metadata: Metadata) -> Manifest:
+    """Reads the manifest; checks it against the folder's name, files, metadata."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise CheckpointError(
+            f"{str(folder)!r} has no {MANIFEST_FILE}, so its content cannot be "
+            "verified (written by plain DCP or an older pippy, or the file was "
+            "lost). If you know it is intact, load it with verify=False"
+        )
+    step = parse_step(folder)
+    if step is not None and step != manifest.step:
+        raise CheckpointError(
+            f"{str(folder)!r} holds step {manifest.step} by its {MANIFEST_FILE}: a "
+            "folder renamed or copied under another step's name. Give it its own "
+            f"name (step-{manifest.step}) or move it out of the checkpoint folder"
+        )
+    for name, size in manifest.files.items():
+        actual = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if actual != size:
+            raise CheckpointError(
+                f"{str(folder)!r} is damaged: {name} has "
+                f"{'no file' if actual is None else f'{actual} bytes'}, "
+                f"{MANIFEST_FILE} says {size}. Restore it, or move the folder out "
+                "of the checkpoint folder to resume from an earlier step"
+            )
+    unknown = _storage_ranges(metadata).keys() - manifest.items.keys()
+    if unknown or len(manifest.items) != len(metadata.storage_data):
+        raise CheckpointError(
+            f"{str(folder)!r} is damaged: its {METADATA_FILE} and {MANIFEST_FILE} "
+            "list different items; load an earlier step"
+        )
+    return manifest
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -180,6 +292,13 @@ class SafeFileSystemReader(FileSystemReader):
     paths and plain builtins are accepted; any other global (``os.system``,
     ``builtins.eval``, a class of some package) is refused before it is
     imported or called.
+
+    Every data file ``.metadata`` names must be a plain file name inside the
+    step folder, and every item no larger than its place in the file, before
+    anything is read or allocated. With ``verify`` (the default), the step's
+    ``manifest.json`` (:class:`~pippy.checkpoint.manifest.ManifestWriter`)
+    must agree with the folder's name, the files' sizes and ``.metadata``,
+    and each item read must match its CRC-32C.
 
     The metadata is read and checked when the reader is made, before
     ``dcp.load`` runs: inside it, DCP would catch the error, log its
@@ -192,14 +311,21 @@ class SafeFileSystemReader(FileSystemReader):
             decides by :func:`resolve_trusted`.
         check_files: Also check the data files (:func:`find_damage`), as a
             load needs; False reads the metadata alone.
+        verify: Check the manifest and every item's checksum as it is read
+            (with ``check_files``). False loads a checkpoint that has no
+            manifest, unverified.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a folder, or has no
             ``.metadata`` (its save did not finish).
-        UnsafeCheckpointError: ``.metadata`` holds a refused global; the
-            message names the file and the global.
-        CheckpointError: ``.metadata`` is truncated or not DCP's, or a data
-            file it names is missing or shorter than the items it should hold.
+        UnsafeCheckpointError: ``.metadata`` holds a refused global (the
+            message names the file and the global), or names a data file
+            outside the step folder.
+        CheckpointError: ``.metadata`` is truncated or not DCP's, an item is
+            larger than its place in the file, a data file it names is missing
+            or shorter than the items it should hold; with ``verify``, the
+            manifest is missing, names another step or disagrees with the
+            files; from ``read_data``, an item does not match its checksum.
     """
 
     def __init__(
@@ -208,6 +334,7 @@ class SafeFileSystemReader(FileSystemReader):
         *,
         trusted: bool | None = None,
         check_files: bool = True,
+        verify: bool = True,
     ) -> None:
         super().__init__(path)
         self.trusted = resolve_trusted(trusted)
@@ -225,8 +352,13 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
                 "its save did not finish); use an earlier step"
             )
+        self.folder = folder
         self.metadata = _read_metadata_file(folder / METADATA_FILE, self.trusted)
-        problems = find_damage(folder, self.metadata) if check_files else []
+        _check_structure(folder, self.metadata)
+        self.manifest: Manifest | None = None
+        if not check_files:
+            return
+        problems = find_damage(folder, self.metadata)
         if problems:
             raise CheckpointError(
                 f"{str(folder)!r} is damaged: {'; '.join(problems[:4])}"
@@ -234,6 +366,8 @@ class SafeFileSystemReader(FileSystemReader):
                 "move the folder out of the checkpoint folder to resume from an "
                 "earlier step"
             )
+        if verify:
+            self.manifest = _check_manifest(folder, self.metadata)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Returns the metadata read and checked when the reader was made."""
@@ -241,6 +375,14 @@ class SafeFileSystemReader(FileSystemReader):
             self.metadata.storage_meta = StorageMeta()
         self.metadata.storage_meta.load_id = self.load_id
         return self.metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Checks the planned items against their checksums, then reads them."""
+        if self.manifest is not None:
+            indices = [item.storage_index for item in plan.items]
+            ranges = _storage_ranges(self.metadata, indices)
+            verify_ranges(self.folder, self.manifest, ranges)
+        return super().read_data(plan, planner)
 
 
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
@@ -260,3 +402,25 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
     """
     reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
     return reader.read_metadata()
+
+
+def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
+    """Checks a whole step against its manifest: every item of every file.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        trusted: See :class:`SafeFileSystemReader`.
+
+    Returns:
+        The number of items verified.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
+            :class:`SafeFileSystemReader` with ``verify``; a ``CheckpointError``
+            names the first item whose bytes do not match their checksum.
+    """
+    reader = SafeFileSystemReader(path, trusted=trusted)
+    assert reader.manifest is not None
+    ranges = _storage_ranges(reader.metadata)
+    verify_ranges(reader.folder, reader.manifest, ranges)
+    return len(ranges)

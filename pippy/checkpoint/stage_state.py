@@ -22,6 +22,7 @@ from pippy.checkpoint.optim_layout import (
     OPTIONS,
     pack_scalars,
     param_fqns,
+    saved_groups,
     state_fqns,
     unpack_scalars,
     without_empty_groups,
@@ -110,7 +111,14 @@ class StageState(Stateful):
             model_sd, optim_sd = get_state_dict(
                 self.module, self.optimizer, options=OPTIONS
             )
-            sd = {"model": model_sd, "optim": pack_scalars(optim_sd)}
+            fqn_of = param_fqns(self.module)
+            groups = {
+                fqn_of[p]: i
+                for i, group in enumerate(self.optimizer.param_groups)
+                for p in group["params"]
+                if p in fqn_of
+            }
+            sd = {"model": model_sd, "optim": pack_scalars(optim_sd, groups)}
         sd["step"] = self.step
         if self.lr_scheduler is not None:
             sd["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -170,6 +178,7 @@ class StageState(Stateful):
         self._check_groups(optim_sd, fqn_of)
         if self.lr_scheduler is not None:
             self._check_scheduler(state_dict["lr_scheduler"])
+            self._check_group_order(saved_groups(state_dict["optim"]), fqn_of)
         for param, fqn in fqn_of.items():
             if fqn in stateless:  # none was saved: none to fill
                 self.optimizer.state.pop(param, None)
@@ -247,6 +256,23 @@ class StageState(Stateful):
                     "get the first one's. Build the param groups as the run that "
                     "saved it did"
                 )
+
+    def _check_group_order(
+        self, saved: Mapping[str, int], fqn_of: Mapping[nn.Parameter, str]
+    ) -> None:
+        """Refuses param groups built in another order than saved (with a scheduler)."""
+        assert self.optimizer is not None
+        for index, group in enumerate(self.optimizer.param_groups):
+            for param in group["params"]:
+                was = saved.get(fqn_of.get(param, ""), index)
+                if was != index:
+                    raise CheckpointError(
+                        f"param group {index} here holds {fqn_of[param]!r}, which "
+                        f"was in group {was} when saved: the LR scheduler's "
+                        "per-group lists (base_lrs, ...) are by position, so two "
+                        "groups would swap schedules. Build the param groups in "
+                        "the order of the run that saved it"
+                    )
 
     def _check_scheduler(self, saved: Mapping[str, Any]) -> None:
         """Refuses an LR scheduler saved for another number of param groups."""

@@ -1,10 +1,13 @@
 """Step folders: one per saved step, published only once complete.
 
 A run's checkpoint folder holds ``step-<N>`` folders, one per save. Ranks
-write into a hidden staging folder, ``.step-<N>.partial``, that rank 0
+write into a hidden staging folder, ``.step-<N>.partial-<token>``, that rank 0
 renames to ``step-<N>`` once DCP's coordinator has written ``.metadata``: a
 rename is atomic on a POSIX file system, so a step folder is either complete
-or absent. Every path and file operation on step folders lives here, so that
+or absent. The token is new for every save, so that no save ever writes into
+or deletes a staging folder it did not create. A step's ``manifest.json``
+says which step it holds; a folder whose name says otherwise is never taken
+for that step. Every path and file operation on step folders lives here, so that
 another storage (an object store) would be added in this module alone.
 """
 
@@ -15,14 +18,17 @@ import os
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
-from pippy.checkpoint.errors import CheckpointDirError
+from pippy.checkpoint.errors import CheckpointDirError, CheckpointError
+from pippy.checkpoint.manifest import read_manifest
 
 __all__ = [
     "METADATA_FILE",
@@ -41,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: The file DCP's coordinator writes last; a step folder without it is partial.
 METADATA_FILE = ".metadata"
-_STEP_RE = re.compile(r"^step-(\d+)$")
+_STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
+_STEP_LIKE = re.compile(r"^step-[0-9]+$")
 
 
 def step_dir(checkpoint_dir: str | os.PathLike, step: int) -> Path:
@@ -61,7 +68,8 @@ class StepFolder:
     Attributes:
         step: The step being saved.
         final: ``<checkpoint_dir>/step-<step>``, what readers see.
-        staging: ``<checkpoint_dir>/.step-<step>.partial``, what ranks write into.
+        staging: ``<checkpoint_dir>/.step-<step>.partial-<token>``, what ranks
+            write into.
     """
 
     step: int
@@ -69,10 +77,10 @@ class StepFolder:
     staging: Path
 
     @classmethod
-    def of(cls, checkpoint_dir: str | os.PathLike, step: int) -> StepFolder:
-        """The step folder of ``step`` in ``checkpoint_dir``."""
+    def of(cls, checkpoint_dir: str | os.PathLike, step: int, token: str) -> StepFolder:
+        """The step folder of ``step`` in ``checkpoint_dir``, staged under ``token``."""
         final = step_dir(checkpoint_dir, step)
-        return cls(step, final, final.with_name(f".{final.name}.partial"))
+        return cls(step, final, final.with_name(f".{final.name}.partial-{token}"))
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -85,7 +93,7 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def parse_step(path: str | os.PathLike) -> int | None:
-    """The step of a ``step-<N>`` folder name, or None for any other name."""
+    """The step of a ``step-<N>`` folder name (no leading zeros), or None."""
     match = _STEP_RE.match(Path(path).name)
     return int(match.group(1)) if match else None
 
@@ -100,7 +108,9 @@ def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
         ``{step: folder}`` sorted by step; empty if the folder does not exist.
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder.
+        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder, or
+            holds a step folder under a name pippy does not write
+            (``step-08`` beside, or instead of, ``step-8``).
     """
     root = Path(checkpoint_dir)
     if not root.exists():
@@ -112,16 +122,32 @@ def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
     steps = {}
     for path in root.iterdir():
         step = parse_step(path)
+        if step is None and _STEP_LIKE.match(path.name):
+            raise CheckpointDirError(
+                f"{str(path)!r} is not a step folder name pippy writes (it would "
+                f"be step-{int(path.name[5:])}): one step could have two names. "
+                "Rename it, or move it out of the checkpoint folder"
+            )
         if step is not None and path.is_dir():
             steps[step] = path
     return dict(sorted(steps.items()))
 
 
+def _holds_its_step(path: Path) -> bool:
+    """False if the step's manifest names another step (or cannot be read)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return False
+    return manifest is None or manifest.step == parse_step(path)
+
+
 def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
     """Finds the newest complete step folder, to resume from.
 
-    Incomplete folders (no ``.metadata``: a crash mid-save) are never chosen;
-    a warning names those newer than the one returned.
+    Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
+    ``manifest.json`` names another step (copied or renamed) are never
+    chosen; a warning names those newer than the one returned.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
@@ -135,31 +161,57 @@ def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
     skipped: list[str] = []
     latest = None
     for path in reversed(list_steps(checkpoint_dir).values()):
-        if is_complete(path):
+        if is_complete(path) and _holds_its_step(path):
             latest = path
             break
         skipped.append(str(path))
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
-        logger.warning("skipping incomplete checkpoints (no .metadata) %s", skipped)
+        logger.warning(
+            "skipping incomplete checkpoints (no .metadata, or a manifest naming "
+            "another step) %s",
+            skipped,
+        )
     return latest
 
 
-def _on_coordinator(
-    action: str, fn: Callable[[], None], process_group: dist.ProcessGroup | None
-) -> None:
-    """Runs ``fn`` on rank 0 only; if it fails, every rank raises the error."""
+def on_coordinator(
+    action: str, fn: Callable[[], Any], process_group: dist.ProcessGroup | None
+) -> Any:
+    """Runs ``fn`` on rank 0 only and gives every rank its result or its error.
+
+    A failure on rank 0 alone would leave the other ranks waiting in the next
+    collective; broadcasting it lets all of them stop with the same message.
+
+    Args:
+        action: What ``fn`` does, for the message (``"cannot write to X"``).
+        fn: The file operations; a ``CheckpointDirError`` it raises is raised
+            on every rank, any other ``Exception`` as a ``CheckpointDirError``.
+        process_group: The ranks; the default group if None.
+
+    Returns:
+        What ``fn`` returned on rank 0 (it must pickle).
+
+    Raises:
+        CheckpointDirError: On every rank, if ``fn`` failed.
+    """
     rank0 = not dist.is_initialized() or dist.get_rank(process_group) == 0
-    error: list[str | None] = [None]
+    outcome: list[Any] = [None, None]  # error, result
     if rank0:
         try:
-            fn()
+            outcome[1] = fn()
+        except CheckpointDirError as e:
+            outcome[0] = e
         except OSError as e:
-            error[0] = f"{action}: {e.strerror or e} ({e.filename or ''})"
+            reason = f"{e.strerror or e} ({e.filename or ''})"
+            outcome[0] = CheckpointDirError(f"{action}: {reason}")
+        except Exception as e:  # any other failure: every rank stops with it
+            outcome[0] = CheckpointDirError(f"{action}: {type(e).__name__}: {e}")
     if dist.is_initialized():
         src = dist.get_global_rank(process_group, 0) if process_group else 0
-        dist.broadcast_object_list(error, src=src, group=process_group)
-    if error[0] is not None:
-        raise CheckpointDirError(error[0])
+        dist.broadcast_object_list(outcome, src=src, group=process_group)
+    if outcome[0] is not None:
+        raise outcome[0]
+    return outcome[1]
 
 
 def prepare_step(
@@ -170,8 +222,9 @@ def prepare_step(
     """Checks that ``step-<step>`` is new and makes its empty staging folder.
 
     An incomplete ``step-<step>`` (not written by :func:`publish_step`) is
-    moved aside, and a staging folder left by a crash is replaced. Call it on
-    every rank of ``process_group``; rank 0 does the file operations.
+    moved aside. The staging folder is new, named by a token rank 0 draws.
+    Call it on every rank of ``process_group``; rank 0 does the file
+    operations.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing.
@@ -185,27 +238,25 @@ def prepare_step(
         CheckpointDirError: On every rank: the step exists, or the folder is a
             file or cannot be written.
     """
-    folder = StepFolder.of(checkpoint_dir, step)
     list_steps(checkpoint_dir)  # a file where the folder should be: say so
-    if is_complete(folder.final):
+    final = step_dir(checkpoint_dir, step)
+    if is_complete(final):
         raise CheckpointDirError(
-            f"{str(folder.final)!r} already exists; checkpoints are never "
+            f"{str(final)!r} already exists; checkpoints are never "
             "overwritten. Resume from it, or save into another checkpoint folder."
         )
 
-    def make_staging() -> None:
-        if folder.final.exists():  # incomplete, not published by us: keep it aside
-            aside = folder.final.with_name(
-                f".{folder.final.name}.incomplete-{int(time.time())}"
-            )
-            folder.final.rename(aside)
-            logger.warning("moved incomplete %s aside to %s", folder.final, aside.name)
-        if folder.staging.exists():  # left by a crash during an earlier save
-            shutil.rmtree(folder.staging)
+    def make_staging() -> StepFolder:
+        folder = StepFolder.of(checkpoint_dir, step, uuid.uuid4().hex[:12])
+        if final.exists():  # incomplete, not published by us: keep it aside
+            aside = final.with_name(f".{final.name}.incomplete-{int(time.time())}")
+            final.rename(aside)
+            logger.warning("moved incomplete %s aside to %s", final, aside.name)
         folder.staging.mkdir(parents=True)
+        return folder
 
-    _on_coordinator(f"cannot create {folder.staging}", make_staging, process_group)
-    return folder
+    staging = final.with_name(f".{final.name}.partial-*")
+    return on_coordinator(f"cannot create {staging}", make_staging, process_group)
 
 
 def publish(
@@ -230,9 +281,9 @@ def publish(
     def rename_and_prune() -> None:
         folder.staging.rename(folder.final)
         if keep_last is not None:
-            remove_old_steps(folder.final.parent, keep_last)
+            remove_old_steps(folder.final.parent, keep_last, keep=folder.final)
 
-    _on_coordinator(
+    on_coordinator(
         f"cannot publish {folder.final.name}", rename_and_prune, process_group
     )
 
@@ -264,17 +315,23 @@ def check_writable(
         probe_file.write_bytes(b"")
         probe_file.unlink()
 
-    _on_coordinator(f"cannot write to {root}", probe, process_group)
+    on_coordinator(f"cannot write to {root}", probe, process_group)
 
 
-def remove_old_steps(checkpoint_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+def remove_old_steps(
+    checkpoint_dir: str | os.PathLike, keep_last: int, *, keep: Path | None = None
+) -> list[Path]:
     """Deletes all but the newest ``keep_last`` complete step folders.
 
-    Incomplete folders are left alone (they may be a save in progress).
+    Steps are ranked by the step they hold (their manifest's), which is their
+    name's: a folder whose manifest names another step (copied or renamed)
+    is neither counted nor deleted. Incomplete folders are left alone (they
+    may be a save in progress).
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
         keep_last: How many complete steps to keep; at least 1.
+        keep: A step folder never deleted (the one just published).
 
     Returns:
         The folders deleted.
@@ -284,8 +341,12 @@ def remove_old_steps(checkpoint_dir: str | os.PathLike, keep_last: int) -> list[
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}")
-    complete = [p for p in list_steps(checkpoint_dir).values() if is_complete(p)]
-    old = complete[:-keep_last]
+    complete = [
+        p
+        for p in list_steps(checkpoint_dir).values()
+        if is_complete(p) and _holds_its_step(p)
+    ]
+    old = [p for p in complete[:-keep_last] if p != keep]
     for path in old:
         shutil.rmtree(path)
     if old:
@@ -308,13 +369,13 @@ def publish_step(
         with publish_step(checkpoint_dir, step) as checkpoint_id:
             dcp.save(state_dict, checkpoint_id=checkpoint_id)
 
-    The save goes into ``.step-<step>.partial``; once it returned on every
-    rank (so the coordinator has written ``.metadata``), rank 0 renames the
-    folder to ``step-<step>``, which is atomic on a POSIX file system, and
+    The save goes into ``.step-<step>.partial-<token>``; once it returned on
+    every rank (so the coordinator has written ``.metadata``), rank 0 renames
+    the folder to ``step-<step>``, which is atomic on a POSIX file system, and
     only then removes steps beyond ``keep_last``. A crash before that leaves
-    only the hidden staging folder, which :func:`find_latest_step` never picks
-    and the next save of that step replaces. An existing step folder is never
-    written into. If the body raises, nothing is published.
+    only the hidden staging folder, which :func:`find_latest_step` never
+    picks. An existing step folder is never written into. If the body raises,
+    nothing is published and rank 0 removes the staging folder.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing. On
@@ -331,5 +392,20 @@ def publish_step(
             ``checkpoint_dir`` is a file or cannot be written.
     """
     folder = prepare_step(checkpoint_dir, step, process_group)
-    yield folder.staging
+    try:
+        yield folder.staging
+    except BaseException:
+        discard(folder, process_group)
+        raise
     publish(folder, keep_last=keep_last, process_group=process_group)
+
+
+def discard(folder: StepFolder, process_group: dist.ProcessGroup | None = None) -> None:
+    """Removes a failed save's staging folder, on rank 0, without a collective.
+
+    Args:
+        folder: The step folder from :func:`prepare_step`.
+        process_group: The ranks that saved; rank 0 of it removes the folder.
+    """
+    if not dist.is_initialized() or dist.get_rank(process_group) == 0:
+        shutil.rmtree(folder.staging, ignore_errors=True)

@@ -1,0 +1,267 @@
+"""A job's hold on its checkpoint folder: one writer, while its launcher lives.
+
+Two jobs that write one checkpoint folder (a restart while the old job's
+workers still run, which is what a launcher killed with ``-9`` leaves behind)
+delete and overwrite each other's saves. :class:`FolderOwner` lets one job
+at a time write a folder: rank 0 records the owner (host, pid, process start
+time, a token) in ``.owner.json``, created atomically with ``os.link``, which
+also works on NFS; a second job is refused with the owner named, and the
+record of a job that is gone (its process no longer runs on this host) is
+taken over. :func:`stop_with_launcher` makes workers whose launcher died stop
+instead of training on, and :class:`StopSignal` turns a preemption signal
+into a last save at the end of the current step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pippy.checkpoint.errors import CheckpointDirError, CheckpointDirInUseError
+from pippy.checkpoint.steps import list_steps, on_coordinator, parse_step
+
+__all__ = ["OWNER_FILE", "FolderOwner", "StopSignal", "stop_with_launcher"]
+
+logger = logging.getLogger(__name__)
+
+#: The owner record in a run's checkpoint folder.
+OWNER_FILE = ".owner.json"
+
+
+def _boot_id() -> str:
+    """This machine's boot id: a pid means the same process only within one boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot), or None if none runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5)
+
+
+def _describe(record: dict[str, Any]) -> str:
+    """The owner, for a message: host, pid and when it started."""
+    return (
+        f"host {record.get('host')!r}, pid {record.get('pid')}, "
+        f"started {record.get('since')}"
+    )
+
+
+class FolderOwner:
+    """Makes one job at a time the writer of a run's checkpoint folder.
+
+    On entry (every rank of ``process_group`` at once), rank 0 creates the
+    folder if needed and the owner record ``.owner.json``; every rank gets
+    the job's token, which names its staging folders. On exit, the record is
+    removed if it is still this job's. Use it around training::
+
+        with FolderOwner(checkpoint_dir):
+            ...  # resume, train, save
+
+    Without ``with``: :meth:`acquire`, then :meth:`release` in a ``finally``.
+
+    A record whose process is gone (same host and boot, no process with that
+    pid and start time) is taken over with a warning, and the staging folders
+    that job left are removed. A record from another host is never taken
+    over: it may belong to a job that still runs.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder.
+        process_group: The job's ranks; the default group if None.
+
+    Raises:
+        CheckpointDirInUseError: On entry, on every rank: another job owns
+            the folder (the message names it).
+        CheckpointDirError: On entry, on every rank: the folder is a step
+            folder, a file, or cannot be written.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.root = Path(checkpoint_dir)
+        self.process_group = process_group
+        self.token = ""
+
+    def __enter__(self) -> FolderOwner:
+        """Takes ownership: :meth:`acquire`."""
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Gives the folder up: :meth:`release`."""
+        self.release()
+
+    def acquire(self) -> None:
+        """Takes ownership, on every rank at once; see the class.
+
+        Raises:
+            CheckpointDirError: As the class says.
+        """
+        if parse_step(self.root) is not None:
+            raise CheckpointDirError(
+                f"{str(self.root)!r} is a step folder, not a run's checkpoint "
+                f"folder (its parent {str(self.root.parent)!r} is)"
+            )
+        list_steps(self.root)  # a file where the folder should be: say so
+        self.token = on_coordinator(
+            f"cannot write to {self.root}", self._acquire, self.process_group
+        )
+
+    def release(self) -> None:
+        """Removes the record if it is still this job's (on rank 0, no collective)."""
+        if not self.token:
+            return
+        if dist.is_initialized() and dist.get_rank(self.process_group) != 0:
+            return
+        record = self._read()
+        if record is not None and record.get("token") == self.token:
+            (self.root / OWNER_FILE).unlink(missing_ok=True)
+
+    def _read(self) -> dict[str, Any] | None:
+        """The owner record, or None if there is none."""
+        try:
+            return json.loads((self.root / OWNER_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # half written by a process killed meanwhile
+            return {}
+
+    def _acquire(self) -> str:
+        """On rank 0: creates the record, or takes over a dead owner's; its token."""
+        token = uuid.uuid4().hex[:12]
+        self.root.mkdir(parents=True, exist_ok=True)
+        mine = {
+            "host": socket.gethostname(),
+            "boot": _boot_id(),
+            "pid": os.getpid(),
+            "start": _start_time(os.getpid()),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "token": token,
+        }
+        draft = self.root / f".owner-{token}.tmp"
+        draft.write_text(json.dumps(mine))
+        try:
+            for _ in range(3):  # another job may take a stale record first
+                try:
+                    os.link(draft, self.root / OWNER_FILE)  # atomic, even on NFS
+                    return token
+                except FileExistsError:
+                    self._take_over_if_gone()
+            raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
+        finally:
+            draft.unlink(missing_ok=True)
+
+    def _take_over_if_gone(self) -> None:
+        """Moves a dead owner's record aside (and its staging); refuses a live one."""
+        record = self._read()
+        if record is None:
+            return
+        here = (
+            record.get("host") == socket.gethostname()
+            and record.get("boot") == _boot_id()
+        )
+        pid = record.get("pid")
+        alive = not here or (
+            isinstance(pid, int) and _start_time(pid) == record.get("start")
+        )
+        if alive and record:
+            raise CheckpointDirInUseError(
+                f"{self.root} is in use by another job ({_describe(record)}): one "
+                "writer per checkpoint folder. Wait for that job to end or stop "
+                "it, or use another folder. If it is gone (it ran on another "
+                f"host), delete {self.root / OWNER_FILE}"
+            )
+        stale = self.root / f".owner-gone-{uuid.uuid4().hex}"
+        try:
+            os.rename(self.root / OWNER_FILE, stale)
+        except FileNotFoundError:
+            return  # another job moved it first
+        stale.unlink()
+        logger.warning(
+            "taking over %s from a job that is gone (%s)", self.root, _describe(record)
+        )
+        for leftover in self.root.glob(f".step-*.partial-{record.get('token')}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+            logger.warning("removed %s, left by that job", leftover.name)
+
+
+def stop_with_launcher(poll_seconds: float = 0.5) -> None:
+    """Kills this process as soon as its launcher (its parent) is gone.
+
+    ``torchrun``'s workers are its children. If the launcher is killed with
+    ``-9``, they are re-parented and would train on, saving into a folder
+    that a restarted job now writes. A daemon thread compares the parent's
+    pid with the one at the call, every ``poll_seconds``, and sends this
+    process ``SIGKILL`` when it changed: no further step, no further save.
+
+    Args:
+        poll_seconds: How often the parent is checked.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="pippy-launcher-watch", daemon=True).start()
+
+
+class StopSignal:
+    """Turns a signal (``SIGTERM`` by default) into a stop agreed by all ranks.
+
+    Cluster schedulers send ``SIGTERM`` some seconds before they preempt a
+    job, and ``torchrun`` passes it on to its workers. The handler only
+    notes the signal; :meth:`requested`, called by every rank once per step,
+    tells all of them to stop at the same step (one ``all_reduce`` of one
+    number), so that they can save that step together and exit.
+
+    Args:
+        signals: The signals to catch.
+        device: Where the flag is reduced: the device of the default group's
+            backend (``cuda`` for nccl).
+    """
+
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+        *,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.received: signal.Signals | None = None
+        self.device = torch.device(device)
+        for sig in signals:
+            signal.signal(sig, self._note)
+
+    def _note(self, signum: int, frame: object) -> None:
+        """The handler: notes the signal, nothing else."""
+        self.received = signal.Signals(signum)
+
+    def requested(self) -> bool:
+        """Tells, on every rank alike, whether any rank has received the signal."""
+        flag = torch.tensor([int(self.received is not None)], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

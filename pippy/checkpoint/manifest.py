@@ -1,0 +1,231 @@
+"""A JSON manifest of what each save wrote, with a CRC-32C of every item.
+
+DCP stores no checksums, and ``torch.load`` never checks the zip CRC-32 that
+``torch.save`` computes (its zip reader is built with CRC checks disabled:
+pytorch/pytorch#126952), so a flipped bit, a truncated item or a rank file
+swapped for another of equal size loads without a word. :class:`ManifestWriter`
+is DCP's ``FileSystemWriter`` that, once each rank has written its items,
+reads them back and checksums them (CRC-32C, ``google-crc32c``); the
+coordinator writes ``manifest.json`` beside ``.metadata``:
+
+.. code-block:: json
+
+    {"format": "pippy-manifest/1", "step": 20, "checksum": "crc32c",
+     "files": {"__0_0.distcp": 5123456, "...": 0},
+     "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
+                "offset": 0, "length": 49920, "crc32c": 2596996162}]}
+
+``files`` maps each data file to its size in bytes. The manifest is plain
+JSON: reading it runs no code. ``SafeFileSystemReader`` checks it against
+``.metadata`` and the files before loading, and each item's checksum as it is
+read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from pippy.checkpoint.errors import CheckpointError
+
+__all__ = ["MANIFEST_FILE", "Manifest", "ManifestWriter", "read_manifest"]
+
+#: The manifest's file name inside a step folder.
+MANIFEST_FILE = "manifest.json"
+_FORMAT = "pippy-manifest/1"
+
+
+@dataclass(frozen=True)
+class _Checksummed:
+    """DCP's storage info of one item, with its CRC-32C, for the coordinator."""
+
+    info: Any
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one save wrote, as recorded in ``manifest.json``.
+
+    Attributes:
+        step: The step the save holds.
+        files: Size in bytes of each data file, by file name.
+        items: ``(file, offset, length)`` of each item, to its key and CRC-32C.
+    """
+
+    step: int
+    files: dict[str, int]
+    items: dict[tuple[str, int, int], tuple[str, int]]
+
+
+def _crc32c_of(folder: Path, ranges: Iterable[tuple[str, int, int]]) -> dict:
+    """CRC-32C of each ``(file, offset, length)`` byte range, read from disk."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for name, offset, length in ranges:
+        by_file.setdefault(name, []).append((offset, length))
+    crcs = {}
+    for name, spans in by_file.items():
+        with open(folder / name, "rb") as f:
+            for offset, length in sorted(spans):
+                f.seek(offset)
+                data = f.read(length)
+                if len(data) != length:
+                    raise CheckpointError(f"{name} ended at byte {offset + len(data)}")
+                crcs[name, offset, length] = google_crc32c.value(data)
+    return crcs
+
+
+class ManifestWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
+
+    Each rank reads back the items it has just written (from the page cache)
+    and computes their CRC-32C; the checksums travel to the coordinator with
+    DCP's own write results, and the coordinator writes ``manifest.json``
+    after ``.metadata``. Plain ``dcp.load`` ignores the extra file.
+
+    Args:
+        path: The folder to write (the ``checkpoint_id``).
+        step: The step being saved, recorded in the manifest.
+        **kwargs: Passed to ``FileSystemWriter`` (``thread_count``, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.step = step
+
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """Writes this rank's items as DCP does, then checksums them as written."""
+        results = super().write_data(plan, planner).wait()
+        ranges = [
+            (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
+            for r in results
+        ]
+        crcs = _crc32c_of(Path(self.path), ranges)
+        checked = [
+            WriteResult(r.index, r.size_in_bytes, _Checksummed(r.storage_data, crc))
+            for r, crc in zip(results, (crcs[k] for k in ranges), strict=True)
+        ]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(checked)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Writes ``.metadata`` as DCP does, then ``manifest.json``."""
+        items: list[dict[str, Any]] = []
+        files: dict[str, int] = {}
+        plain: list[list[WriteResult]] = []
+        for rank_results in results:
+            plain.append([])
+            for r in rank_results:
+                info, crc = r.storage_data.info, r.storage_data.crc32c
+                plain[-1].append(WriteResult(r.index, r.size_in_bytes, info))
+                name, end = info.relative_path, info.offset + info.length
+                files[name] = max(files.get(name, 0), end)
+                items.append(
+                    {
+                        "key": r.index.fqn,
+                        "file": name,
+                        "offset": info.offset,
+                        "length": info.length,
+                        "crc32c": crc,
+                    }
+                )
+        super().finish(metadata, plain)
+        manifest = {
+            "format": _FORMAT,
+            "step": self.step,
+            "checksum": "crc32c",
+            "files": dict(sorted(files.items())),
+            "items": items,
+        }
+        path = Path(self.path) / MANIFEST_FILE
+        tmp = path.with_name(f".{MANIFEST_FILE}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def read_manifest(folder: str | os.PathLike) -> Manifest | None:
+    """Reads a step folder's ``manifest.json``.
+
+    Args:
+        folder: A step folder.
+
+    Returns:
+        The manifest, or None if the folder has none (written without
+        pippy's :class:`ManifestWriter`).
+
+    Raises:
+        CheckpointError: The manifest is not valid JSON of this format.
+    """
+    path = Path(folder) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_bytes())
+        if raw.get("format") != _FORMAT:
+            raise ValueError(f"format {raw.get('format')!r}, not {_FORMAT!r}")
+        files = {str(k): _count(v) for k, v in raw["files"].items()}
+        items = {
+            (str(i["file"]), _count(i["offset"]), _count(i["length"])): (
+                str(i["key"]),
+                _count(i["crc32c"]),
+            )
+            for i in raw["items"]
+        }
+        return Manifest(_count(raw["step"]), files, items)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is damaged: {e}") from None
+
+
+def _count(value: Any) -> int:
+    """``value`` if it is a non-negative int; else a ``ValueError``."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def verify_ranges(
+    folder: Path, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
+) -> None:
+    """Checks byte ranges of a step's files against their manifest checksums.
+
+    Args:
+        folder: The step folder.
+        manifest: Its manifest.
+        ranges: ``(file, offset, length)`` to the key stored there.
+
+    Raises:
+        CheckpointError: A range the manifest lacks, or whose bytes do not
+            match their checksum, naming the key and file.
+    """
+    for (name, offset, length), key in ranges.items():
+        if (name, offset, length) not in manifest.items:
+            raise CheckpointError(
+                f"item {key!r} of {name} (bytes {offset}-{offset + length}) is not "
+                f"in {MANIFEST_FILE}: .metadata and the manifest disagree, so the "
+                "step is damaged or was edited; load an earlier step"
+            )
+    crcs = _crc32c_of(folder, ranges)
+    for (name, offset, length), key in ranges.items():
+        if crcs[name, offset, length] != manifest.items[name, offset, length][1]:
+            raise CheckpointError(
+                f"item {key!r} of {name} is damaged: its bytes do not match their "
+                f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
+                "by another); restore the file or load an earlier step"
+            )

@@ -1,0 +1,612 @@
+"""Never lose or mix data at the edges: one writer per folder, verified content,
+step identity, contained reads, param-group order, disk full, preemption.
+
+Where plain DCP loses or mixes data quietly, each test shows that first, so
+that pippy's refusal is shown to matter.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from pippy import checkpoint
+
+from helpers import (
+    DIST_CHECKS,
+    EXAMPLE,
+    ROOT,
+    TINY_FLAGS,
+    linear_state,
+    torchrun,
+)
+
+# --------------------------------------------------------------------------
+# Verified content and step identity
+# --------------------------------------------------------------------------
+
+
+def saved_linear(root, step=1):
+    state = linear_state()
+    state.step = step
+    return state, checkpoint.save_stage(state, root)
+
+
+def flip_bit(path, offset):
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def place(folder, key):
+    """(file, offset, length) of a key's (first) item, from .metadata."""
+    metadata = checkpoint.read_metadata(folder)
+    [info] = [i for k, i in metadata.storage_data.items() if k.fqn == key]
+    return folder / info.relative_path, info.offset, info.length
+
+
+def test_a_flipped_bit_in_a_tensor_loads_silently_in_dcp_and_is_refused(tmp_path):
+    saved, folder = saved_linear(tmp_path)
+    path, offset, length = place(folder, "model.weight")
+    raw = path.read_bytes()
+    at = raw.index(saved.module.weight.detach().numpy().tobytes(), offset)
+    flip_bit(path, at + 17)  # one bit of the tensor's data
+    plain = {"model": {"weight": torch.empty(4, 4), "bias": torch.empty(4)}}
+    dcp.load(plain, checkpoint_id=folder)  # DCP: no error
+    assert not torch.equal(plain["model"]["weight"], saved.module.weight)
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="item 'model.weight' of __0_0.distcp is damaged: its bytes do not "
+        "match their checksum in manifest.json",
+    ):
+        checkpoint.load_stage(linear_state(), folder)
+    with pytest.raises(checkpoint.CheckpointError, match="'model.weight'"):
+        checkpoint.verify_step(folder)
+
+
+def test_a_flipped_bit_in_the_step_is_refused(tmp_path):
+    _, folder = saved_linear(tmp_path, step=2)
+    path, offset, length = place(folder, "step")
+    raw = path.read_bytes()
+    # The pickled int 2 (BININT1 2) becomes 3: DCP reads step 3 without a word.
+    at = raw.index(b"K\x02", offset, offset + length)
+    flip_bit(path, at + 1)
+    plain = {"step": 0}
+    dcp.load(plain, checkpoint_id=folder)
+    assert plain["step"] == 3
+    with pytest.raises(checkpoint.CheckpointError, match="item 'step' of .* damaged"):
+        checkpoint.read_checkpoint(folder)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch of 2 ranks: equal-size rank files, and an async poll."""
+    out = tmp_path_factory.mktemp("edges")
+    torchrun(2, DIST_CHECKS, "twins,one_fails", out)
+    return out
+
+
+def test_swapped_rank_files_of_equal_size_mix_silently_in_dcp_and_are_refused(
+    two_ranks, tmp_path
+):
+    folder = tmp_path / "step-1"
+    shutil.copytree(two_ranks / "twins" / "step-1", folder)
+    original = checkpoint.read_checkpoint(folder)
+    a, b = folder / "__0_0.distcp", folder / "__1_0.distcp"
+    assert a.stat().st_size == b.stat().st_size
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    plain = {"model": {"w0": torch.empty(8, 8), "w1": torch.empty(8, 8)}}
+    dcp.load(plain, checkpoint_id=folder)  # DCP: w0 now holds w1's values
+    assert torch.equal(plain["model"]["w0"], original["model.w1"])
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"item '(model.w.|step)' of __._0.distcp"
+    ):
+        checkpoint.read_checkpoint(folder)
+
+
+def test_a_setup_error_on_one_rank_stops_every_rank_with_its_message(two_ranks):
+    errors = [
+        json.loads((two_ranks / f"one_fails-rank{rank}.json").read_text())["error"]
+        for rank in range(2)
+    ]
+    missing = two_ranks / "missing.txt"
+    assert (
+        errors[1]
+        == f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'"
+    )
+    assert (
+        errors[0]
+        == f"CheckpointError: setting up failed on 1 rank(s):\n  rank 1: {errors[1]}"
+    )
+
+
+def test_an_async_save_is_published_as_soon_as_it_is_on_disk(two_ranks):
+    for rank in range(2):
+        r = json.loads((two_ranks / f"twins-rank{rank}.json").read_text())
+        assert r["published"].endswith("step-2")
+        assert r["listed"] == [2]  # published by poll(), keep_last applied then
+
+
+def test_a_step_folder_holding_another_step_is_never_taken_for_it(tmp_path):
+    _, step_2 = saved_linear(tmp_path, step=2)
+    copied = tmp_path / "step-10"  # a copy, or data that lost its step
+    shutil.copytree(step_2, copied)
+    plain = {"step": 0}
+    dcp.load(plain, checkpoint_id=copied)
+    assert plain["step"] == 2  # DCP: whatever the name says
+    assert checkpoint.find_latest_step(tmp_path) == step_2
+    with pytest.raises(
+        checkpoint.CheckpointError, match="'.*step-10' holds step 2 by its manifest"
+    ):
+        checkpoint.load_stage(linear_state(), copied)
+    # --keep-last 1 ranks steps by what they hold: the step just published is
+    # kept (it used to be deleted at once: step-10 looked newer).
+    state = linear_state()
+    state.step = 3
+    published = checkpoint.save_stage(state, tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-3"]
+    assert checkpoint.find_latest_step(tmp_path) == published
+
+
+def test_two_names_for_one_step_are_refused(tmp_path):
+    _, folder = saved_linear(tmp_path, step=8)
+    shutil.copytree(folder, tmp_path / "step-08")
+    with pytest.raises(
+        checkpoint.CheckpointDirError, match="'.*step-08' is not a step folder name"
+    ):
+        checkpoint.find_latest_step(tmp_path)
+
+
+def test_a_state_saved_under_another_step_is_refused(tmp_path):
+    state = linear_state()
+    state.step = 5
+    with pytest.raises(ValueError, match="holds step 5; it cannot be step-6"):
+        checkpoint.save_stage(state, tmp_path, step=6)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_checkpoint_without_manifest_needs_an_explicit_opt_out(tmp_path):
+    _, folder = saved_linear(tmp_path)
+    (folder / checkpoint.MANIFEST_FILE).unlink()
+    with pytest.raises(
+        checkpoint.CheckpointError, match="has no manifest.json.*verify=False"
+    ):
+        checkpoint.load_stage(linear_state(), folder)
+    reader = checkpoint.SafeFileSystemReader(folder, verify=False)
+    state = {"model": {"weight": torch.empty(4, 4), "bias": torch.empty(4)}}
+    dcp.load(
+        state,
+        storage_reader=reader,
+        planner=checkpoint.SafeLoadPlanner(must_read=("model.",)),
+    )
+
+
+# --------------------------------------------------------------------------
+# Contained, bounded reads of a crafted .metadata
+# --------------------------------------------------------------------------
+
+
+def craft(folder, edit):
+    """Rewrites .metadata with `edit(metadata)` applied (our own file)."""
+    path = folder / ".metadata"
+    with open(path, "rb") as f:
+        metadata = pickle.load(f)
+    edit(metadata)
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def repoint(new_name):
+    def edit(metadata):
+        for info in metadata.storage_data.values():
+            info.relative_path = new_name(info.relative_path)
+
+    return edit
+
+
+READ_PATHS = {
+    "load_stage": lambda f: checkpoint.load_stage(linear_state(), f),
+    "load_model": lambda f: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
+    "read_checkpoint": checkpoint.read_checkpoint,
+    "read_metadata": checkpoint.read_metadata,  # inspect and export start here
+}
+
+
+@pytest.mark.parametrize("read", READ_PATHS.values(), ids=READ_PATHS.keys())
+@pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
+def test_data_files_outside_the_step_folder_are_refused(tmp_path, read, where):
+    _, folder = saved_linear(tmp_path / "ckpt")
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(folder / "__0_0.distcp", outside)
+    if where == "symlink":
+        (folder / "__0_0.distcp").unlink()
+        (folder / "__0_0.distcp").symlink_to(outside)
+    else:
+        name = "../../outside.distcp" if where == "parent" else str(outside)
+        craft(folder, repoint(lambda _: name))
+        plain = {"model": {"weight": torch.empty(4, 4), "bias": torch.empty(4)}}
+        dcp.load(plain, checkpoint_id=folder)  # DCP reads the file out there
+    with pytest.raises(
+        checkpoint.UnsafeCheckpointError,
+        match="not a plain file name inside the step folder",
+    ):
+        read(folder)
+
+
+def test_a_tensor_larger_than_its_place_is_refused_before_allocation(tmp_path):
+    _, folder = saved_linear(tmp_path)
+
+    def huge(metadata):  # 4 TiB of float32
+        item = metadata.state_dict_metadata["model.weight"]
+        item.size = torch.Size([2**20, 2**20])
+        item.chunks[0].sizes = torch.Size([2**20, 2**20])
+
+    craft(folder, huge)
+    for read in READ_PATHS.values():
+        with pytest.raises(
+            checkpoint.CheckpointError,
+            match="'model.weight' declares 4398046511104 bytes",
+        ):
+            read(folder)
+
+
+def test_an_item_longer_than_written_is_refused_before_reading(tmp_path):
+    state = linear_state()
+    state.extra["note"] = Note()
+    folder = checkpoint.save_stage(state, tmp_path)
+    path, offset, _ = place(folder, "note.text")
+
+    def stretch(metadata):  # the item claims 256 MiB of a sparse file
+        for key, info in metadata.storage_data.items():
+            if key.fqn == "note.text":
+                info.length = 2**28
+
+    craft(folder, stretch)
+    with open(path, "r+b") as f:
+        f.truncate(offset + 2**28)  # sparse: no disk, but DCP would read it all
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"__0_0.distcp has \d+ bytes, manifest.json says",
+    ):
+        checkpoint.read_checkpoint(folder)
+
+
+class Note:
+    def __init__(self):
+        self.text = "hello"
+
+    def state_dict(self):
+        return {"text": self.text}
+
+    def load_state_dict(self, state_dict):
+        self.text = state_dict["text"]
+
+
+def test_crafted_metadata_tables_are_damage_not_key_errors(tmp_path):
+    _, folder = saved_linear(tmp_path)
+
+    def lose_an_entry(metadata):
+        key = next(k for k in metadata.storage_data if k.fqn == "model.bias")
+        del metadata.storage_data[key]
+
+    craft(folder, lose_an_entry)
+    for read in READ_PATHS.values():
+        with pytest.raises(
+            checkpoint.CheckpointError, match="is damaged: no file holds 'model.bias'"
+        ):
+            read(folder)
+
+
+# --------------------------------------------------------------------------
+# Param groups are matched by their parameters, LR schedulers included
+# --------------------------------------------------------------------------
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+def scheduled(order):
+    model = TwoHeads()
+    lrs = {"a": 0.1, "b": 0.2}
+    groups = [{"params": getattr(model, n).parameters(), "lr": lrs[n]} for n in order]
+    optimizer = torch.optim.AdamW(groups)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    state = checkpoint.StageState(model, optimizer, scheduler)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    state.step = 1
+    return state
+
+
+def lr_of(state, head):
+    param = getattr(state.module, head).weight
+    groups = state.optimizer.param_groups
+    return next(g["lr"] for g in groups if any(p is param for p in g["params"]))
+
+
+def test_groups_in_another_order_would_swap_scheduled_lrs_and_are_refused(tmp_path):
+    saved = scheduled("ab")
+    folder = checkpoint.save_stage(saved, tmp_path)
+    # What DCP's own helpers do with the same state_dict: the optimizer's
+    # groups load by their parameters, the scheduler's base_lrs by position.
+    swapped = scheduled("ba")
+    state_dict = checkpoint.read_checkpoint(folder)
+    swapped.lr_scheduler.load_state_dict(
+        {
+            k.removeprefix("lr_scheduler."): v
+            for k, v in state_dict.items()
+            if k.startswith("lr_scheduler.")
+        }
+    )
+    swapped.lr_scheduler.step()
+    assert lr_of(swapped, "a") == 0.2 * 0.25  # a now follows b's schedule
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="param group 0 here holds 'b.weight', which was in group 1 when saved",
+    ):
+        checkpoint.load_stage(scheduled("ba"), folder)
+    same = scheduled("ab")
+    checkpoint.load_stage(same, folder)
+    same.lr_scheduler.step()
+    saved.lr_scheduler.step()
+    assert [lr_of(same, h) for h in "ab"] == [lr_of(saved, h) for h in "ab"]
+
+
+# --------------------------------------------------------------------------
+# One writer per folder
+# --------------------------------------------------------------------------
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, caplog):
+    with checkpoint.FolderOwner(tmp_path) as first:
+        record = json.loads((tmp_path / checkpoint.OWNER_FILE).read_text())
+        assert record["pid"] == os.getpid() and record["token"] == first.token
+        with pytest.raises(
+            checkpoint.CheckpointDirInUseError,
+            match=f"in use by another job \\(host '.*', pid {os.getpid()}, started",
+        ):
+            checkpoint.FolderOwner(tmp_path).acquire()
+    assert not (tmp_path / checkpoint.OWNER_FILE).exists()  # released
+
+    record.update(pid=dead_pid(), token="deadjob")
+    (tmp_path / checkpoint.OWNER_FILE).write_text(json.dumps(record))
+    (tmp_path / ".step-4.partial-deadjob").mkdir()  # the dead job's half save
+    (tmp_path / ".step-4.partial-otherjob").mkdir()  # not the dead job's: kept
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
+        with checkpoint.FolderOwner(tmp_path):
+            pass
+    assert "taking over" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-4.partial-otherjob"]
+
+    record.update(host="another-host", pid=os.getpid())  # cannot tell: refuse
+    (tmp_path / checkpoint.OWNER_FILE).write_text(json.dumps(record))
+    with pytest.raises(checkpoint.CheckpointDirInUseError, match="another-host"):
+        checkpoint.FolderOwner(tmp_path).acquire()
+
+
+def test_a_step_folder_is_refused_as_a_run_folder(tmp_path):
+    _, folder = saved_linear(tmp_path)
+    with pytest.raises(
+        checkpoint.CheckpointDirError,
+        match="is a step folder, not a run's checkpoint folder",
+    ):
+        checkpoint.FolderOwner(folder).acquire()
+
+
+def launch(*flags, stdout=subprocess.PIPE):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        *TINY_FLAGS,
+        *map(str, flags),
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, text=True, stdout=stdout, stderr=subprocess.STDOUT
+    )
+
+
+def wait_for(path, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), f"{path} never appeared"
+
+
+def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
+    flags = ["--steps", "300", "--save-every", "100"]
+    first = launch(*flags, "--checkpoint-dir", tmp_path / "shared")
+    try:
+        wait_for(tmp_path / "shared" / ".owner.json", first)
+        second = torchrun(
+            2,
+            EXAMPLE,
+            *TINY_FLAGS,
+            *flags,
+            "--checkpoint-dir",
+            tmp_path / "shared",
+            expect_ok=False,
+        )
+        out, _ = first.communicate(timeout=240)
+    finally:
+        first.kill()
+    assert first.returncode == 0, out
+    assert second.returncode != 0
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] error: {tmp_path / 'shared'} is in use by another job"
+            in second.stdout
+        )
+    assert "step   1 |" not in second.stdout
+    torchrun(2, EXAMPLE, *TINY_FLAGS, *flags, "--checkpoint-dir", tmp_path / "alone")
+    for step in (100, 200, 300):  # the first job's steps are its own, bit for bit
+        shared = checkpoint.read_checkpoint(tmp_path / "shared" / f"step-{step}")
+        alone = checkpoint.read_checkpoint(tmp_path / "alone" / f"step-{step}")
+        assert checkpoint.diff_state_dicts(shared, alone) == []
+
+
+def example_ranks(folder):
+    """The pids of the example's ranks that write into `folder`."""
+    found = subprocess.run(
+        ["pgrep", "-f", f"pippy_dcp.py.*{folder}"], capture_output=True, text=True
+    )
+    return [int(p) for p in found.stdout.split()]
+
+
+def test_ranks_whose_launcher_is_killed_stop_and_publish_nothing_more(tmp_path):
+    job = launch(
+        "--steps",
+        "100000",
+        "--save-every",
+        "20",
+        "--checkpoint-dir",
+        tmp_path,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(tmp_path / "step-20", job)
+        job.send_signal(signal.SIGKILL)  # the launcher only
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while example_ranks(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert example_ranks(tmp_path) == []  # without the watch: they train on
+        steps = sorted(checkpoint.list_steps(tmp_path))
+        time.sleep(2)
+        assert sorted(checkpoint.list_steps(tmp_path)) == steps
+    finally:
+        for pid in example_ranks(tmp_path):
+            os.kill(pid, signal.SIGKILL)
+    # The next job takes the folder over from the dead one and resumes.
+    run = torchrun(
+        2,
+        EXAMPLE,
+        *TINY_FLAGS,
+        "--steps",
+        str(steps[-1] + 1),
+        "--checkpoint-dir",
+        tmp_path,
+    )
+    assert f"resuming from {tmp_path / f'step-{steps[-1]}'}" in run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+# --------------------------------------------------------------------------
+# Preemption, disk full, argument errors
+# --------------------------------------------------------------------------
+
+
+def test_sigterm_saves_the_current_step_and_the_next_run_resumes_there(tmp_path):
+    job = launch(
+        "--steps", "100000", "--save-every", "1000", "--checkpoint-dir", tmp_path
+    )
+    try:
+        marker = "step   5 |"
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if line.startswith(marker):
+                job.send_signal(signal.SIGTERM)  # as a scheduler preempting the job
+                break
+        out, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    out = "".join(lines) + out
+    [line] = [x for x in out.splitlines() if "SIGTERM received" in x]
+    step = int(line.split()[3].rstrip(":"))
+    assert (
+        step >= 5
+        and line == f"stopping after step {step}: SIGTERM received, step-{step} saved"
+    )
+    for rank in (0, 1):
+        assert f"[rank {rank}] stage {rank}: saved" in out
+    assert "verified:" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step}"]
+    run = torchrun(
+        2, EXAMPLE, *TINY_FLAGS, "--steps", str(step + 1), "--checkpoint-dir", tmp_path
+    )
+    assert f"resuming from {tmp_path / f'step-{step}'}" in run.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def big_state():
+    model = torch.nn.Linear(256, 512)  # ~0.5 MB, with AdamW ~1.5 MB
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    optimizer.step()
+    return checkpoint.StageState(model, optimizer, step=2)
+
+
+def test_a_full_disk_says_so_and_leaves_no_partial_folder(small_disk):
+    with pytest.raises(CheckpointException) as plain:  # DCP: an obscure error
+        dcp.save(big_state().state_dict(), checkpoint_id=small_disk / "plain")
+    assert "no space" not in str(plain.value).lower()
+    shutil.rmtree(small_disk / "plain")
+    state = linear_state()
+    state.step = 1
+    kept = checkpoint.save_stage(state, small_disk)
+    before = {p.name: p.read_bytes() for p in kept.iterdir()}
+    with pytest.raises(checkpoint.CheckpointError, match="no space left on device"):
+        checkpoint.save_stage(big_state(), small_disk)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step-1"]
+    assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
+
+
+def test_keep_last_below_one_is_refused_before_training(tmp_path):
+    run = torchrun(
+        2,
+        EXAMPLE,
+        *TINY_FLAGS,
+        "--keep-last",
+        "0",
+        "--checkpoint-dir",
+        tmp_path,
+        expect_ok=False,
+    )
+    assert run.returncode != 0
+    assert "--keep-last: >= 1" in run.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
