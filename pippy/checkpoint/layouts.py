@@ -47,9 +47,9 @@ def detect_layout(keys: Iterable[str]) -> str:
         keys: The checkpoint's keys (``state_dict_metadata``).
 
     Returns:
-        :data:`TORCHTITAN` if a key is under ``optimizer.`` or
-        ``train_state.``, or if no key is ``step`` or under ``model.`` (a
-        model-only torchtitan checkpoint); :data:`PIPPY` otherwise.
+        :data:`PIPPY` if a key is ``step``; else :data:`TORCHTITAN` if a
+        key is under ``optimizer.`` or ``train_state.``, or if none is under
+        ``model.`` (a model-only torchtitan checkpoint); else :data:`PIPPY`.
 
     Note:
         A torchtitan checkpoint holding only model weights whose FQNs all
@@ -57,11 +57,11 @@ def detect_layout(keys: Iterable[str]) -> str:
         same weights.
     """
     keys = list(keys)
+    if "step" in keys:  # torchtitan's step is train_state.step
+        return PIPPY
     if any(k.startswith(("optimizer.", "train_state.")) for k in keys):
         return TORCHTITAN
-    if "step" in keys or any(k.startswith("model.") for k in keys):
-        return PIPPY
-    return TORCHTITAN
+    return PIPPY if any(k.startswith("model.") for k in keys) else TORCHTITAN
 
 
 def pippy_name(key: str) -> str:
