@@ -1,7 +1,8 @@
 """PiPPy: pipeline parallelism for PyTorch.
 
 PiPPy's front end now lives in ``torch.distributed.pipelining``; this package
-re-exports it unchanged and adds :mod:`pippy.checkpoint`, stage-aware
+re-exports it unchanged and adds :mod:`pippy.stages`, building one stage of
+any model while keeping its FQNs, and :mod:`pippy.checkpoint`, stage-aware
 distributed checkpointing through ``torch.distributed.checkpoint``.
 """
 
@@ -22,8 +23,19 @@ from torch.distributed.pipelining import (
 )
 
 from pippy import checkpoint
+from pippy.stages import (
+    PassThrough,
+    StageBuildError,
+    build_stage_module,
+    causal_lm_forward,
+    layer_range,
+    materialize,
+    meta_init,
+    split_model,
+)
 
 __all__ = [
+    "PassThrough",
     "Pipe",
     "PipelineStage",
     "Schedule1F1B",
@@ -34,8 +46,15 @@ __all__ = [
     "ScheduleLoopedBFS",
     "ScheduleZBVZeroBubble",
     "SplitPoint",
+    "StageBuildError",
     "build_stage",
+    "build_stage_module",
+    "causal_lm_forward",
     "checkpoint",
+    "layer_range",
+    "materialize",
+    "meta_init",
     "pipe_split",
     "pipeline",
+    "split_model",
 ]

@@ -1,4 +1,4 @@
-"""Command line for pippy checkpoints: ``python -m pippy inspect|export``.
+"""Command line for pippy checkpoints: ``python -m pippy inspect|export|convert``.
 
 Reads only through :mod:`pippy.checkpoint`'s safe reader and planner
 (:func:`~pippy.checkpoint.read_metadata`, :func:`~pippy.checkpoint.read_checkpoint`),
@@ -23,6 +23,8 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pippy import checkpoint
+from pippy.checkpoint.export import convert_layout, export_hf, parse_size
+from pippy.checkpoint.layouts import detect_layout
 from pippy.checkpoint.safe_load import resolve_trusted
 
 __all__ = ["main"]
@@ -167,7 +169,8 @@ def _inspect(args: argparse.Namespace) -> None:
         ]
         _table(["STEP", "COMPLETE", "ON DISK"], step_rows, right={0, 2})
         print()
-    print(f"{folder}: {len(keys)} of {len(items)} keys")
+    layout = detect_layout(items)
+    print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
     _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
     print()
     file_rows: list[list] = [
@@ -181,8 +184,27 @@ def _inspect(args: argparse.Namespace) -> None:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
 
 
+def _export_hf(args: argparse.Namespace, folder: Path) -> None:
+    """``export --hf-config``: a folder ``from_pretrained`` opens."""
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    files = export_hf(
+        folder,
+        args.out,
+        config=args.hf_config,
+        max_shard_size=parse_size(args.max_shard_size),
+        dtype=dtype,
+        force=args.force,
+        trusted=args.trusted,
+        verify=not args.no_verify,
+    )
+    names = ", ".join(f.name for f in files)
+    print(f"{folder} -> {args.out}: {names} (Hugging Face)")
+
+
 def _export(args: argparse.Namespace) -> None:
-    """``export``: a step's model weights into one file, atomically."""
+    """``export``: a step's model weights into one file (or HF folder), atomically."""
+    if args.hf_config:
+        return _export_hf(args, _resolve(Path(args.path), None)[1])
     out = Path(args.out)
     fmt = args.format or ("safetensors" if out.suffix == ".safetensors" else "pt")
     if out.exists() and not args.force:
@@ -218,14 +240,30 @@ def _export(args: argparse.Namespace) -> None:
     print(f"{folder} -> {out}: {len(weights)} tensors, {size} ({fmt})")
 
 
+def _convert(args: argparse.Namespace) -> None:
+    """``convert``: a step rewritten in the other layout."""
+    _, folder = _resolve(Path(args.path), None)
+    verify = not args.no_verify
+    count = convert_layout(
+        folder, args.out, to=args.to, trusted=args.trusted, verify=verify
+    )
+    print(f"{folder} -> {args.out}: {count} items ({args.to} layout)")
+
+
 def _parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m pippy``."""
     parser = argparse.ArgumentParser(
         prog="python -m pippy",
-        description="Inspect and export pippy (DCP) checkpoints.",
+        description="Inspect, export and convert pippy (DCP) checkpoints.",
     )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="read a step that has no manifest.json (plain DCP's, torchtitan's) "
+        "without checking its items against checksums",
+    )
     common.add_argument(
         "--trust-checkpoint",
         action="store_true",
@@ -276,7 +314,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STEP_FOLDER",
         help="a step folder (or a run folder: its newest complete step)",
     )
-    export.add_argument("--out", required=True, metavar="FILE", help="file to write")
+    export.add_argument(
+        "--out", required=True, metavar="FILE", help="file (or folder) to write"
+    )
+    export.add_argument(
+        "--hf-config",
+        metavar="CONFIG_JSON",
+        help="write a Hugging Face model folder at --out instead: this "
+        "config.json and model.safetensors (sharded with an index above "
+        "--max-shard-size), for from_pretrained",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="with --hf-config: largest safetensors shard, e.g. 5GB, 500MB "
+        "(default: 5GB)",
+    )
     export.add_argument(
         "--format",
         choices=["pt", "safetensors"],
@@ -291,13 +345,30 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--force", action="store_true", help="overwrite FILE if it exists"
     )
-    export.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="read a step without manifest.json (plain DCP's) without checking "
-        "its items' checksums",
-    )
     export.set_defaults(run=_export)
+    convert = commands.add_parser(
+        "convert",
+        parents=[common],
+        help="rewrite a step in pippy's or torchtitan's layout",
+        description="Rewrite a step (every key: model, optimizer, scheduler, "
+        "step) in the other layout: torchtitan keeps model keys at the root, "
+        "'optimizer.*' and 'train_state'; pippy 'model.*', 'optim.*', 'step'.",
+    )
+    convert.add_argument(
+        "path",
+        metavar="STEP_FOLDER",
+        help="a step folder (or a run folder: its newest complete step)",
+    )
+    convert.add_argument(
+        "--to", required=True, choices=["pippy", "torchtitan"], help="layout to write"
+    )
+    convert.add_argument(
+        "--out",
+        required=True,
+        metavar="STEP_FOLDER",
+        help="step folder to write, e.g. checkpoint/step-20; must not exist",
+    )
+    convert.set_defaults(run=_convert)
     return parser
 
 

@@ -23,6 +23,7 @@ from pippy import checkpoint  # noqa: E402
 import pippy_dcp  # noqa: E402
 from gpt import GPT, ModelArgs, rope_table  # noqa: E402
 from helpers import TINY_FLAGS  # noqa: E402
+from hf_checks import check_hf  # noqa: E402
 
 TINY = [*TINY_FLAGS, "--batch-size", "8"]
 DEVICE = torch.device("cpu")
@@ -379,6 +380,7 @@ CHECKS = {
     "logits": check_logits,
     "fsdp": check_fsdp,
     "memory": check_memory,
+    "hf": check_hf,
 }
 
 if __name__ == "__main__":

@@ -92,3 +92,91 @@ def linear_state(optimizer_groups=None):
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     return checkpoint.StageState(model, optimizer)
+
+
+#: Tiny Hugging Face models, built from configs: never a download.
+HF_LAYERS = 4
+
+
+def hf_config(name):
+    """A tiny config of a `transformers` Llama or GPT-2 (untied, no dropout)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import GPT2Config, LlamaConfig
+
+    if name == "llama":
+        return LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=HF_LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    return GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=HF_LAYERS,
+        n_head=4,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+    )
+
+
+def hf_model_class(name):
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    return LlamaForCausalLM if name == "llama" else GPT2LMHeadModel
+
+
+def gpt2_forward(model, x):
+    """GPT-2's stage forward: its own adds positions to `inputs_embeds` again."""
+    t = model.transformer
+    if not x.is_floating_point():  # token ids: the first stage
+        x = t.wte(x) + t.wpe(torch.arange(x.shape[1], device=x.device))
+    for block in t.h:  # pass-through in the slots of other stages
+        x = block(x)
+    return model.lm_head(t.ln_f(x))
+
+
+#: What split_model needs for each model: the layers, first and last stage.
+HF_SPLIT = {
+    "llama": dict(
+        layers="model.layers",
+        first=["model.embed_tokens"],
+        last=["model.norm", "lm_head"],
+    ),
+    "gpt2": dict(
+        layers="transformer.h",
+        first=["transformer.wte", "transformer.wpe"],
+        last=["transformer.ln_f", "lm_head"],
+    ),
+}
+
+
+def hf_stage(name, stage_index, num_stages, seed=0):
+    """One stage of a tiny HF model, built on meta, allocated and initialised."""
+    import pippy
+
+    config, cls = hf_config(name), hf_model_class(name)
+    forward = pippy.causal_lm_forward if name == "llama" else gpt2_forward
+    module = pippy.build_stage_module(
+        lambda: cls(config),
+        stage_index,
+        num_stages,
+        device="cpu",
+        forward=forward,
+        **HF_SPLIT[name],
+    )
+    init_weights(module, seed)  # from (seed, FQN); `norm.weight` 1, else 0 or randn
+    with torch.no_grad():
+        for fqn, param in module.named_parameters():
+            if fqn.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                param.fill_(1.0)
+    return module

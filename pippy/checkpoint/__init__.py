@@ -33,6 +33,9 @@ the whole model and no key is offered by two ranks. One idea per module:
   :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`, loading without
   running code a checkpoint's pickles could carry, verifying content, and
   refusing damaged folders and keys DCP would drop or convert.
+* :mod:`~pippy.checkpoint.layouts` and :mod:`~pippy.checkpoint.export`:
+  torchtitan's layout, read everywhere and written by :func:`convert_layout`;
+  :func:`export_hf`, a folder Hugging Face's ``from_pretrained`` opens.
 * :mod:`~pippy.checkpoint.errors`: the error classes; :func:`explain_failures`
   and :func:`fail_together`, one error per failure on any rank.
 """
@@ -58,6 +61,7 @@ from pippy.checkpoint.errors import (
     explain_failures,
     fail_together,
 )
+from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import OWNER_FILE, FolderOwner, StopSignal, stop_with_launcher
 from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.manifest import MANIFEST_FILE, ManifestWriter, read_manifest
@@ -103,8 +107,10 @@ __all__ = [
     "check_keys",
     "check_untied",
     "check_writable",
+    "convert_layout",
     "diff_state_dicts",
     "explain_failures",
+    "export_hf",
     "fail_together",
     "find_damage",
     "find_latest_step",

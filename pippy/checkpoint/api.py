@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,15 @@ from torch import nn
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from pippy.checkpoint.checks import check_keys
-from pippy.checkpoint.errors import explain_failures, fail_together
+from pippy.checkpoint.checks import check_keys, named_leaves, tied_groups
+from pippy.checkpoint.errors import CheckpointError, explain_failures, fail_together
+from pippy.checkpoint.layouts import (
+    PIPPY,
+    detect_layout,
+    from_torchtitan,
+    pippy_name,
+    to_torchtitan,
+)
 from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.safe_load import SafeFileSystemReader
@@ -134,6 +141,40 @@ def _load(
         )
 
 
+def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
+    """Sets the leaf of a nested state_dict that DCP names ``key``."""
+    for name, child in state_dict.items():
+        if key == name:
+            state_dict[name] = value
+            return
+        if isinstance(child, dict) and key.startswith(f"{name}."):
+            return _set_leaf(child, key[len(name) + 1 :], value)
+    raise KeyError(key)
+
+
+def _load_any_layout(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    reader: SafeFileSystemReader,
+    *,
+    must_read: tuple[str, ...],
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """:func:`_load` of a state_dict in pippy's names, from either layout."""
+    saved = reader.read_metadata().state_dict_metadata
+    if detect_layout(saved) == PIPPY:
+        return _load(
+            state_dict, path, reader, must_read=must_read, process_group=process_group
+        )
+    wanted = dict(named_leaves(state_dict))
+    flat = to_torchtitan(wanted)
+    must = tuple(k for k in saved if pippy_name(k).startswith(must_read))
+    _load(flat, path, reader, must_read=must, process_group=process_group)
+    for key, value in from_torchtitan(flat).items():
+        if key in wanted:
+            _set_leaf(state_dict, key, value)
+
+
 def load_stage(
     state: StageState | dict[str, Any],
     path: str | os.PathLike,
@@ -176,7 +217,9 @@ def load_stage(
     """
     reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
     state_dict = state.state_dict() if isinstance(state, StageState) else state
-    _load(state_dict, path, reader, must_read=must_read, process_group=process_group)
+    _load_any_layout(
+        state_dict, path, reader, must_read=must_read, process_group=process_group
+    )
     if isinstance(state, StageState):
         with fail_together(f"loading {path}", process_group):
             state.load_state_dict(state_dict)
@@ -187,6 +230,7 @@ def read_checkpoint(
     path: str | os.PathLike,
     *,
     prefix: str = "",
+    keys: Collection[str] | None = None,
     trusted: bool | None = None,
     verify: bool = True,
 ) -> dict[str, Any]:
@@ -197,11 +241,15 @@ def read_checkpoint(
     ready for ``model.load_state_dict(..., strict=True)``. Works without a
     process group (reads every rank's file here) and inside one (this rank
     alone reads, with no collective). Reads through the safe reader and
-    planner.
+    planner. A checkpoint in torchtitan's layout reads under pippy's names
+    (see :mod:`~pippy.checkpoint.layouts`): its root model keys as
+    ``model.<fqn>``.
 
     Args:
-        path: A ``step-<N>`` folder.
+        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
         prefix: Only keys starting with this are read.
+        keys: If given, only these keys (without ``prefix``) are read; those
+            not in the checkpoint are left out of the result.
         trusted: See :class:`SafeFileSystemReader`.
         verify: As :func:`load_stage`.
 
@@ -214,17 +262,50 @@ def read_checkpoint(
         CheckpointError: A data file is missing or damaged.
     """
     reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
+    saved = reader.read_metadata().state_dict_metadata
+    name = (lambda k: k) if detect_layout(saved) == PIPPY else pippy_name
     state_dict: dict[str, Any] = {}
-    for key, item in reader.read_metadata().state_dict_metadata.items():
-        if key.startswith(prefix):
+    for key, item in saved.items():
+        if name(key).startswith(prefix) and (
+            keys is None or name(key)[len(prefix) :] in keys
+        ):
             if isinstance(item, TensorStorageMetadata):
                 state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
             else:
                 state_dict[key] = None  # replaced by the loaded value
     if not state_dict:
         raise KeyError(f"no key in {str(path)!r} starts with {prefix!r}")
-    _load(state_dict, path, reader, must_read=(prefix,), no_dist=True)
-    return {key[len(prefix) :]: value for key, value in state_dict.items()}
+    _load(state_dict, path, reader, must_read=tuple(state_dict), no_dist=True)
+    if name is pippy_name:
+        state_dict = from_torchtitan(state_dict)
+    return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def _check_ties(
+    path: str | os.PathLike, model: nn.Module, trusted: bool | None, verify: bool
+) -> None:
+    """Refuses a checkpoint whose keys tied in ``model`` hold different values."""
+    groups = tied_groups(model)
+    if not groups:
+        return
+    wanted = {fqn for group in groups for fqn in group}
+    try:
+        saved = read_checkpoint(
+            path, prefix="model.", keys=wanted, trusted=trusted, verify=verify
+        )
+    except KeyError:  # none of them is in the checkpoint: the load names them
+        return
+    for group in groups:
+        present = [fqn for fqn in group if fqn in saved]
+        first = present[0] if present else ""
+        differ = [f for f in present[1:] if not torch.equal(saved[f], saved[first])]
+        if differ:
+            raise CheckpointError(
+                f"{', '.join(map(repr, [first, *differ]))} are one tied parameter in "
+                f"this model but hold different values in {str(path)!r}: loading "
+                "would keep one and silently lose the other. Load into a model "
+                "with them untied (for Hugging Face, tie_word_embeddings=False)"
+            )
 
 
 def load_model(
@@ -262,8 +343,16 @@ def load_model(
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
-        CheckpointError: Keys missing on either side, or shapes that differ.
+        CheckpointError: Keys missing on either side, or shapes that differ;
+            or parameters tied in ``model`` (an output head sharing the
+            embedding's weight) hold different values in the checkpoint.
+
+    Note:
+        Into a model with tied parameters, loading each tied key writes the
+        same tensor, and the last one read would win. The tied keys are
+        therefore compared first, and the load refused unless they agree.
     """
+    _check_ties(path, model, trusted, verify)
     state = StageState(model, optimizer)
     # Every weight and every optimizer moment must land somewhere; per-group
     # options the new optimizer lacks (a scheduler's initial_lr) may not.

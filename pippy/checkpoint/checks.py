@@ -25,8 +25,10 @@ __all__ = [
     "check_untied",
     "diff_state_dicts",
     "named_leaves",
+    "renaming_hooks",
     "restore_non_persistent_buffers",
     "state_dict_size",
+    "tied_groups",
 ]
 
 logger = logging.getLogger(__name__)
@@ -173,6 +175,52 @@ def check_keys(
         )
 
 
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """The FQNs of each parameter reachable under more than one name.
+
+    Args:
+        model: Any module.
+
+    Returns:
+        One list of FQNs per tied parameter, in ``named_parameters`` order.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def renaming_hooks(module: nn.Module) -> list[str]:
+    """Names the submodules whose state_dict hooks rename their keys.
+
+    DCP's state_dict helpers map every key back to the parameter of that
+    name, so a key a hook invents (torchtitan's fused QKV split into ``wq``,
+    ``wk``, ``wv``) fails there with a bare ``AttributeError``.
+
+    Args:
+        module: A stage's module.
+
+    Returns:
+        One line per such submodule: its FQN, class, hook and a renamed key.
+    """
+    found = []
+    for name, sub in module.named_modules():
+        hooks = [*sub._state_dict_hooks.values(), *sub._state_dict_pre_hooks.values()]
+        if not hooks:
+            continue
+        own = {n for n, _ in sub.named_parameters()} | {
+            n for n, _ in sub.named_buffers()
+        }
+        renamed = sorted(set(sub.state_dict(keep_vars=True)) - own)
+        if renamed:
+            hook = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
+            found.append(
+                f"module {name or '(root)'!r} ({type(sub).__name__}) has the "
+                f"state_dict hook {hook}, which gives it the key {renamed[0]!r}"
+            )
+    return found
+
+
 def check_untied(model: nn.Module) -> None:
     """Refuses a model with tied weights before it is split into stages.
 
@@ -190,12 +238,7 @@ def check_untied(model: nn.Module) -> None:
     Raises:
         TiedParametersError: Naming each pair of FQNs that share a parameter.
     """
-    first_name: dict[int, str] = {}
-    ties = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        first = first_name.setdefault(id(param), name)
-        if first != name:
-            ties.append(f"{name!r} is {first!r}")
+    ties = [f"{n!r} is {g[0]!r}" for g in tied_groups(model) for n in g[1:]]
     if ties:
         raise TiedParametersError(
             f"tied weights: {', '.join(ties)}. Split into pipeline stages, each "

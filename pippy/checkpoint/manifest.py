@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,54 @@ def read_manifest(folder: str | os.PathLike) -> Manifest | None:
         return Manifest(_count(raw["step"]), files, items)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} is damaged: {e}") from None
+
+
+def check_manifest(
+    folder: Path, step: int | None, ranges: Collection[tuple[str, int, int]]
+) -> Manifest:
+    """Reads a step's manifest and checks it against the folder.
+
+    Args:
+        folder: The step folder.
+        step: The step its name says (None for another name).
+        ranges: ``(file, offset, length)`` of every item ``.metadata`` lists.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointError: There is no manifest; it names another step; a data
+            file's size differs from its record; or it lists other items
+            than ``.metadata``.
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise CheckpointError(
+            f"{str(folder)!r} has no {MANIFEST_FILE}, so its content cannot be "
+            "verified (written by plain DCP or an older pippy, or the file was "
+            "lost). If you know it is intact, load it with verify=False"
+        )
+    if step is not None and step != manifest.step:
+        raise CheckpointError(
+            f"{str(folder)!r} holds step {manifest.step} by its {MANIFEST_FILE}: a "
+            "folder renamed or copied under another step's name. Give it its own "
+            f"name (step-{manifest.step}) or move it out of the checkpoint folder"
+        )
+    for name, size in manifest.files.items():
+        actual = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if actual != size:
+            raise CheckpointError(
+                f"{str(folder)!r} is damaged: {name} has "
+                f"{'no file' if actual is None else f'{actual} bytes'}, "
+                f"{MANIFEST_FILE} says {size}. Restore it, or move the folder out "
+                "of the checkpoint folder to resume from an earlier step"
+            )
+    if set(ranges) != manifest.items.keys():
+        raise CheckpointError(
+            f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} list "
+            "different items; load an earlier step"
+        )
+    return manifest
 
 
 def _count(value: Any) -> int:

@@ -37,12 +37,7 @@ from pippy.checkpoint.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.manifest import (
-    MANIFEST_FILE,
-    Manifest,
-    read_manifest,
-    verify_ranges,
-)
+from pippy.checkpoint.manifest import Manifest, check_manifest, verify_ranges
 from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
 
 __all__ = [
@@ -251,40 +246,6 @@ def _storage_ranges(metadata: Metadata, indices: Any = None) -> dict:
     }
 
 
-def _check_manifest(folder: Path, metadata: Metadata) -> Manifest:
-    """Reads the manifest; checks it against the folder's name, files, metadata."""
-    manifest = read_manifest(folder)
-    if manifest is None:
-        raise CheckpointError(
-            f"{str(folder)!r} has no {MANIFEST_FILE}, so its content cannot be "
-            "verified (written by plain DCP or an older pippy, or the file was "
-            "lost). If you know it is intact, load it with verify=False"
-        )
-    step = parse_step(folder)
-    if step is not None and step != manifest.step:
-        raise CheckpointError(
-            f"{str(folder)!r} holds step {manifest.step} by its {MANIFEST_FILE}: a "
-            "folder renamed or copied under another step's name. Give it its own "
-            f"name (step-{manifest.step}) or move it out of the checkpoint folder"
-        )
-    for name, size in manifest.files.items():
-        actual = (folder / name).stat().st_size if (folder / name).is_file() else None
-        if actual != size:
-            raise CheckpointError(
-                f"{str(folder)!r} is damaged: {name} has "
-                f"{'no file' if actual is None else f'{actual} bytes'}, "
-                f"{MANIFEST_FILE} says {size}. Restore it, or move the folder out "
-                "of the checkpoint folder to resume from an earlier step"
-            )
-    unknown = _storage_ranges(metadata).keys() - manifest.items.keys()
-    if unknown or len(manifest.items) != len(metadata.storage_data):
-        raise CheckpointError(
-            f"{str(folder)!r} is damaged: its {METADATA_FILE} and {MANIFEST_FILE} "
-            "list different items; load an earlier step"
-        )
-    return manifest
-
-
 class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` that unpickles ``.metadata`` with an allow-list.
 
@@ -367,7 +328,8 @@ class SafeFileSystemReader(FileSystemReader):
                 "earlier step"
             )
         if verify:
-            self.manifest = _check_manifest(folder, self.metadata)
+            ranges = _storage_ranges(self.metadata).keys()
+            self.manifest = check_manifest(folder, parse_step(folder), ranges)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Returns the metadata read and checked when the reader was made."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from pippy.checkpoint.checks import fingerprint
+from pippy.checkpoint.checks import fingerprint, renaming_hooks
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.optim_layout import (
     OPTIONS,
@@ -38,6 +39,23 @@ def _listed(keys: list[str]) -> str:
     """The first five keys, quoted, and how many more."""
     more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
     return ", ".join(repr(k) for k in keys[:5]) + more
+
+
+@contextmanager
+def _named_renames(module: nn.Module) -> Iterator[None]:
+    """Turns DCP's AttributeError on a key renamed by a hook into a CheckpointError."""
+    try:
+        yield
+    except AttributeError as e:
+        found = renaming_hooks(module)
+        if not found:
+            raise
+        raise CheckpointError(
+            f"{'; '.join(found)}: DCP's state_dict helpers map each key back to "
+            "the parameter of that name and fail on it. Checkpoint the "
+            "parameters under their own names (remove the hook from the stage "
+            "and convert keys when exporting)"
+        ) from e
 
 
 class StageState(Stateful):
@@ -104,21 +122,27 @@ class StageState(Stateful):
             ``"lr_scheduler"`` when there is one and one entry per ``extra``;
             no ``"optim"`` without an optimizer. Tensors are the live ones
             (no copies).
+
+        Raises:
+            CheckpointError: A submodule's state_dict hook renames its keys
+                (a fused QKV weight saved as ``wq``, ``wk``, ``wv``), naming
+                the module and the hook.
         """
-        if self.optimizer is None:
-            sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
-        else:
-            model_sd, optim_sd = get_state_dict(
-                self.module, self.optimizer, options=OPTIONS
-            )
-            fqn_of = param_fqns(self.module)
-            groups = {
-                fqn_of[p]: i
-                for i, group in enumerate(self.optimizer.param_groups)
-                for p in group["params"]
-                if p in fqn_of
-            }
-            sd = {"model": model_sd, "optim": pack_scalars(optim_sd, groups)}
+        with _named_renames(self.module):
+            if self.optimizer is None:
+                sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
+            else:
+                model_sd, optim_sd = get_state_dict(
+                    self.module, self.optimizer, options=OPTIONS
+                )
+                fqn_of = param_fqns(self.module)
+                groups = {
+                    fqn_of[p]: i
+                    for i, group in enumerate(self.optimizer.param_groups)
+                    for p in group["params"]
+                    if p in fqn_of
+                }
+                sd = {"model": model_sd, "optim": pack_scalars(optim_sd, groups)}
         sd["step"] = self.step
         if self.lr_scheduler is not None:
             sd["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -140,6 +164,7 @@ class StageState(Stateful):
             state_dict: The dict that ``dcp.load`` filled in place.
 
         Raises:
+            CheckpointError: As :meth:`state_dict`.
             RuntimeError: A model key is missing or unexpected
                 (``set_state_dict`` is strict).
             KeyError: A section (``model``, ``optim``, ...) is missing.
@@ -157,10 +182,11 @@ class StageState(Stateful):
                 first one's), or the LR scheduler was saved for another number
                 of param groups.
         """
-        if self.optimizer is None:
-            set_model_state_dict(self.module, state_dict["model"])
-        else:
-            self._load_with_optimizer(state_dict)
+        with _named_renames(self.module):
+            if self.optimizer is None:
+                set_model_state_dict(self.module, state_dict["model"])
+            else:
+                self._load_with_optimizer(state_dict)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])

@@ -1,0 +1,222 @@
+"""Writing a checkpoint for other tools: a Hugging Face folder, torchtitan's layout.
+
+``from_pretrained`` opens a folder holding ``config.json`` and
+``model.safetensors``, or, above the shard size, ``model-0000i-of-0000n``
+shards and ``model.safetensors.index.json`` mapping each key to its shard.
+The weights are read with :func:`~pippy.checkpoint.read_checkpoint` (any
+layout it reads) and written with ``safetensors`` directly: DCP's own
+Hugging Face consolidation mishandles integer and bool tensors in torch 2.13
+(pytorch/pytorch#192485). :func:`convert_layout` rewrites a checkpoint in
+pippy's or torchtitan's layout as the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pippy.checkpoint.api import read_checkpoint
+from pippy.checkpoint.layouts import PIPPY, TORCHTITAN, to_torchtitan
+from pippy.checkpoint.manifest import ManifestWriter
+
+__all__ = ["convert_layout", "export_hf", "parse_size"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
+
+
+def parse_size(text: str) -> int:
+    """Parses a size such as ``5GB``, ``500MiB`` or ``1000`` (bytes).
+
+    Args:
+        text: A number, optionally followed by B, KB, MB, GB, KiB, MiB or GiB.
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: ``text`` is not such a size, or it is not positive.
+    """
+    match = _SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 1000")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+
+
+def _shards(weights: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
+    """Groups keys, in order, into shards of at most ``limit`` bytes (or one key)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for key, tensor in weights.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
+        size += nbytes
+    return shards
+
+
+def _write(folder: Path, weights: dict[str, torch.Tensor], limit: int) -> list[str]:
+    """Writes the safetensors file(s), and the index when there are several."""
+    from safetensors.torch import save_file
+
+    shards = _shards(weights, limit)
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        n = len(shards)
+        names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        index = {
+            "metadata": {
+                "total_size": sum(
+                    t.numel() * t.element_size() for t in weights.values()
+                )
+            },
+            "weight_map": {
+                k: name for name, keys in zip(names, shards, strict=True) for k in keys
+            },
+        }
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2)
+        )
+    for name, keys in zip(names, shards, strict=True):
+        save_file(
+            {k: weights[k] for k in keys}, folder / name, metadata={"format": "pt"}
+        )
+        os.chmod(folder / name, 0o644)  # safetensors writes 0o600
+    return names
+
+
+def export_hf(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    config: Mapping[str, Any] | str | os.PathLike,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+    force: bool = False,
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> list[Path]:
+    """Writes a step's model weights as a folder ``from_pretrained`` opens.
+
+    The folder is written under a temporary name beside ``out`` and renamed
+    when complete, so a failed export leaves nothing at ``out``.
+
+    Args:
+        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
+        out: The folder to write; it must not exist unless ``force``.
+        config: The model's Hugging Face config, as a dict or the path of a
+            ``config.json``; written as ``config.json``.
+        max_shard_size: Above this many bytes of weights, write several
+            shards and an index.
+        dtype: If given, floating-point tensors are converted to it
+            (integer and bool tensors never are).
+        force: Replace an existing ``out``.
+        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
+        verify: See :func:`~pippy.checkpoint.load_stage`.
+
+    Returns:
+        The files written, inside ``out``.
+
+    Raises:
+        FileExistsError: ``out`` exists and ``force`` is False.
+        ValueError: ``config`` is not a JSON object, or a model entry of the
+            checkpoint is not a tensor.
+        CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise FileExistsError(f"{str(out)!r} exists; pass force to replace it")
+    if not isinstance(config, Mapping):
+        config = json.loads(Path(config).read_text())
+    if not isinstance(config, Mapping):
+        raise ValueError("the Hugging Face config must be a JSON object")
+    weights = {}
+    state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model.{key} in {str(path)!r} is not a tensor")
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        weights[key] = value.contiguous()
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # same file system
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=False)
+    try:
+        (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+        names = ["config.json", *_write(tmp, weights, max_shard_size)]
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [out / name for name in names]
+
+
+def convert_layout(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    to: str,
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> int:
+    """Writes a checkpoint in the other layout: pippy's or torchtitan's.
+
+    Reads every key (in one process) and saves it again with ``dcp.save``
+    under the other layout's names (see :mod:`~pippy.checkpoint.layouts`),
+    into a temporary folder renamed to ``out`` when complete. Written for
+    torchtitan, ``train_state.ntokens_seen``, which its trainer requires and
+    pippy does not keep, is 0.
+
+    Args:
+        path: A ``step-<N>`` folder in either layout.
+        out: The step folder to write (for torchtitan's ``CheckpointManager``
+            to find it, ``<its folder>/step-<N>``); it must not exist.
+        to: ``"pippy"`` or ``"torchtitan"``.
+        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
+        verify: See :func:`~pippy.checkpoint.load_stage` (a torchtitan
+            checkpoint has no manifest: pass False).
+
+    Returns:
+        The number of items written.
+
+    Raises:
+        FileExistsError: ``out`` exists.
+        ValueError: ``to`` is not a layout.
+        CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
+    """
+    if to not in (PIPPY, TORCHTITAN):
+        raise ValueError(f"no layout {to!r}: {PIPPY!r} or {TORCHTITAN!r}")
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{str(out)!r} exists; converting never overwrites")
+    flat = read_checkpoint(path, trusted=trusted, verify=verify)  # pippy's names
+    if to == TORCHTITAN:
+        flat = to_torchtitan(flat)
+        if "train_state.step" in flat:
+            flat.setdefault("train_state.ntokens_seen", 0)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with warnings.catch_warnings():  # one process, writing alone, by design
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            step = flat.get("step", flat.get("train_state.step", 0))
+            writer = ManifestWriter(tmp, step=int(step))  # loads verify it
+            dcp.save(flat, storage_writer=writer, no_dist=True)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return len(flat)

@@ -1,0 +1,133 @@
+"""Checkpoint layouts: pippy's, and torchtitan's, and the map between them.
+
+Both are DCP checkpoints keyed by the un-split model's FQNs, in ``step-<N>``
+folders; they differ in where things sit:
+
+* model weights: pippy ``model.<fqn>``; torchtitan ``<fqn>``, at the root;
+* optimizer tensors: ``optim.state.<fqn>.<name>``; ``optimizer.state.<fqn>.<name>``;
+* optimizer options and 0-dim state: ``optim.scalars.<fqn>``, one packed item
+  per parameter; ``optimizer.param_groups.<fqn>.<option>`` and
+  ``optimizer.state.<fqn>.step``;
+* LR scheduler: ``lr_scheduler.<name>`` in both;
+* step: ``step``; ``train_state.step`` (with ``train_state.ntokens_seen``);
+* data: ``<extra name>.<name>``; ``dataloader.<name>``.
+
+:func:`from_torchtitan` and :func:`to_torchtitan` convert flat
+``{key: value}`` dicts; everything that reads (``read_checkpoint``,
+``load_model``, ``python -m pippy inspect|export``) sees a torchtitan
+checkpoint through pippy's names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from pippy.checkpoint.optim_layout import pack_scalars, unpack_scalars
+
+__all__ = [
+    "PIPPY",
+    "TORCHTITAN",
+    "detect_layout",
+    "from_torchtitan",
+    "pippy_name",
+    "to_torchtitan",
+]
+
+PIPPY = "pippy"
+TORCHTITAN = "torchtitan"
+#: torchtitan's top-level sections that are not the model (its CheckpointManager).
+_TT_SECTIONS = ("optimizer.", "lr_scheduler.", "train_state.", "dataloader.")
+
+
+def detect_layout(keys: Iterable[str]) -> str:
+    """Tells pippy's layout from torchtitan's by a checkpoint's keys.
+
+    Args:
+        keys: The checkpoint's keys (``state_dict_metadata``).
+
+    Returns:
+        :data:`PIPPY` if a key is ``step``; else :data:`TORCHTITAN` if a
+        key is under ``optimizer.`` or ``train_state.``, or if none is under
+        ``model.`` (a model-only torchtitan checkpoint); else :data:`PIPPY`.
+
+    Note:
+        A torchtitan checkpoint holding only model weights whose FQNs all
+        start with ``model.`` reads as pippy's layout; both then name the
+        same weights.
+    """
+    keys = list(keys)
+    if "step" in keys:  # torchtitan's step is train_state.step
+        return PIPPY
+    if any(k.startswith(("optimizer.", "train_state.")) for k in keys):
+        return TORCHTITAN
+    return PIPPY if any(k.startswith("model.") for k in keys) else TORCHTITAN
+
+
+def pippy_name(key: str) -> str:
+    """Names a torchtitan key in pippy's layout.
+
+    Args:
+        key: A key of a torchtitan checkpoint.
+
+    Returns:
+        The pippy key its value goes into; a parameter's options and 0-dim
+        state all go into its ``optim.scalars.<fqn>``.
+    """
+    for section in ("optimizer.param_groups.", "optimizer.state."):
+        if key.startswith(section) and (
+            section.endswith("groups.") or key.endswith(".step")
+        ):
+            return "optim.scalars." + key.removeprefix(section).rsplit(".", 1)[0]
+    if key.startswith("optimizer."):
+        return "optim." + key.removeprefix("optimizer.")
+    if key == "train_state.step":
+        return "step"
+    return key if key.startswith(_TT_SECTIONS) else "model." + key
+
+
+def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Renames a flat torchtitan state_dict into pippy's layout.
+
+    Args:
+        flat: ``{torchtitan key: value}``, e.g. read from a torchtitan step.
+
+    Returns:
+        ``{pippy key: value}``; tensors are the same objects.
+    """
+    out: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith("optimizer."):
+            optim[key.removeprefix("optimizer.")] = value
+        elif key == "train_state.step":
+            out["step"] = int(value)
+        else:
+            out[pippy_name(key)] = value
+    out.update((f"optim.{k}", v) for k, v in pack_scalars(optim).items())
+    return out
+
+
+def to_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Renames a flat pippy state_dict into torchtitan's layout.
+
+    Args:
+        flat: ``{pippy key: value}``, e.g. ``read_checkpoint(step)``.
+
+    Returns:
+        ``{torchtitan key: value}``; tensors are the same objects, 0-dim
+        optimizer state (``step``) a new tensor of the saved dtype.
+    """
+    out: dict[str, Any] = {}
+    optim = {
+        k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")
+    }
+    for key, value in flat.items():
+        if key.startswith("model."):
+            out[key.removeprefix("model.")] = value
+        elif key == "step":
+            out["train_state.step"] = int(value)
+        elif not key.startswith("optim."):
+            out[key] = value
+    out.update((f"optimizer.{k}", v) for k, v in unpack_scalars(optim).items())
+    return out

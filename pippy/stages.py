@@ -1,0 +1,342 @@
+"""Building one pipeline stage of a model, keeping the un-split model's FQNs.
+
+A stage's ``state_dict`` keys must be exactly the un-split model's keys for
+what it owns (``model.layers.5.mlp.up_proj.weight``, never a renumbered
+``layers.0``), so that the stages' checkpoints together form the whole model
+and DCP can load them into any split. :func:`split_model` cuts a model that
+keeps its blocks in an ``nn.ModuleList`` (Hugging Face, most models) or an
+``nn.ModuleDict`` keyed by layer index (torchtitan) down to one stage:
+
+* the layers the stage does not own go: deleted from a ``ModuleDict``, and
+  replaced by a :class:`PassThrough` in a ``ModuleList``, whose indices
+  must stay (deleting ``layers[0]`` would rename ``layers.1`` to ``layers.0``);
+* modules only the first stage keeps (embeddings) and only the last keeps
+  (final norm, output head) become :class:`PassThrough` elsewhere.
+
+:func:`build_stage_module` builds the model with its parameters on the
+``meta`` device (no memory) and its buffers computed on the CPU
+(:func:`meta_init`), splits it, and allocates the stage alone
+(:func:`materialize`). A ``to_empty`` alone would leave non-persistent buffers
+(a RoPE ``inv_freq``) uninitialised: they are in no checkpoint, so a resumed
+run would differ without an error; :func:`materialize` keeps their computed
+values and refuses any it cannot recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "PassThrough",
+    "StageBuildError",
+    "build_stage_module",
+    "causal_lm_forward",
+    "layer_range",
+    "materialize",
+    "meta_init",
+    "split_model",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class StageBuildError(ValueError):
+    """A stage cannot be built as asked; the message says why and what to do."""
+
+
+class PassThrough(nn.Module):
+    """Stands in for a module another stage owns: returns its first input.
+
+    It has no parameters or buffers, so it adds no key to the stage's
+    ``state_dict``, and it accepts (and ignores) any further arguments, as
+    a decoder layer's attention mask or position embeddings.
+    """
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """Returns ``x`` unchanged."""
+        return x
+
+
+def layer_range(stage_index: int, num_stages: int, n_layers: int) -> range:
+    """The contiguous layers of one stage; stage sizes differ by at most one.
+
+    Args:
+        stage_index: The stage, from 0.
+        num_stages: How many stages the model is split into.
+        n_layers: How many layers the model has.
+
+    Returns:
+        The global indices of the stage's layers; earlier stages get the extra
+        layer when ``n_layers`` does not divide evenly.
+
+    Raises:
+        StageBuildError: ``num_stages`` is not between 1 and ``n_layers``, or
+            ``stage_index`` is not a stage.
+    """
+    if not 1 <= num_stages <= n_layers:
+        raise StageBuildError(
+            f"cannot split {n_layers} layers into {num_stages} stages: "
+            f"use between 1 and {n_layers} stages"
+        )
+    if not 0 <= stage_index < num_stages:
+        raise StageBuildError(f"stage {stage_index} is not one of {num_stages}")
+    per_stage, rest = divmod(n_layers, num_stages)
+    start = stage_index * per_stage + min(stage_index, rest)
+    return range(start, start + per_stage + (stage_index < rest))
+
+
+def _replace(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    """Sets the submodule at ``fqn`` to ``new``."""
+    parent, _, name = fqn.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    if not hasattr(owner, name):
+        raise StageBuildError(f"the model has no module {fqn!r} to leave out")
+    setattr(owner, name, new)
+
+
+def split_model(
+    model: nn.Module,
+    stage_index: int,
+    num_stages: int,
+    *,
+    layers: str,
+    first: Iterable[str] = (),
+    last: Iterable[str] = (),
+    owned: range | None = None,
+    forward: Callable[..., Any] | None = None,
+) -> nn.Module:
+    """Cuts ``model``, in place, down to one pipeline stage that keeps its FQNs.
+
+    Works on a real model and on one built on the ``meta`` device.
+
+    Args:
+        model: The un-split model (for example built under :func:`meta_init`).
+        stage_index: This stage, from 0.
+        num_stages: The number of stages.
+        layers: The FQN of the layer container, an ``nn.ModuleList`` or an
+            ``nn.ModuleDict`` keyed by the global layer index (``"model.layers"``
+            for a Hugging Face Llama, ``"transformer.h"`` for GPT-2).
+        first: FQNs of modules only the first stage keeps (embeddings).
+        last: FQNs of modules only the last stage keeps (norm, output head).
+        owned: The global indices of the layers this stage keeps; by default
+            :func:`layer_range`.
+        forward: If given, becomes the stage's forward as
+            ``forward(model, *args)``, for models whose own forward cannot
+            take the previous stage's activations (see
+            :func:`causal_lm_forward`).
+
+    Returns:
+        ``model``, cut down: its ``state_dict`` keys are a subset of the
+        un-split model's.
+
+    Raises:
+        StageBuildError: ``layers`` is not a ``ModuleList`` or ``ModuleDict``,
+            a ``ModuleDict`` key is not a layer index, a module in ``first`` or
+            ``last`` does not exist, or the stages do not fit the layers.
+
+    Note:
+        Tied weights (an output head sharing the embedding's parameter) end
+        up on two stages and drift apart; call
+        :func:`pippy.checkpoint.check_untied` on the model first.
+    """
+    container = model.get_submodule(layers)
+    if not isinstance(container, nn.ModuleList | nn.ModuleDict):
+        raise StageBuildError(
+            f"{layers!r} is a {type(container).__name__}, not an nn.ModuleList "
+            "or nn.ModuleDict of layers"
+        )
+    keys = list(range(len(container))) if isinstance(container, nn.ModuleList) else []
+    if isinstance(container, nn.ModuleDict):
+        if not all(k.isdigit() for k in container):
+            raise StageBuildError(
+                f"the keys of {layers!r} must be global layer indices, not "
+                f"{list(container)[:3]}"
+            )
+        keys = [int(k) for k in container]
+    if owned is None:
+        owned = layer_range(stage_index, num_stages, len(keys))
+    for index in keys:
+        if index in owned:
+            continue
+        if isinstance(container, nn.ModuleList):
+            container[index] = PassThrough()  # keeps the indices of the others
+        else:
+            del container[str(index)]
+    for fqn in () if stage_index == 0 else first:
+        _replace(model, fqn, PassThrough())
+    for fqn in () if stage_index == num_stages - 1 else last:
+        _replace(model, fqn, PassThrough())
+    if forward is not None:
+        model.forward = forward.__get__(model)  # type: ignore[method-assign]
+    return model
+
+
+def causal_lm_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A stage forward for Hugging Face causal LMs that take ``inputs_embeds``.
+
+    The first stage gets token ids (an integer tensor) and calls the model's
+    own forward with ``input_ids``; later stages get the previous stage's
+    activations and pass them as ``inputs_embeds``. Every stage returns
+    ``.logits``, which on stages without the output head (a
+    :class:`PassThrough`) are the hidden states the next stage takes.
+    Fits Llama, Mistral, Qwen2 and other models that add nothing to
+    ``inputs_embeds``; GPT-2 adds position embeddings to them, so it needs a
+    forward of its own.
+
+    Args:
+        model: The stage's module, a ``...ForCausalLM`` cut by
+            :func:`split_model`.
+        x: Token ids on the first stage, activations on the others.
+
+    Returns:
+        Logits on the last stage, hidden states on the others.
+    """
+    name = "inputs_embeds" if x.is_floating_point() else "input_ids"
+    return type(model).forward(model, **{name: x}, use_cache=False).logits
+
+
+@contextmanager
+def meta_init() -> Iterator[None]:
+    """Builds modules with parameters on ``meta`` and buffers computed on the CPU.
+
+    Parameters take no memory (each is created on the CPU uninitialised and
+    moved to ``meta`` at once), while buffers (RoPE tables, masks) keep the
+    values the model's constructor computes, so that :func:`materialize` can
+    keep them. Buffers are small next to the weights.
+
+    Note:
+        A model built under ``with torch.device("meta")`` instead has its
+        buffers on ``meta`` too; :func:`materialize` refuses it if any is
+        non-persistent, since no checkpoint holds those.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(
+        module: nn.Module, name: str, param: nn.Parameter | None
+    ) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kept = module._parameters[name]
+            assert kept is not None
+            kwargs = dict(kept.__dict__)
+            kwargs["requires_grad"] = kept.requires_grad
+            module._parameters[name] = type(kept)(kept.to("meta"), **kwargs)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _non_persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(fqn, buffer)`` of every non-persistent buffer."""
+    for owner_name, owner in module.named_modules():
+        for name in owner._non_persistent_buffers_set:
+            buffer = owner._buffers.get(name)
+            if buffer is not None:
+                yield f"{owner_name}.{name}" if owner_name else name, buffer
+
+
+def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocates a stage built on ``meta`` on ``device``, keeping computed buffers.
+
+    Parameters and persistent buffers on ``meta`` are allocated uninitialised
+    (fill them with an init function or a checkpoint load); tensors already
+    holding values (buffers built under :func:`meta_init`) are moved with
+    their values.
+
+    Args:
+        module: A stage built under :func:`meta_init` and cut by
+            :func:`split_model`.
+        device: Where the stage runs.
+
+    Returns:
+        ``module``, allocated on ``device``.
+
+    Raises:
+        StageBuildError: A non-persistent buffer is on ``meta``: no
+            checkpoint holds it and ``to_empty`` would leave it uninitialised.
+            The message names the buffers.
+    """
+    if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        return module.to(device)  # nothing to allocate: keep the values
+    lost = [fqn for fqn, buffer in _non_persistent(module) if buffer.is_meta]
+    if lost:
+        raise StageBuildError(
+            f"non-persistent buffer(s) {', '.join(map(repr, lost))} are on the meta "
+            "device: no checkpoint holds them and allocating would leave them "
+            "uninitialised. Build the model under pippy.meta_init(), which "
+            "computes buffers on the CPU, or recompute them after allocating"
+        )
+    kept = {fqn: buf for fqn, buf in module.named_buffers() if not buf.is_meta}
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for fqn, value in kept.items():
+            module.get_buffer(fqn).copy_(value)
+    logger.debug("kept the computed buffers %s", sorted(kept))
+    return module
+
+
+def build_stage_module(
+    model_fn: Callable[[], nn.Module],
+    stage_index: int,
+    num_stages: int,
+    *,
+    device: torch.device | str,
+    layers: str,
+    first: Iterable[str] = (),
+    last: Iterable[str] = (),
+    owned: range | None = None,
+    forward: Callable[..., Any] | None = None,
+) -> nn.Module:
+    """Builds one stage of a model, allocating memory for that stage alone.
+
+    ``model_fn`` builds the whole model under :func:`meta_init` (parameters
+    on ``meta``, buffers computed); :func:`split_model` cuts it to the stage
+    and :func:`materialize` allocates it on ``device``. For example, stage 1
+    of 2 of a Hugging Face Llama::
+
+        module = pippy.build_stage_module(
+            lambda: LlamaForCausalLM(config), 1, 2, device="cpu",
+            layers="model.layers", first=["model.embed_tokens"],
+            last=["model.norm", "lm_head"], forward=pippy.causal_lm_forward,
+        )
+
+    Args:
+        model_fn: Builds the un-split model; called once, with no arguments.
+        stage_index: This stage, from 0.
+        num_stages: The number of stages.
+        device: Where the stage runs.
+        layers: As :func:`split_model`.
+        first: As :func:`split_model`.
+        last: As :func:`split_model`.
+        owned: As :func:`split_model`.
+        forward: As :func:`split_model`.
+
+    Returns:
+        The stage's module, parameters allocated but uninitialised: load a
+        checkpoint into it or initialise it.
+
+    Raises:
+        StageBuildError: As :func:`split_model` and :func:`materialize`.
+    """
+    with meta_init():
+        model = model_fn()
+    split_model(
+        model,
+        stage_index,
+        num_stages,
+        layers=layers,
+        first=first,
+        last=last,
+        owned=owned,
+        forward=forward,
+    )
+    return materialize(model, device)
