@@ -26,14 +26,16 @@ def tiny_gpt(n_layers=4, dim=32, max_seq_len=32, seed=0):
     return model
 
 
-def torchrun(nproc, script, *args, timeout=240, expect_ok=True):
-    """Runs `script` on `nproc` gloo ranks with torchrun; returns the process.
+_ENV = {
+    **{k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"},
+    "OMP_NUM_THREADS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
-    Each launch gets a timeout, so a hung collective fails the test instead of
-    stalling the suite. With expect_ok, a non-zero exit fails the test and shows
-    the tail of the output.
-    """
-    cmd = [
+
+def _torchrun_command(nproc, script, args):
+    """The torchrun command line for `script` on `nproc` local ranks."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -42,10 +44,28 @@ def torchrun(nproc, script, *args, timeout=240, expect_ok=True):
         str(script),
         *map(str, args),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+
+
+def launch(nproc, script, *args, **popen_kwargs):
+    """Starts `script` on `nproc` gloo ranks with torchrun; returns the launcher.
+
+    For tests that act on a run while it goes on (signals, kills); the caller
+    waits for it with a timeout and kills it in a `finally`.
+    """
+    cmd = _torchrun_command(nproc, script, args)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_ENV, **popen_kwargs)
+
+
+def torchrun(nproc, script, *args, timeout=240, expect_ok=True):
+    """Runs `script` on `nproc` gloo ranks with torchrun; returns the process.
+
+    Each launch gets a timeout, so a hung collective fails the test instead of
+    stalling the suite. With expect_ok, a non-zero exit fails the test and shows
+    the tail of the output.
+    """
+    cmd = _torchrun_command(nproc, script, args)
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        cmd, capture_output=True, text=True, timeout=timeout, env=_ENV, cwd=ROOT
     )
     if expect_ok and proc.returncode != 0:
         pytest.fail(
@@ -180,3 +200,16 @@ def hf_stage(name, stage_index, num_stages, seed=0):
             if fqn.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 param.fill_(1.0)
     return module
+
+
+class TwoHeads(torch.nn.Module):
+    """Two linear heads; a step trains only the ones named in ``use``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use=("a", "b")):
+        return sum(getattr(self, name)(x) for name in use)

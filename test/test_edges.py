@@ -21,11 +21,12 @@ from torch.distributed.checkpoint import CheckpointException
 
 from pippy import checkpoint
 
+import helpers
 from helpers import (
     DIST_CHECKS,
     EXAMPLE,
-    ROOT,
     TINY_FLAGS,
+    TwoHeads,
     linear_state,
     torchrun,
 )
@@ -313,17 +314,6 @@ def test_crafted_metadata_tables_are_damage_not_key_errors(tmp_path):
 # --------------------------------------------------------------------------
 
 
-class TwoHeads(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(4, 4)
-        self.b = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.a(x) + self.b(x)
-
-
 def scheduled(order):
     model = TwoHeads()
     lrs = {"a": 0.1, "b": 0.2}
@@ -420,20 +410,15 @@ def test_a_step_folder_is_refused_as_a_run_folder(tmp_path):
 
 
 def launch(*flags, stdout=subprocess.PIPE):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(EXAMPLE),
+    """The example on 2 ranks with a tiny model, in the background."""
+    return helpers.launch(
+        2,
+        EXAMPLE,
         *TINY_FLAGS,
-        *map(str, flags),
-    ]
-    return subprocess.Popen(
-        cmd, cwd=ROOT, env=env, text=True, stdout=stdout, stderr=subprocess.STDOUT
+        *flags,
+        text=True,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
     )
 
 

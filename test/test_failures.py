@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pippy import checkpoint
 
-from helpers import DIST_CHECKS, EXAMPLE, ROOT, linear_state, torchrun
+from helpers import DIST_CHECKS, EXAMPLE, TwoHeads, launch, linear_state, torchrun
 
 TINY = [
     "--n-layers",
@@ -338,21 +337,14 @@ def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):
         "--save-every",
         "2",
     ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(EXAMPLE),
+    launcher = launch(
+        2,
+        EXAMPLE,
         *flags,
         "--checkpoint-dir",
-        str(tmp_path),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
     def staging():  # .step-4.partial-<token>
@@ -379,19 +371,6 @@ def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):
     assert f"resuming from {tmp_path / 'step-2'}" in run.stdout
     assert "verified:" in run.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
-
-
-class TwoHeads(torch.nn.Module):
-    """Two linear heads; a step trains only the ones named in ``use``."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = torch.nn.Linear(4, 4)
-        self.b = torch.nn.Linear(4, 4)
-
-    def forward(self, x, use=("a", "b")):
-        return sum(getattr(self, name)(x) for name in use)
 
 
 def two_heads_state(optimizer_class=torch.optim.AdamW, **kwargs):
