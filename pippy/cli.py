@@ -131,7 +131,8 @@ def _inspect(args: argparse.Namespace) -> None:
     if args.verify and not damage:
         try:
             verified = checkpoint.verify_step(folder, trusted=args.trusted)
-            print(f"verified: {verified} items match {checkpoint.MANIFEST_FILE}")
+            manifest = checkpoint.MANIFEST_FILE
+            print(f"verified: {folder}: {verified} items match its {manifest}")
         except checkpoint.CheckpointError as e:
             damage = [str(e)]
     for problem in damage:

@@ -160,6 +160,30 @@ def test_a_step_folder_holding_another_step_is_never_taken_for_it(tmp_path):
     assert checkpoint.find_latest_step(tmp_path) == published
 
 
+def test_a_copied_step_in_the_way_is_moved_aside_and_the_save_goes_on(tmp_path):
+    _, step_2 = saved_linear(tmp_path, step=2)
+    shutil.copytree(step_2, tmp_path / "step-3")  # the next step's name, taken
+    state = linear_state()
+    state.step = 3
+    published = checkpoint.save_stage(state, tmp_path)  # it used to be refused
+    assert checkpoint.read_checkpoint(published)["step"] == 3
+    [aside] = tmp_path.glob(".step-3.incomplete-*")
+    assert checkpoint.read_manifest(aside).step == 2  # kept, not deleted
+
+
+def test_a_manifest_edited_to_match_its_folder_is_refused(tmp_path):
+    _, step_2 = saved_linear(tmp_path, step=2)
+    copied = tmp_path / "step-10"
+    shutil.copytree(step_2, copied)
+    manifest = json.loads((copied / "manifest.json").read_text())
+    manifest["step"] = 10
+    (copied / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        checkpoint.CheckpointError, match="holds step 2, its manifest.json says 10"
+    ):
+        checkpoint.load_stage(linear_state(), copied)
+
+
 def test_two_names_for_one_step_are_refused(tmp_path):
     _, folder = saved_linear(tmp_path, step=8)
     shutil.copytree(folder, tmp_path / "step-08")
@@ -294,6 +318,43 @@ class Note:
         self.text = state_dict["text"]
 
 
+def test_items_swapped_in_metadata_load_silently_in_dcp_and_are_refused(tmp_path):
+    saved, folder = saved_linear(tmp_path)
+    a, b = "optim.state.weight.exp_avg", "optim.state.weight.exp_avg_sq"
+
+    def swap(metadata):
+        [ka] = [k for k in metadata.storage_data if k.fqn == a]
+        [kb] = [k for k in metadata.storage_data if k.fqn == b]
+        storage = metadata.storage_data
+        storage[ka], storage[kb] = storage[kb], storage[ka]
+
+    craft(folder, swap)
+    plain = {"optim": {"state.weight.exp_avg": torch.empty(4, 4)}}
+    dcp.load(plain, checkpoint_id=folder)  # DCP: exp_avg_sq's values, no word
+    moments = saved.optimizer.state[saved.module.weight]
+    assert torch.equal(plain["optim"]["state.weight.exp_avg"], moments["exp_avg_sq"])
+    with pytest.raises(
+        checkpoint.CheckpointError, match=f"disagree on where '{a}', '{b}' are stored"
+    ):
+        checkpoint.load_stage(linear_state(), folder)
+
+
+def test_a_tensor_larger_than_its_chunks_is_refused_before_allocation(tmp_path):
+    _, folder = saved_linear(tmp_path)
+
+    def huge(metadata):  # 4 TiB of float32 declared, the stored chunk unchanged
+        metadata.state_dict_metadata["model.weight"].size = torch.Size([2**20] * 2)
+
+    craft(folder, huge)
+    for read in READ_PATHS.values():
+        with pytest.raises(
+            checkpoint.CheckpointError,
+            match=r"'model.weight' declares shape \[1048576, 1048576\], which its "
+            "stored chunks do not fill",
+        ):
+            read(folder)
+
+
 def test_crafted_metadata_tables_are_damage_not_key_errors(tmp_path):
     _, folder = saved_linear(tmp_path)
 
@@ -306,6 +367,15 @@ def test_crafted_metadata_tables_are_damage_not_key_errors(tmp_path):
         with pytest.raises(
             checkpoint.CheckpointError, match="is damaged: no file holds 'model.bias'"
         ):
+            read(folder)
+
+    def lose_an_attribute(metadata):  # what a flipped bit in a name can do
+        del metadata.state_dict_metadata["model.weight"].size
+
+    _, folder = saved_linear(tmp_path / "again")
+    craft(folder, lose_an_attribute)
+    for read in READ_PATHS.values():
+        with pytest.raises(checkpoint.CheckpointError, match="is damaged: Attribute"):
             read(folder)
 
 
@@ -386,27 +456,38 @@ def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, c
 
     record.update(pid=dead_pid(), token="deadjob")
     (tmp_path / checkpoint.OWNER_FILE).write_text(json.dumps(record))
-    (tmp_path / ".step-4.partial-deadjob").mkdir()  # the dead job's half save
-    (tmp_path / ".step-4.partial-otherjob").mkdir()  # not the dead job's: kept
+    (tmp_path / ".step-4.partial-0123abcd").mkdir()  # the dead job's half save
     with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
         with checkpoint.FolderOwner(tmp_path):
             pass
     assert "taking over" in caplog.text
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".step-4.partial-otherjob"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # owner alone now
 
     record.update(host="another-host", pid=os.getpid())  # cannot tell: refuse
     (tmp_path / checkpoint.OWNER_FILE).write_text(json.dumps(record))
     with pytest.raises(checkpoint.CheckpointDirInUseError, match="another-host"):
         checkpoint.FolderOwner(tmp_path).acquire()
+    (tmp_path / checkpoint.OWNER_FILE).write_text("[1]")  # not ours: never taken
+    with pytest.raises(checkpoint.CheckpointDirInUseError, match="not an owner record"):
+        checkpoint.FolderOwner(tmp_path).acquire()
 
 
-def test_a_step_folder_is_refused_as_a_run_folder(tmp_path):
-    _, folder = saved_linear(tmp_path)
+@pytest.mark.parametrize("how", ["itself", "inside", "symlink"])
+def test_a_step_folder_is_refused_as_a_run_folder(tmp_path, how):
+    _, folder = saved_linear(tmp_path / "run")
+    root = {"itself": folder, "inside": folder / "sub", "symlink": tmp_path / "ln"}
+    if how == "symlink":
+        root[how].symlink_to(folder)
     with pytest.raises(
         checkpoint.CheckpointDirError,
-        match="is a step folder, not a run's checkpoint folder",
+        match="is or lies in the step folder .*, not a run's checkpoint folder",
     ):
-        checkpoint.FolderOwner(folder).acquire()
+        checkpoint.FolderOwner(root[how]).acquire()
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "manifest.json",
+    ]
 
 
 def launch(*flags, stdout=subprocess.PIPE):

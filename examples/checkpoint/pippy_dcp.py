@@ -13,7 +13,9 @@ A first run trains steps 1-20, printing the loss, and each rank prints what it
 saved at step-10 and step-20; it ends with "verified: ... bitwise equal". With
 ``--stop-after 10`` it stops after step 10 as if interrupted; the same command
 without the flag then prints "resuming from checkpoints/step-10" and trains on
-to step 20. Raise ``--steps`` to continue a finished run.
+to step 20. Raise ``--steps`` to continue a finished run. A second run on the
+same folder while one runs is refused; a SIGTERM (preemption) makes every rank
+save the step it is on, then exit.
 """
 
 import argparse

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pippy.checkpoint.errors import CheckpointDirError, CheckpointDirInUseError
-from pippy.checkpoint.steps import list_steps, on_coordinator, parse_step
+from pippy.checkpoint.steps import is_complete, list_steps, on_coordinator, parse_step
 
 __all__ = ["OWNER_FILE", "FolderOwner", "StopSignal", "stop_with_launcher"]
 
@@ -119,10 +119,13 @@ class FolderOwner:
         Raises:
             CheckpointDirError: As the class says.
         """
-        if parse_step(self.root) is not None:
+        real = self.root.resolve()
+        inside = [p for p in (real, *real.parents) if is_complete(p)]
+        if parse_step(real) is not None or inside:
+            step = inside[0] if inside else real
             raise CheckpointDirError(
-                f"{str(self.root)!r} is a step folder, not a run's checkpoint "
-                f"folder (its parent {str(self.root.parent)!r} is)"
+                f"{str(self.root)!r} is or lies in the step folder {str(step)!r}, "
+                f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
             )
         list_steps(self.root)  # a file where the folder should be: say so
         self.token = on_coordinator(
@@ -141,12 +144,19 @@ class FolderOwner:
 
     def _read(self) -> dict[str, Any] | None:
         """The owner record, or None if there is none."""
+        path = self.root / OWNER_FILE
         try:
-            return json.loads((self.root / OWNER_FILE).read_text())
+            record = json.loads(path.read_text())
         except FileNotFoundError:
             return None
-        except ValueError:  # half written by a process killed meanwhile
-            return {}
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):  # written whole by os.link: not ours
+            raise CheckpointDirInUseError(
+                f"{path} is not an owner record pippy wrote, so whether a job "
+                "uses the folder is unknown. If none does, delete that file"
+            )
+        return record
 
     def _acquire(self) -> str:
         """On rank 0: creates the record, or takes over a dead owner's; its token."""
@@ -161,8 +171,8 @@ class FolderOwner:
             "token": token,
         }
         draft = self.root / f".owner-{token}.tmp"
-        draft.write_text(json.dumps(mine))
         try:
+            draft.write_text(json.dumps(mine))
             for _ in range(3):  # another job may take a stale record first
                 try:
                     os.link(draft, self.root / OWNER_FILE)  # atomic, even on NFS
@@ -186,7 +196,7 @@ class FolderOwner:
         alive = not here or (
             isinstance(pid, int) and _start_time(pid) == record.get("start")
         )
-        if alive and record:
+        if alive:
             raise CheckpointDirInUseError(
                 f"{self.root} is in use by another job ({_describe(record)}): one "
                 "writer per checkpoint folder. Wait for that job to end or stop "
@@ -202,7 +212,8 @@ class FolderOwner:
         logger.warning(
             "taking over %s from a job that is gone (%s)", self.root, _describe(record)
         )
-        for leftover in self.root.glob(f".step-*.partial-{record.get('token')}"):
+        # This job now owns the folder alone: staging folders are the dead one's.
+        for leftover in self.root.glob(".step-*.partial-*"):
             shutil.rmtree(leftover, ignore_errors=True)
             logger.warning("removed %s, left by that job", leftover.name)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,14 +194,15 @@ def read_manifest(folder: str | os.PathLike) -> Manifest | None:
 
 
 def check_manifest(
-    folder: Path, step: int | None, ranges: Collection[tuple[str, int, int]]
+    folder: Path, step: int | None, ranges: Mapping[tuple[str, int, int], str]
 ) -> Manifest:
     """Reads a step's manifest and checks it against the folder.
 
     Args:
         folder: The step folder.
         step: The step its name says (None for another name).
-        ranges: ``(file, offset, length)`` of every item ``.metadata`` lists.
+        ranges: ``(file, offset, length)`` of every item ``.metadata`` lists,
+            to the key it gives the item.
 
     Returns:
         The manifest.
@@ -209,7 +210,7 @@ def check_manifest(
     Raises:
         CheckpointError: There is no manifest; it names another step; a data
             file's size differs from its record; or it lists other items
-            than ``.metadata``.
+            than ``.metadata``, or under other keys.
     """
     manifest = read_manifest(folder)
     if manifest is None:
@@ -233,10 +234,17 @@ def check_manifest(
                 f"{MANIFEST_FILE} says {size}. Restore it, or move the folder out "
                 "of the checkpoint folder to resume from an earlier step"
             )
-    if set(ranges) != manifest.items.keys():
+    recorded = {place: key for place, (key, _) in manifest.items.items()}
+    if dict(ranges) != recorded:
+        differ = sorted(
+            {ranges.get(p) or recorded[p] for p in ranges.keys() ^ recorded.keys()}
+            | {k for p, k in ranges.items() if recorded.get(p, k) != k}
+        )
         raise CheckpointError(
-            f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} list "
-            "different items; load an earlier step"
+            f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} "
+            f"disagree on where {', '.join(map(repr, differ[:4]))} are stored. "
+            "Restore the step, or move it out of the checkpoint folder to resume "
+            "from an earlier step"
         )
     return manifest
 
@@ -275,5 +283,6 @@ def verify_ranges(
             raise CheckpointError(
                 f"item {key!r} of {name} is damaged: its bytes do not match their "
                 f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
-                "by another); restore the file or load an earlier step"
+                "by another). Restore the file, or move the folder out of the "
+                "checkpoint folder to resume from an earlier step"
             )

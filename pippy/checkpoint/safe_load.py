@@ -14,6 +14,7 @@ Whether a checkpoint is trusted is decided once per entry point by
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import pickle
@@ -37,7 +38,12 @@ from pippy.checkpoint.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.manifest import Manifest, check_manifest, verify_ranges
+from pippy.checkpoint.manifest import (
+    MANIFEST_FILE,
+    Manifest,
+    check_manifest,
+    verify_ranges,
+)
 from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
 
 __all__ = [
@@ -205,6 +211,14 @@ def _data_file(folder: Path, name: Any) -> Path:
 def _check_structure(folder: Path, metadata: Metadata) -> None:
     """Refuses metadata whose items are not where, or not as large as, it says."""
     damaged = f"{str(folder / METADATA_FILE)!r} is damaged"
+    try:
+        _check_tables(folder, metadata, damaged)
+    except (AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
+        raise CheckpointError(f"{damaged}: {type(e).__name__}: {e}") from None
+
+
+def _check_tables(folder: Path, metadata: Metadata, damaged: str) -> None:
+    """:func:`_check_structure`'s checks; a malformed entry raises anything."""
     storage = metadata.storage_data
     items = metadata.state_dict_metadata
     if not isinstance(storage, dict) or not isinstance(items, dict):
@@ -223,6 +237,20 @@ def _check_structure(folder: Path, metadata: Metadata) -> None:
                 (MetadataIndex(key, chunk.offsets), math.prod(chunk.sizes) * size)
                 for chunk in item.chunks
             ]
+            inside = all(
+                len(c.offsets) == len(c.sizes) == len(item.size)
+                and all(
+                    0 <= o and o + n <= d
+                    for o, n, d in zip(c.offsets, c.sizes, item.size, strict=True)
+                )
+                for c in item.chunks
+            )
+            volume = sum(math.prod(c.sizes) for c in item.chunks)
+            if not inside or volume != math.prod(item.size):
+                raise CheckpointError(
+                    f"{damaged}: {key!r} declares shape {list(item.size)}, which "
+                    "its stored chunks do not fill"
+                )
         else:
             raise CheckpointError(f"{damaged}: {key!r} is neither tensor nor object")
         for index, nbytes in chunks:
@@ -328,7 +356,7 @@ class SafeFileSystemReader(FileSystemReader):
                 "earlier step"
             )
         if verify:
-            ranges = _storage_ranges(self.metadata).keys()
+            ranges = _storage_ranges(self.metadata)
             self.manifest = check_manifest(folder, parse_step(folder), ranges)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -339,11 +367,29 @@ class SafeFileSystemReader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Checks the planned items against their checksums, then reads them."""
-        if self.manifest is not None:
-            indices = [item.storage_index for item in plan.items]
-            ranges = _storage_ranges(self.metadata, indices)
-            verify_ranges(self.folder, self.manifest, ranges)
+        """Checks the planned items against their checksums, then reads them.
+
+        Raises:
+            CheckpointError: An item does not match its checksum, or the
+                ``step`` read is not the manifest's.
+        """
+        if self.manifest is None:
+            return super().read_data(plan, planner)
+        indices = [item.storage_index for item in plan.items]
+        ranges = _storage_ranges(self.metadata, indices)
+        verify_ranges(self.folder, self.manifest, ranges)
+        for (name, offset, length), key in ranges.items():
+            if key == "step":  # the stored step, the name and the manifest agree
+                with open(self.folder / name, "rb") as f:
+                    f.seek(offset)
+                    step = torch.load(io.BytesIO(f.read(length)), weights_only=True)
+                if step != self.manifest.step:
+                    raise CheckpointError(
+                        f"{str(self.folder)!r} holds step {step!r}, its "
+                        f"{MANIFEST_FILE} says {self.manifest.step}: the manifest "
+                        "was edited or belongs to another step. Move the folder "
+                        "out of the checkpoint folder"
+                    )
         return super().read_data(plan, planner)
 
 

@@ -202,8 +202,8 @@ def on_coordinator(
         except CheckpointDirError as e:
             outcome[0] = e
         except OSError as e:
-            reason = f"{e.strerror or e} ({e.filename or ''})"
-            outcome[0] = CheckpointDirError(f"{action}: {reason}")
+            where = f" ({e.filename})" if e.filename else ""
+            outcome[0] = CheckpointDirError(f"{action}: {e.strerror or e}{where}")
         except Exception as e:  # any other failure: every rank stops with it
             outcome[0] = CheckpointDirError(f"{action}: {type(e).__name__}: {e}")
     if dist.is_initialized():
@@ -221,8 +221,9 @@ def prepare_step(
 ) -> StepFolder:
     """Checks that ``step-<step>`` is new and makes its empty staging folder.
 
-    An incomplete ``step-<step>`` (not written by :func:`publish_step`) is
-    moved aside. The staging folder is new, named by a token rank 0 draws.
+    An incomplete ``step-<step>`` (not written by :func:`publish_step`), or
+    one whose manifest names another step (a copy), is moved aside. The
+    staging folder is new, named by a token rank 0 draws.
     Call it on every rank of ``process_group``; rank 0 does the file
     operations.
 
@@ -240,7 +241,7 @@ def prepare_step(
     """
     list_steps(checkpoint_dir)  # a file where the folder should be: say so
     final = step_dir(checkpoint_dir, step)
-    if is_complete(final):
+    if is_complete(final) and _holds_its_step(final):
         raise CheckpointDirError(
             f"{str(final)!r} already exists; checkpoints are never "
             "overwritten. Resume from it, or save into another checkpoint folder."
@@ -248,10 +249,14 @@ def prepare_step(
 
     def make_staging() -> StepFolder:
         folder = StepFolder.of(checkpoint_dir, step, uuid.uuid4().hex[:12])
-        if final.exists():  # incomplete, not published by us: keep it aside
+        if final.exists():  # incomplete, or holding another step: keep it aside
             aside = final.with_name(f".{final.name}.incomplete-{int(time.time())}")
             final.rename(aside)
-            logger.warning("moved incomplete %s aside to %s", final, aside.name)
+            logger.warning(
+                "moved %s aside to %s: it was incomplete or held another step",
+                final,
+                aside.name,
+            )
         folder.staging.mkdir(parents=True)
         return folder
 
