@@ -31,7 +31,7 @@ DEVICE = torch.device("cpu")
 
 def build(args, rank, world_size, seed):
     stage = pippy_dcp.build_stage(args, rank, world_size, DEVICE, seed=seed)
-    state = pippy_dcp.build_state(args, stage, pippy_dcp.load_text(None))
+    state = pippy_dcp.build_state(args, [stage], pippy_dcp.load_text(None))
     return stage, state
 
 
@@ -107,7 +107,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
 
 
 def train_steps(state, stage, schedule, n):
-    return [pippy_dcp.train_step(state, stage, schedule, DEVICE) for _ in range(n)]
+    return [pippy_dcp.train_step(state, [stage], schedule, DEVICE) for _ in range(n)]
 
 
 def check_train(out: Path, rank: int, world_size: int) -> dict:

@@ -213,3 +213,18 @@ class TwoHeads(torch.nn.Module):
 
     def forward(self, x, use=("a", "b")):
         return sum(getattr(self, name)(x) for name in use)
+
+
+def plain_read(step):
+    """Every tensor of a step, read with plain DCP (FileSystemReader, no pippy)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(step)
+    items = reader.read_metadata().state_dict_metadata
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in items.items()
+        if hasattr(m, "size")
+    }
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return sd

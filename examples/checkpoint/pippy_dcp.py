@@ -8,6 +8,14 @@ checkpoint is loaded into freshly built stages and checked bit for bit. The
 model, a small byte-level GPT, is in gpt.py beside this file.
 
     torchrun --nproc-per-node 4 examples/checkpoint/pippy_dcp.py
+    torchrun --nproc-per-node 4 examples/checkpoint/pippy_dcp.py --dp 2 [--fsdp]
+    torchrun --nproc-per-node 2 examples/checkpoint/pippy_dcp.py \
+        --stages-per-rank 2 --schedule interleaved-1f1b
+
+With ``--dp 2`` the ranks form 2 pipelines, whose stages are DDP replicas (or
+FSDP2 shards, ``--fsdp``) across the data-parallel dim of a ``(dp, pp)`` mesh;
+with ``--stages-per-rank 2`` each rank runs two stages of a looped schedule.
+Any layout's checkpoint resumes on any other.
 
 A first run trains steps 1-20, printing the loss, and each rank prints what it
 saved at step-10 and step-20; it ends with "verified: ... bitwise equal". With
@@ -25,31 +33,66 @@ import sys
 import sysconfig
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import pippy
 from pippy import checkpoint
 
 from gpt import GPT, ModelArgs, init_weights, rope_table
 
-SCHEDULES = {"gpipe": pippy.ScheduleGPipe, "1f1b": pippy.Schedule1F1B}
+# Looped schedules take all of a rank's stages; stage s runs on pipeline rank s % pp.
+LOOPED = {
+    "interleaved-1f1b": pippy.ScheduleInterleaved1F1B,
+    "looped-bfs": pippy.ScheduleLoopedBFS,
+    "zero-bubble": pippy.ScheduleInterleavedZeroBubble,
+}
+SCHEDULES = {"gpipe": pippy.ScheduleGPipe, "1f1b": pippy.Schedule1F1B, **LOOPED}
+
+
+@dataclass
+class Layout:
+    """This rank's place on the (dp, pp) mesh: its stages, and a name for them."""
+
+    mesh: DeviceMesh
+    stages: list[int]
+    num_stages: int
+    label: str  # "[rank 3] stage 1 (dp 1)", "[rank 1] stages 1, 3"
+
+
+def build_layout(args, device: torch.device) -> Layout:
+    """The mesh: --dp pipelines of pp ranks; pipeline rank r runs stages r, r+pp..."""
+    pp = dist.get_world_size() // args.dp
+    mesh = init_device_mesh(device.type, (args.dp, pp), mesh_dim_names=("dp", "pp"))
+    num_stages = pp * args.stages_per_rank
+    stages = list(range(mesh.get_local_rank("pp"), num_stages, pp))
+    label = f"[rank {dist.get_rank()}] stage{'s' * (len(stages) > 1)} "
+    label += ", ".join(map(str, stages))
+    if args.dp > 1:
+        label += f" (dp {mesh.get_local_rank('dp')})"
+    return Layout(mesh, stages, num_stages, label)
 
 
 def stage_layers(stage_index: int, num_stages: int, n_layers: int) -> range:
     """The contiguous layers of one stage; stage sizes differ by at most one."""
     if not 1 <= num_stages <= n_layers:
         raise ValueError(
-            f"cannot split {n_layers} layers into {num_stages} stages: "
-            f"launch between 1 and {n_layers} ranks (one stage per rank)"
+            f"cannot split {n_layers} layers into {num_stages} stages: give at most "
+            f"{n_layers} stages (ranks / --dp x --stages-per-rank)"
         )
     per_stage, rest = divmod(n_layers, num_stages)
     start = stage_index * per_stage + min(stage_index, rest)
@@ -79,27 +122,53 @@ def split_traced(model: GPT, num_stages: int, microbatch: torch.Tensor):
         return pippy.pipeline(model, mb_args=(microbatch,), split_spec=split_spec)
 
 
-def build_stage(args, rank: int, world_size: int, device, *, seed: int):
-    """Builds this rank's stage, allocating memory for that stage alone."""
+def data_parallel(module: torch.nn.Module, args, mesh: DeviceMesh) -> torch.nn.Module:
+    """Across the dp dim: DDP replicas, or FSDP2 shards (each rank holds 1/dp)."""
+    if args.dp == 1:
+        return module
+    if args.fsdp:  # parameters and AdamW state become DTensors: a shard per rank
+        return fully_shard(module, mesh=mesh["dp"])
+    ddp = DistributedDataParallel(module, process_group=mesh.get_group("dp"))
+    # The stage all-reduces gradients itself, at the last microbatch's backward.
+    # Without this, torch 2.13's first-step shape inference runs DDP's forward
+    # outside no_sync(), and DDP's bucket rebuild fails at step 2.
+    ddp.require_backward_grad_sync = False
+    return ddp
+
+
+def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=None):
+    """Builds one stage, allocating memory for that stage alone."""
     model_args = ModelArgs(args.n_layers, args.dim, max_seq_len=args.seq_len)
     with torch.device("meta"):  # shapes only: no rank holds the whole model
         model = GPT(model_args)
     checkpoint.check_untied(model)  # a weight tied across stages would drift
     if args.split == "manual":
-        module = split_manual(model, rank, world_size)
+        module = split_manual(model, index, num_stages)
     else:
         shape = (args.batch_size // args.microbatches, args.seq_len)
-        pipe = split_traced(model, world_size, torch.zeros(shape, dtype=torch.long))
-        module = pipe.get_stage_module(rank)
+        pipe = split_traced(model, num_stages, torch.zeros(shape, dtype=torch.long))
+        module = pipe.get_stage_module(index)
         # The tracer makes the rope buffer a persistent key of every stage;
         # without this, all stages would offer the same "rope" key to DCP.
         checkpoint.restore_non_persistent_buffers(module, model)
     module.to_empty(device=device)  # allocate the stage, then fill it
     init_weights(module, seed)
     module.get_buffer("rope").copy_(rope_table(model_args))
-    if args.split == "manual":
-        return pippy.PipelineStage(module, rank, world_size, device)
-    return pipe.build_stage(rank, device)
+    group = mesh.get_group("pp") if mesh is not None else None
+    if args.split == "trace":
+        return pipe.build_stage(index, device, group)
+    if mesh is not None:
+        module = data_parallel(module, args, mesh)
+    return pippy.PipelineStage(module, index, num_stages, device, group=group)
+
+
+def build_stages(args, layout: Layout, device, *, seed: int) -> list:
+    """This rank's stages, in order, each replicated or sharded across dp."""
+    n = layout.num_stages
+    return [
+        build_stage(args, s, n, device, seed=seed, mesh=layout.mesh)
+        for s in layout.stages
+    ]
 
 
 def load_text(path: str | None) -> torch.Tensor:
@@ -137,9 +206,10 @@ class BatchSampler:
         self.generator.set_state(state_dict["rng_state"])
 
 
-def build_state(args, stage, data: torch.Tensor) -> checkpoint.StageState:
-    """AdamW, warmup + cosine LR schedule and data sampler, with the stage's module."""
-    params = stage.submod.parameters()
+def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
+    """AdamW, warmup + cosine LR schedule and data sampler, with the stages' modules."""
+    modules = [stage.submod for stage in stages]  # StageState looks inside DDP
+    params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
     warmup = max(1, args.steps // 10)
 
@@ -152,7 +222,7 @@ def build_state(args, stage, data: torch.Tensor) -> checkpoint.StageState:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     sampler = BatchSampler(data, args.batch_size, args.seq_len, args.seed)
     extra = {"data": sampler}
-    return checkpoint.StageState(stage.submod, optimizer, scheduler, extra=extra)
+    return checkpoint.StageState(modules, optimizer, scheduler, extra=extra)
 
 
 def log(message: str) -> None:
@@ -165,38 +235,74 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def train_step(state: checkpoint.StageState, stage, schedule, device) -> float | None:
-    """One optimizer step over all microbatches; the mean loss on the last stage."""
+def train_step(state, stages: list, schedule, device, dp_group=None) -> float | None:
+    """One optimizer step over all microbatches; on the last stage, the batch's
+    mean loss (averaged over the dp replicas); None elsewhere."""
     inputs, targets = state.extra["data"].next_batch()  # every rank draws: stay in step
+    if dp_group is not None:  # a replica's slice of the global batch, in rank order
+        share, i = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+        inputs, targets = inputs.chunk(share)[i], targets.chunk(share)[i]
     losses: list[torch.Tensor] = []
-    args = (inputs.to(device),) if stage.is_first else ()
-    kwargs = {"target": targets.to(device), "losses": losses} if stage.is_last else {}
+    first, last = stages[0].is_first, stages[-1].is_last
+    args = (inputs.to(device),) if first else ()
+    kwargs = {"target": targets.to(device), "losses": losses} if last else {}
     schedule.step(*args, **kwargs)
     state.optimizer.step()
     state.optimizer.zero_grad()
     state.lr_scheduler.step()
     state.step += 1
-    return torch.stack(losses).mean().item() if losses else None
+    if not losses:
+        return None
+    loss = torch.stack(losses).mean()
+    if dp_group is not None:  # the global batch's loss, whatever the layout
+        dist.all_reduce(loss, group=dp_group)
+        loss /= dist.get_world_size(dp_group)
+    return loss.item()
 
 
-def report(rank: int, verb: str, state_dict: dict, where: str, start: float) -> None:
-    tensors, nbytes = checkpoint.state_dict_size(state_dict)
-    seconds = time.perf_counter() - start
+def local_shards(state_dict: dict) -> dict:
+    """FSDP2's DTensors as this rank's shards: what it holds, reads and compares."""
+    local = {}
+    for key, value in state_dict.items():
+        value = local_shards(value) if isinstance(value, dict) else value
+        local[key] = value.to_local() if isinstance(value, DTensor) else value
+    return local
+
+
+def written_by(folder: Path) -> tuple[int, int]:
+    """The tensors this rank wrote and their bytes, from .metadata. Replicated
+    items are written once (DCP spreads them over the replicas), so with dp a
+    rank writes a share of its stages."""
+    metadata = checkpoint.read_metadata(folder)
+    lengths = [
+        info.length
+        for index, info in metadata.storage_data.items()
+        if info.relative_path == f"__{dist.get_rank()}_0.distcp"
+        and isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata)
+    ]
+    return len(lengths), sum(lengths)
+
+
+def report(layout: Layout, verb: str, size: tuple, where: str, start: float) -> None:
+    (tensors, nbytes), seconds = size, time.perf_counter() - start
     log(
-        f"[rank {rank}] stage {rank}: {verb} {tensors} tensors, {nbytes / 1e6:.1f} MB "
-        f"{where} in {seconds:.2f} s"
+        f"{layout.label}: {verb} {tensors} tensors, {nbytes / 1e6:.1f} MB {where} "
+        f"in {seconds:.2f} s"
     )
 
 
-def save(state: checkpoint.StageState, args, rank: int, saver) -> None:
+def save(state: checkpoint.StageState, args, layout: Layout, saver) -> None:
     start = time.perf_counter()
     state_dict = state.state_dict()
     # DCP takes equal keys on two ranks for replicas and keeps one: a collision
-    # would lose a stage without an error, so check before writing anything.
-    checkpoint.check_keys(state_dict)
+    # would lose a stage without an error, and diverged dp replicas would be
+    # mixed key by key. So check before writing anything: keys disjoint across
+    # the pipeline dim, replicas equal across the data-parallel dim.
+    checkpoint.check_keys(state_dict, mesh=layout.mesh)
     if saver is not None:  # --async-save: returns once the state is copied
         saver.save(state_dict, state.step)
-        return report(rank, "staged", state_dict, f"for step-{state.step}", start)
+        size = checkpoint.state_dict_size(local_shards(state_dict))
+        return report(layout, "staged", size, f"for step-{state.step}", start)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
     # DCP stores no checksums: pippy's writer is DCP's, plus a manifest.json
@@ -208,10 +314,12 @@ def save(state: checkpoint.StageState, args, rank: int, saver) -> None:
         writer = checkpoint.ManifestWriter(checkpoint_id, step=state.step)
         with checkpoint.explain_failures(f"saving step-{state.step}"):
             dcp.save(state_dict, storage_writer=writer)
-    report(rank, "saved", state_dict, f"to step-{state.step}", start)
+    # Read after publishing: rank 0 renames the folder once every rank is done.
+    written = written_by(checkpoint.step_dir(args.checkpoint_dir, state.step))
+    report(layout, "saved", written, f"to step-{state.step}", start)
 
 
-def load(state, path: Path, rank: int, *, model_only=False, note="") -> None:
+def load(state, path: Path, layout: Layout, *, model_only=False, note="") -> None:
     """Fills the stage's state from `path`; with model_only, the weights alone."""
     start = time.perf_counter()
     # DCP loads in place, into tensors that must already exist: state_dict()
@@ -235,30 +343,32 @@ def load(state, path: Path, rank: int, *, model_only=False, note="") -> None:
             set_model_state_dict(state.module, state_dict["model"])
         else:
             state.load_state_dict(state_dict)
-    report(rank, "loaded", state_dict, f"from {path}{note}", start)
+    size = checkpoint.state_dict_size(local_shards(state_dict))
+    report(layout, "loaded", size, f"from {path}{note}", start)
 
 
-def train(args, state, stage, schedule, device, rank: int, saver, stop) -> None:
+def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
     """Trains up to --steps (or --stop-after, or a SIGTERM), saving as it goes."""
+    rank, dp_group = dist.get_rank(), layout.mesh.get_group("dp")
     last = min(args.steps, args.stop_after or args.steps)
     if state.step >= last and rank == 0:
         log(f"already at step {state.step} of {args.steps}: nothing to train")
     while state.step < last:
         start, lr = time.time(), state.lr_scheduler.get_last_lr()[0]
-        loss = train_step(state, stage, schedule, device)
-        if loss is not None:  # the loss exists only on the last stage
+        loss = train_step(state, stages, schedule, device, dp_group)
+        if loss is not None and dist.get_rank(dp_group) == 0:  # last stage, replica 0
             secs = time.time() - start
             log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
         due = state.step % args.save_every == 0 or state.step == args.steps
         if due:
-            save(state, args, rank, saver)
+            save(state, args, layout, saver)
         elif saver is not None:
             saver.poll()  # publishes a background save as soon as it is on disk
         if stop.requested():  # preempted: this step is saved before we go
             if saver is not None:
                 saver.wait()
             if not due:
-                save(state, args, rank, None)
+                save(state, args, layout, None)
             if rank == 0:
                 step = state.step
                 log(f"stopping after step {step}: SIGTERM received, step-{step} saved")
@@ -267,20 +377,23 @@ def train(args, state, stage, schedule, device, rank: int, saver, stop) -> None:
         log(f"stopping after step {state.step} (--stop-after), as if interrupted")
 
 
-def verify(args, state, path: Path, rank: int, world_size: int, device) -> bool:
-    """Loads `path` into a freshly initialised stage and compares every tensor."""
-    fresh_stage = build_stage(args, rank, world_size, device, seed=args.seed + 1)
-    fresh = build_state(args, fresh_stage, state.extra["data"].data)
-    load(fresh, path, rank, note=" into a fresh stage")
-    differ = checkpoint.diff_state_dicts(state.state_dict(), fresh.state_dict())
+def verify(args, state, path: Path, layout: Layout, device) -> bool:
+    """Loads `path` into freshly initialised stages and compares every tensor
+    (with FSDP2, every rank its shards)."""
+    fresh_stages = build_stages(args, layout, device, seed=args.seed + 1)
+    fresh = build_state(args, fresh_stages, state.extra["data"].data)
+    note = " into a fresh stage" if len(fresh_stages) == 1 else " into fresh stages"
+    load(fresh, path, layout, note=note)
+    live, loaded = local_shards(state.state_dict()), local_shards(fresh.state_dict())
+    differ = checkpoint.diff_state_dicts(live, loaded)
     if differ:
-        log(f"[rank {rank}] {len(differ)} entries differ: {differ[:5]}")
+        log(f"{layout.label}: {len(differ)} entries differ: {differ[:5]}")
     failed = torch.tensor([len(differ)], device=device)
     dist.all_reduce(failed)
-    if rank == 0 and not failed.item():
+    if dist.get_rank() == 0 and not failed.item():
         log(
-            f"verified: {path} loaded into fresh stages on all {world_size} ranks, "
-            "model and optimizer bitwise equal"
+            f"verified: {path} loaded into fresh stages on all "
+            f"{dist.get_world_size()} ranks, model and optimizer bitwise equal"
         )
     return not failed.item()
 
@@ -306,9 +419,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--save-every", type=int, default=10, help="save every N steps and at the last")
     add("--stop-after", type=int, help="stop after this step, as if interrupted")
     add("--split", choices=["manual", "trace"], default="manual", help="stage building")
-    add("--schedule", choices=sorted(SCHEDULES), default="gpipe", help="schedule")
-    add("--microbatches", type=int, default=4, help="per step; >= stages for 1f1b")
-    add("--batch-size", type=int, default=8, help="sequences per step")
+    add("--schedule", choices=list(SCHEDULES), default="gpipe", help="schedule")
+    add("--stages-per-rank", type=int, default=1, help="> 1: a looped --schedule")
+    add("--dp", type=int, default=1, help="data-parallel degree; pp = ranks / dp")
+    add("--fsdp", action="store_true", help="with --dp: FSDP2 shards, not DDP")
+    add("--microbatches", type=int, default=4, help="per replica; >= stages for 1f1b")
+    add("--batch-size", type=int, default=8, help="sequences per step, all replicas")
     add("--seq-len", type=int, default=128, help="bytes per sequence")
     add("--n-layers", type=int, default=8, help="decoder blocks; >= ranks")
     add("--dim", type=int, default=128, help="model width")
@@ -319,34 +435,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--init-from", help="a step folder whose weights start a new run")
     add("--data", help="a text file to train on (default: the stdlib's .py files)")
     args = p.parse_args(argv)
-    counts = (args.steps, args.save_every, args.microbatches)
+    counts = (args.steps, args.save_every, args.microbatches, args.dp)
     optional = [n for n in (args.stop_after, args.keep_last) if n is not None]
-    if min(*counts, *optional) < 1:
+    if min(*counts, *optional, args.stages_per_rank) < 1:
+        p.error("--steps, --save-every, --microbatches, --dp, --stop-after, ...: >= 1")
+    world_size = int(os.environ.get("WORLD_SIZE", args.dp))
+    if world_size % args.dp or args.fsdp and args.dp == 1:
+        p.error(f"--dp must divide the {world_size} ranks; --fsdp needs --dp 2 or more")
+    if args.batch_size % (args.dp * args.microbatches) or args.dim % ModelArgs.n_heads:
         p.error(
-            "--steps, --save-every, --microbatches, --stop-after, --keep-last: >= 1"
+            "--dp x --microbatches must divide --batch-size; --dim, a multiple of 4"
         )
-    if args.batch_size % args.microbatches or args.dim % ModelArgs.n_heads:
-        p.error("--microbatches must divide --batch-size; --dim, a multiple of 4")
+    if args.stages_per_rank > 1 and args.schedule not in LOOPED:
+        p.error(f"--stages-per-rank > 1 needs --schedule {'|'.join(LOOPED)}")
+    if args.split == "trace" and (args.dp > 1 or args.stages_per_rank > 1):
+        p.error("--split trace builds one stage per rank, without --dp")
     return args
 
 
 def main() -> None:
     args = parse_args()
-    # set up distributed: gloo on CPU, nccl on GPU; one stage per rank. A rank
-    # whose torchrun died stops at once; a SIGTERM ends training with a save
+    # set up distributed: gloo on CPU, nccl on GPU. A rank whose torchrun
+    # died stops at once; a SIGTERM ends training with a save
     rank, world_size, device = setup_distributed()
     checkpoint.stop_with_launcher()
     stop = checkpoint.StopSignal(device=device)
     owner = checkpoint.FolderOwner(args.checkpoint_dir)
     try:
-        # build and split the model, the pipeline schedule, and the optimizer, LR
-        # schedule and data sampler: the state to checkpoint. A failure on one
-        # rank stops them all, instead of the others waiting in a collective
+        # lay the ranks out on a (dp, pp) mesh; build and split the model, the
+        # pipeline schedule, and the optimizer, LR schedule and data sampler: the
+        # state to checkpoint. A failure on one rank stops them all, instead of
+        # the others waiting in a collective
         with checkpoint.fail_together("setting up", keep_own_error=True):
-            stage = build_stage(args, rank, world_size, device, seed=args.seed)
-            make_schedule = SCHEDULES[args.schedule]
-            schedule = make_schedule(stage, args.microbatches, loss_fn=loss_fn)
-            state = build_state(args, stage, load_text(args.data))
+            layout = build_layout(args, device)
+            stages = build_stages(args, layout, device, seed=args.seed)
+            runs = stages if args.schedule in LOOPED else stages[0]
+            schedule = SCHEDULES[args.schedule](
+                runs, args.microbatches, loss_fn=loss_fn
+            )
+            state = build_state(args, stages, load_text(args.data))
         # own the checkpoint folder: one job writes it, a second is refused;
         # this also fails now, not at the first save, if it is not writable
         owner.acquire()
@@ -358,23 +485,23 @@ def main() -> None:
             )
             if rank == 0:
                 log(f"resuming from {latest}{ignored}")
-            load(state, latest, rank)
+            load(state, latest, layout)
         elif args.init_from:
             if rank == 0:
                 log(f"starting from the weights of {args.init_from}")
-            load(state, Path(args.init_from), rank, model_only=True)
+            load(state, Path(args.init_from), layout, model_only=True)
         # train, saving every --save-every steps and at the last; with
         # --async-save, in the background, one save at a time
         saver = None
         if args.async_save:
             saver = checkpoint.AsyncSaver(args.checkpoint_dir, keep_last=args.keep_last)
-        train(args, state, stage, schedule, device, rank, saver, stop)
+        train(args, state, stages, schedule, device, layout, saver, stop)
         if saver is not None:
             saver.close()  # waits for the last save, then publishes it
         # verify: load the final checkpoint into fresh stages, compare bit for bit
         final = checkpoint.step_dir(args.checkpoint_dir, state.step)
         saved = checkpoint.is_complete(final)
-        ok = not saved or verify(args, state, final, rank, world_size, device)
+        ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         hint = ""  # pippy names no flag of ours: say which one to change
         if type(e) is checkpoint.CheckpointDirError:

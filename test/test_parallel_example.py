@@ -1,0 +1,178 @@
+"""The example on parallel layouts, run as users run it: pipeline x data parallel
+(DDP, FSDP2) and two stages per rank, each stopped and resumed on one
+--checkpoint-dir, and resumed on another layout.
+
+What the arithmetic makes equal: a layout without data parallelism (4 ranks,
+2 ranks x 2 interleaved stages, 1 rank) computes bit for bit what the others
+compute, and so do DDP and FSDP2 at one dp degree. A change of dp degree changes
+the microbatches (each replica splits its slice of the global batch) and adds
+a sum over replicas, so the order of accumulation changes: there the tensors
+agree to a relative RESHARD_RTOL and the printed losses to their 4 decimals.
+"""
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from pippy import checkpoint
+
+import pippy_dcp
+from gpt import GPT, ModelArgs
+from helpers import EXAMPLE, TINY_FLAGS, loss_lines, plain_read, torchrun
+
+FLAGS = [*TINY_FLAGS, "--steps", "6", "--save-every", "3"]
+LAYOUTS = {  # name: (ranks, flags)
+    "ddp": (4, ["--dp", "2"]),
+    "fsdp": (4, ["--dp", "2", "--fsdp"]),
+    "interleaved": (2, ["--stages-per-rank", "2", "--schedule", "interleaved-1f1b"]),
+    "one rank": (1, []),
+}
+#: Largest difference of any float tensor, relative to the tensor's largest
+#: value, after 3 steps on another dp degree. Measured: 1.5e-6.
+RESHARD_RTOL = 1e-5
+SAVED = re.compile(
+    r"^\[rank (\d+)\] (stages? [\d, ]+(?: \(dp \d\))?): saved (\d+) ", re.M
+)
+
+
+def example(layout, folder, *flags):
+    ranks, layout_flags = LAYOUTS[layout]
+    return torchrun(
+        ranks, EXAMPLE, *FLAGS, *layout_flags, "--checkpoint-dir", folder, *flags
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """6 steps with and without data parallelism: the references."""
+    runs = {}
+    for name, layout in [("dp", "ddp"), ("pp", "one rank")]:
+        folder = tmp_path_factory.mktemp(name)
+        runs[name] = folder, loss_lines(example(layout, folder).stdout)
+    return runs
+
+
+def losses(lines):
+    return [float(line.split("| loss ")[1].split()[0]) for line in lines]
+
+
+def assert_close(actual, expected, rtol):
+    """Every float tensor within rtol of the other's largest value; the rest equal."""
+    expected = dict(checkpoint.named_leaves(expected))
+    for key, a in checkpoint.named_leaves(actual):
+        b = expected[key]
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            scale = b.abs().max().clamp_min(1e-12)
+            assert ((a - b).abs().max() / scale).item() <= rtol, key
+        elif not isinstance(a, torch.Tensor):
+            assert a == b, key
+
+
+@pytest.mark.parametrize(
+    "layout, reference, other, other_reference",
+    [
+        ("ddp", "dp", "interleaved", "pp"),
+        ("fsdp", "dp", "one rank", "pp"),
+        ("interleaved", "pp", "fsdp", "dp"),
+    ],
+)
+def test_stopped_resumed_and_resumed_on_another_layout(
+    tmp_path, uninterrupted, layout, reference, other, other_reference
+):
+    here, there = tmp_path / "here", tmp_path / "there"
+    first = example(layout, here, "--stop-after", "3")
+    # Every rank names its stages and writes its share: with DDP each
+    # replicated item is written by one replica, with FSDP2 each rank its shards.
+    saved = SAVED.findall(first.stdout)
+    assert len(saved) == LAYOUTS[layout][0]
+    metadata = checkpoint.read_metadata(here / "step-3")
+    chunks = [i for i in metadata.storage_data if i.offset is not None]
+    assert sum(int(n) for _, _, n in saved) == len(chunks)
+    assert all(int(n) > 0 for _, _, n in saved)
+    shutil.copytree(here, there)
+
+    # The same command again resumes; the arithmetic is the same: bitwise.
+    second = example(layout, here)
+    assert f"resuming from {here / 'step-3'}" in second.stdout
+    assert "verified:" in second.stdout
+    folder, reference_losses = uninterrupted[reference]
+    assert loss_lines(second.stdout) == reference_losses[3:]
+    resumed = checkpoint.read_checkpoint(here / "step-6")
+    assert (
+        checkpoint.diff_state_dicts(
+            resumed, checkpoint.read_checkpoint(folder / "step-6")
+        )
+        == []
+    )
+
+    # Resumed on another layout: another dp degree, so within the tolerance.
+    moved = example(other, there)
+    assert f"resuming from {there / 'step-3'}" in moved.stdout
+    assert "verified:" in moved.stdout
+    folder, other_losses = uninterrupted[other_reference]
+    assert losses(loss_lines(moved.stdout)) == pytest.approx(
+        losses(other_losses[3:]), abs=1e-4
+    )
+    assert_close(
+        checkpoint.read_checkpoint(there / "step-6"),
+        checkpoint.read_checkpoint(folder / "step-6"),
+        RESHARD_RTOL,
+    )
+
+
+def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
+    uninterrupted,
+):
+    (dp, dp_losses), (pp, pp_losses) = uninterrupted["dp"], uninterrupted["pp"]
+    assert losses(dp_losses) == pytest.approx(losses(pp_losses), abs=1e-4)
+    # The DDP run's files, read with plain DCP in this process, hold what
+    # pippy reads; and the checkpoint loads into the un-split model.
+    plain = plain_read(dp / "step-6")
+    ours = dict(checkpoint.named_leaves(checkpoint.read_checkpoint(dp / "step-6")))
+    tensors = {k: v for k, v in ours.items() if isinstance(v, torch.Tensor)}
+    assert checkpoint.diff_state_dicts(plain, tensors) == []
+    model = GPT(ModelArgs(4, 32, max_seq_len=32))
+    assert checkpoint.load_model(dp / "step-6", model) == 6
+    weights = {k: v for k, v in ours.items() if k.startswith("model.")}
+    assert (
+        checkpoint.diff_state_dicts(
+            {f"model.{k}": v for k, v in model.state_dict().items()}, weights
+        )
+        == []
+    )
+    assert_close(
+        checkpoint.read_checkpoint(dp / "step-6"),
+        checkpoint.read_checkpoint(pp / "step-6"),
+        RESHARD_RTOL,
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, world_size, message",
+    [
+        (["--dp", "3"], 4, "--dp must divide the 4 ranks"),
+        (["--fsdp"], 4, "--fsdp needs --dp 2 or more"),
+        (["--stages-per-rank", "2"], 2, "--stages-per-rank > 1 needs --schedule"),
+        (
+            ["--dp", "2", "--split", "trace"],
+            4,
+            "--split trace builds one stage per rank",
+        ),
+        (
+            ["--dp", "4", "--batch-size", "8", "--microbatches", "4"],
+            4,
+            "--dp x --microbatches must divide --batch-size",
+        ),
+    ],
+)
+def test_impossible_layouts_are_one_error_line(
+    monkeypatch, capsys, flags, world_size, message
+):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit):
+        pippy_dcp.parse_args(flags)
+    assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cannot split 4 layers into 8 stages"):
+        pippy_dcp.stage_layers(0, 8, 4)
