@@ -130,6 +130,40 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
     return result
 
 
+def check_hsdp(out: Path, rank: int, world_size: int) -> dict:
+    """HSDP on 4 ranks: each stage sharded over "dp_shard", replicated over
+    "dp_replicate" (one pipeline stage here: pp = 1). Saved, reloaded bitwise;
+    a replicate group that diverged is refused."""
+    names = ("dp_replicate", "dp_shard", "pp")
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
+
+    def build(seed):
+        module = stage_module(0, 1, seed=seed)
+        fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"])
+        return checkpoint.StageState(module, torch.optim.AdamW(module.parameters()))
+
+    state = build(0)
+    step_once(state)
+    checkpoint.save_stage(state, out / "hsdp", mesh=mesh)
+    dump(state, out, "hsdp", rank)
+    fresh = build(7)
+    checkpoint.load_stage(fresh, out / "hsdp" / "step-1")
+    result = {
+        "placements": repr(next(state.module.parameters()).placements),
+        "reload_differ": checkpoint.diff_state_dicts(
+            {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
+            {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
+        ),
+    }
+    if mesh.get_local_rank("dp_replicate") == 1:
+        with torch.no_grad():
+            next(state.module.parameters()).to_local().add_(1.0)
+    result["diverged"] = error_of(
+        lambda: checkpoint.save_stage(state, out / "hsdp-diverged", step=1, mesh=mesh)
+    )
+    return result
+
+
 def parts_state(parts, seed=0, per_part=False):
     """A StageState of several stages: one AdamW over all, or one per part."""
     modules = [stage_module(s, N_STAGES, seed=seed) for s in parts]
@@ -174,7 +208,7 @@ def check_parts(out: Path, rank: int, world_size: int) -> dict:
     return result
 
 
-CHECKS = {"mesh": check_mesh, "parts": check_parts}
+CHECKS = {"mesh": check_mesh, "hsdp": check_hsdp, "parts": check_parts}
 
 if __name__ == "__main__":
     checks, out = sys.argv[1], Path(sys.argv[2])

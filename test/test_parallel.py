@@ -36,9 +36,10 @@ def results(out, check, ranks):
 
 @pytest.fixture(scope="module")
 def mesh_run(tmp_path_factory):
-    """4 ranks as 2 pipelines x 2 stages (mesh ("dp", "pp")), DDP then FSDP2."""
+    """4 ranks as 2 pipelines x 2 stages (mesh ("dp", "pp")), DDP then FSDP2;
+    then as one HSDP stage, in the same launch."""
     out = tmp_path_factory.mktemp("mesh")
-    torchrun(4, LAYOUT_CHECKS, "mesh", out, timeout=300)
+    torchrun(4, LAYOUT_CHECKS, "mesh,hsdp", out, timeout=400)
     return out, results(out, "mesh", 4)
 
 
@@ -99,6 +100,33 @@ def test_diverged_replicas_mix_in_plain_dcp_and_are_refused(mesh_run):
         )
         assert "'model.layers.0.qkv.weight' (ranks [0, 2])" in error
         assert result["diverged_left"] is None
+
+
+def test_hsdp_saves_reloads_and_refuses_diverged_replicate_groups(mesh_run):
+    tmp_path = mesh_run[0]
+    found = results(tmp_path, "hsdp", 4)
+    assert found[0]["placements"] == "(Replicate(), Shard(dim=0))"
+    saved = plain_read(tmp_path / "hsdp" / "step-1")
+    # Ranks 0 and 1 shard the stage (dim 0); ranks 2 and 3 replicate them.
+    first, second = live(tmp_path, "hsdp", 0), live(tmp_path, "hsdp", 1)
+    for rank in (2, 3):
+        twin = live(tmp_path, "hsdp", rank - 2)
+        assert all(
+            torch.equal(v, twin[k]) for k, v in live(tmp_path, "hsdp", rank).items()
+        )
+    for key, shard in first.items():
+        if key.startswith("model.") and shard.dim() > 0:
+            assert torch.equal(saved[key], torch.cat([shard, second[key]])), key
+    for result in found:
+        assert result["reload_differ"] == []
+        assert result["diverged"] == (
+            "DivergedReplicasError: the data-parallel replicas differ in 1 "
+            "entr(ies): 'model.tok_embeddings.weight' (ranks [0, 1, 2, 3]). DCP "
+            "writes one replica's value of each key, so the checkpoint would mix "
+            "them. Keep the replicas in sync (wrap each stage in DDP or FSDP2 over "
+            "the data-parallel dim, and step every replica's optimizer alike), then "
+            "save."
+        )
 
 
 def test_several_stages_per_rank_save_reload_and_load_unsplit(tmp_path):
