@@ -113,6 +113,25 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
             {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
             {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
         )
+    # Two stages per rank (stages p and p + 2 of 4), each sharded with FSDP2.
+    pp = mesh.get_local_rank("pp")
+
+    def sharded_parts(seed):
+        parts = [stage_module(s, N_STAGES, seed=seed) for s in (pp, pp + 2)]
+        for part in parts:
+            fully_shard(part, mesh=mesh["dp"])
+        optimizers = [torch.optim.AdamW(p.parameters()) for p in parts]
+        return checkpoint.StageState(parts, optimizers)
+
+    state = sharded_parts(0)
+    step_once(state)
+    checkpoint.save_stage(state, out / "fsdp-parts", mesh=mesh)
+    fresh = sharded_parts(7)
+    checkpoint.load_stage(fresh, out / "fsdp-parts" / "step-1")
+    result["fsdp_parts_reload_differ"] = checkpoint.diff_state_dicts(
+        {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
+        {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
+    )
     # Replicas that diverged (no gradient all-reduce, a bug in the DP setup):
     # plain DCP writes some keys from one replica, some from the other.
     state = mesh_state(mesh, "ddp")

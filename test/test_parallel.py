@@ -74,6 +74,9 @@ def test_ddp_replicas_are_saved_once_and_reload_bitwise(mesh_run):
 def test_fsdp2_shards_are_saved_and_reload_bitwise(mesh_run):
     out, found = mesh_run
     assert all(r["fsdp_reload_differ"] == [] for r in found)
+    assert all(r["fsdp_parts_reload_differ"] == [] for r in found)  # 2 stages/rank
+    full = {f"model.{k}" for k in tiny_gpt().state_dict()}
+    assert {k for k in plain_read(out / "fsdp-parts" / "step-1")} >= full
     saved = plain_read(out / "fsdp" / "step-1")
     for stage in (0, 1):  # dp replica 0 is rank `stage`, replica 1 rank `stage + 2`
         first, second = live(out, "fsdp", stage), live(out, "fsdp", stage + 2)
@@ -151,3 +154,27 @@ def test_several_stages_per_rank_save_reload_and_load_unsplit(tmp_path):
     for result in found:
         assert result["nested"].startswith("NestedStateError: model or optimizer")
         assert result["nested_left"] is None
+
+
+def test_parts_holding_one_fqn_twice_are_refused():
+    import pippy
+
+    def stage(index, seed):
+        model = tiny_gpt(seed=seed)
+        first, last = ["tok_embeddings"], ["norm", "output"]
+        return pippy.split_model(
+            model, index, 4, layers="layers", first=first, last=last
+        )
+
+    # Two copies of stage 0: "tok_embeddings.weight" twice, different tensors.
+    with pytest.raises(checkpoint.KeyCollisionError, match="'tok_embeddings.weight'"):
+        checkpoint.StageState([stage(0, 0), stage(0, 1)])
+    # A stage passed as extra state would save under "stage2.*": refused.
+    with pytest.raises(ValueError, match="is a module or optimizer"):
+        checkpoint.StageState(stage(0, 0), extra={"stage2": stage(2, 0)})
+    # Two real parts: the union of their keys, the same tensors, no copies.
+    parts = [stage(0, 0), stage(2, 0)]
+    merged = checkpoint.merge_parts(parts).state_dict(keep_vars=True)
+    expected = {k: v for p in parts for k, v in p.state_dict(keep_vars=True).items()}
+    assert merged.keys() == expected.keys()
+    assert all(merged[k] is v for k, v in expected.items())
