@@ -113,6 +113,25 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
             {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
             {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
         )
+    # Two stages per rank (stages p and p + 2 of 4), each sharded with FSDP2.
+    pp = mesh.get_local_rank("pp")
+
+    def sharded_parts(seed):
+        parts = [stage_module(s, N_STAGES, seed=seed) for s in (pp, pp + 2)]
+        for part in parts:
+            fully_shard(part, mesh=mesh["dp"])
+        optimizers = [torch.optim.AdamW(p.parameters()) for p in parts]
+        return checkpoint.StageState(parts, optimizers)
+
+    state = sharded_parts(0)
+    step_once(state)
+    checkpoint.save_stage(state, out / "fsdp-parts", mesh=mesh)
+    fresh = sharded_parts(7)
+    checkpoint.load_stage(fresh, out / "fsdp-parts" / "step-1")
+    result["fsdp_parts_reload_differ"] = checkpoint.diff_state_dicts(
+        {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
+        {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
+    )
     # Replicas that diverged (no gradient all-reduce, a bug in the DP setup):
     # plain DCP writes some keys from one replica, some from the other.
     state = mesh_state(mesh, "ddp")
@@ -127,6 +146,40 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
         lambda: checkpoint.save_stage(state, out / "diverged", mesh=mesh)
     )
     result["diverged_left"] = listing(out / "diverged")
+    return result
+
+
+def check_hsdp(out: Path, rank: int, world_size: int) -> dict:
+    """HSDP on 4 ranks: each stage sharded over "dp_shard", replicated over
+    "dp_replicate" (one pipeline stage here: pp = 1). Saved, reloaded bitwise;
+    a replicate group that diverged is refused."""
+    names = ("dp_replicate", "dp_shard", "pp")
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=names)
+
+    def build(seed):
+        module = stage_module(0, 1, seed=seed)
+        fully_shard(module, mesh=mesh["dp_replicate", "dp_shard"])
+        return checkpoint.StageState(module, torch.optim.AdamW(module.parameters()))
+
+    state = build(0)
+    step_once(state)
+    checkpoint.save_stage(state, out / "hsdp", mesh=mesh)
+    dump(state, out, "hsdp", rank)
+    fresh = build(7)
+    checkpoint.load_stage(fresh, out / "hsdp" / "step-1")
+    result = {
+        "placements": repr(next(state.module.parameters()).placements),
+        "reload_differ": checkpoint.diff_state_dicts(
+            {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
+            {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
+        ),
+    }
+    if mesh.get_local_rank("dp_replicate") == 1:
+        with torch.no_grad():
+            next(state.module.parameters()).to_local().add_(1.0)
+    result["diverged"] = error_of(
+        lambda: checkpoint.save_stage(state, out / "hsdp-diverged", step=1, mesh=mesh)
+    )
     return result
 
 
@@ -174,7 +227,7 @@ def check_parts(out: Path, rank: int, world_size: int) -> dict:
     return result
 
 
-CHECKS = {"mesh": check_mesh, "parts": check_parts}
+CHECKS = {"mesh": check_mesh, "hsdp": check_hsdp, "parts": check_parts}
 
 if __name__ == "__main__":
     checks, out = sys.argv[1], Path(sys.argv[2])

@@ -36,9 +36,10 @@ def results(out, check, ranks):
 
 @pytest.fixture(scope="module")
 def mesh_run(tmp_path_factory):
-    """4 ranks as 2 pipelines x 2 stages (mesh ("dp", "pp")), DDP then FSDP2."""
+    """4 ranks as 2 pipelines x 2 stages (mesh ("dp", "pp")), DDP then FSDP2;
+    then as one HSDP stage, in the same launch."""
     out = tmp_path_factory.mktemp("mesh")
-    torchrun(4, LAYOUT_CHECKS, "mesh", out, timeout=300)
+    torchrun(4, LAYOUT_CHECKS, "mesh,hsdp", out, timeout=400)
     return out, results(out, "mesh", 4)
 
 
@@ -73,6 +74,9 @@ def test_ddp_replicas_are_saved_once_and_reload_bitwise(mesh_run):
 def test_fsdp2_shards_are_saved_and_reload_bitwise(mesh_run):
     out, found = mesh_run
     assert all(r["fsdp_reload_differ"] == [] for r in found)
+    assert all(r["fsdp_parts_reload_differ"] == [] for r in found)  # 2 stages/rank
+    full = {f"model.{k}" for k in tiny_gpt().state_dict()}
+    assert {k for k in plain_read(out / "fsdp-parts" / "step-1")} >= full
     saved = plain_read(out / "fsdp" / "step-1")
     for stage in (0, 1):  # dp replica 0 is rank `stage`, replica 1 rank `stage + 2`
         first, second = live(out, "fsdp", stage), live(out, "fsdp", stage + 2)
@@ -101,6 +105,33 @@ def test_diverged_replicas_mix_in_plain_dcp_and_are_refused(mesh_run):
         assert result["diverged_left"] is None
 
 
+def test_hsdp_saves_reloads_and_refuses_diverged_replicate_groups(mesh_run):
+    tmp_path = mesh_run[0]
+    found = results(tmp_path, "hsdp", 4)
+    assert found[0]["placements"] == "(Replicate(), Shard(dim=0))"
+    saved = plain_read(tmp_path / "hsdp" / "step-1")
+    # Ranks 0 and 1 shard the stage (dim 0); ranks 2 and 3 replicate them.
+    first, second = live(tmp_path, "hsdp", 0), live(tmp_path, "hsdp", 1)
+    for rank in (2, 3):
+        twin = live(tmp_path, "hsdp", rank - 2)
+        assert all(
+            torch.equal(v, twin[k]) for k, v in live(tmp_path, "hsdp", rank).items()
+        )
+    for key, shard in first.items():
+        if key.startswith("model.") and shard.dim() > 0:
+            assert torch.equal(saved[key], torch.cat([shard, second[key]])), key
+    for result in found:
+        assert result["reload_differ"] == []
+        assert result["diverged"] == (
+            "DivergedReplicasError: the data-parallel replicas differ in 1 "
+            "entr(ies): 'model.tok_embeddings.weight' (ranks [0, 1, 2, 3]). DCP "
+            "writes one replica's value of each key, so the checkpoint would mix "
+            "them. Keep the replicas in sync (wrap each stage in DDP or FSDP2 over "
+            "the data-parallel dim, and step every replica's optimizer alike), then "
+            "save."
+        )
+
+
 def test_several_stages_per_rank_save_reload_and_load_unsplit(tmp_path):
     torchrun(2, LAYOUT_CHECKS, "parts", tmp_path, timeout=300)
     found = results(tmp_path, "parts", 2)
@@ -123,3 +154,27 @@ def test_several_stages_per_rank_save_reload_and_load_unsplit(tmp_path):
     for result in found:
         assert result["nested"].startswith("NestedStateError: model or optimizer")
         assert result["nested_left"] is None
+
+
+def test_parts_holding_one_fqn_twice_are_refused():
+    import pippy
+
+    def stage(index, seed):
+        model = tiny_gpt(seed=seed)
+        first, last = ["tok_embeddings"], ["norm", "output"]
+        return pippy.split_model(
+            model, index, 4, layers="layers", first=first, last=last
+        )
+
+    # Two copies of stage 0: "tok_embeddings.weight" twice, different tensors.
+    with pytest.raises(checkpoint.KeyCollisionError, match="'tok_embeddings.weight'"):
+        checkpoint.StageState([stage(0, 0), stage(0, 1)])
+    # A stage passed as extra state would save under "stage2.*": refused.
+    with pytest.raises(ValueError, match="is a module or optimizer"):
+        checkpoint.StageState(stage(0, 0), extra={"stage2": stage(2, 0)})
+    # Two real parts: the union of their keys, the same tensors, no copies.
+    parts = [stage(0, 0), stage(2, 0)]
+    merged = checkpoint.merge_parts(parts).state_dict(keep_vars=True)
+    expected = {k: v for p in parts for k, v in p.state_dict(keep_vars=True).items()}
+    assert merged.keys() == expected.keys()
+    assert all(merged[k] is v for k, v in expected.items())

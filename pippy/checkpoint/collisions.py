@@ -165,11 +165,11 @@ def _refuse_divergence(offers: Mapping[int, Mapping[str, Any]]) -> None:
         for key, digest in offer["digests"].items():
             replica = (key, offer["stage"], offer["owned"][key])
             values.setdefault(replica, {}).setdefault(digest, []).append(rank)
-    differ = {
-        key: sorted(r for ranks in by_value.values() for r in ranks)
-        for (key, _, _), by_value in values.items()
-        if len(by_value) > 1
-    }
+    differ: dict[str, list[int]] = {}
+    for (key, _, _), by_value in values.items():
+        if len(by_value) > 1:  # one key may have several chunks (HSDP)
+            ranks = {r for ranks in by_value.values() for r in ranks}
+            differ[key] = sorted(ranks.union(differ.get(key, [])))
     if differ:
         raise DivergedReplicasError(
             f"the data-parallel replicas differ in {len(differ)} entr(ies): "

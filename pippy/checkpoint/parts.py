@@ -11,6 +11,7 @@ helpers (and one optimizer over all parts) work on it as on one stage.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -25,6 +26,16 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
+def _check_one(held: Any, new: Any, fqn: str) -> None:
+    """Refuses two different tensors saved under one FQN."""
+    if held is not None and held is not new:
+        raise KeyCollisionError(
+            f"two parts of this rank hold different tensors named {fqn!r}: DCP "
+            "would save one of them. Each part must hold what it owns, under the "
+            "un-split model's FQN"
+        )
+
+
 def _merge(modules: list[nn.Module], path: str) -> nn.Module:
     """One container holding the union of the modules' entries under ``path``."""
     if len(modules) == 1:
@@ -32,20 +43,16 @@ def _merge(modules: list[nn.Module], path: str) -> nn.Module:
     merged = nn.Module()
     for module in modules:
         for name, param in module._parameters.items():
-            if param is None:
-                continue
-            held = merged._parameters.get(name)
-            if held is not None and held is not param:
-                raise KeyCollisionError(
-                    f"two parts of this rank hold different parameters named "
-                    f"{path}{name!r}: each part must own what it holds, under the "
-                    "un-split model's FQN"
-                )
-            merged.register_parameter(name, param)
+            if param is not None:
+                _check_one(merged._parameters.get(name), param, path + name)
+                merged.register_parameter(name, param)
         for name, buffer in module._buffers.items():
-            if buffer is not None:
-                persistent = name not in module._non_persistent_buffers_set
-                merged.register_buffer(name, buffer, persistent=persistent)
+            if buffer is None:
+                continue
+            persistent = name not in module._non_persistent_buffers_set
+            if persistent:  # a copy that is not saved (RoPE tables) may differ
+                _check_one(merged._buffers.get(name), buffer, path + name)
+            merged.register_buffer(name, buffer, persistent=persistent)
     names = dict.fromkeys(n for m in modules for n, c in m._modules.items() if c)
     for name in names:
         children = [m._modules[name] for m in modules if m._modules.get(name)]
@@ -75,7 +82,8 @@ def merge_parts(parts: Sequence[nn.Module]) -> nn.Module:
 
     Raises:
         ValueError: ``parts`` is empty.
-        KeyCollisionError: Two parts hold different parameters under one FQN.
+        KeyCollisionError: Two parts hold different parameters, or different
+            persistent buffers, under one FQN.
     """
     if not parts:
         raise ValueError("merge_parts needs at least one stage module")

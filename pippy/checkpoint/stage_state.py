@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim import Optimizer
 
 from pippy.checkpoint.checks import fingerprint, renaming_hooks
 from pippy.checkpoint.errors import CheckpointError
@@ -111,8 +112,9 @@ class StageState(Stateful):
         optimizers, lr_schedulers: As given, as lists (maybe empty).
 
     Raises:
-        ValueError: An ``extra`` name is reserved, a scheduler is given
-            without an optimizer, or the lists' lengths do not match.
+        ValueError: An ``extra`` name is reserved or holds a module or an
+            optimizer, a scheduler is given without an optimizer, or the
+            lists' lengths do not match.
         KeyCollisionError: Two modules hold different parameters under one
             FQN.
 
@@ -143,6 +145,15 @@ class StageState(Stateful):
         reserved = {"model", "optim", "lr_scheduler", "step"} & self.extra.keys()
         if reserved:
             raise ValueError(f"extra state may not use the reserved names {reserved}")
+        held = [
+            n for n, o in self.extra.items() if isinstance(o, nn.Module | Optimizer)
+        ]
+        if held:
+            raise ValueError(
+                f"extra state {held} is a module or optimizer: its keys would name "
+                "this layout. Pass all stage modules (and optimizers) as the "
+                "first arguments"
+            )
         if self.lr_schedulers and not self.optimizers:
             raise ValueError("an LR scheduler needs the optimizer it schedules")
         if len(self.optimizers) > 1 and len(self.optimizers) != len(self.modules):
