@@ -1,11 +1,12 @@
-"""Plots the loss of an uninterrupted run against runs resumed on 4 and 2 ranks.
+"""Plots the loss of an uninterrupted run against runs resumed on other layouts.
 
     python examples/checkpoint/plot_resume.py   # writes resume_losses.png beside it
 
 Runs pippy_dcp.py with torchrun: 40 steps on 4 ranks without a stop; 20 steps
-on 4 ranks, stopped; then that checkpoint resumed to step 40 on 4 ranks and,
-separately, on 2 ranks. Prints the largest loss difference and writes the plot.
-Takes 90 s to 2 min on a 2-core CPU machine.
+on 4 ranks, stopped; then that checkpoint resumed to step 40, separately, on
+each layout of LAYOUTS: 4 ranks, 2 ranks, 2 pipelines x 2 stages (DDP, FSDP2),
+2 ranks x 2 interleaved stages, 1 rank. Prints the largest loss difference of
+each and writes the plot. Takes about 2.5 min on a 2-core CPU machine.
 """
 
 import argparse
@@ -24,6 +25,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 EXAMPLE = Path(__file__).with_name("pippy_dcp.py")
 LOSS = re.compile(r"^step\s+(\d+) \| loss ([\d.]+)", re.MULTILINE)
+LAYOUTS = {  # label: (ranks, flags), each resumed from the same step-20
+    "4 ranks": (4, []),
+    "2 ranks": (2, []),
+    "2 x 2, DDP": (4, ["--dp", "2"]),
+    "2 x 2, FSDP2": (4, ["--dp", "2", "--fsdp"]),
+    "2 ranks x 2 stages": (2, ["--stages-per-rank", "2", "--schedule", "looped-bfs"]),
+    "1 rank": (1, []),
+}
 
 
 def run(nproc: int, checkpoint_dir: Path, *flags: str) -> dict[int, float]:
@@ -47,29 +56,26 @@ def main() -> None:
         root = Path(tmp)
         straight = run(4, root / "straight")
         first_half = run(4, root / "half", "--stop-after", "20")
-        curves = {"uninterrupted, 4 ranks": straight}
-        for nproc in (4, 2):
-            shutil.copytree(root / "half", root / f"resumed-{nproc}")
-            resumed = run(nproc, root / f"resumed-{nproc}")
-            curves[f"stopped at 20 on 4 ranks, resumed on {nproc}"] = {
-                **first_half,
-                **resumed,
-            }
+        curves = {
+            "uninterrupted, 4 ranks": straight,
+            "stopped at 20, 4 ranks": first_half,
+        }
+        for i, (label, (nproc, flags)) in enumerate(LAYOUTS.items()):
+            shutil.copytree(root / "half", root / f"resumed-{i}")
+            resumed = run(nproc, root / f"resumed-{i}", *flags)
+            curves[f"resumed on {label}"] = resumed
     for name, curve in curves.items():
-        worst = max(abs(curve[s] - straight[s]) for s in straight)
+        worst = max(abs(curve[s] - straight[s]) for s in curve)
         print(f"{name}: largest difference from uninterrupted {worst:.4f}")
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    styles = [
-        {"lw": 3, "alpha": 0.4},
-        {"ls": "", "marker": "o"},
-        {"ls": "", "marker": "x"},
-    ]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = [{"lw": 3, "alpha": 0.4}, {"ls": "", "marker": ".", "color": "k"}]
+    styles += [{"ls": "", "marker": m, "fillstyle": "none"} for m in "os^vDx"]
     for (name, curve), style in zip(curves.items(), styles, strict=True):
         ax.plot(list(curve), list(curve.values()), label=name, **style)
     ax.axvline(20, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="step", ylabel="training loss (printed, 4 decimals)")
-    ax.set_title("pippy_dcp.py: resumed runs lie on the uninterrupted one")
+    ax.set_title("pippy_dcp.py: stopped at 20 on 4 ranks, resumed on other layouts")
     ax.legend()
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
