@@ -398,7 +398,7 @@ def verify(args, state, path: Path, layout: Layout, device) -> bool:
     return not failed.item()
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
+def setup_distributed() -> tuple[int, torch.device]:
     if "RANK" not in os.environ:
         sys.exit(f"launch with torchrun: torchrun --nproc-per-node 4 {sys.argv[0]}")
     if torch.cuda.is_available():
@@ -408,7 +408,7 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
+    return dist.get_rank(), device
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -457,7 +457,7 @@ def main() -> None:
     args = parse_args()
     # set up distributed: gloo on CPU, nccl on GPU. A rank whose torchrun
     # died stops at once; a SIGTERM ends training with a save
-    rank, world_size, device = setup_distributed()
+    rank, device = setup_distributed()
     checkpoint.stop_with_launcher()
     stop = checkpoint.StopSignal(device=device)
     owner = checkpoint.FolderOwner(args.checkpoint_dir)
