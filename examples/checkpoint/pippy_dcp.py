@@ -438,7 +438,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     counts = (args.steps, args.save_every, args.microbatches, args.dp)
     optional = [n for n in (args.stop_after, args.keep_last) if n is not None]
     if min(*counts, *optional, args.stages_per_rank) < 1:
-        p.error("--steps, --save-every, --microbatches, --dp, --stop-after, ...: >= 1")
+        p.error(
+            "--steps, --save-every, --microbatches, --dp, --stages-per-rank, "
+            "--stop-after, --keep-last: >= 1"
+        )
     world_size = int(os.environ.get("WORLD_SIZE", args.dp))
     if world_size % args.dp or args.fsdp and args.dp == 1:
         p.error(f"--dp must divide the {world_size} ranks; --fsdp needs --dp 2 or more")
