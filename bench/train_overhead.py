@@ -2,7 +2,9 @@
 
 Trains the example's GPT (``examples/checkpoint/gpt.py``, split like the
 example's manual split, GPipe, AdamW) on real ranks, once per mode, and
-records every step's time, the save included. The modes take turns, 10 steps
+records every step's time, the save included (8 sequences of 128 bytes
+per step for the example's model, as the example trains; of 32 for the
+larger one). The modes take turns, 10 steps
 at a time (in a shuffled order per round), so that other work on the machine
 falls on all of them alike:
 
@@ -12,7 +14,9 @@ falls on all of them alike:
   ``state_dict()``, ``check_keys``, ``save``; ``poll()`` on the other steps),
   its last save waited for at the end of each 10 steps, inside their time;
 * ``sync/1+freeze``: ``sync/1`` after ``gc.freeze()`` (the objects built at
-  setup moved out of the garbage collector's reach).
+  setup moved out of the garbage collector's reach);
+* ``sync/1+gc``: ``sync/1`` without ``save_stage``'s pause of the garbage
+  collector (its undecorated function, ``save_stage.__wrapped__``).
 
 The figure a user feels is the mean step time over the run (its total time,
 the waits for async saves included, over its steps) against the run without
@@ -52,7 +56,11 @@ from gpt import GPT, ModelArgs, init_weights, rope_table  # noqa: E402
 from pippy_dcp import split_manual  # noqa: E402
 
 MODES = ["none", "sync/1", "async/1", "sync/10", "async/10", "sync/1+freeze"]
-BATCH, MICROBATCHES, SEQ_LEN, N_LAYERS, WARMUP = 8, 4, 128, 8, 3
+MODES += ["sync/1+gc"]
+BATCH, MICROBATCHES, N_LAYERS, WARMUP = 8, 4, 8, 3
+# The example's sequences for its model; shorter ones for the larger model,
+# so that its steps take about a second on these CPUs.
+SEQ_LEN = {128: 128}
 ROUND = 10  # steps of one mode in a row
 
 
@@ -61,9 +69,9 @@ ROUND = 10  # steps of one mode in a row
 # --------------------------------------------------------------------------
 
 
-def build(dim: int, rank: int, world: int):
+def build(dim: int, seq_len: int, rank: int, world: int):
     """This rank's stage of the example's GPT, its schedule and its state."""
-    margs = ModelArgs(n_layers=N_LAYERS, dim=dim, max_seq_len=SEQ_LEN)
+    margs = ModelArgs(n_layers=N_LAYERS, dim=dim, max_seq_len=seq_len)
     with torch.device("meta"):
         model = GPT(margs)
     module = split_manual(model, rank, world)
@@ -82,7 +90,8 @@ def build(dim: int, rank: int, world: int):
 
 def train_step(stage, schedule, state, generator: torch.Generator) -> None:
     """One optimizer step over random tokens (every rank draws the same)."""
-    tokens = torch.randint(256, (BATCH, SEQ_LEN + 1), generator=generator)
+    seq_len = state.module.get_buffer("rope").shape[1]
+    tokens = torch.randint(256, (BATCH, seq_len + 1), generator=generator)
     args = (tokens[:, :-1],) if stage.is_first else ()
     kwargs = {"target": tokens[:, 1:]} if stage.is_last else {}
     schedule.step(*args, **kwargs)
@@ -97,6 +106,12 @@ def run_mode(mode: str, parts, steps: int, folder: Path, saver) -> list[float]:
     stage, schedule, state = parts
     kind, _, every = mode.partition("/")
     every_n = int(every.split("+")[0]) if every else 0
+    # +gc: save_stage without its pause of the garbage collector
+    save = (
+        checkpoint.save_stage.__wrapped__
+        if mode.endswith("+gc")
+        else checkpoint.save_stage
+    )
     generator = torch.Generator().manual_seed(1)
     times = []
     dist.barrier()
@@ -105,7 +120,7 @@ def run_mode(mode: str, parts, steps: int, folder: Path, saver) -> list[float]:
         train_step(stage, schedule, state, generator)
         due = every_n and state.step % every_n == 0
         if due and kind == "sync":
-            checkpoint.save_stage(state, folder, keep_last=2)
+            save(state, folder, keep_last=2)
         elif due:
             state_dict = state.state_dict()
             checkpoint.check_keys(state_dict)
@@ -125,10 +140,12 @@ def rank_main(opts: argparse.Namespace) -> None:
     the machine falls on all alike); rank 0 writes each rank's step times."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    parts = build(opts.dim, rank, world)
+    parts = build(opts.dim, opts.seq_len, rank, world)
     work = Path(opts.work_dir)
-    run_mode("none", parts, WARMUP, work / "warmup", None)
     saver = checkpoint.AsyncSaver(work / "async", keep_last=2)
+    # warm-up: steps, and a save of each kind (the first of a process is slower)
+    for mode in ("none", "sync/1", "async/1"):
+        run_mode(mode, parts, WARMUP, work / "warmup", saver)
     out: dict[str, list] = {mode: [[] for _ in range(world)] for mode in MODES}
     for round_ in range(opts.steps // ROUND):
         for mode in random.Random(round_).sample(MODES, len(MODES)):
@@ -152,7 +169,8 @@ def rank_main(opts: argparse.Namespace) -> None:
     sizes: list = [None] * world
     dist.all_gather_object(sizes, nbytes)
     if rank == 0:
-        result = {"dim": opts.dim, "ranks": world, "bytes_per_rank": max(sizes)}
+        result = {"dim": opts.dim, "seq_len": opts.seq_len, "ranks": world}
+        result["bytes_per_rank"] = max(sizes)
         Path(opts.result).write_text(json.dumps(result | {"modes": out}))
     dist.destroy_process_group()
 
@@ -167,7 +185,8 @@ def launch(opts: argparse.Namespace, dim: int, ranks: int, work: Path) -> dict:
     result = work / f"result-{dim}-{ranks}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc-per-node={ranks}", __file__, "--rank-run"]
-    cmd += ["--dim", str(dim), "--steps", str(opts.steps)]
+    cmd += ["--dim", str(dim), "--seq-len", str(SEQ_LEN.get(dim, 32))]
+    cmd += ["--steps", str(opts.steps)]
     cmd += ["--work-dir", str(work / f"{dim}-{ranks}"), "--result", str(result)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, timeout=opts.timeout, cwd=ROOT)
@@ -191,7 +210,7 @@ def table(runs: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         modes = summarize(run)
-        cells = [str(run["ranks"]), f"dim {run['dim']}"]
+        cells = [str(run["ranks"]), f"dim {run['dim']}, seq {run['seq_len']}"]
         cells.append(f"{run['bytes_per_rank'] / MB:.0f}")
         cells += [f"{modes[m]['mean_s']:.3f} ({modes[m]['x_none']:.2f})" for m in MODES]
         lines.append("| " + " | ".join(cells) + " |")
@@ -233,6 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--timeout", type=int, default=600, help="seconds per launch")
     add("--rank-run", action="store_true", help=argparse.SUPPRESS)
     add("--dim", type=int, default=128, help=argparse.SUPPRESS)
+    add("--seq-len", type=int, default=128, help=argparse.SUPPRESS)
     add("--work-dir", help=argparse.SUPPRESS)
     add("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
