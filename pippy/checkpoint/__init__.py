@@ -1,6 +1,7 @@
 """Stage-aware distributed checkpointing for pipeline parallelism.
 
-Every rank of a pipeline holds one stage. To checkpoint, every rank calls
+Every rank of a pipeline holds one stage, or several (interleaved schedules),
+maybe replicated or sharded over data-parallel ranks. To checkpoint, every rank calls
 ``torch.distributed.checkpoint.save`` on the same ``checkpoint_id`` at the same
 time: each writes its own data file and the coordinator writes ``.metadata``.
 That works only if each stage's ``state_dict`` keys are the un-split model's
@@ -13,11 +14,14 @@ the whole model and no key is offered by two ranks. One idea per module:
   un-split model (plain or FSDP2-sharded).
 * :mod:`~pippy.checkpoint.stage_state`: :class:`StageState`, the model,
   optimizer (keyed by FQN), LR scheduler, step and any extra ``Stateful`` of
-  one stage as one ``state_dict``.
+  a rank's stage(s) as one ``state_dict``; :mod:`~pippy.checkpoint.parts`:
+  :func:`merge_parts`, several stage modules seen as one.
 * :mod:`~pippy.checkpoint.optim_layout`: how optimizer state is keyed, packed
   into few items and parsed.
-* :mod:`~pippy.checkpoint.checks`: :func:`check_keys` across ranks before a
-  save (DCP would silently keep one copy of a colliding key), tied weights,
+* :mod:`~pippy.checkpoint.collisions`: :func:`check_keys` across ranks before
+  a save (DCP would silently keep one copy of a colliding key, and mix
+  diverged data-parallel replicas); :mod:`~pippy.checkpoint.checks`: tied
+  weights,
   traced buffers, bitwise state_dict comparison and sizes.
 * :mod:`~pippy.checkpoint.steps`: one folder per step
   (``<checkpoint_dir>/step-<N>``), published only once complete; the newest
@@ -43,19 +47,21 @@ the whole model and no key is offered by two ranks. One idea per module:
 from pippy.checkpoint.api import load_model, load_stage, read_checkpoint, save_stage
 from pippy.checkpoint.async_saver import AsyncSaver
 from pippy.checkpoint.checks import (
-    check_keys,
     check_untied,
     diff_state_dicts,
     named_leaves,
     restore_non_persistent_buffers,
     state_dict_size,
 )
+from pippy.checkpoint.collisions import check_keys
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
     CheckpointError,
     CheckpointNotFoundError,
+    DivergedReplicasError,
     KeyCollisionError,
+    NestedStateError,
     TiedParametersError,
     UnsafeCheckpointError,
     explain_failures,
@@ -65,6 +71,7 @@ from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import OWNER_FILE, FolderOwner, StopSignal, stop_with_launcher
 from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.manifest import MANIFEST_FILE, ManifestWriter, read_manifest
+from pippy.checkpoint.parts import merge_parts
 from pippy.checkpoint.safe_load import (
     TRUST_ENV,
     SafeFileSystemReader,
@@ -97,12 +104,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "FolderOwner",
     "KeyCollisionError",
+    "NestedStateError",
     "ManifestWriter",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "StageState",
     "StopSignal",
     "TiedParametersError",
+    "DivergedReplicasError",
     "UnsafeCheckpointError",
     "check_keys",
     "check_untied",
@@ -118,6 +127,7 @@ __all__ = [
     "list_steps",
     "load_model",
     "load_stage",
+    "merge_parts",
     "named_leaves",
     "parse_step",
     "publish_step",

@@ -24,8 +24,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
 
-from pippy.checkpoint.checks import check_keys, named_leaves, tied_groups
+from pippy.checkpoint.checks import named_leaves, tied_groups
+from pippy.checkpoint.collisions import check_keys
 from pippy.checkpoint.errors import CheckpointError, explain_failures, fail_together
 from pippy.checkpoint.layouts import (
     PIPPY,
@@ -66,6 +68,7 @@ def save_stage(
     step: int | None = None,
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
 ) -> Path:
@@ -86,6 +89,10 @@ def save_stage(
             :class:`StageState` and is required otherwise.
         keep_last: If set, keep only this many newest complete steps.
         process_group: The ranks that save; the default group if None.
+        mesh: The ranks' ``DeviceMesh`` with a ``"pp"`` dim and data-parallel
+            dims, for :func:`check_keys`: stages replicated over data-parallel
+            ranks are compared, not taken for collisions. DCP writes each
+            replicated item once, spread over the replicas.
         storage_writer: DCP's storage writer; None writes files and a
             manifest of their checksums with :class:`ManifestWriter` (which
             loads verify by default). Its path is set to the staging folder.
@@ -97,7 +104,9 @@ def save_stage(
     Raises:
         ValueError: No ``step`` for a plain state_dict, or the state's own
             ``step`` entry is another.
-        KeyCollisionError: As :func:`check_keys`; nothing is written.
+        KeyCollisionError: As :func:`check_keys` (also its subclass
+            ``DivergedReplicasError``, and ``NestedStateError``); nothing is
+            written.
         CheckpointDirError: As :func:`publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
@@ -112,7 +121,7 @@ def save_stage(
     stored = state_dict.get("step")
     if isinstance(stored, int) and stored != step:
         raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
-    check_keys(state_dict, process_group=process_group)
+    check_keys(state_dict, process_group=process_group, mesh=mesh)
     with publish_step(
         checkpoint_dir, step, keep_last=keep_last, process_group=process_group
     ) as checkpoint_id:

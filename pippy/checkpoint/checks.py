@@ -1,10 +1,12 @@
-"""Checks of a stage's state_dict: before a save, across ranks, and after a load.
+"""Checks of a stage's state_dict and model: before a split, and after a load.
 
 DCP takes equal keys on different ranks for replicas and writes one of them
 without an error, so a stage's keys must be exactly the un-split model's FQNs
-of what it owns. :func:`check_keys` proves that across ranks before writing;
-:func:`check_untied` and :func:`restore_non_persistent_buffers` remove two
-known causes of collisions; :func:`diff_state_dicts` compares bit for bit.
+of what it owns (:func:`~pippy.checkpoint.collisions.check_keys` proves that
+across ranks). :func:`check_untied` and :func:`restore_non_persistent_buffers`
+remove two known causes of collisions; :func:`diff_state_dicts` compares bit
+for bit; :func:`named_leaves` and :func:`fingerprint` name and summarise the
+leaves of a nested state_dict.
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from pippy.checkpoint.errors import KeyCollisionError, TiedParametersError
+from pippy.checkpoint.errors import TiedParametersError
 
 __all__ = [
-    "check_keys",
+    "fingerprint",
     "check_untied",
     "diff_state_dicts",
     "named_leaves",
@@ -86,93 +87,6 @@ def fingerprint(value: Any) -> str:
             + hashlib.sha1(data.numpy().tobytes()).hexdigest()
         )
     return repr(value)
-
-
-def _with_ranks(items: dict[str, list[int]]) -> str:
-    """The first ten keys with their ranks, for an error message."""
-    text = ", ".join(f"{k!r} (ranks {r})" for k, r in sorted(items.items())[:10])
-    return text + (" ..." if len(items) > 10 else "")
-
-
-def check_keys(
-    state_dict: Mapping[str, Any],
-    *,
-    owned: tuple[str, ...] = ("model", "optim"),
-    process_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
-
-    DCP takes equal keys on different ranks for replicas and writes one of
-    them, without an error. So every key under ``owned`` (model and optimizer
-    state) must be offered by one rank only, and every other entry (step,
-    scheduler, data state) must hold the same value on every rank. Each rank
-    sends its key names and a SHA-1 of each shared entry (a few KB); call it
-    on every rank of ``process_group``.
-
-    Args:
-        state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
-        owned: Top-level entries that each stage owns exclusively.
-        process_group: Group of the pipeline ranks; the default group if None.
-
-    Raises:
-        KeyCollisionError: On every rank, naming the keys and their ranks, if
-            an owned key appears on more than one rank or a shared entry
-            differs between ranks.
-
-    Note:
-        Known causes of collisions: layers renumbered per stage (``layers.0``
-        on every stage), a tied weight copied into two stages, and
-        non-persistent buffers that tracing made persistent (see
-        :func:`restore_non_persistent_buffers`). Per-rank state such as a
-        stage's RNG belongs under a key naming the stage (``rng.stage_3``).
-    """
-    if not dist.is_initialized():
-        return
-    mine = {
-        "owned": [
-            k
-            for s in owned
-            if s in state_dict
-            for k, _ in named_leaves(state_dict[s], f"{s}.")
-        ],
-        "shared": {
-            k: fingerprint(v)
-            for s in state_dict
-            if s not in owned
-            for k, v in named_leaves({s: state_dict[s]})
-        },
-    }
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, mine, group=process_group)
-    owners: dict[str, list[int]] = {}
-    for rank, theirs in enumerate(gathered):
-        for key in theirs["owned"]:
-            owners.setdefault(key, []).append(rank)
-    collisions = {key: ranks for key, ranks in owners.items() if len(ranks) > 1}
-    if collisions:
-        raise KeyCollisionError(
-            f"{len(collisions)} checkpoint key(s) are offered by more than one rank: "
-            f"{_with_ranks(collisions)}. DCP would keep one copy and drop the "
-            "others. Give every stage the un-split model's FQNs (keep layers in a "
-            "ModuleDict keyed by the global layer index), and call "
-            "restore_non_persistent_buffers() on traced stages."
-        )
-    fingerprints: dict[str, dict[str, list[int]]] = {}
-    for rank, theirs in enumerate(gathered):
-        for key, print_ in theirs["shared"].items():
-            fingerprints.setdefault(key, {}).setdefault(print_, []).append(rank)
-    differing = {
-        key: min(by_value.values(), key=len)  # the odd rank(s) out
-        for key, by_value in fingerprints.items()
-        if len(by_value) > 1
-    }
-    if differing:
-        raise KeyCollisionError(
-            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
-            f"{_with_ranks(differing)}. DCP would keep one rank's value. Keep "
-            "per-rank state under a key that names the stage, or make it equal "
-            "on all ranks."
-        )
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:

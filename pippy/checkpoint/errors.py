@@ -23,7 +23,9 @@ __all__ = [
     "CheckpointDirInUseError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "DivergedReplicasError",
     "KeyCollisionError",
+    "NestedStateError",
     "TiedParametersError",
     "UnsafeCheckpointError",
     "explain_failures",
@@ -40,6 +42,22 @@ class KeyCollisionError(CheckpointError, ValueError):
 
     DCP treats equal keys on different ranks as replicas and writes only one
     of them, so saving would silently lose the others' values.
+    """
+
+
+class DivergedReplicasError(KeyCollisionError):
+    """The data-parallel replicas of a stage hold different values.
+
+    DCP writes one replica of each key (spread over the replicas), so saving
+    would silently mix the replicas key by key.
+    """
+
+
+class NestedStateError(CheckpointError, ValueError):
+    """Model or optimizer state is nested under another state_dict section.
+
+    Its keys would name one layout (``stage0.model.layers.0.w``), so no other
+    layout, nor the un-split model, could load them.
     """
 
 

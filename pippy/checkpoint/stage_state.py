@@ -1,9 +1,9 @@
-"""``StageState``: everything one pipeline stage checkpoints, as one state_dict."""
+"""``StageState``: what a rank's pipeline stage(s) checkpoint, as one state_dict."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim import Optimizer
 
 from pippy.checkpoint.checks import fingerprint, renaming_hooks
 from pippy.checkpoint.errors import CheckpointError
@@ -28,11 +29,26 @@ from pippy.checkpoint.optim_layout import (
     unpack_scalars,
     without_empty_groups,
 )
+from pippy.checkpoint.parts import merge_parts
 
 __all__ = ["StageState"]
 
 # How a step is computed, not what it computes: param groups need not agree.
 _IMPLEMENTATION_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
+
+_Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+_Schedulers = (
+    torch.optim.lr_scheduler.LRScheduler
+    | Sequence[torch.optim.lr_scheduler.LRScheduler]
+    | None
+)
+
+
+def _as_list(value: Any) -> list[Any]:
+    """None as [], one object as [it], a sequence as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, Sequence) else [value]
 
 
 def _listed(keys: list[str]) -> str:
@@ -59,7 +75,7 @@ def _named_renames(module: nn.Module) -> Iterator[None]:
 
 
 class StageState(Stateful):
-    """The checkpointable state of one pipeline stage.
+    """The checkpointable state of the pipeline stage(s) a rank holds.
 
     ``state_dict()`` returns a nested dict whose leaves DCP writes as
     ``model.<fqn>``, ``optim.state.<fqn>.<name>`` (the optimizer's tensors
@@ -68,24 +84,39 @@ class StageState(Stateful):
     options and 0-dim state such as AdamW's ``step``; see
     :mod:`pippy.checkpoint.optim_layout`), ``lr_scheduler.<name>``, ``step``
     and ``<extra name>.<name>``. Model and optimizer keys are the un-split
-    model's FQNs of the parameters this stage owns, so the stages' keys are
-    disjoint and together form the whole model; the scheduler, step and extra
+    model's FQNs of the parameters this rank's stages own, so the ranks' keys
+    are disjoint (or, across data-parallel replicas, equal) and together
+    form the whole model, whatever the layout; the scheduler, step and extra
     state are the same on every rank and DCP stores them once.
 
     Args:
         module: The stage's module, keeping the un-split model's FQNs (for
-            example ``layers.5.mlp.w1.weight``, never renumbered).
-        optimizer: The optimizer over ``module``'s parameters; None for the
-            weights alone (no ``optim`` section).
-        lr_scheduler: Optional LR scheduler of ``optimizer``.
+            example ``layers.5.mlp.w1.weight``, never renumbered); or a list
+            of the stage modules this rank holds (interleaved schedules),
+            merged with :func:`~pippy.checkpoint.parts.merge_parts`. A DDP or
+            FSDP2 module is fine: keys have no wrapper prefix.
+        optimizer: The optimizer over the modules' parameters, or a list with
+            one optimizer per module (each over its module's parameters);
+            None for the weights alone (no ``optim`` section).
+        lr_scheduler: Optional LR scheduler of the optimizer, or a list with
+            one per optimizer. A list must hold equal state (the same
+            schedule); one copy is saved and loaded into each.
         step: Number of optimizer steps taken so far.
         extra: Further ``Stateful`` objects saved under their names (for
             example a data sampler). Their state must be the same on every
             rank: DCP keeps one copy of equal keys.
 
+    Attributes:
+        module: The one module (the parts merged) whose state is saved.
+        modules: The stage modules as given, as a list.
+        optimizers, lr_schedulers: As given, as lists (maybe empty).
+
     Raises:
-        ValueError: An ``extra`` name is reserved, or a scheduler is given
-            without an optimizer.
+        ValueError: An ``extra`` name is reserved or holds a module or an
+            optimizer, a scheduler is given without an optimizer, or the
+            lists' lengths do not match.
+        KeyCollisionError: Two modules hold different parameters under one
+            FQN.
 
     Note:
         DCP loads in place. Build the stage and its optimizer first, take
@@ -96,23 +127,41 @@ class StageState(Stateful):
 
     def __init__(
         self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
-        lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        module: nn.Module | Sequence[nn.Module],
+        optimizer: _Optimizers = None,
+        lr_scheduler: _Schedulers = None,
         *,
         step: int = 0,
         extra: Mapping[str, Stateful] | None = None,
     ) -> None:
-        self.module = module
+        self.modules = _as_list(module)
+        self.module = module if isinstance(module, nn.Module) else merge_parts(module)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.optimizers = _as_list(optimizer)
+        self.lr_schedulers = _as_list(lr_scheduler)
         self.step = step
         self.extra = dict(extra or {})
         reserved = {"model", "optim", "lr_scheduler", "step"} & self.extra.keys()
         if reserved:
             raise ValueError(f"extra state may not use the reserved names {reserved}")
-        if lr_scheduler is not None and optimizer is None:
+        held = [
+            n for n, o in self.extra.items() if isinstance(o, nn.Module | Optimizer)
+        ]
+        if held:
+            raise ValueError(
+                f"extra state {held} is a module or optimizer: its keys would name "
+                "this layout. Pass all stage modules (and optimizers) as the "
+                "first arguments"
+            )
+        if self.lr_schedulers and not self.optimizers:
             raise ValueError("an LR scheduler needs the optimizer it schedules")
+        if len(self.optimizers) > 1 and len(self.optimizers) != len(self.modules):
+            raise ValueError("give one optimizer, or one per module")
+        if len(self.lr_schedulers) > 1 and len(self.lr_schedulers) != len(
+            self.optimizers
+        ):
+            raise ValueError("give one LR scheduler, or one per optimizer")
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
@@ -126,29 +175,48 @@ class StageState(Stateful):
         Raises:
             CheckpointError: A submodule's state_dict hook renames its keys
                 (a fused QKV weight saved as ``wq``, ``wk``, ``wv``), naming
-                the module and the hook.
+                the module and the hook; or the LR schedulers of a list hold
+                different state.
         """
         with _named_renames(self.module):
-            if self.optimizer is None:
+            if not self.optimizers:
                 sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
             else:
                 model_sd, optim_sd = get_state_dict(
-                    self.module, self.optimizer, options=OPTIONS
+                    self.module, self.optimizers, options=OPTIONS
                 )
-                fqn_of = param_fqns(self.module)
-                groups = {
-                    fqn_of[p]: i
-                    for i, group in enumerate(self.optimizer.param_groups)
-                    for p in group["params"]
-                    if p in fqn_of
+                sd = {
+                    "model": model_sd,
+                    "optim": pack_scalars(optim_sd, self._groups()),
                 }
-                sd = {"model": model_sd, "optim": pack_scalars(optim_sd, groups)}
         sd["step"] = self.step
-        if self.lr_scheduler is not None:
-            sd["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if self.lr_schedulers:
+            sd["lr_scheduler"] = self._scheduler_state()
         for name, obj in self.extra.items():
             sd[name] = obj.state_dict()
         return sd
+
+    def _groups(self) -> dict[str, int]:
+        """Each parameter's param group index within its own optimizer, by FQN."""
+        fqn_of = param_fqns(self.module)
+        return {
+            fqn_of[p]: i
+            for optimizer in self.optimizers
+            for i, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+            if p in fqn_of
+        }
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        """The LR schedulers' one state; refuses schedulers that differ."""
+        states = [s.state_dict() for s in self.lr_schedulers]
+        if any(fingerprint(s) != fingerprint(states[0]) for s in states[1:]):
+            raise CheckpointError(
+                "the LR schedulers of this rank's parts hold different state; "
+                "one copy is saved for all of them. Give every part the same "
+                "schedule, stepped together"
+            )
+        return states[0]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Applies a state_dict from :meth:`state_dict` (after ``dcp.load``).
@@ -183,35 +251,37 @@ class StageState(Stateful):
                 of param groups.
         """
         with _named_renames(self.module):
-            if self.optimizer is None:
+            if not self.optimizers:
                 set_model_state_dict(self.module, state_dict["model"])
             else:
                 self._load_with_optimizer(state_dict)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state_dict["lr_scheduler"])
+        for scheduler in self.lr_schedulers:
+            scheduler.load_state_dict(state_dict["lr_scheduler"])
         self.step = int(state_dict["step"])
         for name, obj in self.extra.items():
             obj.load_state_dict(state_dict[name])
 
     def _load_with_optimizer(self, state_dict: dict[str, Any]) -> None:
         """Checks optimizer and scheduler state, then applies model and optimizer."""
-        assert self.optimizer is not None
         optim_sd = unpack_scalars(state_dict["optim"])
-        wanted = get_optimizer_state_dict(self.module, self.optimizer, options=OPTIONS)
+        wanted = get_optimizer_state_dict(self.module, self.optimizers, options=OPTIONS)
         stateless = state_fqns(wanted) - state_fqns(optim_sd)
         self._check_entries(wanted, optim_sd, stateless)
         fqn_of = param_fqns(self.module)
         self._check_groups(optim_sd, fqn_of)
-        if self.lr_scheduler is not None:
+        if self.lr_schedulers:
             self._check_scheduler(state_dict["lr_scheduler"])
             self._check_group_order(saved_groups(state_dict["optim"]), fqn_of)
         for param, fqn in fqn_of.items():
             if fqn in stateless:  # none was saved: none to fill
-                self.optimizer.state.pop(param, None)
-        with without_empty_groups(self.optimizer):
+                for optimizer in self.optimizers:
+                    optimizer.state.pop(param, None)
+        with ExitStack() as stack:
+            for optimizer in self.optimizers:
+                stack.enter_context(without_empty_groups(optimizer))
             set_state_dict(
                 self.module,
-                self.optimizer,
+                self.optimizers,
                 model_state_dict=state_dict["model"],
                 optim_state_dict=optim_sd,
                 options=OPTIONS,
@@ -219,8 +289,9 @@ class StageState(Stateful):
         # No state, as saved: set_state_dict makes an empty entry for each
         # parameter without state (all of them for SGD without momentum).
         for param in fqn_of:
-            if not self.optimizer.state.get(param, True):
-                self.optimizer.state.pop(param, None)
+            for optimizer in self.optimizers:
+                if not optimizer.state.get(param, True):
+                    optimizer.state.pop(param, None)
 
     @staticmethod
     def _check_entries(
@@ -251,6 +322,11 @@ class StageState(Stateful):
                     "optimizer (and scheduler) as the run that saved it did"
                 )
 
+    def _all_groups(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Each param group with its index within its own optimizer."""
+        for optimizer in self.optimizers:
+            yield from enumerate(optimizer.param_groups)
+
     def _check_groups(
         self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
     ) -> None:
@@ -258,12 +334,11 @@ class StageState(Stateful):
         # set_state_dict gives a param group the saved options of its first
         # parameter, so a group joining parameters saved with different options
         # would silently give them all the first one's learning rate.
-        assert self.optimizer is not None
 
         def comparable(value: Any) -> str:  # (0.9, 0.999) and [0.9, 0.999] agree
             return fingerprint(list(value) if isinstance(value, tuple) else value)
 
-        for index, group in enumerate(self.optimizer.param_groups):
+        for index, group in self._all_groups():
             fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
             differ: dict[str, tuple[str, Any, Any]] = {}
             options = sorted(group.keys() - _IMPLEMENTATION_OPTIONS, key="lr".__ne__)
@@ -287,8 +362,7 @@ class StageState(Stateful):
         self, saved: Mapping[str, int], fqn_of: Mapping[nn.Parameter, str]
     ) -> None:
         """Refuses param groups built in another order than saved (with a scheduler)."""
-        assert self.optimizer is not None
-        for index, group in enumerate(self.optimizer.param_groups):
+        for index, group in self._all_groups():
             for param in group["params"]:
                 was = saved.get(fqn_of.get(param, ""), index)
                 if was != index:
@@ -307,10 +381,11 @@ class StageState(Stateful):
         # SequentialLR fail at their first step, others run on misaligned. They
         # are compared with this scheduler's own lists: a group added to the
         # optimizer after the scheduler was built is in neither.
-        live = self.lr_scheduler.state_dict() if self.lr_scheduler else {}
         for key in ("base_lrs", "min_lrs", "_last_lr"):
-            ours, theirs = live.get(key), saved.get(key)
-            if isinstance(ours, list) and isinstance(theirs, list):
+            for scheduler in self.lr_schedulers:
+                ours, theirs = scheduler.state_dict().get(key), saved.get(key)
+                if not (isinstance(ours, list) and isinstance(theirs, list)):
+                    continue
                 if len(ours) != len(theirs):
                     raise CheckpointError(
                         f"the LR scheduler was saved for {len(theirs)} param "
