@@ -150,37 +150,27 @@ def save_checks(summary: list[dict]) -> list[dict]:
     checks = []
     for m in save_cases(summary):
         sync = m["pippy_sync"]
-        where = f"P={sync['ranks']} {sync['case']}"
-        mb = sync["bytes_per_rank"] / MB
-        if "keys" not in sync["case"]:
-            limit = 1.3 if mb < 100 else 1.0
-            peer = m["torch_save_stage"]
-            checks.append(
-                check("pippy_sync / torch_save_stage", where, sync, peer, limit)
-            )
-            if mb >= 400:
-                raw = m["raw_write"]
-                checks.append(check("pippy_sync / raw_write", where, sync, raw, 1.3))
-            if mb >= 100:
-                own = ("pippy", "wall")
-                target = "pippy part / raw_write"
-                raw = m["raw_write"]
-                checks.append(check(target, where, sync, raw, 0.1, times=own))
-        plain = m["pippy_sync_nomanifest"]
-        checks.append(
-            check("pippy_sync / pippy_sync_nomanifest", where, sync, plain, 1.1)
-        )
-        # verifying checksums; the safe reader and planner; the peer's load
-        for num, den, limit in (
-            ("load_same", "load_same_unverified", 1.1),
-            ("load_same_unverified", "load_same_dcp", 1.1),
-            ("load_same", "load_torch_stage", 1.5),
-        ):
-            checks.append(check(f"{num} / {den}", where, m[num], m[den], limit))
-        target = "pippy_async_tuned blocked / copy_fresh"
-        tuned, copy = m["pippy_async_tuned"], m["copy_fresh"]
-        blocked = ("blocked", "wall")
-        checks.append(check(target, where, tuned, copy, 1.0, times=blocked))
+        where, mb = f"P={sync['ranks']} {sync['case']}", sync["bytes_per_rank"] / MB
+        # (target "numerator / denominator", limit); keys: sizes per rank
+        wanted = [("pippy_sync / torch_save_stage", 1.3 if mb < 100 else 1.0)]
+        wanted += [("pippy_sync / raw_write", 1.3)] if mb >= 400 else []
+        wanted += [("pippy part / raw_write", 0.1)] if mb >= 100 else []
+        wanted = [] if "keys" in sync["case"] else wanted
+        wanted += [
+            ("pippy_sync / pippy_sync_nomanifest", 1.1),  # computing checksums
+            ("load_same / load_same_unverified", 1.1),  # verifying them
+            ("load_same_unverified / load_same_dcp", 1.1),  # safe reader, planner
+            ("load_same / load_torch_stage", 1.5),  # the peer's load
+            ("pippy_async_tuned blocked / copy_fresh", 1.0),
+        ]
+        for target, limit in wanted:
+            num, den = (name.split()[0] for name in target.split(" / "))
+            times = ("wall", "wall")
+            if num == "pippy":
+                num, times = "pippy_sync", ("pippy", "wall")
+            elif "blocked" in target:
+                times = ("blocked", "wall")
+            checks.append(check(target, where, m[num], m[den], limit, times=times))
     return checks
 
 
