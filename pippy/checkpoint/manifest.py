@@ -6,8 +6,7 @@ pytorch/pytorch#126952), so a flipped bit, a truncated item or a rank file
 swapped for another of equal size loads without a word. :class:`ManifestWriter`
 is DCP's ``FileSystemWriter`` that, once each rank has written its items,
 reads them back and checksums them (CRC-32C, ``google-crc32c``); the
-coordinator writes ``manifest.json`` beside ``.metadata``. Since nothing
-checks ``torch.save``'s own CRC-32, the writer has ``torch.save`` skip it:
+coordinator writes ``manifest.json`` beside ``.metadata``:
 
 .. code-block:: json
 
@@ -19,7 +18,8 @@ checks ``torch.save``'s own CRC-32, the writer has ``torch.save`` skip it:
 ``files`` maps each data file to its size in bytes. The manifest is plain
 JSON: reading it runs no code. ``SafeFileSystemReader`` checks it against
 ``.metadata`` and the files before loading, and each item's checksum as it is
-read.
+read. Since nothing checks ``torch.save``'s own CRC-32 of the items, the
+writer has ``torch.save`` skip it.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ class _NoCrc32FileSystem(FileSystem):
                 yield stream
             return
         # torch 2.13 keeps this setting per thread (a ContextVar): DCP writes
-        # each file inside this block, in the thread that writes it.
+        # each file inside this block, in the thread that writes it. (Were it
+        # process-wide, another torch.save meanwhile would skip its CRC-32
+        # too, which torch.load never checks either.)
         previous = get_crc32_options()
         set_crc32_options(False)
         try:
