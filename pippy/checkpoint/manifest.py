@@ -194,7 +194,9 @@ class ManifestWriter(FileSystemWriter):
         path = Path(self.path) / MANIFEST_FILE
         tmp = path.with_name(f".{MANIFEST_FILE}.tmp")
         with open(tmp, "w") as f:
-            json.dump(manifest, f, separators=(",", ":"))
+            # dumps, not dump: json.dump streams through the pure-Python
+            # encoder, about 10x slower than the C one dumps uses.
+            f.write(json.dumps(manifest, separators=(",", ":")))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
