@@ -4,24 +4,19 @@ One command launches its own ranks (``python -m torch.distributed.run``) for
 P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
 
 * ``pippy_sync``: ``checkpoint.save_stage`` (``StageState.state_dict()``,
-  ``check_keys``, ``publish_step``, ``dcp.save`` on every rank), with DCP's
-  ``ManifestWriter`` noting when its writes (and checksums) start and end.
-  ``pippy_sync_cached``: the same with
-  ``DefaultSavePlanner(enable_plan_caching=True)`` (not used by pippy: torch
-  2.13 compares cached plans without dtypes). ``pippy_sync_nocrc``: the same
-  without ``torch.save``'s CRC-32 of every item
-  (``torch.serialization.set_crc32_options(False)``, a process-wide setting;
-  ``torch.load`` never checks that CRC).
-* ``dcp_flat_optim``: ``pippy_sync`` with the optimizer state as torchtitan
-  saves it, ``get_optimizer_state_dict(...,
-  flatten_optimizer_state_dict=True)``: one item per parameter and option,
-  where ``StageState`` packs a parameter's options and step into one item.
-* ``pippy_async``: the example's async save, ``state_dict()``,
+  ``check_keys``, ``publish_step``, ``dcp.save`` on every rank), with pippy's
+  ``ManifestWriter`` (``torch.save``'s CRC-32 off, a CRC-32C of every item
+  in ``manifest.json``) noting when its writes start and end.
+* The options tried, each ``pippy_sync`` with one change (``writers.py``):
+  ``pippy_sync_crc32``: ``torch.save``'s CRC-32 left on (pippy before);
+  ``pippy_sync_crcwrite``: the CRC-32C taken from the bytes as they are
+  written, not read back; ``pippy_sync_threads2``: ``thread_count=2``;
+  ``pippy_sync_cached``: ``DefaultSavePlanner(enable_plan_caching=True)``;
+  ``pippy_sync_nomanifest``: DCP's own ``FileSystemWriter`` (no checksums).
+* ``pippy_async_tuned``: the example's async save, ``state_dict()``,
   ``check_keys`` and ``checkpoint.AsyncSaver.save`` on a gloo group of its
-  own, with a new stager per save (what ``dcp.async_save`` does without
-  one): ``blocked`` until ``save`` returns, ``wall`` until ``wait`` has
-  published the step. ``pippy_async_tuned``: one ``AsyncSaver`` kept across
-  saves, its stager's buffers allocated once, as ``AsyncSaver`` has it.
+  own, one saver (and its stager's buffers) kept across saves: ``blocked``
+  until ``save`` returns, ``wall`` until ``wait`` has published the step.
 * ``torch_save_stage``: ``torch.save`` of each stage's state_dict, all at once.
 * ``gather_rank0``: the stages' tensors sent to rank 0, one ``torch.save``.
 * ``raw_write``: the ceiling: the same bytes by the same writers, one file
@@ -32,7 +27,8 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
   planner). ``load_reshard``: a 4-rank checkpoint loaded on 2 ranks.
   ``load_unsplit``: ``checkpoint.load_model`` of the 4-rank checkpoint into
   the un-split model in one plain process, against ``torch_load_full``:
-  ``torch.load`` of ``gather_rank0``'s file.
+  ``torch.load`` of ``gather_rank0``'s file. ``load_torch_stage``: each rank
+  ``torch.load``s its own ``torch.save``d stage into a new one.
 
 Every file written is ``fsync``ed (DCP does by default) and deleted after each
 repeat. Before each load the checkpoint's pages are dropped from the page cache
@@ -120,7 +116,7 @@ def write_rows(opts: argparse.Namespace, rows: list[dict]) -> None:
 
 
 def verify_tuned(ctx: Ctx, methods: dict[str, Method]) -> float:
-    """Checks that the cached-plan and kept-saver saves load back bitwise.
+    """Checks that the cached-plan, CRC-while-writing and kept-saver saves load back.
 
     This also fills the kept stager's buffers, so that the tuned async repeats
     measure the steady state.
@@ -131,7 +127,7 @@ def verify_tuned(ctx: Ctx, methods: dict[str, Method]) -> float:
     """
     reset_peak_memory()
     before = memory_kb("VmRSS")
-    for name in ("pippy_sync_cached", "pippy_async_tuned"):
+    for name in ("pippy_sync_cached", "pippy_sync_crcwrite", "pippy_async_tuned"):
         methods[name].run()
         path = checkpoint.step_dir(ctx.work / name, STEP)
         verify_load(ctx.state, path, ctx.case, ctx.rank, ctx.world)

@@ -5,11 +5,8 @@ The driver's docstring (``--help``) and bench/README.md describe each.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +22,19 @@ from harness import (
     barrier,
     build_state,
     drop_page_cache,
-    flat_optim,
     fsync_path,
     tensors_of,
 )
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from writers import (
+    Crc32Writer,
+    CrcWhileWritingWriter,
+    Marks,
+    PlainTimedWriter,
+    TimedWriter,
+    dcp_save_span,
+)
 
 from pippy import checkpoint
 
@@ -48,72 +52,18 @@ CPU_STAGING = StagingOptions(
 # --------------------------------------------------------------------------
 
 
-class Marks:
-    """Notes when a storage writer's ``write_data`` starts and ends.
-
-    ``dcp.save`` plans (every rank's plan to the coordinator and back), then
-    calls ``write_data`` on every rank, then gathers the write results for the
-    coordinator's ``.metadata``; these marks split its time into the three.
-    """
-
-    marks: dict[str, float]
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        self.marks = {"write": time.perf_counter()}
-        future = super().write_data(plan, planner)  # type: ignore[misc]
-        future.wait()  # written (and checksummed) before returning; to be sure
-        self.marks["written"] = time.perf_counter()
-        return future
-
-
-class TimedWriter(Marks, checkpoint.ManifestWriter):
-    """pippy's writer: DCP's, plus a CRC-32C of every item in manifest.json."""
-
-
-class PlainTimedWriter(Marks, FileSystemWriter):
-    """DCP's own writer: no checksums, no manifest (pippy_sync_nomanifest)."""
-
-
-class DcpSaveSpan(logging.Handler):
-    """Keeps ``dcp.save``'s start and end from ``save_stage``'s DEBUG record."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.span: tuple[float, float] | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.span = (record.dcp_save_start, record.dcp_save_end)
-
-
-@contextlib.contextmanager
-def dcp_save_span() -> Iterator[DcpSaveSpan]:
-    """Listens to ``pippy.checkpoint.api`` at DEBUG for the ``with`` block."""
-    handler = DcpSaveSpan()
-    api_log = logging.getLogger("pippy.checkpoint.api")
-    level = api_log.level
-    api_log.setLevel(logging.DEBUG)
-    api_log.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        api_log.removeHandler(handler)
-        api_log.setLevel(level)
-
-
 def sync_save(
     state: checkpoint.StageState,
     folder: Path,
     planner: DefaultSavePlanner | None = None,
     *,
-    flat: bool = False,
-    crc32: bool = True,
-    manifest: bool = True,
+    writer: type[Marks] = TimedWriter,
+    **writer_kwargs: Any,
 ) -> dict[str, float]:
     """``checkpoint.save_stage`` into ``folder``, its time split into parts.
 
-    ``flat``: the optimizer as :func:`flat_optim`; ``crc32=False``: without
-    ``torch.save``'s CRC-32 of every item (a process-wide torch setting);
-    ``manifest=False``: DCP's ``FileSystemWriter``, without pippy's checksums.
+    ``writer``: the storage writer (pippy's, or a variant of ``writers.py``),
+    built with ``writer_kwargs`` (``thread_count``, ...).
 
     Returns:
         Seconds of each part: ``pippy`` (``state_dict()``, the key check and
@@ -123,22 +73,20 @@ def sync_save(
         to the coordinator, ``.metadata``, outcome back to every rank).
     """
     # save_stage points the writer at the staging folder
-    writer = TimedWriter(folder, step=STEP) if manifest else PlainTimedWriter(folder)
+    if writer is PlainTimedWriter:
+        storage = writer(folder, **writer_kwargs)
+    else:
+        storage = writer(folder, step=STEP, **writer_kwargs)
     with dcp_save_span() as listener:
         start = time.perf_counter()
-        saved = flat_optim(state) if flat else state
-        torch.serialization.set_crc32_options(crc32)
-        try:
-            checkpoint.save_stage(
-                saved, folder, step=STEP, storage_writer=writer, planner=planner
-            )
-        finally:
-            torch.serialization.set_crc32_options(True)
+        checkpoint.save_stage(
+            state, folder, step=STEP, storage_writer=storage, planner=planner
+        )
         end = time.perf_counter()
     if listener.span is None:
         raise RuntimeError("save_stage logged no DEBUG record with dcp.save's times")
     before, after = listener.span
-    marks = writer.marks
+    marks = storage.marks
     return {
         "pippy": end - start - (after - before),
         "dcp_plan": marks["write"] - before,
@@ -147,9 +95,7 @@ def sync_save(
     }
 
 
-def sync_method(
-    ctx: Ctx, name: str, *, cached: bool = False, **variant: bool
-) -> Method:
+def sync_method(ctx: Ctx, name: str, *, cached: bool = False, **variant: Any) -> Method:
     """:func:`sync_save` into ``work/<name>``; ``cached``: DCP's plan caching."""
     planner = DefaultSavePlanner(enable_plan_caching=True) if cached else None
 
@@ -374,19 +320,55 @@ def fill_from_flat(nested: dict, flat: dict, prefix: str = "") -> None:
             nested[key] = flat[dotted]
 
 
+def load_torch_stage(ctx: Ctx, cold: bool) -> Method:
+    """Baseline: ``torch.load`` of this rank's ``torch.save``d stage into a new one.
+
+    The file is written (as ``torch_save_stage`` writes it) and the stage and
+    its AdamW are built outside the timed region; ``load_state_dict`` of both
+    is timed, as a resumed run that saved per stage would do it.
+    """
+    holder: dict[str, Any] = {}
+    path = ctx.work / "load_torch_stage" / f"stage-{ctx.rank}.pt"
+
+    def prepare() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        module, optimizer = ctx.state.module, ctx.state.optimizer
+        torch.save(
+            {"model": module.state_dict(), "optim": optimizer.state_dict()}, path
+        )
+        holder["state"] = build_state(
+            ctx.case, ctx.rank, ctx.world, seed=1, stepped=False
+        )
+        if cold:
+            drop_page_cache(path.parent)
+
+    def run() -> None:
+        state, saved = holder["state"], torch.load(path, weights_only=True)
+        state.module.load_state_dict(saved["model"])
+        state.optimizer.load_state_dict(saved["optim"])
+
+    def cleanup() -> None:
+        holder.clear()
+        ctx.remover("load_torch_stage")()
+
+    return Method(run=run, prepare=prepare, cleanup=cleanup)
+
+
 def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
     """The save phase's methods by name; its loads read ``work/ckpt``."""
     loaded = checkpoint.step_dir(ctx.work / "ckpt", STEP)
     args = (ctx.case, ctx.rank, ctx.world, loaded, cold)
     return {
         "pippy_sync": sync_method(ctx, "pippy_sync"),
-        "pippy_sync_cached": sync_method(ctx, "pippy_sync_cached", cached=True),
-        "pippy_sync_nocrc": sync_method(ctx, "pippy_sync_nocrc", crc32=False),
-        "pippy_sync_nomanifest": sync_method(
-            ctx, "pippy_sync_nomanifest", manifest=False
+        "pippy_sync_crc32": sync_method(ctx, "pippy_sync_crc32", writer=Crc32Writer),
+        "pippy_sync_crcwrite": sync_method(
+            ctx, "pippy_sync_crcwrite", writer=CrcWhileWritingWriter
         ),
-        "dcp_flat_optim": sync_method(ctx, "dcp_flat_optim", flat=True),
-        "pippy_async": async_method(ctx, "pippy_async", tuned=False),
+        "pippy_sync_threads2": sync_method(ctx, "pippy_sync_threads2", thread_count=2),
+        "pippy_sync_cached": sync_method(ctx, "pippy_sync_cached", cached=True),
+        "pippy_sync_nomanifest": sync_method(
+            ctx, "pippy_sync_nomanifest", writer=PlainTimedWriter
+        ),
         "pippy_async_tuned": async_method(ctx, "pippy_async_tuned", tuned=True),
         "torch_save_stage": torch_save_stage(ctx, "torch_save_stage"),
         "gather_rank0": gather_rank0(ctx, "gather_rank0", keep),
@@ -396,4 +378,5 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "load_same": load_into_fresh(*args),
         "load_same_dcp": load_into_fresh(*args, load=load_plain),
         "load_same_unverified": load_into_fresh(*args, load=load_unverified),
+        "load_torch_stage": load_torch_stage(ctx, cold),
     }

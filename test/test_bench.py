@@ -16,9 +16,9 @@ from helpers import ROOT
 SAVE_METHODS = {
     "pippy_sync",
     "pippy_sync_cached",
-    "pippy_sync_nocrc",
-    "dcp_flat_optim",
-    "pippy_async",
+    "pippy_sync_crc32",
+    "pippy_sync_crcwrite",
+    "pippy_sync_threads2",
     "pippy_async_tuned",
     "torch_save_stage",
     "gather_rank0",
@@ -28,6 +28,7 @@ SAVE_METHODS = {
     "load_same",
     "load_same_dcp",
     "load_same_unverified",
+    "load_torch_stage",
     "pippy_sync_nomanifest",
 }
 
@@ -61,14 +62,14 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(tmp_path):
     }
     targets = {t["target"] for t in result["targets"]}
     assert {
-        "pippy_sync / raw_write",
-        "pippy_sync / gather_rank0",
+        "pippy_sync / torch_save_stage",
         "pippy_async_tuned blocked / copy_fresh",
-        "pippy_async_tuned blocked / pippy_sync",
         "load_reshard / load_same",
         "pippy_sync s/byte more keys / base",
         "pippy_sync / pippy_sync_nomanifest",
         "load_same / load_same_unverified",
+        "load_same_unverified / load_same_dcp",
+        "load_same / load_torch_stage",
     } <= targets
     assert (out / "results.png").stat().st_size > 10_000
     text = (out / "results.md").read_text()

@@ -8,11 +8,13 @@ read a pipeline checkpoint without a pipeline.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,20 @@ __all__ = ["load_model", "load_stage", "read_checkpoint", "save_stage"]
 logger = logging.getLogger(__name__)
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, if it was on."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@_gc_paused()
 def save_stage(
     state: StageState | Mapping[str, Any],
     checkpoint_dir: str | os.PathLike,
@@ -62,7 +78,9 @@ def save_stage(
     check across ranks that DCP will lose no key (:func:`check_keys`), then
     ``dcp.save`` into the step's staging folder, published once complete
     (:func:`publish_step`). Call it on every rank of ``process_group`` at
-    once.
+    once. Python's cyclic garbage collector is paused meanwhile: a save
+    allocates many short-lived objects, which would otherwise set off a full
+    collection of the whole process in some saves.
 
     Args:
         state: The stage's :class:`StageState`, or a nested state_dict.

@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.staging import (
     StagingOptions,
 )
 
+from pippy.checkpoint.api import _gc_paused
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.steps import StepFolder, discard, prepare_step, publish
@@ -83,8 +84,12 @@ class AsyncSaver:
             )
         )
 
+    @_gc_paused()
     def save(self, state_dict: dict[str, Any], step: int) -> Path:
         """Waits for the previous save, then starts saving ``state_dict``.
+
+        Python's garbage collector is paused until it returns, as in
+        :func:`~pippy.checkpoint.save_stage`; the background write is not.
 
         Args:
             state_dict: The state to save, e.g. ``StageState.state_dict()``,

@@ -1,0 +1,151 @@
+"""What makes saves cheaper must keep them readable and checked.
+
+pippy's writer has ``torch.save`` skip its zip CRC-32 (which ``torch.load``
+never checks) while it writes a step's files, in the writing thread alone.
+The checkpoint must still load with plain ``dcp.load`` and DCP's own
+``FileSystemReader``, bit for bit, and pippy's manifest must still catch a
+flipped byte.
+
+Run as a script by torchrun (``test_cost.py save OUT``), each rank saves a
+stage of its own twice (DCP's default writer thread, and ``thread_count=2``)
+and records what the test checks.
+"""
+
+import io
+import json
+import shutil
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.serialization import get_crc32_options
+
+from pippy import checkpoint
+
+SEEDS = {0: 10, 1: 11}
+
+
+def stage_state(rank):
+    """A stage's state with keys of its own and one non-tensor item."""
+    g = torch.Generator().manual_seed(SEEDS[rank])
+    layer = f"layers.{rank}"
+    return {
+        "model": {f"{layer}.w": torch.randn(64, 32, generator=g)},
+        "optim": {f"{layer}.w.exp_avg": torch.randn(64, 32, generator=g)},
+        "extra": {f"rank{rank}": {"lr": 0.1 * (rank + 1)}},
+    }
+
+
+def empty_like(state):
+    """The same nesting, with fresh tensors and None for the other leaves."""
+    if isinstance(state, dict):
+        return {k: empty_like(v) for k, v in state.items()}
+    return torch.zeros_like(state) if isinstance(state, torch.Tensor) else None
+
+
+def run_ranks(out: Path) -> None:
+    """Each rank saves steps 1 and 2 and notes the CRC-32 setting around them."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = stage_state(rank)
+    # Another thread of the process keeps torch.save's CRC-32 during the save.
+    seen, stop = set(), threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.add(get_crc32_options())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        checkpoint.save_stage(state, out / "ckpt", step=1)
+    finally:
+        stop.set()
+        watcher.join()
+    writer = checkpoint.ManifestWriter(out / "unused", step=2, thread_count=2)
+    checkpoint.save_stage(state, out / "ckpt", step=2, storage_writer=writer)
+    record = {"crc32_after": get_crc32_options(), "other_thread": sorted(seen)}
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+
+
+def item_ranges(folder):
+    """``{key: (file, offset, length)}`` of every item, from ``.metadata``."""
+    metadata = FileSystemReader(folder).read_metadata()
+    return {
+        index.fqn: (info.relative_path, info.offset, info.length)
+        for index, info in metadata.storage_data.items()
+    }
+
+
+def item_bytes(folder, where):
+    name, offset, length = where
+    return (Path(folder) / name).read_bytes()[offset : offset + length]
+
+
+def both_stages():
+    """The union of the ranks' states: what the step holds."""
+    states = [stage_state(rank) for rank in SEEDS]
+    return {
+        part: {k: v for s in states for k, v in s[part].items()} for part in states[0]
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from helpers import torchrun
+
+    out = tmp_path_factory.mktemp("cost")
+    torchrun(2, Path(__file__), "save", out, timeout=180)
+    return out
+
+
+def test_torch_crc32_is_off_only_while_writing(saved):
+    for rank in SEEDS:
+        record = json.loads((saved / f"rank{rank}.json").read_text())
+        assert record == {"crc32_after": True, "other_thread": [True]}
+    for step in (1, 2):
+        folder = checkpoint.step_dir(saved / "ckpt", step)
+        for key, where in item_ranges(folder).items():
+            with zipfile.ZipFile(io.BytesIO(item_bytes(folder, where))) as archive:
+                crcs = {info.filename: info.CRC for info in archive.infolist()}
+            assert set(crcs.values()) == {0}, (step, key, crcs)
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_plain_dcp_load_reads_it_bitwise(saved, step):
+    folder = checkpoint.step_dir(saved / "ckpt", step)
+    merged = both_stages()
+    loaded = empty_like(merged)
+    # Plain DCP, in this process (no process group: DCP reads alone).
+    dcp.load(loaded, storage_reader=FileSystemReader(folder), no_dist=True)
+    assert checkpoint.diff_state_dicts(loaded, merged) == []
+
+
+def test_manifest_catches_a_flipped_byte(saved, tmp_path):
+    folder = tmp_path / "step-1"
+    shutil.copytree(checkpoint.step_dir(saved / "ckpt", 1), folder)
+    key = "model.layers.1.w"
+    name, offset, length = item_ranges(folder)[key]
+    data = bytearray((folder / name).read_bytes())
+    data[offset + length // 2] ^= 0x01  # inside the tensor's 8 KB
+    (folder / name).write_bytes(bytes(data))
+    state = empty_like(both_stages())
+    with pytest.raises(checkpoint.CheckpointError, match="damaged"):
+        checkpoint.load_stage(state, folder)
+    # Without the manifest nothing notices: torch.load skips the zip CRC.
+    dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
+    saved_w = stage_state(1)["model"]["layers.1.w"]
+    assert not torch.equal(state["model"]["layers.1.w"], saved_w)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] != "save":
+        raise SystemExit(f"unknown mode {sys.argv[1]!r}")
+    run_ranks(Path(sys.argv[2]))
