@@ -216,15 +216,14 @@ class TwoHeads(torch.nn.Module):
 
 
 def plain_read(step):
-    """Every tensor of a step, read with plain DCP (FileSystemReader, no pippy)."""
+    """Every item of a step, read with plain DCP (FileSystemReader, no pippy)."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(step)
     items = reader.read_metadata().state_dict_metadata
     sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
+        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
         for k, m in items.items()
-        if hasattr(m, "size")
     }
     dcp.load(sd, storage_reader=reader, no_dist=True)
     return sd

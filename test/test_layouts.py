@@ -13,7 +13,7 @@ from pippy import checkpoint
 from pippy.checkpoint.optim_layout import OPTIONS
 from pippy.cli import main
 
-from helpers import tiny_gpt
+from helpers import plain_read, tiny_gpt
 
 
 def trained_state(seed=0):
@@ -32,17 +32,6 @@ def fresh_state():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
     return checkpoint.StageState(model, optimizer, scheduler)
-
-
-def plain_read(step):
-    """Every item of a step, read with plain DCP (no pippy)."""
-    items = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
-        for k, m in items.items()
-    }
-    dcp.load(sd, checkpoint_id=step, no_dist=True)
-    return sd
 
 
 def save_torchtitan(state, step):

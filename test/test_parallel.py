@@ -6,26 +6,12 @@ import json
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from pippy import checkpoint
 
-from helpers import ROOT, tiny_gpt, torchrun
+from helpers import ROOT, plain_read, tiny_gpt, torchrun
 
 LAYOUT_CHECKS = ROOT / "test" / "layout_checks.py"
-
-
-def plain_read(step):
-    """Every tensor of a step, read with plain DCP (FileSystemReader, no pippy)."""
-    reader = dcp.FileSystemReader(step)
-    items = reader.read_metadata().state_dict_metadata
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype)
-        for k, m in items.items()
-        if hasattr(m, "size")
-    }
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    return sd
 
 
 def results(out, check, ranks):

@@ -109,7 +109,8 @@ class StageState(Stateful):
     Attributes:
         module: The one module (the parts merged) whose state is saved.
         modules: The stage modules as given, as a list.
-        optimizers, lr_schedulers: As given, as lists (maybe empty).
+        optimizer, lr_scheduler: As given; they may be replaced later.
+        optimizers, lr_schedulers: The same, as lists (maybe empty).
 
     Raises:
         ValueError: An ``extra`` name is reserved or holds a module or an
@@ -138,8 +139,6 @@ class StageState(Stateful):
         self.module = module if isinstance(module, nn.Module) else merge_parts(module)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.optimizers = _as_list(optimizer)
-        self.lr_schedulers = _as_list(lr_scheduler)
         self.step = step
         self.extra = dict(extra or {})
         reserved = {"model", "optim", "lr_scheduler", "step"} & self.extra.keys()
@@ -162,6 +161,16 @@ class StageState(Stateful):
             self.optimizers
         ):
             raise ValueError("give one LR scheduler, or one per optimizer")
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer(s), as a list (empty without one)."""
+        return _as_list(self.optimizer)
+
+    @property
+    def lr_schedulers(self) -> list[torch.optim.lr_scheduler.LRScheduler]:
+        """The LR scheduler(s), as a list (empty without one)."""
+        return _as_list(self.lr_scheduler)
 
     def state_dict(self) -> dict[str, Any]:
         """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
