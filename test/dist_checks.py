@@ -8,8 +8,6 @@ checks share one launch of ranks: starting ranks is the slow part here.
 """
 
 import copy
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from pippy import checkpoint  # noqa: E402
 
 import pippy_dcp  # noqa: E402
 from gpt import GPT, ModelArgs, rope_table  # noqa: E402
-from helpers import TINY_FLAGS  # noqa: E402
+from helpers import TINY_FLAGS, run_checks  # noqa: E402
 from hf_checks import check_hf  # noqa: E402
 
 TINY = [*TINY_FLAGS, "--batch-size", "8"]
@@ -384,20 +382,4 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
-    checks, out = sys.argv[1], Path(sys.argv[2])  # checks: "a" or "a,b"
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    try:
-        for check in checks.split(","):
-            result = CHECKS[check](out, rank, world_size)
-            (out / f"{check}-rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    # Skip the interpreter's finalization: gloo's worker threads may still hold
-    # work objects then, and their teardown can abort the process (SIGABRT,
-    # "terminate called without an active exception") after the results are
-    # written; seen once in a dozen runs of the fsdp check
-    # (pytorch/pytorch#179291).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_checks(CHECKS)

@@ -8,13 +8,11 @@ are the tiny GPT of helpers.py cut with ``pippy.split_model``; the optimizer
 steps on a fixed gradient, so replicas stay equal without a forward pass.
 """
 
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -25,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "check
 import pippy  # noqa: E402
 from pippy import checkpoint  # noqa: E402
 
-from helpers import tiny_gpt  # noqa: E402
+from helpers import run_checks, tiny_gpt  # noqa: E402
 
 N_STAGES = 4
 
@@ -230,15 +228,4 @@ def check_parts(out: Path, rank: int, world_size: int) -> dict:
 CHECKS = {"mesh": check_mesh, "hsdp": check_hsdp, "parts": check_parts}
 
 if __name__ == "__main__":
-    checks, out = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    try:
-        for check in checks.split(","):
-            result = CHECKS[check](out, rank, world_size)
-            (out / f"{check}-rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as dist_checks.py: skip gloo's racy teardown at exit
+    run_checks(CHECKS)
