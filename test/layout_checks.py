@@ -144,6 +144,18 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
         lambda: checkpoint.save_stage(state, out / "diverged", mesh=mesh)
     )
     result["diverged_left"] = listing(out / "diverged")
+    # A slice of the mesh would hide the replicas from each other.
+    try:
+        checkpoint.check_keys(state.state_dict(), mesh=mesh["pp"])
+        result["slice"] = None
+    except ValueError as e:
+        result["slice"] = f"{type(e).__name__}: {e}"
+    # A key that one replica has and the other lacks.
+    state = mesh_state(mesh, "ddp")
+    sd = state.state_dict()
+    if mesh.get_local_rank("dp") == 1:
+        sd["model"] = {k: v for k, v in sd["model"].items() if k != "norm.weight"}
+    result["lacking"] = error_of(lambda: checkpoint.check_keys(sd, mesh=mesh))
     return result
 
 
@@ -222,6 +234,11 @@ def check_parts(out: Path, rank: int, world_size: int) -> dict:
         lambda: checkpoint.save_stage(nested, out / "nested", step=1)
     )
     result["nested_left"] = listing(out / "nested")
+    # Rank 0's parts step their LR schedules apart: rank 0 refuses to take its
+    # state, and the other rank stops too instead of waiting in a collective.
+    if rank == 0:
+        fresh.lr_schedulers[0].step()
+    result["one_refuses"] = error_of(lambda: checkpoint.save_stage(fresh, out / "one"))
     return result
 
 

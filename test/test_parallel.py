@@ -89,6 +89,12 @@ def test_diverged_replicas_mix_in_plain_dcp_and_are_refused(mesh_run):
         )
         assert "'model.layers.0.qkv.weight' (ranks [0, 2])" in error
         assert result["diverged_left"] is None
+        # A slice of the mesh would compare nothing: refused.
+        assert result["slice"].startswith("ValueError: the mesh spans 2 ranks and 4")
+        # A key that one replica lacks (stage 1's norm on dp rank 1).
+        assert result["lacking"].startswith("DivergedReplicasError: ")
+        assert "differ in 1 entr(ies)" in result["lacking"]
+        assert "'model.norm.weight' (ranks [1, 3])" in result["lacking"]
 
 
 def test_hsdp_saves_reloads_and_refuses_diverged_replicate_groups(mesh_run):
@@ -110,10 +116,11 @@ def test_hsdp_saves_reloads_and_refuses_diverged_replicate_groups(mesh_run):
         assert result["reload_differ"] == []
         assert result["diverged"] == (
             "DivergedReplicasError: the data-parallel replicas differ in 1 "
-            "entr(ies): 'model.tok_embeddings.weight' (ranks [0, 1, 2, 3]). DCP "
-            "writes one replica's value of each key, so the checkpoint would mix "
-            "them. Keep the replicas in sync (wrap each stage in DDP or FSDP2 over "
-            "the data-parallel dim, and step every replica's optimizer alike), then "
+            "entr(ies) (in value, or held by some replicas only): "
+            "'model.tok_embeddings.weight' (ranks [0, 1, 2, 3]). DCP writes one "
+            "replica's value of each key, so the checkpoint would mix them. Keep "
+            "the replicas in sync (wrap each stage in DDP or FSDP2 over the "
+            "data-parallel dim, and step every replica's optimizer alike), then "
             "save."
         )
 
@@ -139,7 +146,14 @@ def test_several_stages_per_rank_save_reload_and_load_unsplit(tmp_path):
     # Nested per stage: refused on both ranks before anything is written.
     for result in found:
         assert result["nested"].startswith("NestedStateError: model or optimizer")
+        assert "'stage1' (ranks [1])" in result["nested"]
         assert result["nested_left"] is None
+    # One rank refuses to take its state: both stop, each with one line.
+    assert found[0]["one_refuses"].startswith("CheckpointError: the LR schedulers")
+    assert found[1]["one_refuses"] == (
+        "CheckpointError: saving failed on 1 rank(s):\n  rank 0: CheckpointError: "
+        + found[0]["one_refuses"].removeprefix("CheckpointError: ")
+    )
 
 
 def test_parts_holding_one_fqn_twice_are_refused():

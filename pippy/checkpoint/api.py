@@ -103,7 +103,9 @@ def save_stage(
 
     Raises:
         ValueError: No ``step`` for a plain state_dict, or the state's own
-            ``step`` entry is another.
+            ``step`` entry is another; or as :func:`check_keys`.
+        CheckpointError: Taking the state failed on another rank (this one
+            raises its own error).
         KeyCollisionError: As :func:`check_keys` (also its subclass
             ``DivergedReplicasError``, and ``NestedStateError``); nothing is
             written.
@@ -111,16 +113,20 @@ def save_stage(
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
     """
-    if isinstance(state, StageState):
-        state_dict = state.state_dict()
-        step = state.step if step is None else step
-    elif step is None:
+    if step is None and not isinstance(state, StageState):
         raise ValueError("save_stage needs step= for a plain state_dict")
-    else:
-        state_dict = dict(state)
-    stored = state_dict.get("step")
-    if isinstance(stored, int) and stored != step:
-        raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
+    # Taking the state runs on each rank alone: a refusal on one rank (its
+    # parts' LR schedulers differ) stops all, not only the one.
+    with fail_together("saving", process_group, keep_own_error=True):
+        if isinstance(state, StageState):
+            state_dict = state.state_dict()
+            step = state.step if step is None else step
+        else:
+            state_dict = dict(state)
+        stored = state_dict.get("step")
+        if isinstance(stored, int) and stored != step:
+            raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
+    assert step is not None
     check_keys(state_dict, process_group=process_group, mesh=mesh)
     with publish_step(
         checkpoint_dir, step, keep_last=keep_last, process_group=process_group

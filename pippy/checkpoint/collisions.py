@@ -109,6 +109,7 @@ def _offer(
     ]
     return {
         "stage": stage,
+        "meshed": mesh is not None,
         "owned": {k: _chunk(v) for k, v in leaves},
         "digests": {
             k: _digest(v) for k, v in leaves if dp_dims and _replicated(v, dp_dims)
@@ -125,14 +126,18 @@ def _offer(
 
 def _refuse_nested(offers: Mapping[int, Mapping[str, Any]]) -> None:
     """Raises NestedStateError if some rank nests model or optimizer state."""
-    nested = {s: r for r, o in offers.items() for s in o["nested"]}
+    nested: dict[str, list[int]] = {}
+    for rank, offer in offers.items():
+        for section in offer["nested"]:
+            nested.setdefault(section, []).append(rank)
     if nested:
         raise NestedStateError(
-            f"model or optimizer state is nested under {sorted(nested)!r} (rank "
-            f"{min(nested.values())}): its keys would name one layout "
-            "('stage0.model.layers.0...') and load into no other. Put a rank's "
-            "stages in one StageState (StageState([stage0, stage2], ...)), so "
-            "its keys are the un-split model's FQNs"
+            f"model or optimizer state is nested under other sections: "
+            f"{_with_ranks(nested)}. Its keys would name this layout, and no other "
+            "layout could load them. Keep model and optimizer state under 'model' "
+            "and 'optim', keyed by the un-split model's FQNs: give StageState all "
+            "of a rank's stage modules and optimizers (StageState([stage0, "
+            "stage2], ...)) instead of nesting their state_dicts"
         )
 
 
@@ -148,13 +153,18 @@ def _refuse_collisions(offers: Mapping[int, Mapping[str, Any]]) -> None:
         if len(by_stage) > 1
     }
     if collisions:
+        meshed = all(offer["meshed"] for offer in offers.values())
         raise KeyCollisionError(
             f"{len(collisions)} checkpoint key(s) are offered by more than one "
             f"pipeline stage: {_with_ranks(collisions)}. DCP would keep one copy and "
             "drop the others. Give every stage the un-split model's FQNs (keep "
-            "layers in a ModuleDict keyed by the global layer index), call "
-            "restore_non_persistent_buffers() on traced stages, and pass the "
-            "mesh if these ranks are data-parallel replicas."
+            "layers in a ModuleDict keyed by the global layer index) and call "
+            "restore_non_persistent_buffers() on traced stages; "
+            + (
+                "data-parallel replicas must differ only in the mesh's other dims."
+                if meshed
+                else "pass the mesh if these ranks are data-parallel replicas."
+            )
         )
 
 
@@ -165,16 +175,22 @@ def _refuse_divergence(offers: Mapping[int, Mapping[str, Any]]) -> None:
         for key, digest in offer["digests"].items():
             replica = (key, offer["stage"], offer["owned"][key])
             values.setdefault(replica, {}).setdefault(digest, []).append(rank)
+    members: dict[int, set[int]] = {}  # the ranks that hold each stage
+    for rank, offer in offers.items():
+        members.setdefault(offer["stage"], set()).add(rank)
     differ: dict[str, list[int]] = {}
-    for (key, _, _), by_value in values.items():
-        if len(by_value) > 1:  # one key may have several chunks (HSDP)
-            ranks = {r for ranks in by_value.values() for r in ranks}
-            differ[key] = sorted(ranks.union(differ.get(key, [])))
+    for (key, stage, chunk), by_value in values.items():
+        ranks = {r for ranks in by_value.values() for r in ranks}
+        # A whole tensor is on every replica of its stage; a shard, on some.
+        lacking = chunk is None and ranks != members[stage]
+        if len(by_value) > 1 or lacking:  # one key may have several chunks (HSDP)
+            differ[key] = sorted(ranks.union(differ.get(key, []), members[stage]))
     if differ:
         raise DivergedReplicasError(
-            f"the data-parallel replicas differ in {len(differ)} entr(ies): "
-            f"{_with_ranks(differ)}. DCP writes one replica's value of each key, "
-            "so the checkpoint would mix them. Keep the replicas in sync "
+            f"the data-parallel replicas differ in {len(differ)} entr(ies) (in "
+            f"value, or held by some replicas only): {_with_ranks(differ)}. DCP "
+            "writes one replica's value of each key, so the checkpoint would mix "
+            "them. Keep the replicas in sync "
             "(wrap each stage in DDP or FSDP2 over the data-parallel dim, and "
             "step every replica's optimizer alike), then save."
         )
@@ -217,7 +233,9 @@ def check_keys(
     replicas must hold equal values (compared by CRC-32C); and every other
     entry (step, scheduler, data state) must hold the same value on every
     rank. State nested under another section (``{"stage0": {"model": ...}}``)
-    is refused: its keys would name one layout. Each rank sends its key
+    is refused: its keys would name one layout. Plain tensors under another
+    section (an EMA copy of the weights) are not: pippy cannot tell them from
+    model state, so their keys must not name the layout either. Each rank sends its key
     names, a SHA-1 of each shared entry and, with data-parallel replicas, a
     CRC-32C of each replicated entry (a few KB); call it on every rank of
     ``process_group``.
@@ -238,10 +256,14 @@ def check_keys(
             an owned key appears on two stages or a shared entry differs
             between ranks.
         DivergedReplicasError: On every rank, naming keys and ranks, if the
-            data-parallel replicas of a stage hold different values.
-        NestedStateError: On every rank, if model or optimizer state is
-            nested under another section.
-        ValueError: ``mesh`` has no ``pp_dim`` dim.
+            data-parallel replicas of a stage hold different values, or an
+            entry (not a shard) that some replicas of its stage lack.
+        NestedStateError: On every rank, if a section other than ``owned``
+            holds a ``model`` or ``optim`` section or an optimizer's
+            state_dict (``state`` and ``param_groups``), at any depth.
+        ValueError: ``mesh`` has no ``pp_dim`` dim, or spans other ranks than
+            ``process_group`` (a slice such as ``mesh["pp"]`` would hide the
+            replicas from each other).
 
     Note:
         Known causes of collisions: layers renumbered per stage (``layers.0``
@@ -253,7 +275,13 @@ def check_keys(
     """
     if not dist.is_initialized():
         return
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    world_size = dist.get_world_size(process_group)
+    if mesh is not None and mesh.size() != world_size:
+        raise ValueError(
+            f"the mesh spans {mesh.size()} ranks and {world_size} ranks save: pass "
+            "the whole mesh (for example its ('dp', 'pp') dims), not a slice of it"
+        )
+    gathered: list[Any] = [None] * world_size
     dist.all_gather_object(
         gathered, _offer(state_dict, owned, mesh, pp_dim), group=process_group
     )
