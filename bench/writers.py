@@ -26,9 +26,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-from torch.serialization import get_crc32_options, set_crc32_options
 
 from pippy import checkpoint
+from pippy.checkpoint.manifest import NoCrc32FileSystem
 
 
 class Marks:
@@ -59,20 +59,6 @@ class Crc32Writer(TimedWriter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fs = FileSystem()
-
-
-class NoCrc32FileSystem(FileSystem):
-    """DCP's file system; while a file is written, this thread skips CRC-32."""
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        previous = get_crc32_options()
-        set_crc32_options(False)
-        try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        finally:
-            set_crc32_options(previous)
 
 
 class PlainTimedWriter(Marks, FileSystemWriter):

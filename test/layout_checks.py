@@ -16,12 +16,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 import pippy  # noqa: E402
 from pippy import checkpoint  # noqa: E402
+from pippy.checkpoint.checks import local  # noqa: E402
 
 from helpers import run_checks, tiny_gpt  # noqa: E402
 
@@ -51,11 +51,6 @@ def step_once(state):
     for scheduler in state.lr_schedulers:
         scheduler.step()
     state.step += 1
-
-
-def local(value):
-    """A DTensor's local shard; anything else as it is."""
-    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def dump(state, out, name, rank):
@@ -108,8 +103,7 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
         fresh = mesh_state(mesh, kind, seed=7)
         checkpoint.load_stage(fresh, out / kind / "step-1")
         result[f"{kind}_reload_differ"] = checkpoint.diff_state_dicts(
-            {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
-            {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
+            fresh.state_dict(), state.state_dict()
         )
     # Two stages per rank (stages p and p + 2 of 4), each sharded with FSDP2.
     pp = mesh.get_local_rank("pp")
@@ -127,8 +121,7 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
     fresh = sharded_parts(7)
     checkpoint.load_stage(fresh, out / "fsdp-parts" / "step-1")
     result["fsdp_parts_reload_differ"] = checkpoint.diff_state_dicts(
-        {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
-        {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
+        fresh.state_dict(), state.state_dict()
     )
     # Replicas that diverged (no gradient all-reduce, a bug in the DP setup):
     # plain DCP writes some keys from one replica, some from the other.
@@ -180,8 +173,7 @@ def check_hsdp(out: Path, rank: int, world_size: int) -> dict:
     result = {
         "placements": repr(next(state.module.parameters()).placements),
         "reload_differ": checkpoint.diff_state_dicts(
-            {k: local(v) for k, v in checkpoint.named_leaves(fresh.state_dict())},
-            {k: local(v) for k, v in checkpoint.named_leaves(state.state_dict())},
+            fresh.state_dict(), state.state_dict()
         ),
     }
     if mesh.get_local_rank("dp_replicate") == 1:

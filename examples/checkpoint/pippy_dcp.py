@@ -40,14 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import pippy
@@ -260,29 +258,6 @@ def train_step(state, stages: list, schedule, device, dp_group=None) -> float | 
     return loss.item()
 
 
-def local_shards(state_dict: dict) -> dict:
-    """FSDP2's DTensors as this rank's shards: what it holds, reads and compares."""
-    local = {}
-    for key, value in state_dict.items():
-        value = local_shards(value) if isinstance(value, dict) else value
-        local[key] = value.to_local() if isinstance(value, DTensor) else value
-    return local
-
-
-def written_by(folder: Path) -> tuple[int, int]:
-    """The tensors this rank wrote and their bytes, from .metadata. Replicated
-    items are written once (DCP spreads them over the replicas), so with dp a
-    rank writes a share of its stages."""
-    metadata = checkpoint.read_metadata(folder)
-    lengths = [
-        info.length
-        for index, info in metadata.storage_data.items()
-        if info.relative_path == f"__{dist.get_rank()}_0.distcp"
-        and isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata)
-    ]
-    return len(lengths), sum(lengths)
-
-
 def report(layout: Layout, verb: str, size: tuple, where: str, start: float) -> None:
     (tensors, nbytes), seconds = size, time.perf_counter() - start
     log(
@@ -301,7 +276,7 @@ def save(state: checkpoint.StageState, args, layout: Layout, saver) -> None:
     checkpoint.check_keys(state_dict, mesh=layout.mesh)
     if saver is not None:  # --async-save: returns once the state is copied
         saver.save(state_dict, state.step)
-        size = checkpoint.state_dict_size(local_shards(state_dict))
+        size = checkpoint.state_dict_size(state_dict)  # FSDP2: this rank's shards
         return report(layout, "staged", size, f"for step-{state.step}", start)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
@@ -314,9 +289,9 @@ def save(state: checkpoint.StageState, args, layout: Layout, saver) -> None:
         writer = checkpoint.ManifestWriter(checkpoint_id, step=state.step)
         with checkpoint.explain_failures(f"saving step-{state.step}"):
             dcp.save(state_dict, storage_writer=writer)
-    # Read after publishing: rank 0 renames the folder once every rank is done.
-    written = written_by(checkpoint.step_dir(args.checkpoint_dir, state.step))
-    report(layout, "saved", written, f"to step-{state.step}", start)
+    # What this rank wrote: DCP writes each replicated item once, spread over
+    # the replicas, so with DDP a rank writes a share of its stages.
+    report(layout, "saved", writer.written, f"to step-{state.step}", start)
 
 
 def load(state, path: Path, layout: Layout, *, model_only=False, note="") -> None:
@@ -343,7 +318,7 @@ def load(state, path: Path, layout: Layout, *, model_only=False, note="") -> Non
             set_model_state_dict(state.module, state_dict["model"])
         else:
             state.load_state_dict(state_dict)
-    size = checkpoint.state_dict_size(local_shards(state_dict))
+    size = checkpoint.state_dict_size(state_dict)
     report(layout, "loaded", size, f"from {path}{note}", start)
 
 
@@ -384,8 +359,8 @@ def verify(args, state, path: Path, layout: Layout, device) -> bool:
     fresh = build_state(args, fresh_stages, state.extra["data"].data)
     note = " into a fresh stage" if len(fresh_stages) == 1 else " into fresh stages"
     load(fresh, path, layout, note=note)
-    live, loaded = local_shards(state.state_dict()), local_shards(fresh.state_dict())
-    differ = checkpoint.diff_state_dicts(live, loaded)
+    # With FSDP2, each rank compares its own shards.
+    differ = checkpoint.diff_state_dicts(state.state_dict(), fresh.state_dict())
     if differ:
         log(f"{layout.label}: {len(differ)} entries differ: {differ[:5]}")
     failed = torch.tensor([len(differ)], device=device)

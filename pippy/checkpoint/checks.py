@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pippy.checkpoint.errors import TiedParametersError
 
 __all__ = [
     "fingerprint",
+    "local",
     "check_untied",
     "diff_state_dicts",
     "named_leaves",
@@ -57,16 +59,24 @@ def named_leaves(
             yield f"{prefix}{key}", value
 
 
+def local(value: Any) -> Any:
+    """A DTensor's shard on this rank (FSDP2); any other value as it is."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
-    """Counts the tensors of a (nested) state_dict and their size.
+    """Counts the tensors of a (nested) state_dict and the bytes this rank holds.
 
     Args:
         state_dict: A dict as returned by ``StageState.state_dict()``.
 
     Returns:
-        ``(number of tensors, their total size in bytes)``.
+        ``(number of tensors, their total size in bytes)``; a DTensor (FSDP2)
+        counts with its local shard.
     """
-    tensors = [v for _, v in named_leaves(state_dict) if isinstance(v, torch.Tensor)]
+    tensors = [
+        local(v) for _, v in named_leaves(state_dict) if isinstance(v, torch.Tensor)
+    ]
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -205,7 +215,8 @@ def diff_state_dicts(
     """Lists the keys whose values differ between two (nested) state_dicts.
 
     Tensors must match in dtype, shape and every bit (a NaN equals the same
-    NaN; ``0.0`` and ``-0.0`` differ); other values compare with ``==``.
+    NaN; ``0.0`` and ``-0.0`` differ); DTensors (FSDP2) compare this rank's
+    shards, with no collective; other values compare with ``==``.
 
     Args:
         actual: A state_dict, as from ``StageState.state_dict()``.
@@ -218,7 +229,7 @@ def diff_state_dicts(
     a, b = dict(named_leaves(actual)), dict(named_leaves(expected))
     differ = set(a.keys() ^ b.keys())
     for key in a.keys() & b.keys():
-        x, y = a[key], b[key]
+        x, y = local(a[key]), local(b[key])
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             same = (
                 x.dtype == y.dtype

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from pippy.checkpoint.checks import fingerprint, named_leaves
+from pippy.checkpoint.checks import fingerprint, local, named_leaves
 from pippy.checkpoint.errors import (
     DivergedReplicasError,
     KeyCollisionError,
@@ -52,9 +52,9 @@ def _digest(value: Any) -> str:
     """A CRC-32C of a tensor's (local) bytes with dtype and shape; repr otherwise."""
     if not isinstance(value, torch.Tensor):
         return repr(value)
-    local = value.to_local() if isinstance(value, DTensor) else value
-    data = local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return f"{local.dtype}{tuple(local.shape)}:{google_crc32c.value(data.numpy()):08x}"
+    shard = local(value)
+    data = shard.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return f"{shard.dtype}{tuple(shard.shape)}:{google_crc32c.value(data.numpy()):08x}"
 
 
 def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:

@@ -36,14 +36,20 @@ import google_crc32c
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.serialization import get_crc32_options, set_crc32_options
 
 from pippy.checkpoint.errors import CheckpointError
 
-__all__ = ["MANIFEST_FILE", "Manifest", "ManifestWriter", "read_manifest"]
+__all__ = [
+    "MANIFEST_FILE",
+    "Manifest",
+    "ManifestWriter",
+    "NoCrc32FileSystem",
+    "read_manifest",
+]
 
 #: The manifest's file name inside a step folder.
 MANIFEST_FILE = "manifest.json"
@@ -90,7 +96,7 @@ def _crc32c_of(folder: Path, ranges: Iterable[tuple[str, int, int]]) -> dict:
     return crcs
 
 
-class _NoCrc32FileSystem(FileSystem):
+class NoCrc32FileSystem(FileSystem):
     """DCP's file system, with ``torch.save``'s CRC-32 off while a file is written."""
 
     @contextmanager
@@ -133,6 +139,12 @@ class ManifestWriter(FileSystemWriter):
         step: The step being saved, recorded in the manifest.
         **kwargs: Passed to ``FileSystemWriter`` (``thread_count``, ...).
 
+    Attributes:
+        written: After the save, ``(tensors, bytes)`` this rank wrote, bytes
+            as in its file (with each item's ``torch.save`` framing). With
+            data-parallel replicas DCP writes each replicated item once, so a
+            rank writes a share of its stage.
+
     Note:
         The zip records of the items carry no CRC-32 (their fields are zero):
         a zip tool that tests them reports errors, while ``torch.load`` and
@@ -141,14 +153,18 @@ class ManifestWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _NoCrc32FileSystem()
+        self.fs = NoCrc32FileSystem()
         self.step = step
+        self.written = (0, 0)
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
         """Writes this rank's items as DCP does, then checksums them as written."""
         results = super().write_data(plan, planner).wait()
+        tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
+        lengths = [r.storage_data.length for r in results if r.index in tensors]
+        self.written = (len(lengths), sum(lengths))
         ranges = [
             (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
             for r in results
