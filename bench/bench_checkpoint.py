@@ -88,6 +88,7 @@ from methods import load_into_fresh, load_unsplit, save_methods, torch_load_full
 from report import write_report
 
 from pippy import checkpoint
+from pippy.checkpoint.steps import step_dir
 
 # --------------------------------------------------------------------------
 # Phases: what the launched ranks (or one plain process) run
@@ -129,7 +130,7 @@ def verify_tuned(ctx: Ctx, methods: dict[str, Method]) -> float:
     before = memory_kb("VmRSS")
     for name in ("pippy_sync_cached", "pippy_sync_crcwrite", "pippy_async_tuned"):
         methods[name].run()
-        path = checkpoint.step_dir(ctx.work / name, STEP)
+        path = step_dir(ctx.work / name, STEP)
         verify_load(ctx.state, path, ctx.case, ctx.rank, ctx.world)
         methods[name].cleanup()
     reset_peak_memory()
@@ -172,7 +173,7 @@ def phase_reshard(opts: argparse.Namespace) -> None:
     rows: list[dict] = []
     cold = not opts.warm_cache
     for case in cases_in(opts):
-        kept = checkpoint.step_dir(Path(opts.keep_dir) / case.label / "ckpt", STEP)
+        kept = step_dir(Path(opts.keep_dir) / case.label / "ckpt", STEP)
         work = Path(opts.work_dir) / f"reshard-{case.label}"
         state = build_state(case, rank, world)  # the same model, split in `world`
         same = checkpoint.save_stage(state, work)
@@ -199,7 +200,7 @@ def phase_unsplit(opts: argparse.Namespace) -> None:
     cold = not opts.warm_cache
     for case in cases_in(opts):
         kept = Path(opts.keep_dir) / case.label
-        ckpt = checkpoint.step_dir(kept / "ckpt", STEP)
+        ckpt = step_dir(kept / "ckpt", STEP)
         state = build_state(case, 0, 1)
         verify_load(state, ckpt, case, 0, 1, load=load_unsplit)
         tag = case_tag(case, state, 1) | {"phase": "unsplit", "saved_by": case.stages}

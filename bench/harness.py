@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pippy import checkpoint
+from pippy.checkpoint.checks import named_leaves, state_dict_size
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "checkpoint"))
@@ -126,15 +127,15 @@ def flat_optim(state: checkpoint.StageState) -> dict[str, Any]:
 
 def tensors_of(state: checkpoint.StageState) -> list[torch.Tensor]:
     """The tensors of the stage's state_dict, in DCP's item order."""
-    items = checkpoint.named_leaves(state.state_dict())
+    items = named_leaves(state.state_dict())
     return [v for _, v in items if isinstance(v, torch.Tensor)]
 
 
 def case_tag(case: Case, state: checkpoint.StageState, world: int) -> dict:
     """The case's bytes and keys: per rank (the largest stage) and in all."""
     sd = state.state_dict()
-    n_tensors, nbytes = checkpoint.state_dict_size(sd)
-    leaves = checkpoint.named_leaves
+    n_tensors, nbytes = state_dict_size(sd)
+    leaves = named_leaves
     items, flat_items = (sum(1 for _ in leaves(d)) for d in (sd, flat_optim(state)))
     per_rank = all_ranks((n_tensors, items, nbytes, flat_items))
     return {

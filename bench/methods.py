@@ -37,6 +37,9 @@ from writers import (
 )
 
 from pippy import checkpoint
+from pippy.checkpoint.checks import named_leaves
+from pippy.checkpoint.collisions import check_keys
+from pippy.checkpoint.steps import step_dir
 
 # DCP's default staging on CPU: a new stager per save, or one kept by the tuned.
 CPU_STAGING = StagingOptions(
@@ -109,7 +112,7 @@ def async_save(state: checkpoint.StageState, saver: checkpoint.AsyncSaver) -> fl
     """The example's async save, then ``wait()``: seconds until ``save`` returned."""
     start = time.perf_counter()
     state_dict = state.state_dict()
-    checkpoint.check_keys(state_dict)
+    check_keys(state_dict)
     saver.save(state_dict, STEP)
     blocked = time.perf_counter() - start
     saver.wait()  # the save is complete and published
@@ -169,7 +172,7 @@ def gather_rank0(ctx: Ctx, name: str, keep: Path | None) -> Method:
     """
 
     def run() -> None:
-        flat = dict(checkpoint.named_leaves(ctx.state.state_dict()))
+        flat = dict(named_leaves(ctx.state.state_dict()))
         tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
         layout = [(k, t.dtype, t.shape, t.nbytes) for k, t in tensors.items()]
         others = {k: v for k, v in flat.items() if k not in tensors}
@@ -356,7 +359,7 @@ def load_torch_stage(ctx: Ctx, cold: bool) -> Method:
 
 def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
     """The save phase's methods by name; its loads read ``work/ckpt``."""
-    loaded = checkpoint.step_dir(ctx.work / "ckpt", STEP)
+    loaded = step_dir(ctx.work / "ckpt", STEP)
     args = (ctx.case, ctx.rank, ctx.world, loaded, cold)
     return {
         "pippy_sync": sync_method(ctx, "pippy_sync"),

@@ -52,6 +52,9 @@ from harness import MB, ROOT, dim_for
 from pippy import PipelineStage, ScheduleGPipe, checkpoint
 
 sys.path.insert(0, str(ROOT / "examples" / "checkpoint"))
+from pippy.checkpoint.checks import state_dict_size
+from pippy.checkpoint.collisions import check_keys
+
 from gpt import GPT, ModelArgs, init_weights, rope_table  # noqa: E402
 from pippy_dcp import split_manual  # noqa: E402
 
@@ -123,7 +126,7 @@ def run_mode(mode: str, parts, steps: int, folder: Path, saver) -> list[float]:
             save(state, folder, keep_last=2)
         elif due:
             state_dict = state.state_dict()
-            checkpoint.check_keys(state_dict)
+            check_keys(state_dict)
             saver.save(state_dict, state.step)
         elif kind == "async":
             saver.poll()
@@ -165,7 +168,7 @@ def rank_main(opts: argparse.Namespace) -> None:
                     f"dim {opts.dim} P={world} round {round_} {mode}: {seconds:.2f} s"
                 )
     saver.close()
-    nbytes = checkpoint.state_dict_size(parts[2].state_dict())[1]
+    nbytes = state_dict_size(parts[2].state_dict())[1]
     sizes: list = [None] * world
     dist.all_gather_object(sizes, nbytes)
     if rank == 0:

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from pippy import checkpoint
-from pippy.checkpoint.manifest import NoCrc32FileSystem
+from pippy.checkpoint.api import ManifestWriter
+from pippy.checkpoint.storage import DurableFileSystem
 
 
 class Marks:
@@ -49,7 +49,7 @@ class Marks:
         return future
 
 
-class TimedWriter(Marks, checkpoint.ManifestWriter):
+class TimedWriter(Marks, ManifestWriter):
     """pippy's writer: DCP's, CRC-32 off, a CRC-32C of every item in manifest.json."""
 
 
@@ -62,11 +62,11 @@ class Crc32Writer(TimedWriter):
 
 
 class PlainTimedWriter(Marks, FileSystemWriter):
-    """DCP's own writer, CRC-32 off: no checksums, no manifest."""
+    """DCP's own writer, CRC-32 off, fsynced as pippy's: no checksums, no manifest."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fs = NoCrc32FileSystem()
+        self.fs = DurableFileSystem()
 
 
 class Crc32cStream:
@@ -104,7 +104,7 @@ class Crc32cStream:
         self.raw.close()
 
 
-class Crc32cFileSystem(NoCrc32FileSystem):
+class Crc32cFileSystem(DurableFileSystem):
     """CRC-32 off, and every file written through a :class:`Crc32cStream`."""
 
     def __init__(self) -> None:

@@ -17,7 +17,7 @@ import re
 import sys
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -25,7 +25,15 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from pippy import checkpoint
 from pippy.checkpoint.export import convert_layout, export_hf, parse_size
 from pippy.checkpoint.layouts import detect_layout
-from pippy.checkpoint.safe_load import resolve_trusted
+from pippy.checkpoint.manifest import MANIFEST_FILE
+from pippy.checkpoint.safe_load import find_damage, read_metadata, resolve_trusted
+from pippy.checkpoint.steps import (
+    is_complete,
+    list_steps,
+    newest_complete_step,
+    parse_step,
+)
+from pippy.checkpoint.storage import check_publishable, storage_for
 
 __all__ = ["main"]
 
@@ -74,48 +82,55 @@ def _rank(file_name: str) -> str:
     return match.group(1) if match else "?"
 
 
-def _file_size(path: Path) -> str:
-    """A file's size, or ``missing``."""
-    return _human(path.stat().st_size) if path.is_file() else "missing"
+def _file_size(folder: Any, name: str) -> str:
+    """The size of a step's file, or ``missing``."""
+    storage = storage_for(folder)
+    size = storage.size(storage.join(folder, name))
+    return "missing" if size is None else _human(size)
 
 
-def _disk_size(folder: Path) -> int:
-    """Bytes of all files below ``folder``."""
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+def _disk_size(folder: Any) -> int:
+    """Bytes of all files in a step folder."""
+    storage = storage_for(folder)
+    sizes = (storage.size(storage.join(folder, n)) for n in storage.listdir(folder))
+    return sum(size for size in sizes if size is not None)
 
 
-def _resolve(path: Path, step: int | None) -> tuple[dict[int, Path], Path]:
+def _resolve(path: Any, step: int | None) -> tuple[dict[int, Any], Any]:
     """Returns the run's step folders (none for a step folder) and the chosen one."""
-    if not path.exists():
+    storage = storage_for(path)
+    if not storage.exists(path):
         raise FileNotFoundError(f"no such folder: {str(path)!r}")
-    if not path.is_dir():
+    if not storage.is_dir(path):
         raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
-    own_step = checkpoint.parse_step(path)
-    if checkpoint.is_complete(path) or own_step is not None:  # one step: read it
+    own_step = parse_step(path)
+    if is_complete(path) or own_step is not None:  # one step: read it
         if step is not None and own_step != step:
             raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
         return {}, path
-    steps = checkpoint.list_steps(path)
+    steps = list_steps(path)
     if step is not None:
         if step not in steps:
             raise ValueError(f"no step {step} in {str(path)!r} (steps: {list(steps)})")
         return steps, steps[step]
-    complete = [s for s, p in steps.items() if checkpoint.is_complete(p)]
-    if not complete:
+    # The newest step a resume would take: complete, holding the step it names
+    # (the table shows why the newer ones are not).
+    latest, _ = newest_complete_step(path)
+    if latest is None:
         found = f"only incomplete steps {list(steps)}" if steps else "no step-<N>"
         raise checkpoint.CheckpointNotFoundError(f"{str(path)!r} holds {found}")
-    return steps, steps[max(complete)]
+    return steps, latest
 
 
-def _completeness(folder: Path, args: argparse.Namespace) -> str:
+def _completeness(folder: Any, args: argparse.Namespace) -> str:
     """The COMPLETE column of a step: yes, or why not."""
-    if not checkpoint.is_complete(folder):
+    if not is_complete(folder):
         return "no (no .metadata)"
     try:
-        metadata = checkpoint.read_metadata(folder, trusted=args.trusted)
+        metadata = read_metadata(folder, trusted=args.trusted)
     except checkpoint.CheckpointError as e:
         return f"no ({type(e).__name__})"
-    damage = checkpoint.find_damage(folder, metadata)
+    damage = find_damage(folder, metadata)
     return (
         f"no (damaged: {damage[0]}{' ...' if len(damage) > 1 else ''})"
         if damage
@@ -125,14 +140,13 @@ def _completeness(folder: Path, args: argparse.Namespace) -> str:
 
 def _inspect(args: argparse.Namespace) -> None:
     """``inspect``: the run's steps, then one step's keys and files."""
-    steps, folder = _resolve(Path(args.path), args.step)
-    metadata = checkpoint.read_metadata(folder, trusted=args.trusted)
-    damage = checkpoint.find_damage(folder, metadata)
+    steps, folder = _resolve(args.path, args.step)
+    metadata = read_metadata(folder, trusted=args.trusted)
+    damage = find_damage(folder, metadata)
     if args.verify and not damage:
         try:
             verified = checkpoint.verify_step(folder, trusted=args.trusted)
-            manifest = checkpoint.MANIFEST_FILE
-            print(f"verified: {folder}: {verified} items match its {manifest}")
+            print(f"verified: {folder}: {verified} items match its {MANIFEST_FILE}")
         except checkpoint.CheckpointError as e:
             damage = [str(e)]
     for problem in damage:
@@ -175,7 +189,7 @@ def _inspect(args: argparse.Namespace) -> None:
     _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
     print()
     file_rows: list[list] = [
-        [name, _rank(name), count, total, _file_size(folder / name)]
+        [name, _rank(name), count, total, _file_size(folder, name)]
         for name, (count, total) in sorted(per_file.items())
     ]
     stored_total = sum(row[3] for row in file_rows)
@@ -185,7 +199,7 @@ def _inspect(args: argparse.Namespace) -> None:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
 
 
-def _export_hf(args: argparse.Namespace, folder: Path) -> None:
+def _export_hf(args: argparse.Namespace, folder: Any) -> None:
     """``export --hf-config``: a folder ``from_pretrained`` opens."""
     dtype = _DTYPES[args.dtype] if args.dtype else None
     files = export_hf(
@@ -205,14 +219,17 @@ def _export_hf(args: argparse.Namespace, folder: Path) -> None:
 def _export(args: argparse.Namespace) -> None:
     """``export``: a step's model weights into one file (or HF folder), atomically."""
     if args.hf_config:
-        return _export_hf(args, _resolve(Path(args.path), None)[1])
-    out = Path(args.out)
-    fmt = args.format or ("safetensors" if out.suffix == ".safetensors" else "pt")
-    if out.exists() and not args.force:
+        return _export_hf(args, _resolve(args.path, None)[1])
+    out = args.out
+    storage = check_publishable(out)
+    fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "pt")
+    if storage.exists(out) and not args.force:
         raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"no folder {str(out.parent)!r} to write {out.name} in")
-    _, folder = _resolve(Path(args.path), None)
+    parent = storage.parent(out)
+    if not storage.is_dir(parent):
+        name = storage.name(out)
+        raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
+    _, folder = _resolve(args.path, None)
     state = checkpoint.read_checkpoint(
         folder, prefix="model.", trusted=args.trusted, verify=not args.no_verify
     )
@@ -223,27 +240,21 @@ def _export(args: argparse.Namespace) -> None:
         if args.dtype and value.is_floating_point():
             value = value.to(_DTYPES[args.dtype])
         weights[key] = value.contiguous()
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # same file system
-    try:
+    # Atomic: a failed export leaves no partial file.
+    with storage.open_atomic(out) as f:
         if fmt == "safetensors":
-            from safetensors.torch import save_file
+            from safetensors.torch import save
 
-            save_file(weights, tmp, metadata={"format": "pt"})
+            f.write(save(weights, metadata={"format": "pt"}))
         else:
-            torch.save(weights, tmp)
-        umask = os.umask(0o22)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0o600
-        os.replace(tmp, out)  # atomic: a failed export leaves no partial file
-    finally:
-        tmp.unlink(missing_ok=True)
+            torch.save(weights, f)
     size = _human(sum(t.numel() * t.element_size() for t in weights.values()))
     print(f"{folder} -> {out}: {len(weights)} tensors, {size} ({fmt})")
 
 
 def _convert(args: argparse.Namespace) -> None:
     """``convert``: a step rewritten in the other layout."""
-    _, folder = _resolve(Path(args.path), None)
+    _, folder = _resolve(args.path, None)
     verify = not args.no_verify
     count = convert_layout(
         folder, args.out, to=args.to, trusted=args.trusted, verify=verify

@@ -17,6 +17,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
+from pippy.checkpoint import collisions
+from pippy.checkpoint.checks import named_leaves, state_dict_size
+from pippy.checkpoint.errors import fail_together
+from pippy.checkpoint.steps import list_steps, step_dir
 
 import pippy_dcp  # noqa: E402
 from gpt import GPT, ModelArgs, rope_table  # noqa: E402
@@ -35,7 +39,7 @@ def build(args, rank, world_size, seed):
 
 def collision(state_dict):
     try:
-        checkpoint.check_keys(state_dict)
+        collisions.check_keys(state_dict)
     except checkpoint.KeyCollisionError as e:
         return str(e)
     return None
@@ -61,17 +65,17 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         args = pippy_dcp.parse_args([*TINY, "--split", split])
         _, state = build(args, rank, world_size, seed=0)
         sd = state.state_dict()
-        checkpoint.check_keys(sd)  # must not raise on a correct split
+        collisions.check_keys(sd)  # must not raise on a correct split
         result[split] = {
             "model": sorted(sd["model"]),
-            "optim": sorted(k for k, _ in checkpoint.named_leaves(sd["optim"])),
+            "optim": sorted(k for k, _ in named_leaves(sd["optim"])),
         }
     # Per-rank state under a shared key: DCP would keep one rank's copy.
     args = pippy_dcp.parse_args(TINY)
     _, state = build(args, rank, world_size, seed=0)
     state.extra["rng"] = PerRank(rank)
     try:
-        checkpoint.check_keys(state.state_dict())
+        collisions.check_keys(state.state_dict())
         result["per_rank_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["per_rank_error"] = str(e)
@@ -97,7 +101,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
     renumbered = {str(i): layer for i, layer in enumerate(layers.values())}
     state.module.layers = torch.nn.ModuleDict(renumbered)
     try:
-        checkpoint.check_keys(state.state_dict())
+        collisions.check_keys(state.state_dict())
         result["renumbered_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["renumbered_error"] = str(e)
@@ -141,7 +145,7 @@ def check_train(out: Path, rank: int, world_size: int) -> dict:
             "losses_a": losses_a,
             "losses_b": losses_b,
             "differ_final": final,
-            "tensors": checkpoint.state_dict_size(saved)[0],
+            "tensors": state_dict_size(saved)[0],
         }
     return result
 
@@ -239,11 +243,24 @@ def check_memory(out: Path, rank: int, world_size: int) -> dict:
     }
 
 
+class NoPickle:
+    """A value that compares equal on every rank and copies, but cannot be pickled."""
+
+    def __repr__(self):
+        return "NoPickle()"
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle a NoPickle")
+
+
 class Unpicklable:
     """Extra state whose value cannot be written: the background save fails."""
 
     def state_dict(self):
-        return {"callback": lambda: None}
+        return {"callback": NoPickle()}
 
     def load_state_dict(self, state_dict):
         pass
@@ -263,11 +280,11 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
         saver.save(state.state_dict(), state.step)
         train_steps(state, stage, schedule, 2)
     saver.wait()
-    steps = sorted(checkpoint.list_steps(out / "ckpt"))
+    steps = sorted(list_steps(out / "ckpt"))
     differ = {}
     for step in steps:
         fresh_stage, fresh = build(args, rank, world_size, seed=1)
-        checkpoint.load_stage(fresh, checkpoint.step_dir(out / "ckpt", step))
+        checkpoint.load_stage(fresh, step_dir(out / "ckpt", step))
         differ[step] = checkpoint.diff_state_dicts(fresh.state_dict(), snapshots[step])
     # A save that fails in the background is reported by wait(), not lost.
     state.extra["bad"] = Unpicklable()
@@ -281,7 +298,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     except checkpoint.CheckpointError as e:
         error = str(e)
     saver.close()
-    after = sorted(checkpoint.list_steps(out / "ckpt"))
+    after = sorted(list_steps(out / "ckpt"))
     return {
         "steps": steps,
         "differ": differ,
@@ -320,7 +337,7 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     state_dict = checkpoint.load_stage(loaded.state_dict(), path)
     error = None
     try:
-        with checkpoint.fail_together(f"loading {path.name}"):
+        with fail_together(f"loading {path.name}"):
             loaded.load_state_dict(state_dict)
     except checkpoint.CheckpointError as e:
         error = str(e)
@@ -330,7 +347,7 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     only_1 = dist.new_group([1])
     in_group = None
     try:
-        with checkpoint.fail_together("in a group", process_group=only_1):
+        with fail_together("in a group", process_group=only_1):
             raise RuntimeError("from the group")
     except (checkpoint.CheckpointError, ValueError) as e:
         in_group = f"{type(e).__name__}: {e}"
@@ -351,7 +368,7 @@ def check_twins(out: Path, rank: int, world_size: int) -> dict:
         polls += 1
         time.sleep(0.02)
         published = saver.poll()
-    listed = sorted(checkpoint.list_steps(out / "poll"))
+    listed = sorted(list_steps(out / "poll"))
     saver.close()
     return {"published": str(published), "polls": polls, "listed": listed}
 
@@ -360,7 +377,7 @@ def check_one_fails(out: Path, rank: int, world_size: int) -> dict:
     """A setup that fails on the last rank only (its data file is missing):
     every rank stops, the failing one with its own error, the others naming it."""
     try:
-        with checkpoint.fail_together("setting up", keep_own_error=True):
+        with fail_together("setting up", keep_own_error=True):
             path = out / "missing.txt" if rank == world_size - 1 else None
             pippy_dcp.load_text(str(path) if path else None)
         return {"error": None}

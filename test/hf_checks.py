@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import pippy
 from pippy import checkpoint
+from pippy.checkpoint.steps import step_dir
 
 from helpers import hf_config, hf_stage
 
@@ -60,7 +61,7 @@ def check_hf(out, rank, world_size):
 
         stage_b, schedule_b, state_b = build(name, rank, world_size, seed=1)
         before = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
-        checkpoint.load_stage(state_b, checkpoint.step_dir(out / name, 3))
+        checkpoint.load_stage(state_b, step_dir(out / name, 3))
         after_load = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
         losses_b = train(name, stage_b, schedule_b, state_b, 3)
         result[name] = {

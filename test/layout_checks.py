@@ -21,7 +21,11 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 import pippy  # noqa: E402
 from pippy import checkpoint  # noqa: E402
-from pippy.checkpoint.checks import local  # noqa: E402
+from pippy.checkpoint.checks import (
+    local,  # noqa: E402
+    named_leaves,
+)
+from pippy.checkpoint.collisions import check_keys
 
 from helpers import run_checks, tiny_gpt  # noqa: E402
 
@@ -55,7 +59,7 @@ def step_once(state):
 
 def dump(state, out, name, rank):
     """This rank's live state, model and optimizer tensors, for the test to compare."""
-    leaves = checkpoint.named_leaves(state.state_dict())
+    leaves = named_leaves(state.state_dict())
     tensors = {k: local(v).clone() for k, v in leaves if isinstance(v, torch.Tensor)}
     torch.save(tensors, out / f"{name}-live-{rank}.pt")
 
@@ -97,7 +101,7 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
         step_once(state)
         sd = state.state_dict()
         result[f"{kind}_keys"] = sorted(sd["model"])
-        result[f"{kind}_no_mesh"] = error_of(lambda sd=sd: checkpoint.check_keys(sd))
+        result[f"{kind}_no_mesh"] = error_of(lambda sd=sd: check_keys(sd))
         checkpoint.save_stage(state, out / kind, mesh=mesh)
         dump(state, out, kind, rank)
         fresh = mesh_state(mesh, kind, seed=7)
@@ -139,7 +143,7 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
     result["diverged_left"] = listing(out / "diverged")
     # A slice of the mesh would hide the replicas from each other.
     try:
-        checkpoint.check_keys(state.state_dict(), mesh=mesh["pp"])
+        check_keys(state.state_dict(), mesh=mesh["pp"])
         result["slice"] = None
     except ValueError as e:
         result["slice"] = f"{type(e).__name__}: {e}"
@@ -148,7 +152,7 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
     sd = state.state_dict()
     if mesh.get_local_rank("dp") == 1:
         sd["model"] = {k: v for k, v in sd["model"].items() if k != "norm.weight"}
-    result["lacking"] = error_of(lambda: checkpoint.check_keys(sd, mesh=mesh))
+    result["lacking"] = error_of(lambda: check_keys(sd, mesh=mesh))
     return result
 
 

@@ -8,6 +8,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pippy import SplitPoint, checkpoint, pipeline
+from pippy.checkpoint.api import publish_step
+from pippy.checkpoint.checks import check_untied, restore_non_persistent_buffers
+from pippy.checkpoint.errors import TiedParametersError
+from pippy.checkpoint.safe_load import read_metadata
+from pippy.checkpoint.steps import is_complete, list_steps
 
 from helpers import tiny_gpt
 
@@ -23,7 +28,7 @@ def save_step(root, step, module):
 def test_publish_step_writes_a_complete_step_folder(tmp_path):
     save_step(tmp_path, 5, tiny_model())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
-    assert checkpoint.is_complete(tmp_path / "step-5")
+    assert is_complete(tmp_path / "step-5")
     assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-5"
 
 
@@ -37,9 +42,9 @@ def test_publish_step_never_overwrites_a_step(tmp_path):
 
 def test_failed_save_publishes_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
-        with checkpoint.publish_step(tmp_path, 7):
+        with publish_step(tmp_path, 7):
             raise RuntimeError("boom")
-    assert checkpoint.list_steps(tmp_path) == {}
+    assert list_steps(tmp_path) == {}
     assert checkpoint.find_latest_step(tmp_path) is None
     save_step(tmp_path, 7, tiny_model())  # the stale staging folder is replaced
     assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-7"
@@ -54,7 +59,7 @@ def test_latest_step_skips_incomplete_folders(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="pippy.checkpoint"):
         assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-10"
     assert "step-20" in caplog.text
-    assert list(checkpoint.list_steps(tmp_path)) == [2, 10, 20]
+    assert list(list_steps(tmp_path)) == [2, 10, 20]
 
 
 def test_a_run_folder_where_a_step_is_wanted_names_a_step(tmp_path):
@@ -62,7 +67,7 @@ def test_a_run_folder_where_a_step_is_wanted_names_a_step(tmp_path):
     with pytest.raises(
         checkpoint.CheckpointNotFoundError, match="pass one of its steps, e.g. .*step-4"
     ):
-        checkpoint.read_metadata(tmp_path)
+        read_metadata(tmp_path)
 
 
 def test_missing_dir_has_no_steps_and_a_file_is_refused(tmp_path):
@@ -113,9 +118,7 @@ def test_restore_non_persistent_buffers_on_traced_stages():
     for index in range(2):
         stage_module = pipe.get_stage_module(index)
         assert "rope" in stage_module.state_dict()  # what tracing does
-        assert checkpoint.restore_non_persistent_buffers(stage_module, model) == [
-            "rope"
-        ]
+        assert restore_non_persistent_buffers(stage_module, model) == ["rope"]
         assert "rope" not in stage_module.state_dict()
         assert torch.equal(stage_module.get_buffer("rope"), model.rope)  # still used
         keys.append(set(stage_module.state_dict()))
@@ -148,10 +151,10 @@ def test_keys_that_no_rank_reads_are_an_error_not_a_silent_drop(tmp_path):
 
 def test_tied_weights_are_refused_before_splitting():
     model = tiny_model()
-    checkpoint.check_untied(model)  # untied: fine
+    check_untied(model)  # untied: fine
     model.output.weight = model.tok_embeddings.weight
     with pytest.raises(
-        checkpoint.TiedParametersError,
+        TiedParametersError,
         match="'output.weight' is 'tok_embeddings.weight'",
     ):
-        checkpoint.check_untied(model)
+        check_untied(model)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
+from pippy.checkpoint.safe_load import TRUST_ENV
 from pippy.cli import main
 
 from gpt import GPT, ModelArgs
@@ -207,7 +208,7 @@ def cli_runs(run, tmp_path_factory):
         ),
         "ok_export": (["export", root, "--out", tmp / "ok.safetensors"], None),
     }
-    env = {k: v for k, v in os.environ.items() if k != checkpoint.TRUST_ENV}
+    env = {k: v for k, v in os.environ.items() if k != TRUST_ENV}
 
     def cli(case):
         argv, expected = cases[case]

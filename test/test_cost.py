@@ -27,6 +27,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.serialization import get_crc32_options
 
 from pippy import checkpoint
+from pippy.checkpoint.api import ManifestWriter
+from pippy.checkpoint.steps import step_dir
 
 SEEDS = {0: 10, 1: 11}
 
@@ -68,7 +70,7 @@ def run_ranks(out: Path) -> None:
     finally:
         stop.set()
         watcher.join()
-    writer = checkpoint.ManifestWriter(out / "unused", step=2, thread_count=2)
+    writer = ManifestWriter(out / "unused", step=2, thread_count=2)
     checkpoint.save_stage(state, out / "ckpt", step=2, storage_writer=writer)
     record = {"crc32_after": get_crc32_options(), "other_thread": sorted(seen)}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
@@ -111,7 +113,7 @@ def test_torch_crc32_is_off_only_while_writing(saved):
         record = json.loads((saved / f"rank{rank}.json").read_text())
         assert record == {"crc32_after": True, "other_thread": [True]}
     for step in (1, 2):
-        folder = checkpoint.step_dir(saved / "ckpt", step)
+        folder = step_dir(saved / "ckpt", step)
         for key, where in item_ranges(folder).items():
             with zipfile.ZipFile(io.BytesIO(item_bytes(folder, where))) as archive:
                 crcs = {info.filename: info.CRC for info in archive.infolist()}
@@ -120,7 +122,7 @@ def test_torch_crc32_is_off_only_while_writing(saved):
 
 @pytest.mark.parametrize("step", [1, 2])
 def test_plain_dcp_load_reads_it_bitwise(saved, step):
-    folder = checkpoint.step_dir(saved / "ckpt", step)
+    folder = step_dir(saved / "ckpt", step)
     merged = both_stages()
     loaded = empty_like(merged)
     # Plain DCP, in this process (no process group: DCP reads alone).
@@ -130,7 +132,7 @@ def test_plain_dcp_load_reads_it_bitwise(saved, step):
 
 def test_manifest_catches_a_flipped_byte(saved, tmp_path):
     folder = tmp_path / "step-1"
-    shutil.copytree(checkpoint.step_dir(saved / "ckpt", 1), folder)
+    shutil.copytree(step_dir(saved / "ckpt", 1), folder)
     key = "model.layers.1.w"
     name, offset, length = item_ranges(folder)[key]
     data = bytearray((folder / name).read_bytes())

@@ -5,6 +5,7 @@ Where plain DCP loses or mixes data quietly, each test shows that first, so
 that pippy's refusal is shown to matter.
 """
 
+import contextlib
 import json
 import os
 import pickle
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from pippy import checkpoint
+from pippy.checkpoint.job import OWNER_FILE
+from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
+from pippy.checkpoint.safe_load import SafeFileSystemReader, read_metadata
+from pippy.checkpoint.steps import list_steps
 
 import helpers
 from helpers import (
@@ -50,7 +57,7 @@ def flip_bit(path, offset):
 
 def place(folder, key):
     """(file, offset, length) of a key's (first) item, from .metadata."""
-    metadata = checkpoint.read_metadata(folder)
+    metadata = read_metadata(folder)
     [info] = [i for k, i in metadata.storage_data.items() if k.fqn == key]
     return folder / info.relative_path, info.offset, info.length
 
@@ -168,7 +175,7 @@ def test_a_copied_step_in_the_way_is_moved_aside_and_the_save_goes_on(tmp_path):
     published = checkpoint.save_stage(state, tmp_path)  # it used to be refused
     assert checkpoint.read_checkpoint(published)["step"] == 3
     [aside] = tmp_path.glob(".step-3.incomplete-*")
-    assert checkpoint.read_manifest(aside).step == 2  # kept, not deleted
+    assert read_manifest(aside).step == 2  # kept, not deleted
 
 
 def test_a_manifest_edited_to_match_its_folder_is_refused(tmp_path):
@@ -203,17 +210,17 @@ def test_a_state_saved_under_another_step_is_refused(tmp_path):
 
 def test_a_checkpoint_without_manifest_needs_an_explicit_opt_out(tmp_path):
     _, folder = saved_linear(tmp_path)
-    (folder / checkpoint.MANIFEST_FILE).unlink()
+    (folder / MANIFEST_FILE).unlink()
     with pytest.raises(
         checkpoint.CheckpointError, match="has no manifest.json.*verify=False"
     ):
         checkpoint.load_stage(linear_state(), folder)
-    reader = checkpoint.SafeFileSystemReader(folder, verify=False)
+    reader = SafeFileSystemReader(folder, verify=False)
     state = {"model": {"weight": torch.empty(4, 4), "bias": torch.empty(4)}}
     dcp.load(
         state,
         storage_reader=reader,
-        planner=checkpoint.SafeLoadPlanner(must_read=("model.",)),
+        planner=SafeLoadPlanner(must_read=("model.",)),
     )
 
 
@@ -244,7 +251,7 @@ READ_PATHS = {
     "load_stage": lambda f: checkpoint.load_stage(linear_state(), f),
     "load_model": lambda f: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
     "read_checkpoint": checkpoint.read_checkpoint,
-    "read_metadata": checkpoint.read_metadata,  # inspect and export start here
+    "read_metadata": read_metadata,  # inspect and export start here
 }
 
 
@@ -445,17 +452,17 @@ def dead_pid():
 
 def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, caplog):
     with checkpoint.FolderOwner(tmp_path) as first:
-        record = json.loads((tmp_path / checkpoint.OWNER_FILE).read_text())
+        record = json.loads((tmp_path / OWNER_FILE).read_text())
         assert record["pid"] == os.getpid() and record["token"] == first.token
         with pytest.raises(
             checkpoint.CheckpointDirInUseError,
             match=f"in use by another job \\(host '.*', pid {os.getpid()}, started",
         ):
             checkpoint.FolderOwner(tmp_path).acquire()
-    assert not (tmp_path / checkpoint.OWNER_FILE).exists()  # released
+    assert not (tmp_path / OWNER_FILE).exists()  # released
 
     record.update(pid=dead_pid(), token="deadjob")
-    (tmp_path / checkpoint.OWNER_FILE).write_text(json.dumps(record))
+    (tmp_path / OWNER_FILE).write_text(json.dumps(record))
     (tmp_path / ".step-4.partial-0123abcd").mkdir()  # the dead job's half save
     with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
         with checkpoint.FolderOwner(tmp_path):
@@ -464,10 +471,10 @@ def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, c
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # owner alone now
 
     record.update(host="another-host", pid=os.getpid())  # cannot tell: refuse
-    (tmp_path / checkpoint.OWNER_FILE).write_text(json.dumps(record))
+    (tmp_path / OWNER_FILE).write_text(json.dumps(record))
     with pytest.raises(checkpoint.CheckpointDirInUseError, match="another-host"):
         checkpoint.FolderOwner(tmp_path).acquire()
-    (tmp_path / checkpoint.OWNER_FILE).write_text("[1]")  # not ours: never taken
+    (tmp_path / OWNER_FILE).write_text("[1]")  # not ours: never taken
     with pytest.raises(checkpoint.CheckpointDirInUseError, match="not an owner record"):
         checkpoint.FolderOwner(tmp_path).acquire()
 
@@ -510,11 +517,26 @@ def wait_for(path, proc, timeout=120):
     assert path.exists(), f"{path} never appeared"
 
 
+def _workers(pid):
+    """The processes below `pid` (a launcher's workers), from this host's /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found += [int(child), *_workers(int(child))]
+    return found
+
+
 def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
     flags = ["--steps", "300", "--save-every", "100"]
     first = launch(*flags, "--checkpoint-dir", tmp_path / "shared")
+    paused = []
     try:
         wait_for(tmp_path / "shared" / ".owner.json", first)
+        # The first job holds still while the second starts: on 2 busy cores
+        # it could otherwise finish its 300 steps first.
+        paused = _workers(first.pid)
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
         second = torchrun(
             2,
             EXAMPLE,
@@ -524,8 +546,13 @@ def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
             tmp_path / "shared",
             expect_ok=False,
         )
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
         out, _ = first.communicate(timeout=240)
     finally:
+        for pid in paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         first.kill()
     assert first.returncode == 0, out
     assert second.returncode != 0
@@ -568,9 +595,9 @@ def test_ranks_whose_launcher_is_killed_stop_and_publish_nothing_more(tmp_path):
         while example_ranks(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert example_ranks(tmp_path) == []  # without the watch: they train on
-        steps = sorted(checkpoint.list_steps(tmp_path))
+        steps = sorted(list_steps(tmp_path))
         time.sleep(2)
-        assert sorted(checkpoint.list_steps(tmp_path)) == steps
+        assert sorted(list_steps(tmp_path)) == steps
     finally:
         for pid in example_ranks(tmp_path):
             os.kill(pid, signal.SIGKILL)

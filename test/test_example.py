@@ -3,6 +3,8 @@
 import pytest
 
 from pippy import checkpoint
+from pippy.checkpoint.checks import state_dict_size
+from pippy.checkpoint.safe_load import read_metadata
 
 import pippy_dcp
 from gpt import GPT, ModelArgs
@@ -47,7 +49,7 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
 
     a = load_whole(resumed / "step-6")
     b = load_whole(straight / "step-6")
-    assert checkpoint.state_dict_size(a)[0] > 0
+    assert state_dict_size(a)[0] > 0
     assert checkpoint.diff_state_dicts(a, b) == []
     assert a["step"] == 6
 
@@ -61,7 +63,7 @@ def test_checkpoint_layout_one_file_per_rank_and_original_fqns(tmp_path):
         "manifest.json"
     ]
 
-    metadata = checkpoint.read_metadata(folder)
+    metadata = read_metadata(folder)
     keys = set(metadata.state_dict_metadata)
     model = GPT(ModelArgs())
     assert {k for k in keys if k.startswith("model.")} == {

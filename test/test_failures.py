@@ -19,6 +19,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pippy import checkpoint
+from pippy.checkpoint.api import publish_step
+from pippy.checkpoint.errors import explain_failures
+from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.safe_load import SafeFileSystemReader
+from pippy.checkpoint.steps import is_complete, list_steps, step_dir
 
 from helpers import DIST_CHECKS, EXAMPLE, TwoHeads, launch, linear_state, torchrun
 
@@ -72,7 +77,7 @@ def test_missing_optimizer_state_is_an_error_not_fresh_moments(tmp_path):
     with pytest.raises(
         checkpoint.CheckpointError, match="'optim.state.weight.exp_avg' is not in"
     ):
-        load(linear_state(), checkpoint.step_dir(tmp_path, 1))
+        load(linear_state(), step_dir(tmp_path, 1))
 
 
 def test_optimizer_scalars_are_one_item_per_parameter_and_load_exactly(tmp_path):
@@ -180,18 +185,18 @@ def test_an_explicitly_requested_step_must_exist_and_be_complete(tmp_path):
     with pytest.raises(
         checkpoint.CheckpointNotFoundError, match="not a complete checkpoint"
     ):
-        checkpoint.SafeFileSystemReader(tmp_path / "step-2")
+        SafeFileSystemReader(tmp_path / "step-2")
     with pytest.raises(
         checkpoint.CheckpointNotFoundError, match="no checkpoint folder"
     ):
-        checkpoint.SafeFileSystemReader(tmp_path / "step-3")
+        SafeFileSystemReader(tmp_path / "step-3")
 
 
 def test_an_incomplete_step_folder_is_moved_aside_not_written_into(tmp_path):
     (tmp_path / "step-1").mkdir()  # written by something else, never completed
     (tmp_path / "step-1" / "stray").write_text("kept")
     save(linear_state(), tmp_path, step=1)
-    assert checkpoint.is_complete(tmp_path / "step-1")
+    assert is_complete(tmp_path / "step-1")
     [aside] = tmp_path.glob(".step-1.incomplete-*")
     assert (aside / "stray").read_text() == "kept"
 
@@ -199,15 +204,15 @@ def test_an_incomplete_step_folder_is_moved_aside_not_written_into(tmp_path):
 def test_keep_last_removes_old_steps_only_after_a_newer_one_is_published(tmp_path):
     state = linear_state()
     for step in (1, 2, 3):
-        with checkpoint.publish_step(tmp_path, step, keep_last=2) as checkpoint_id:
+        with publish_step(tmp_path, step, keep_last=2) as checkpoint_id:
             # while step 3 is being written, steps 1 and 2 are both still there
-            assert list(checkpoint.list_steps(tmp_path)) == list(range(1, step))[-2:]
+            assert list(list_steps(tmp_path)) == list(range(1, step))[-2:]
             dcp.save(state.state_dict(), checkpoint_id=checkpoint_id)
-    assert list(checkpoint.list_steps(tmp_path)) == [2, 3]
+    assert list(list_steps(tmp_path)) == [2, 3]
     with pytest.raises(RuntimeError):
-        with checkpoint.publish_step(tmp_path, 4, keep_last=1):
+        with publish_step(tmp_path, 4, keep_last=1):
             raise RuntimeError("the save failed")
-    assert list(checkpoint.list_steps(tmp_path)) == [2, 3]  # nothing removed
+    assert list(list_steps(tmp_path)) == [2, 3]  # nothing removed
 
 
 @pytest.fixture(scope="module")
@@ -388,11 +393,9 @@ def train_step(state, use):
 
 def load_nested(state, folder):
     """Loads as DCP's tutorial does: the Stateful under a key, ``{"app": state}``."""
-    reader = checkpoint.SafeFileSystemReader(folder)
-    with checkpoint.explain_failures(f"loading {folder}"):
-        dcp.load(
-            {"app": state}, storage_reader=reader, planner=checkpoint.SafeLoadPlanner()
-        )
+    reader = SafeFileSystemReader(folder)
+    with explain_failures(f"loading {folder}"):
+        dcp.load({"app": state}, storage_reader=reader, planner=SafeLoadPlanner())
 
 
 def state_ids(state):
@@ -419,7 +422,7 @@ def test_parameters_without_optimizer_state_load_and_resume_exactly(
     loaded = two_heads_state(optimizer_class, **kwargs)
     if nested:
         save({"app": saved}, tmp_path, step=1)
-        load_nested(loaded, checkpoint.step_dir(tmp_path, 1))
+        load_nested(loaded, step_dir(tmp_path, 1))
     else:
         load(loaded, save(saved, tmp_path))
     assert loaded.module.b.weight not in loaded.optimizer.state
@@ -456,7 +459,7 @@ def test_optimizer_state_with_its_tensors_lost_is_an_error_not_fresh_moments(
     with pytest.raises(
         checkpoint.CheckpointError, match="has no 'state.b.weight.exp_avg'"
     ):
-        load(two_heads_state(), checkpoint.step_dir(tmp_path, 1))
+        load(two_heads_state(), step_dir(tmp_path, 1))
 
 
 def test_param_groups_joining_parameters_saved_with_other_options_are_refused(

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pippy import checkpoint
+from pippy.checkpoint.parts import merge_parts
 
 from helpers import ROOT, plain_read, tiny_gpt, torchrun
 
@@ -174,7 +175,7 @@ def test_parts_holding_one_fqn_twice_are_refused():
         checkpoint.StageState(stage(0, 0), extra={"stage2": stage(2, 0)})
     # Two real parts: the union of their keys, the same tensors, no copies.
     parts = [stage(0, 0), stage(2, 0)]
-    merged = checkpoint.merge_parts(parts).state_dict(keep_vars=True)
+    merged = merge_parts(parts).state_dict(keep_vars=True)
     expected = {k: v for p in parts for k, v in p.state_dict(keep_vars=True).items()}
     assert merged.keys() == expected.keys()
     assert all(merged[k] is v for k, v in expected.items())

@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from pippy import checkpoint
+from pippy.checkpoint.checks import named_leaves
+from pippy.checkpoint.safe_load import read_metadata
 
 import pippy_dcp
 from gpt import GPT, ModelArgs
@@ -67,8 +69,8 @@ def losses(lines):
 
 def assert_close(actual, expected, rtol):
     """Every float tensor within rtol of the other's largest value; the rest equal."""
-    expected = dict(checkpoint.named_leaves(expected))
-    for key, a in checkpoint.named_leaves(actual):
+    expected = dict(named_leaves(expected))
+    for key, a in named_leaves(actual):
         b = expected[key]
         if isinstance(a, torch.Tensor) and a.is_floating_point():
             scale = b.abs().max().clamp_min(1e-12)
@@ -94,7 +96,7 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     # replicated item is written by one replica, with FSDP2 each rank its shards.
     saved = sorted(SAVED.findall(first.stdout))
     assert [label for _, label, _ in saved] == LABELS[layout]
-    metadata = checkpoint.read_metadata(here / "step-3")
+    metadata = read_metadata(here / "step-3")
     chunks = [i for i in metadata.storage_data if i.offset is not None]
     assert sum(int(n) for _, _, n in saved) == len(chunks)
     assert all(int(n) > 0 for _, _, n in saved)
@@ -137,7 +139,7 @@ def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
     # The DDP run's files, read with plain DCP in this process, hold what
     # pippy reads; and the checkpoint loads into the un-split model.
     plain = plain_read(dp / "step-6")
-    ours = dict(checkpoint.named_leaves(checkpoint.read_checkpoint(dp / "step-6")))
+    ours = dict(named_leaves(checkpoint.read_checkpoint(dp / "step-6")))
     assert checkpoint.diff_state_dicts(plain, ours) == []  # every item
     model = GPT(ModelArgs(4, 32, max_seq_len=32))
     assert checkpoint.load_model(dp / "step-6", model) == 6

@@ -9,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pippy import checkpoint
+from pippy.checkpoint.safe_load import read_metadata
 
 from helpers import EXAMPLE, Payload, poison_metadata, torchrun
 
@@ -45,7 +46,7 @@ def read_with_dcp_load(folder):
 
 READ_PATHS = {
     "dcp.load": read_with_dcp_load,
-    "read_metadata": checkpoint.read_metadata,
+    "read_metadata": read_metadata,
     "read_checkpoint": checkpoint.read_checkpoint,
     "read_checkpoint(model.)": lambda f: checkpoint.read_checkpoint(f, prefix="model."),
     "load_model": lambda f: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
@@ -76,7 +77,7 @@ def test_pippy_refuses_a_poisoned_non_tensor_item(tmp_path):
 
 def test_a_damaged_item_is_reported_as_damage_not_as_an_attack(tmp_path):
     folder = save_step(tmp_path / "ckpt", extra={"note": "a plain string"})
-    metadata = checkpoint.read_metadata(folder)
+    metadata = read_metadata(folder)
     [info] = [i for k, i in metadata.storage_data.items() if k.fqn == "extra.note"]
     data = folder / info.relative_path
     raw = bytearray(data.read_bytes())

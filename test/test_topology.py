@@ -11,6 +11,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
+from pippy.checkpoint.checks import named_leaves
 
 import pippy_dcp
 from gpt import GPT, ModelArgs
@@ -92,14 +93,12 @@ def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
         for r in range(4)
     ]
     assert sorted(k for s in stages for k in s["model"]) == sorted(model_sd)
-    moments = dict(checkpoint.named_leaves(optim_sd))
+    moments = dict(named_leaves(optim_sd))
     for stage in stages:
         own = {k: model_sd[k] for k in stage["model"]}
         assert checkpoint.diff_state_dicts(own, stage["model"]) == []
         stage_moments = {
-            k: v
-            for k, v in checkpoint.named_leaves(stage["optim"])
-            if k.startswith("state.")
+            k: v for k, v in named_leaves(stage["optim"]) if k.startswith("state.")
         }
         assert stage_moments
         assert (

@@ -50,6 +50,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 import pippy
 from pippy import checkpoint
+from pippy.checkpoint.api import (
+    ManifestWriter,
+    apply_state,
+    open_step,
+    publish_step,
+    take_state,
+)
+from pippy.checkpoint.checks import (
+    check_untied,
+    restore_non_persistent_buffers,
+    state_dict_size,
+)
+from pippy.checkpoint.errors import explain_failures, fail_together
+from pippy.checkpoint.steps import is_complete, step_dir
 
 from gpt import GPT, ModelArgs, init_weights, rope_table
 
@@ -139,7 +153,7 @@ def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=No
     model_args = ModelArgs(args.n_layers, args.dim, max_seq_len=args.seq_len)
     with torch.device("meta"):  # shapes only: no rank holds the whole model
         model = GPT(model_args)
-    checkpoint.check_untied(model)  # a weight tied across stages would drift
+    check_untied(model)  # a weight tied across stages would drift
     if args.split == "manual":
         module = split_manual(model, index, num_stages)
     else:
@@ -148,7 +162,7 @@ def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=No
         module = pipe.get_stage_module(index)
         # The tracer makes the rope buffer a persistent key of every stage;
         # without this, all stages would offer the same "rope" key to DCP.
-        checkpoint.restore_non_persistent_buffers(module, model)
+        restore_non_persistent_buffers(module, model)
     module.to_empty(device=device)  # allocate the stage, then fill it
     init_weights(module, seed)
     module.get_buffer("rope").copy_(rope_table(model_args))
@@ -268,30 +282,25 @@ def report(layout: Layout, verb: str, size: tuple, where: str, start: float) -> 
 
 def save(state: checkpoint.StageState, args, layout: Layout, saver) -> None:
     start = time.perf_counter()
-    state_dict = state.state_dict()
+    if saver is not None:  # --async-save: returns once the state is copied
+        saver.save(state)
+        size = state_dict_size(state.state_dict())  # FSDP2: this rank's shards
+        return report(layout, "staged", size, f"for step-{state.step}", start)
     # DCP takes equal keys on two ranks for replicas and keeps one: a collision
     # would lose a stage without an error, and diverged dp replicas would be
-    # mixed key by key. So check before writing anything: keys disjoint across
-    # the pipeline dim, replicas equal across the data-parallel dim.
-    checkpoint.check_keys(state_dict, mesh=layout.mesh)
-    if saver is not None:  # --async-save: returns once the state is copied
-        saver.save(state_dict, state.step)
-        size = checkpoint.state_dict_size(state_dict)  # FSDP2: this rank's shards
-        return report(layout, "staged", size, f"for step-{state.step}", start)
+    # mixed key by key. So take_state checks before anything is written: keys
+    # disjoint across the pipeline dim, replicas equal across the dp dim.
+    state_dict, step = take_state(state, mesh=layout.mesh)
     # One checkpoint_id for all ranks: each writes its own file into the same
     # folder and rank 0 writes .metadata, which maps every key to its file.
     # DCP stores no checksums: pippy's writer is DCP's, plus a manifest.json
     # with a CRC-32C of every item, which loading verifies.
-    publish = checkpoint.publish_step(
-        args.checkpoint_dir, state.step, keep_last=args.keep_last
-    )
-    with publish as checkpoint_id:
-        writer = checkpoint.ManifestWriter(checkpoint_id, step=state.step)
-        with checkpoint.explain_failures(f"saving step-{state.step}"):
-            dcp.save(state_dict, storage_writer=writer)
+    with publish_step(args.checkpoint_dir, step, keep_last=args.keep_last) as ckpt:
+        writer = ManifestWriter(ckpt, step=step)
+        dcp.save(state_dict, storage_writer=writer)
     # What this rank wrote: DCP writes each replicated item once, spread over
     # the replicas, so with DDP a rank writes a share of its stages.
-    report(layout, "saved", writer.written, f"to step-{state.step}", start)
+    report(layout, "saved", writer.written, f"to step-{step}", start)
 
 
 def load(state, path: Path, layout: Layout, *, model_only=False, note="") -> None:
@@ -306,19 +315,18 @@ def load(state, path: Path, layout: Layout, *, model_only=False, note="") -> Non
         state_dict = state.state_dict()
     # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
     # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), and keys that no rank reads.
-    planner = checkpoint.SafeLoadPlanner(must_read=("model." if model_only else "",))
-    with checkpoint.explain_failures(f"loading {path}"):
-        reader = checkpoint.SafeFileSystemReader(path)
+    reader, planner = open_step(path, must_read=("model." if model_only else "",))
+    with explain_failures(f"loading {path}"):
         dcp.load(state_dict, storage_reader=reader, planner=planner)
     # Applying it runs on each rank alone; if one refuses (its param groups do
     # not match the checkpoint's), all stop with its error instead of the
     # others failing later in a collective.
-    with checkpoint.fail_together(f"loading {path}"):
-        if model_only:
+    if model_only:
+        with fail_together(f"loading {path}"):
             set_model_state_dict(state.module, state_dict["model"])
-        else:
-            state.load_state_dict(state_dict)
-    size = checkpoint.state_dict_size(state_dict)
+    else:
+        apply_state(state, state_dict, path=path)
+    size = state_dict_size(state_dict)
     report(layout, "loaded", size, f"from {path}{note}", start)
 
 
@@ -444,7 +452,7 @@ def main() -> None:
         # pipeline schedule, and the optimizer, LR schedule and data sampler: the
         # state to checkpoint. A failure on one rank stops them all, instead of
         # the others waiting in a collective
-        with checkpoint.fail_together("setting up", keep_own_error=True):
+        with fail_together("setting up", keep_own_error=True):
             layout = build_layout(args, device)
             stages = build_stages(args, layout, device, seed=args.seed)
             runs = stages if args.schedule in LOOPED else stages[0]
@@ -472,13 +480,15 @@ def main() -> None:
         # --async-save, in the background, one save at a time
         saver = None
         if args.async_save:
-            saver = checkpoint.AsyncSaver(args.checkpoint_dir, keep_last=args.keep_last)
+            saver = checkpoint.AsyncSaver(
+                args.checkpoint_dir, keep_last=args.keep_last, mesh=layout.mesh
+            )
         train(args, state, stages, schedule, device, layout, saver, stop)
         if saver is not None:
             saver.close()  # waits for the last save, then publishes it
         # verify: load the final checkpoint into fresh stages, compare bit for bit
-        final = checkpoint.step_dir(args.checkpoint_dir, state.step)
-        saved = checkpoint.is_complete(final)
+        final = step_dir(args.checkpoint_dir, state.step)
+        saved = is_complete(final)
         ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         hint = ""  # pippy names no flag of ours: say which one to change

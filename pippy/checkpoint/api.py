@@ -1,34 +1,41 @@
-"""The one save path and the one load path, and reading a checkpoint in one process.
+"""The one save sequence and the one load sequence, and the pieces they are made of.
 
-:func:`save_stage` and :func:`load_stage` are what every rank calls; the
-reference example spells the same steps out with ``dcp.save`` and
-``dcp.load`` to teach them. :func:`read_checkpoint` and :func:`load_model`
-read a pipeline checkpoint without a pipeline.
+Saving a stage, on every rank at once:
+
+1. :func:`take_state`: the stage's state_dict, its step checked, its keys
+   checked across ranks (:func:`~pippy.checkpoint.collisions.check_keys`);
+2. :func:`~pippy.checkpoint.steps.publish_step`: a new staging folder, published
+   as ``step-<N>`` once the body returned on every rank, discarded if it
+   raised;
+3. ``dcp.save`` into it through :class:`~pippy.checkpoint.manifest.ManifestWriter`.
+
+Loading: build the stage, take its state_dict (DCP loads in place), ``dcp.load``
+it through the reader and planner of :func:`open_step`, then
+:func:`apply_state` on every rank or on none.
+
+:func:`save_stage` and :func:`load_stage` are these sequences;
+:class:`~pippy.checkpoint.AsyncSaver`, the command line and the reference
+example use the same pieces.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 
-from pippy.checkpoint.checks import named_leaves, tied_groups
+from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.collisions import check_keys
-from pippy.checkpoint.errors import CheckpointError, explain_failures, fail_together
+from pippy.checkpoint.errors import explain_failures, fail_together
 from pippy.checkpoint.layouts import (
     PIPPY,
     detect_layout,
@@ -41,15 +48,33 @@ from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.steps import publish_step, step_dir
+from pippy.checkpoint.storage import Location
 
-__all__ = ["load_model", "load_stage", "read_checkpoint", "save_stage"]
+# publish_step and ManifestWriter live in steps and manifest; they are listed
+# here as pieces of the save sequence, for a script that composes its own.
+__all__ = [
+    "ManifestWriter",
+    "apply_state",
+    "gc_paused",
+    "load_stage",
+    "open_step",
+    "publish_step",
+    "read_any_layout",
+    "read_into",
+    "save_stage",
+    "take_state",
+]
 
 logger = logging.getLogger(__name__)
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block, if it was on."""
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, if it was on.
+
+    A save allocates many short-lived objects, which would otherwise set off
+    a full collection of the whole process in some saves.
+    """
     if not gc.isenabled():
         yield
         return
@@ -60,64 +85,41 @@ def _gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-@_gc_paused()
-def save_stage(
+def take_state(
     state: StageState | Mapping[str, Any],
-    checkpoint_dir: str | os.PathLike,
     *,
     step: int | None = None,
-    keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
-    storage_writer: StorageWriter | None = None,
-    planner: SavePlanner | None = None,
-) -> Path:
-    """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
-
-    The sequence the reference example spells out: take the state_dict,
-    check across ranks that DCP will lose no key (:func:`check_keys`), then
-    ``dcp.save`` into the step's staging folder, published once complete
-    (:func:`publish_step`). Call it on every rank of ``process_group`` at
-    once. Python's cyclic garbage collector is paused meanwhile: a save
-    allocates many short-lived objects, which would otherwise set off a full
-    collection of the whole process in some saves.
+) -> tuple[dict[str, Any], int]:
+    """Takes the state to save and checks it, on every rank at once.
 
     Args:
         state: The stage's :class:`StageState`, or a nested state_dict.
-        checkpoint_dir: The run's checkpoint folder; created if missing.
         step: The step saved; defaults to ``state.step`` for a
             :class:`StageState` and is required otherwise.
-        keep_last: If set, keep only this many newest complete steps.
         process_group: The ranks that save; the default group if None.
         mesh: The ranks' ``DeviceMesh`` with a ``"pp"`` dim and data-parallel
-            dims, for :func:`check_keys`: stages replicated over data-parallel
-            ranks are compared, not taken for collisions. DCP writes each
-            replicated item once, spread over the replicas.
-        storage_writer: DCP's storage writer; None writes files and a
-            manifest of their checksums with :class:`ManifestWriter` (which
-            loads verify by default). Its path is set to the staging folder.
-        planner: DCP's save planner; None uses ``DefaultSavePlanner``.
+            dims, for :func:`~pippy.checkpoint.collisions.check_keys`: stages
+            replicated over data-parallel ranks are compared, not taken for
+            collisions.
 
     Returns:
-        The published step folder.
+        ``(state_dict, step)``: what to pass to ``dcp.save``, and its step.
 
     Raises:
         ValueError: No ``step`` for a plain state_dict, or the state's own
-            ``step`` entry is another; or as :func:`check_keys`.
-        CheckpointError: Taking the state failed on another rank (this one
-            raises its own error).
-        KeyCollisionError: As :func:`check_keys` (also its subclass
-            ``DivergedReplicasError``, and ``NestedStateError``); nothing is
-            written.
-        CheckpointDirError: As :func:`publish_step`.
-        CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
-            nothing is published.
+            ``step`` entry is another (on the rank that has it; the others
+            raise ``CheckpointError``).
+        CheckpointError: Taking the state failed on another rank.
+        KeyCollisionError: As ``check_keys`` (also ``DivergedReplicasError``
+            and ``NestedStateError``), on every rank.
     """
-    if step is None and not isinstance(state, StageState):
-        raise ValueError("save_stage needs step= for a plain state_dict")
     # Taking the state runs on each rank alone: a refusal on one rank (its
     # parts' LR schedulers differ) stops all, not only the one.
     with fail_together("saving", process_group, keep_own_error=True):
+        if step is None and not isinstance(state, StageState):
+            raise ValueError("saving a plain state_dict needs its step")
         if isinstance(state, StageState):
             state_dict = state.state_dict()
             step = state.step if step is None else step
@@ -128,19 +130,68 @@ def save_stage(
             raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
     assert step is not None
     check_keys(state_dict, process_group=process_group, mesh=mesh)
+    return state_dict, step
+
+
+@gc_paused()
+def save_stage(
+    state: StageState | Mapping[str, Any],
+    checkpoint_dir: Location,
+    *,
+    step: int | None = None,
+    keep_last: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+) -> Any:
+    """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
+
+    The save sequence: :func:`take_state`, then ``dcp.save`` into the step's
+    staging folder (:func:`~pippy.checkpoint.steps.publish_step`), published
+    once complete and durable. Call it on every rank of ``process_group`` at
+    once. Python's cyclic garbage collector is paused meanwhile
+    (:func:`gc_paused`).
+
+    Args:
+        state: The stage's :class:`StageState`, or a nested state_dict.
+        checkpoint_dir: The run's checkpoint folder; created if missing.
+        step: As :func:`take_state`.
+        keep_last: If set, keep only this many newest complete steps.
+        process_group: The ranks that save; the default group if None.
+        mesh: As :func:`take_state`. DCP writes each replicated item once,
+            spread over the replicas.
+        storage_writer: DCP's storage writer; None writes files and a
+            manifest of their checksums with :class:`ManifestWriter` (which
+            loads verify by default). Its path is set to the staging folder.
+        planner: DCP's save planner; None uses ``DefaultSavePlanner``.
+
+    Returns:
+        The published step folder (a ``Path`` for a local folder).
+
+    Raises:
+        ValueError, KeyCollisionError: As :func:`take_state`; nothing is
+            written.
+        CheckpointDirError: As :func:`~pippy.checkpoint.steps.publish_step`
+            (also: ``checkpoint_dir`` is a URL; object stores cannot publish
+            a step atomically yet).
+        CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
+            nothing is published.
+    """
+    state_dict, step = take_state(
+        state, step=step, process_group=process_group, mesh=mesh
+    )
     with publish_step(
         checkpoint_dir, step, keep_last=keep_last, process_group=process_group
     ) as checkpoint_id:
         start = time.perf_counter()
-        with explain_failures(f"saving step-{step}"):
-            dcp.save(
-                state_dict,
-                checkpoint_id=checkpoint_id,
-                storage_writer=storage_writer
-                or ManifestWriter(checkpoint_id, step=step),
-                planner=planner,
-                process_group=process_group,
-            )
+        dcp.save(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_writer=storage_writer or ManifestWriter(checkpoint_id, step=step),
+            planner=planner,
+            process_group=process_group,
+        )
         end = time.perf_counter()
         logger.debug(
             "dcp.save of step-%d took %.3f s",
@@ -151,18 +202,44 @@ def save_stage(
     return step_dir(checkpoint_dir, step)
 
 
-def _load(
-    state_dict: dict[str, Any],
-    path: str | os.PathLike,
-    reader: SafeFileSystemReader,
+def open_step(
+    path: Location,
     *,
-    must_read: tuple[str, ...],
+    must_read: tuple[str, ...] = ("",),
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> tuple[SafeFileSystemReader, SafeLoadPlanner]:
+    """The storage reader and load planner to pass to ``dcp.load`` for a step.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        must_read: Prefixes of the checkpoint's keys that some rank must read
+            (see :class:`SafeLoadPlanner`); ``("model.",)`` for weights alone.
+        trusted: See :class:`SafeFileSystemReader`.
+        verify: Check every item read against the step's ``manifest.json``;
+            False loads a checkpoint without one (plain DCP's), unverified.
+
+    Returns:
+        ``(storage_reader, planner)``.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
+            :class:`SafeFileSystemReader`, before anything is read.
+    """
+    reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
+    return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
+
+
+def read_into(
+    state_dict: dict[str, Any],
+    reader: SafeFileSystemReader,
+    planner: SafeLoadPlanner,
+    *,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
 ) -> None:
-    """``dcp.load`` in place through the safe reader and planner, errors explained."""
-    planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
-    with explain_failures(f"loading {path}"), warnings.catch_warnings():
+    """``dcp.load`` in place, DCP's failures turned into one line per rank."""
+    with explain_failures(f"loading {reader.folder}"), warnings.catch_warnings():
         # Without a process group, one process reading alone is the intent.
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(
@@ -185,32 +262,57 @@ def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
     raise KeyError(key)
 
 
-def _load_any_layout(
+def read_any_layout(
     state_dict: dict[str, Any],
-    path: str | os.PathLike,
-    reader: SafeFileSystemReader,
+    path: Location,
     *,
-    must_read: tuple[str, ...],
+    must_read: tuple[str, ...] = ("",),
+    trusted: bool | None = None,
+    verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """:func:`_load` of a state_dict in pippy's names, from either layout."""
+    """Fills a state_dict in pippy's names from a step in either layout, in place."""
+    reader, planner = open_step(
+        path, must_read=must_read, trusted=trusted, verify=verify
+    )
     saved = reader.read_metadata().state_dict_metadata
     if detect_layout(saved) == PIPPY:
-        return _load(
-            state_dict, path, reader, must_read=must_read, process_group=process_group
-        )
+        return read_into(state_dict, reader, planner, process_group=process_group)
     wanted = dict(named_leaves(state_dict))
     flat = to_torchtitan(wanted)
-    must = tuple(k for k in saved if pippy_name(k).startswith(must_read))
-    _load(flat, path, reader, must_read=must, process_group=process_group)
+    planner.must_read = tuple(k for k in saved if pippy_name(k).startswith(must_read))
+    read_into(flat, reader, planner, process_group=process_group)
     for key, value in from_torchtitan(flat).items():
         if key in wanted:
             _set_leaf(state_dict, key, value)
 
 
+def apply_state(
+    state: StageState,
+    state_dict: dict[str, Any],
+    *,
+    path: Location = "",
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Applies a loaded state_dict to the stage, on every rank or on none.
+
+    Args:
+        state: The stage's :class:`StageState`.
+        state_dict: Its ``state_dict()``, filled by ``dcp.load``.
+        path: The step it was read from, for the message.
+        process_group: The ranks that load; the default group if None.
+
+    Raises:
+        CheckpointError: :meth:`StageState.load_state_dict` refused on some
+            rank (one line per rank that refused), raised on every rank.
+    """
+    with fail_together(f"loading {path}".rstrip(), process_group):
+        state.load_state_dict(state_dict)
+
+
 def load_stage(
     state: StageState | dict[str, Any],
-    path: str | os.PathLike,
+    path: Location,
     *,
     must_read: tuple[str, ...] = ("",),
     trusted: bool | None = None,
@@ -219,23 +321,20 @@ def load_stage(
 ) -> dict[str, Any]:
     """Loads a step into this rank's stage, on every rank.
 
-    The sequence the reference example spells out: build the stage and its
-    optimizer first (DCP loads in place), take the state_dict (this creates
-    the empty optimizer state to fill), ``dcp.load`` it through
-    :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`, then apply it
-    with :meth:`StageState.load_state_dict` on every rank or on none
-    (:func:`fail_together`). Each rank reads only the keys its stage owns.
+    The load sequence: build the stage and its optimizer first (DCP loads in
+    place), take the state_dict (this creates the empty optimizer state to
+    fill), ``dcp.load`` it through :func:`open_step`'s reader and planner,
+    then :func:`apply_state`. Each rank reads only the keys its stage owns.
+    A step in torchtitan's layout is read under pippy's names.
 
     Args:
         state: The stage's :class:`StageState` (``StageState(module)``
             without an optimizer loads the weights alone), or a nested
             state_dict that is filled in place and not applied.
         path: A ``step-<N>`` folder.
-        must_read: Prefixes of the checkpoint's keys that some rank must read
-            (see :class:`SafeLoadPlanner`); ``("model.",)`` for weights alone.
-        trusted: See :class:`SafeFileSystemReader`.
-        verify: Check every item read against the step's ``manifest.json``;
-            False loads a checkpoint without one (plain DCP's), unverified.
+        must_read: As :func:`open_step`.
+        trusted: As :func:`open_step`.
+        verify: As :func:`open_step`.
         process_group: The ranks that load; the default group if None.
 
     Returns:
@@ -248,147 +347,15 @@ def load_stage(
             shapes, dtypes, optimizer or param groups): on every rank, one
             line per rank that refused.
     """
-    reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
     state_dict = state.state_dict() if isinstance(state, StageState) else state
-    _load_any_layout(
-        state_dict, path, reader, must_read=must_read, process_group=process_group
+    read_any_layout(
+        state_dict,
+        path,
+        must_read=must_read,
+        trusted=trusted,
+        verify=verify,
+        process_group=process_group,
     )
     if isinstance(state, StageState):
-        with fail_together(f"loading {path}", process_group):
-            state.load_state_dict(state_dict)
+        apply_state(state, state_dict, path=path, process_group=process_group)
     return state_dict
-
-
-def read_checkpoint(
-    path: str | os.PathLike,
-    *,
-    prefix: str = "",
-    keys: Collection[str] | None = None,
-    trusted: bool | None = None,
-    verify: bool = True,
-) -> dict[str, Any]:
-    """Reads a whole checkpoint, or the keys under a prefix, in this process.
-
-    The keys come back flat, as DCP names them, with ``prefix`` removed: with
-    ``prefix="model."`` the result is the un-split model's ``state_dict``,
-    ready for ``model.load_state_dict(..., strict=True)``. Works without a
-    process group (reads every rank's file here) and inside one (this rank
-    alone reads, with no collective). Reads through the safe reader and
-    planner. A checkpoint in torchtitan's layout reads under pippy's names
-    (see :mod:`~pippy.checkpoint.layouts`): its root model keys as
-    ``model.<fqn>``.
-
-    Args:
-        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
-        prefix: Only keys starting with this are read.
-        keys: If given, only these keys (without ``prefix``) are read; those
-            not in the checkpoint are left out of the result.
-        trusted: See :class:`SafeFileSystemReader`.
-        verify: As :func:`load_stage`.
-
-    Returns:
-        ``{key: tensor or value}``; tensors on the CPU, in their saved dtype.
-
-    Raises:
-        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
-        KeyError: No key starts with ``prefix``.
-        CheckpointError: A data file is missing or damaged.
-    """
-    reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
-    saved = reader.read_metadata().state_dict_metadata
-    name = (lambda k: k) if detect_layout(saved) == PIPPY else pippy_name
-    state_dict: dict[str, Any] = {}
-    for key, item in saved.items():
-        if name(key).startswith(prefix) and (
-            keys is None or name(key)[len(prefix) :] in keys
-        ):
-            if isinstance(item, TensorStorageMetadata):
-                state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
-            else:
-                state_dict[key] = None  # replaced by the loaded value
-    if not state_dict:
-        raise KeyError(f"no key in {str(path)!r} starts with {prefix!r}")
-    _load(state_dict, path, reader, must_read=tuple(state_dict), no_dist=True)
-    if name is pippy_name:
-        state_dict = from_torchtitan(state_dict)
-    return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-
-
-def _check_ties(
-    path: str | os.PathLike, model: nn.Module, trusted: bool | None, verify: bool
-) -> None:
-    """Refuses a checkpoint whose keys tied in ``model`` hold different values."""
-    groups = tied_groups(model)
-    if not groups:
-        return
-    wanted = {fqn for group in groups for fqn in group}
-    try:
-        saved = read_checkpoint(
-            path, prefix="model.", keys=wanted, trusted=trusted, verify=verify
-        )
-    except KeyError:  # none of them is in the checkpoint: the load names them
-        return
-    for group in groups:
-        present = [fqn for fqn in group if fqn in saved]
-        first = present[0] if present else ""
-        differ = [f for f in present[1:] if not torch.equal(saved[f], saved[first])]
-        if differ:
-            raise CheckpointError(
-                f"{', '.join(map(repr, [first, *differ]))} are one tied parameter in "
-                f"this model but hold different values in {str(path)!r}: loading "
-                "would keep one and silently lose the other. Load into a model "
-                "with them untied (for Hugging Face, tie_word_embeddings=False)"
-            )
-
-
-def load_model(
-    path: str | os.PathLike,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    trusted: bool | None = None,
-    verify: bool = True,
-) -> int:
-    """Loads a pipeline checkpoint into the un-split model, in one process.
-
-    The stages' keys are the un-split model's FQNs, so their union is the
-    whole model: no process group and no pipeline are needed. For example::
-
-        model = GPT(ModelArgs())
-        step = pippy.checkpoint.load_model("checkpoints/step-20", model)
-
-    The same call loads into a model sharded with FSDP2 (``fully_shard``),
-    on every rank of its group: DCP reads each rank's shards.
-
-    Args:
-        path: A ``step-<N>`` folder.
-        model: The un-split model; every parameter and persistent buffer must
-            be in the checkpoint (strict), and every model key of the
-            checkpoint must be in the model.
-        optimizer: If given, its state (AdamW moments, step, options) is loaded
-            too; build it over ``model.parameters()`` first. Option entries
-            it lacks (an LR scheduler's ``initial_lr``) are not required.
-        trusted: See :class:`SafeFileSystemReader`.
-        verify: As :func:`load_stage`.
-
-    Returns:
-        The step the checkpoint was saved at.
-
-    Raises:
-        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
-        CheckpointError: Keys missing on either side, or shapes that differ;
-            or parameters tied in ``model`` (an output head sharing the
-            embedding's weight) hold different values in the checkpoint.
-
-    Note:
-        Into a model with tied parameters, loading each tied key writes the
-        same tensor, and the last one read would win. The tied keys are
-        therefore compared first, and the load refused unless they agree.
-    """
-    _check_ties(path, model, trusted, verify)
-    state = StageState(model, optimizer)
-    # Every weight and every optimizer moment must land somewhere; per-group
-    # options the new optimizer lacks (a scheduler's initial_lr) may not.
-    must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
-    load_stage(state, path, must_read=must_read, trusted=trusted, verify=verify)
-    return state.step

@@ -1,9 +1,17 @@
-"""``AsyncSaver``: saves in the background, one save in flight at a time."""
+"""``AsyncSaver``: saves in the background, one save in flight at a time.
+
+The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time:
+:func:`~pippy.checkpoint.api.take_state` and
+:func:`~pippy.checkpoint.steps.prepare_step` at the call, ``dcp.async_save``
+through :class:`~pippy.checkpoint.manifest.ManifestWriter`, then
+:func:`~pippy.checkpoint.steps.publish` (or ``discard``) once it is on disk:
+the three parts :func:`~pippy.checkpoint.steps.publish_step` is made of.
+"""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -14,11 +22,15 @@ from torch.distributed.checkpoint.staging import (
     DefaultStager,
     StagingOptions,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.device_mesh import DeviceMesh
 
-from pippy.checkpoint.api import _gc_paused
+from pippy.checkpoint.api import gc_paused, take_state
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.steps import StepFolder, discard, prepare_step, publish
+from pippy.checkpoint.storage import Location
 
 __all__ = ["AsyncSaver"]
 
@@ -26,16 +38,24 @@ __all__ = ["AsyncSaver"]
 class AsyncSaver:
     """Saves in the background with ``dcp.async_save``, one save at a time.
 
-    ``save`` returns once DCP has copied the state (staging), so training can
-    change the live tensors at once: the checkpoint holds the values of the
-    moment of the call. The files are written by a background thread over a
-    gloo group of their own (async saves must not share a group with training
-    collectives, and CPU-capable collectives need gloo). The step is
-    published, as by :func:`~pippy.checkpoint.publish_step`, as soon as it is
-    on disk on every rank: :meth:`poll`, called once per training step, finds
-    that out without waiting; the next ``save``, :meth:`wait` (which a load
-    must call first) and ``close`` wait for it. Two saves in flight on one
-    gloo group crash (torch 2.13: "Connection reset by peer"), hence one at a
+    ``save`` checks the state as :func:`~pippy.checkpoint.save_stage` does
+    (its step, and its keys across ranks) and returns once DCP has started
+    copying it (staging); the checkpoint holds the values of the moment of
+    the call. With DCP's default, blocking stager the copy is done when
+    ``save`` returns; with a stager that stages in the background
+    (``StagingOptions(use_async_staging=True)``), the copy overlaps the next
+    training step: call :meth:`wait_for_staging` before the optimizer
+    changes the parameters (before ``optimizer.step()``), so that the copy
+    is of the moment of the call.
+
+    The files are written by a background thread over a gloo group of their
+    own (async saves must not share a group with training collectives, and
+    CPU-capable collectives need gloo). The step is published, as by
+    :func:`~pippy.checkpoint.steps.publish_step`, as soon as it is on disk on
+    every rank: :meth:`poll`, called once per training step, finds that out
+    without waiting; the next ``save``, :meth:`wait` (which a load must call
+    first) and :meth:`close` wait for it. Two saves in flight on one gloo
+    group crash (torch 2.13: "Connection reset by peer"), hence one at a
     time.
 
     Args:
@@ -43,8 +63,9 @@ class AsyncSaver:
         keep_last: If set, keep only this many newest complete steps.
         process_group: A gloo group of the ranks that save, used by no other
             collective; None creates one over all ranks.
-        async_stager: How state is copied before ``save`` returns; None keeps
-            one ``DefaultStager`` (see the note).
+        mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
+        async_stager: How state is copied; None keeps one ``DefaultStager``
+            that copies before ``save`` returns (see the note).
 
     Note:
         The default stager copies the state into CPU buffers that are
@@ -59,19 +80,23 @@ class AsyncSaver:
 
     def __init__(
         self,
-        checkpoint_dir: str | os.PathLike,
+        checkpoint_dir: Location,
         *,
         keep_last: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
         async_stager: AsyncStager | None = None,
     ):
         self.checkpoint_dir = checkpoint_dir
         self.keep_last = keep_last
+        self.mesh = mesh
         self._own_group = process_group is None and dist.is_initialized()
         if self._own_group:
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
-        self._pending: tuple[Any, StepFolder] | None = None
+        # (upload future, staging future or None, step folder) of the save
+        # in flight.
+        self._pending: tuple[Future, Future | None, StepFolder] | None = None
         # poll() agrees on progress over a gloo group of its own, made at the
         # first poll: the save's background thread uses process_group.
         self._poll_group: dist.ProcessGroup | None = None
@@ -84,39 +109,81 @@ class AsyncSaver:
             )
         )
 
-    @_gc_paused()
-    def save(self, state_dict: dict[str, Any], step: int) -> Path:
-        """Waits for the previous save, then starts saving ``state_dict``.
+    @gc_paused()
+    def save(
+        self, state: StageState | Mapping[str, Any], step: int | None = None
+    ) -> Any:
+        """Waits for the previous save, then starts saving ``state``.
 
         Python's garbage collector is paused until it returns, as in
         :func:`~pippy.checkpoint.save_stage`; the background write is not.
+        Call it on every rank at once.
 
         Args:
-            state_dict: The state to save, e.g. ``StageState.state_dict()``,
-                already checked with ``check_keys``.
-            step: The step it holds; it is published as ``step-<step>``.
+            state: The stage's ``StageState``, or a nested state_dict (e.g.
+                ``StageState.state_dict()``).
+            step: The step it holds, published as ``step-<step>``; defaults
+                to ``state.step`` for a ``StageState``.
 
         Returns:
             The staging folder being written.
 
         Raises:
             CheckpointError: The previous save failed (see :meth:`wait`).
-            CheckpointDirError: As :func:`~pippy.checkpoint.publish_step`.
+            ValueError, KeyCollisionError: As
+                :func:`~pippy.checkpoint.api.take_state`; nothing is written.
+            CheckpointDirError: As :func:`~pippy.checkpoint.steps.publish_step`.
         """
         self.wait()
+        state_dict, step = take_state(
+            state, step=step, process_group=self.process_group, mesh=self.mesh
+        )
         folder = prepare_step(self.checkpoint_dir, step, self.process_group)
-        with explain_failures(f"saving step-{step}"):
-            future = dcp.async_save(
-                state_dict,
-                checkpoint_id=folder.staging,
-                storage_writer=ManifestWriter(folder.staging, step=step),
-                process_group=self.process_group,
-                async_stager=self._stager,
+        try:
+            with explain_failures(f"saving step-{step}"):
+                response = dcp.async_save(
+                    state_dict,
+                    checkpoint_id=folder.staging,
+                    storage_writer=ManifestWriter(folder.staging, step=step),
+                    process_group=self.process_group,
+                    async_stager=self._stager,
+                )
+        except BaseException:
+            discard(folder, self.process_group)
+            raise
+        if isinstance(response, AsyncSaveResponse):  # a stager that stages async
+            self._pending = (
+                response.upload_completion,
+                response.staging_completion,
+                folder,
             )
-        self._pending = (future, folder)
+        else:
+            self._pending = (response, None, folder)
         return folder.staging
 
-    def wait(self) -> Path | None:
+    def wait_for_staging(self) -> None:
+        """Waits until the state of the save in flight has been copied.
+
+        Only a stager that stages in the background makes this wait; call it
+        before the training step changes the state (``optimizer.step()``).
+
+        Raises:
+            CheckpointError: Staging failed; the step is not published.
+        """
+        if self._pending is None or self._pending[1] is None:
+            return
+        upload, staging, folder = self._pending
+        assert staging is not None
+        try:
+            with explain_failures(f"staging step-{folder.step}"):
+                staging.result()
+        except BaseException:
+            self._pending = None
+            discard(folder, self.process_group)
+            raise
+        self._pending = (upload, None, folder)
+
+    def wait(self) -> Any:
         """Waits for the save in flight and publishes it.
 
         Returns:
@@ -128,18 +195,21 @@ class AsyncSaver:
         """
         if self._pending is None:
             return None
-        future, folder = self._pending
+        self.wait_for_staging()
+        if self._pending is None:
+            return None
+        upload, _, folder = self._pending
         self._pending = None
         try:
             with explain_failures(f"saving step-{folder.step} in the background"):
-                future.result()
+                upload.result()
         except BaseException:
             discard(folder, self.process_group)
             raise
         publish(folder, keep_last=self.keep_last, process_group=self.process_group)
         return folder.final
 
-    def poll(self) -> Path | None:
+    def poll(self) -> Any:
         """Publishes the save in flight if it is on disk on every rank; never waits.
 
         Call it on every rank once per training step: each rank says whether

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import errno
 import pickle
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
@@ -30,6 +31,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "explain_failures",
     "fail_together",
+    "on_coordinator",
 ]
 
 
@@ -187,3 +189,43 @@ def fail_together(
         raise own
     if failed:
         raise _failed_on(action, failed)
+
+
+def on_coordinator(
+    action: str, fn: Callable[[], Any], process_group: dist.ProcessGroup | None
+) -> Any:
+    """Runs ``fn`` on rank 0 only and gives every rank its result or its error.
+
+    A failure on rank 0 alone would leave the other ranks waiting in the next
+    collective; broadcasting it lets all of them stop with the same message.
+
+    Args:
+        action: What ``fn`` does, for the message (``"cannot write to X"``).
+        fn: The file operations; a ``CheckpointDirError`` it raises is raised
+            on every rank, any other ``Exception`` as a ``CheckpointDirError``.
+        process_group: The ranks; the default group if None.
+
+    Returns:
+        What ``fn`` returned on rank 0 (it must pickle).
+
+    Raises:
+        CheckpointDirError: On every rank, if ``fn`` failed.
+    """
+    rank0 = not dist.is_initialized() or dist.get_rank(process_group) == 0
+    outcome: list[Any] = [None, None]  # error, result
+    if rank0:
+        try:
+            outcome[1] = fn()
+        except CheckpointDirError as e:
+            outcome[0] = e
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename else ""
+            outcome[0] = CheckpointDirError(f"{action}: {e.strerror or e}{where}")
+        except Exception as e:  # any other failure: every rank stops with it
+            outcome[0] = CheckpointDirError(f"{action}: {type(e).__name__}: {e}")
+    if dist.is_initialized():
+        src = dist.get_global_rank(process_group, 0) if process_group else 0
+        dist.broadcast_object_list(outcome, src=src, group=process_group)
+    if outcome[0] is not None:
+        raise outcome[0]
+    return outcome[1]

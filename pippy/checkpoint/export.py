@@ -15,18 +15,21 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
+import uuid
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pippy.checkpoint.api import read_checkpoint
+from pippy.checkpoint.api import take_state
+from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.layouts import PIPPY, TORCHTITAN, to_torchtitan
 from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.steps import StepFolder, discard, publish
+from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
+from pippy.checkpoint.unsplit import read_checkpoint
 
 __all__ = ["convert_layout", "export_hf", "parse_size"]
 
@@ -67,9 +70,11 @@ def _shards(weights: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
     return shards
 
 
-def _write(folder: Path, weights: dict[str, torch.Tensor], limit: int) -> list[str]:
+def _write(
+    storage: Storage, folder: Location, weights: dict[str, torch.Tensor], limit: int
+) -> list[str]:
     """Writes the safetensors file(s), and the index when there are several."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     shards = _shards(weights, limit)
     if len(shards) == 1:
@@ -87,20 +92,19 @@ def _write(folder: Path, weights: dict[str, torch.Tensor], limit: int) -> list[s
                 k: name for name, keys in zip(names, shards, strict=True) for k in keys
             },
         }
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps(index, indent=2)
+        storage.write_atomic(
+            storage.join(folder, "model.safetensors.index.json"),
+            json.dumps(index, indent=2).encode(),
         )
     for name, keys in zip(names, shards, strict=True):
-        save_file(
-            {k: weights[k] for k in keys}, folder / name, metadata={"format": "pt"}
-        )
-        os.chmod(folder / name, 0o644)  # safetensors writes 0o600
+        data = save({k: weights[k] for k in keys}, metadata={"format": "pt"})
+        storage.write_atomic(storage.join(folder, name), data)
     return names
 
 
 def export_hf(
-    path: str | os.PathLike,
-    out: str | os.PathLike,
+    path: Location,
+    out: Location,
     *,
     config: Mapping[str, Any] | str | os.PathLike,
     max_shard_size: int = 5 * 10**9,
@@ -108,7 +112,7 @@ def export_hf(
     force: bool = False,
     trusted: bool | None = None,
     verify: bool = True,
-) -> list[Path]:
+) -> list[Any]:
     """Writes a step's model weights as a folder ``from_pretrained`` opens.
 
     The folder is written under a temporary name beside ``out`` and renamed
@@ -135,12 +139,13 @@ def export_hf(
         ValueError: ``config`` is not a JSON object, or a model entry of the
             checkpoint is not a tensor.
         CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
+        CheckpointDirError: ``out`` is on storage without atomic renames.
     """
-    out = Path(out)
-    if out.exists() and not force:
-        raise FileExistsError(f"{str(out)!r} exists; pass force to replace it")
+    storage = check_publishable(out)
+    if storage.exists(out) and not force:
+        raise FileExistsError(f"{os.fspath(out)!r} exists; pass force to replace it")
     if not isinstance(config, Mapping):
-        config = json.loads(Path(config).read_text())
+        config = json.loads(storage_for(config).read_bytes(config))
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
     weights = {}
@@ -151,23 +156,29 @@ def export_hf(
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         weights[key] = value.contiguous()
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # same file system
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=False)
+    tmp = _sibling(storage, out)  # same file system
+    storage.makedirs(tmp)
     try:
-        (tmp / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
-        names = ["config.json", *_write(tmp, weights, max_shard_size)]
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        text = json.dumps(dict(config), indent=2) + "\n"
+        storage.write_atomic(storage.join(tmp, "config.json"), text.encode())
+        names = ["config.json", *_write(storage, tmp, weights, max_shard_size)]
+        if storage.exists(out):
+            storage.remove(out)
+        storage.publish(tmp, out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return [out / name for name in names]
+        storage.remove(tmp)
+    return [storage.join(out, name) for name in names]
+
+
+def _sibling(storage: Storage, out: Location) -> Any:
+    """A new hidden name beside ``out``, to write into before publishing."""
+    token = uuid.uuid4().hex[:12]
+    return storage.join(storage.parent(out), f".{storage.name(out)}.partial-{token}")
 
 
 def convert_layout(
-    path: str | os.PathLike,
-    out: str | os.PathLike,
+    path: Location,
+    out: Location,
     *,
     to: str,
     trusted: bool | None = None,
@@ -197,26 +208,32 @@ def convert_layout(
         FileExistsError: ``out`` exists.
         ValueError: ``to`` is not a layout.
         CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
+        CheckpointDirError: ``out`` is on storage without atomic renames.
     """
     if to not in (PIPPY, TORCHTITAN):
         raise ValueError(f"no layout {to!r}: {PIPPY!r} or {TORCHTITAN!r}")
-    out = Path(out)
-    if out.exists():
-        raise FileExistsError(f"{str(out)!r} exists; converting never overwrites")
+    storage = check_publishable(out)
+    if storage.exists(out):
+        raise FileExistsError(f"{os.fspath(out)!r} exists; converting never overwrites")
     flat = read_checkpoint(path, trusted=trusted, verify=verify)  # pippy's names
     if to == TORCHTITAN:
         flat = to_torchtitan(flat)
         if "train_state.step" in flat:
             flat.setdefault("train_state.ntokens_seen", 0)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # The save sequence, in one process: take and check the state, write it
+    # through DCP into a staging folder, publish it as out (or discard it).
+    step = int(flat.get("step", flat.get("train_state.step", 0)))
+    flat, step = take_state(flat, step=step)
+    folder = StepFolder(step, out, _sibling(storage, out))
+    storage.makedirs(folder.staging)
     try:
-        with warnings.catch_warnings():  # one process, writing alone, by design
+        with warnings.catch_warnings(), explain_failures(f"writing {out}"):
+            # One process, writing alone, by design.
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            step = flat.get("step", flat.get("train_state.step", 0))
-            writer = ManifestWriter(tmp, step=int(step))  # loads verify it
+            writer = ManifestWriter(folder.staging, step=step)  # loads verify it
             dcp.save(flat, storage_writer=writer, no_dist=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        discard(folder)
+        raise
+    publish(folder)
     return len(flat)

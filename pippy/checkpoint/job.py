@@ -4,8 +4,8 @@ Two jobs that write one checkpoint folder (a restart while the old job's
 workers still run, which is what a launcher killed with ``-9`` leaves behind)
 delete and overwrite each other's saves. :class:`FolderOwner` lets one job
 at a time write a folder: rank 0 records the owner (host, pid, process start
-time, a token) in ``.owner.json``, created atomically with ``os.link``, which
-also works on NFS; a second job is refused with the owner named, and the
+time, a token) in ``.owner.json``, created exclusively (a hard link,
+which also works on NFS); a second job is refused with the owner named, and the
 record of a job that is gone (its process no longer runs on this host) is
 taken over. :func:`stop_with_launcher` makes workers whose launcher died stop
 instead of training on, and :class:`StopSignal` turns a preemption signal
@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import threading
@@ -29,8 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pippy.checkpoint.errors import CheckpointDirError, CheckpointDirInUseError
-from pippy.checkpoint.steps import is_complete, list_steps, on_coordinator, parse_step
+from pippy.checkpoint.errors import (
+    CheckpointDirError,
+    CheckpointDirInUseError,
+    on_coordinator,
+)
+from pippy.checkpoint.steps import is_complete, list_steps, parse_step, remove_staging
+from pippy.checkpoint.storage import Location, check_publishable
 
 __all__ = ["OWNER_FILE", "FolderOwner", "StopSignal", "stop_with_launcher"]
 
@@ -40,19 +44,24 @@ logger = logging.getLogger(__name__)
 OWNER_FILE = ".owner.json"
 
 
+def _proc(name: str) -> str | None:
+    """A file of this host's ``/proc`` (not a checkpoint's), or None."""
+    try:
+        with open(f"/proc/{name}") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def _boot_id() -> str:
     """This machine's boot id: a pid means the same process only within one boot."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
+    return (_proc("sys/kernel/random/boot_id") or "").strip()
 
 
 def _start_time(pid: int) -> str | None:
     """When process ``pid`` started (clock ticks after boot), or None if none runs."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    stat = _proc(f"{pid}/stat")
+    if stat is None:
         return None
     return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5)
 
@@ -96,11 +105,11 @@ class FolderOwner:
 
     def __init__(
         self,
-        checkpoint_dir: str | os.PathLike,
+        checkpoint_dir: Location,
         *,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.root = Path(checkpoint_dir)
+        self.root = checkpoint_dir
         self.process_group = process_group
         self.token = ""
 
@@ -119,7 +128,8 @@ class FolderOwner:
         Raises:
             CheckpointDirError: As the class says.
         """
-        real = self.root.resolve()
+        storage = check_publishable(self.root)
+        real = Path(storage.same_place(self.root))
         inside = [p for p in (real, *real.parents) if is_complete(p)]
         if parse_step(real) is not None or inside:
             step = inside[0] if inside else real
@@ -140,28 +150,38 @@ class FolderOwner:
             return
         record = self._read()
         if record is not None and record.get("token") == self.token:
-            (self.root / OWNER_FILE).unlink(missing_ok=True)
+            self._storage.remove(self._record)
 
     def _read(self) -> dict[str, Any] | None:
         """The owner record, or None if there is none."""
-        path = self.root / OWNER_FILE
+        path = self._record
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(self._storage.read_bytes(path))
         except FileNotFoundError:
             return None
         except ValueError:
             record = None
-        if not isinstance(record, dict):  # written whole by os.link: not ours
+        if not isinstance(record, dict):  # created whole, exclusively: not ours
             raise CheckpointDirInUseError(
                 f"{path} is not an owner record pippy wrote, so whether a job "
                 "uses the folder is unknown. If none does, delete that file"
             )
         return record
 
+    @property
+    def _storage(self) -> Any:
+        """The storage of the folder (local: steps can be published there)."""
+        return check_publishable(self.root)
+
+    @property
+    def _record(self) -> Any:
+        """Where the owner record is."""
+        return self._storage.join(self.root, OWNER_FILE)
+
     def _acquire(self) -> str:
         """On rank 0: creates the record, or takes over a dead owner's; its token."""
         token = uuid.uuid4().hex[:12]
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._storage.makedirs(self.root)
         mine = {
             "host": socket.gethostname(),
             "boot": _boot_id(),
@@ -170,18 +190,11 @@ class FolderOwner:
             "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "token": token,
         }
-        draft = self.root / f".owner-{token}.tmp"
-        try:
-            draft.write_text(json.dumps(mine))
-            for _ in range(3):  # another job may take a stale record first
-                try:
-                    os.link(draft, self.root / OWNER_FILE)  # atomic, even on NFS
-                    return token
-                except FileExistsError:
-                    self._take_over_if_gone()
-            raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
-        finally:
-            draft.unlink(missing_ok=True)
+        for _ in range(3):  # another job may take a stale record first
+            if self._storage.create_exclusive(self._record, json.dumps(mine).encode()):
+                return token
+            self._take_over_if_gone()
+        raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
 
     def _take_over_if_gone(self) -> None:
         """Moves a dead owner's record aside (and its staging); refuses a live one."""
@@ -201,21 +214,20 @@ class FolderOwner:
                 f"{self.root} is in use by another job ({_describe(record)}): one "
                 "writer per checkpoint folder. Wait for that job to end or stop "
                 "it, or use another folder. If it is gone (it ran on another "
-                f"host), delete {self.root / OWNER_FILE}"
+                f"host), delete {self._record}"
             )
-        stale = self.root / f".owner-gone-{uuid.uuid4().hex}"
+        stale = self._storage.join(self.root, f".owner-gone-{uuid.uuid4().hex}")
         try:
-            os.rename(self.root / OWNER_FILE, stale)
+            self._storage.publish(self._record, stale)
         except FileNotFoundError:
             return  # another job moved it first
-        stale.unlink()
+        self._storage.remove(stale)
         logger.warning(
             "taking over %s from a job that is gone (%s)", self.root, _describe(record)
         )
         # This job now owns the folder alone: staging folders are the dead one's.
-        for leftover in self.root.glob(".step-*.partial-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-            logger.warning("removed %s, left by that job", leftover.name)
+        for name in remove_staging(self.root):
+            logger.warning("removed %s, left by that job", name)
 
 
 def stop_with_launcher(poll_seconds: float = 0.5) -> None:

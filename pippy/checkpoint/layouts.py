@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pippy.checkpoint.optim_layout import pack_scalars, unpack_scalars
+from pippy.checkpoint.optim_layout import OptimKeys, pack_scalars, unpack_scalars
 
 __all__ = [
     "PIPPY",
@@ -32,6 +32,7 @@ __all__ = [
     "from_torchtitan",
     "pippy_name",
     "to_torchtitan",
+    "torchtitan_optim_keys",
 ]
 
 PIPPY = "pippy"
@@ -64,26 +65,51 @@ def detect_layout(keys: Iterable[str]) -> str:
     return PIPPY if any(k.startswith("model.") for k in keys) else TORCHTITAN
 
 
-def pippy_name(key: str) -> str:
+def torchtitan_optim_keys(keys: Iterable[str]) -> OptimKeys:
+    """The parser of a torchtitan checkpoint's optimizer keys.
+
+    Args:
+        keys: The checkpoint's keys (or a flat state_dict's): its root model
+            keys and ``optimizer.param_groups.<fqn>.<option>`` name the FQNs.
+
+    Returns:
+        An :class:`~pippy.checkpoint.optim_layout.OptimKeys` for the keys
+        without their ``optimizer.`` prefix.
+    """
+    keys = list(keys)
+    return OptimKeys.of_keys(
+        (k.removeprefix("optimizer.") for k in keys if k.startswith("optimizer.")),
+        model_fqns=(k for k in keys if not k.startswith(_TT_SECTIONS)),
+    )
+
+
+def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
     """Names a torchtitan key in pippy's layout.
 
     Args:
         key: A key of a torchtitan checkpoint.
+        keys: The parser of its optimizer keys
+            (:func:`torchtitan_optim_keys` of the checkpoint's keys). Without
+            it, a param-group key names its own FQN, and ``state.<fqn>.step``
+            is taken for a parameter's own step.
 
     Returns:
-        The pippy key its value goes into; a parameter's options and 0-dim
-        state all go into its ``optim.scalars.<fqn>``.
+        The pippy key its value goes into; a parameter's options and its
+        ``step`` all go into its ``optim.scalars.<fqn>``.
     """
-    for section in ("optimizer.param_groups.", "optimizer.state."):
-        if key.startswith(section) and (
-            section.endswith("groups.") or key.endswith(".step")
-        ):
-            return "optim.scalars." + key.removeprefix(section).rsplit(".", 1)[0]
-    if key.startswith("optimizer."):
-        return "optim." + key.removeprefix("optimizer.")
-    if key == "train_state.step":
-        return "step"
-    return key if key.startswith(_TT_SECTIONS) else "model." + key
+    if not key.startswith("optimizer."):
+        if key == "train_state.step":
+            return "step"
+        return key if key.startswith(_TT_SECTIONS) else "model." + key
+    rest = key.removeprefix("optimizer.")
+    if keys is None and rest.startswith("state.") and rest.endswith(".step"):
+        keys = OptimKeys([rest.removeprefix("state.").removesuffix(".step")])
+    elif keys is None:
+        keys = OptimKeys.of_keys([rest])
+    parsed = keys.parse(rest)
+    if parsed is not None and (parsed[0] == "param_groups" or parsed[2] == "step"):
+        return f"optim.scalars.{parsed[1]}"
+    return "optim." + rest
 
 
 def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,7 +130,8 @@ def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
             out["step"] = int(value)
         else:
             out[pippy_name(key)] = value
-    out.update((f"optim.{k}", v) for k, v in pack_scalars(optim).items())
+    packed = pack_scalars(optim, keys=torchtitan_optim_keys(flat))
+    out.update((f"optim.{k}", v) for k, v in packed.items())
     return out
 
 

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from pippy.checkpoint.checks import named_leaves
-from pippy.checkpoint.errors import CheckpointError
-from pippy.checkpoint.optim_layout import split_state_key, stateless_keys
+from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from pippy.checkpoint.optim_layout import OptimKeys, stateless_keys
 from pippy.checkpoint.safe_load import refusal, resolve_trusted
 
 __all__ = ["SafeLoadPlanner"]
@@ -34,6 +34,16 @@ def _drop_leaves(state_dict: dict[str, Any], keys: set[str], prefix: str = "") -
             _drop_leaves(value, keys, f"{prefix}{key}.")
         elif f"{prefix}{key}" in keys:
             del state_dict[key]
+
+
+def _allow_hint(refused: str) -> str:
+    """How to allow one class of a param group's options, named by its global."""
+    module, _, name = refused.rpartition(".")
+    return (
+        f"If {name} is a class of yours that a param group holds (a dataclass "
+        "option, say) and you trust it, allow that class alone, before loading: "
+        f"torch.serialization.add_safe_globals([{name}]) ({name} of {module})."
+    )
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -69,7 +79,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     Raises:
         UnsafeCheckpointError: From :meth:`load_bytes`, naming the key, its
-            file and the refused global.
+            file and the refused global; for an ``optim.scalars`` item (a
+            param group's option of the user's own class), also how to allow
+            that class: ``torch.serialization.add_safe_globals``, which the
+            ``weights_only`` check honours.
         CheckpointError: From :meth:`create_local_plan`, naming keys missing
             or of another shape or dtype; from :meth:`create_global_plan`,
             naming the keys that no rank reads.
@@ -85,6 +98,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.trusted = resolve_trusted(trusted)
         self.must_read = must_read
+        self.optim_keys = OptimKeys(())  # set up with the keys by set_up_planner
 
     def set_up_planner(
         self,
@@ -93,12 +107,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         is_coordinator: bool = False,
     ) -> None:
         """Removes the state of parameters saved without any, then sets up DCP's."""
+        wanted = [key for key, _ in named_leaves(state_dict)]
+        saved = metadata.state_dict_metadata if metadata is not None else {}
+        self.optim_keys = OptimKeys.of_keys([*wanted, *saved])
         if metadata is not None:
-            wanted = (key for key, _ in named_leaves(state_dict))
-            _drop_leaves(
-                state_dict, stateless_keys(wanted, metadata.state_dict_metadata)
-            )
+            _drop_leaves(state_dict, stateless_keys(wanted, saved))
         super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def _optim_section(self, key: str) -> str | None:
+        """The optimizer section of a dotted key (``state``, ...), or None."""
+        parsed = self.optim_keys.split(key)
+        return None if parsed is None else parsed[1]
 
     def create_local_plan(self) -> LoadPlan:
         """Checks every requested key (present, shape, dtype), then plans."""
@@ -141,7 +160,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 "load its weights alone (load_model, or a StageState, without "
                 "an optimizer)."
             )
-        if all(split_state_key(k) for k in problems):
+        if all(self._optim_section(k) == "state" for k in problems):
             return (
                 "Only the optimizer's state differs: build the optimizer as the "
                 "run that saved it did (its class, and options that add state, "
@@ -167,7 +186,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             "layers? per-stage state keyed by a stage index that no longer "
             "exists?). Fix the model, or remap those keys before loading."
         )
-        if all(split_state_key(k) for k in unread):
+        if all(self._optim_section(k) == "state" for k in unread):
             why = (
                 "They are optimizer state that the optimizer loaded into has no "
                 "place for: it is another class (SGD without momentum has no "
@@ -199,6 +218,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 match = re.search(r"GLOBAL ([\w.]+)", str(e))
                 if match is None:  # not a refused global: the bytes are damaged
                     raise CheckpointError(f"{what} is damaged: {e}") from None
-                raise refusal(what, match.group(1)) from None
+                error = refusal(what, match.group(1))
+                if self._optim_section(read_item.dest_index.fqn) == "scalars":
+                    error = UnsafeCheckpointError(f"{error} {_allow_hint(match[1])}")
+                raise error from None
             value.seek(0)
         super().load_bytes(read_item, value)

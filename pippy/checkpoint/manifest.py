@@ -11,11 +11,15 @@ coordinator writes ``manifest.json`` beside ``.metadata``:
 .. code-block:: json
 
     {"format": "pippy-manifest/1", "step": 20, "checksum": "crc32c",
+     "optim_layout": 1,
      "files": {"__0_0.distcp": 5123456, "...": 0},
      "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
 
-``files`` maps each data file to its size in bytes. The manifest is plain
+``optim_layout`` is the version of the optimizer state's packing
+(:data:`~pippy.checkpoint.optim_layout.LAYOUT_VERSION`; absent in manifests
+written before it was recorded, which hold layout 1). ``files`` maps each
+data file to its size in bytes. The manifest is plain
 JSON: reading it runs no code. ``SafeFileSystemReader`` checks it against
 ``.metadata`` and the files before loading, and each item's checksum as it is
 read. Since nothing checks ``torch.save``'s own CRC-32 of the items, the
@@ -26,28 +30,25 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import google_crc32c
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-from torch.serialization import get_crc32_options, set_crc32_options
 
 from pippy.checkpoint.errors import CheckpointError
+from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
+from pippy.checkpoint.storage import DurableFileSystem, Location, storage_for
 
 __all__ = [
     "MANIFEST_FILE",
     "Manifest",
     "ManifestWriter",
-    "NoCrc32FileSystem",
     "read_manifest",
 ]
 
@@ -72,21 +73,24 @@ class Manifest:
         step: The step the save holds.
         files: Size in bytes of each data file, by file name.
         items: ``(file, offset, length)`` of each item, to its key and CRC-32C.
+        optim_layout: The optimizer layout version recorded (None: layout 1).
     """
 
     step: int
     files: dict[str, int]
     items: dict[tuple[str, int, int], tuple[str, int]]
+    optim_layout: object = None
 
 
-def _crc32c_of(folder: Path, ranges: Iterable[tuple[str, int, int]]) -> dict:
-    """CRC-32C of each ``(file, offset, length)`` byte range, read from disk."""
+def _crc32c_of(folder: Location, ranges: Iterable[tuple[str, int, int]]) -> dict:
+    """CRC-32C of each ``(file, offset, length)`` byte range, read from storage."""
+    storage = storage_for(folder)
     by_file: dict[str, list[tuple[int, int]]] = {}
     for name, offset, length in ranges:
         by_file.setdefault(name, []).append((offset, length))
     crcs = {}
     for name, spans in by_file.items():
-        with open(folder / name, "rb") as f:
+        with storage.open_read(storage.join(folder, name)) as f:
             for offset, length in sorted(spans):
                 f.seek(offset)
                 data = f.read(length)
@@ -94,29 +98,6 @@ def _crc32c_of(folder: Path, ranges: Iterable[tuple[str, int, int]]) -> dict:
                     raise CheckpointError(f"{name} ended at byte {offset + len(data)}")
                 crcs[name, offset, length] = google_crc32c.value(data)
     return crcs
-
-
-class NoCrc32FileSystem(FileSystem):
-    """DCP's file system, with ``torch.save``'s CRC-32 off while a file is written."""
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        """DCP's stream; in write mode, this thread's ``torch.save`` skips CRC-32."""
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        # torch 2.13 keeps this setting per thread (a ContextVar): DCP writes
-        # each file inside this block, in the thread that writes it. (Were it
-        # process-wide, another torch.save meanwhile would skip its CRC-32
-        # too, which torch.load never checks either.)
-        previous = get_crc32_options()
-        set_crc32_options(False)
-        try:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-        finally:
-            set_crc32_options(previous)
 
 
 class ManifestWriter(FileSystemWriter):
@@ -132,7 +113,9 @@ class ManifestWriter(FileSystemWriter):
     never checks it, and the manifest's CRC-32C replaces it. The setting is
     changed only while a data file is being written, and only in the thread
     writing it (torch keeps it per thread), so a ``torch.save`` elsewhere in
-    the process, meanwhile, is unaffected.
+    the process, meanwhile, is unaffected. Every file is fsynced after its
+    last byte and every rename is followed by an fsync of its folder
+    (:class:`~pippy.checkpoint.storage.DurableFileSystem`).
 
     Args:
         path: The folder to write (the ``checkpoint_id``).
@@ -153,7 +136,7 @@ class ManifestWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = NoCrc32FileSystem()
+        self.fs = DurableFileSystem()
         self.step = step
         self.written = (0, 0)
 
@@ -169,7 +152,7 @@ class ManifestWriter(FileSystemWriter):
             (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
             for r in results
         ]
-        crcs = _crc32c_of(Path(self.path), ranges)
+        crcs = _crc32c_of(self.path, ranges)
         checked = [
             WriteResult(r.index, r.size_in_bytes, _Checksummed(r.storage_data, crc))
             for r, crc in zip(results, (crcs[k] for k in ranges), strict=True)
@@ -204,21 +187,18 @@ class ManifestWriter(FileSystemWriter):
             "format": _FORMAT,
             "step": self.step,
             "checksum": "crc32c",
+            "optim_layout": LAYOUT_VERSION,
             "files": dict(sorted(files.items())),
             "items": items,
         }
-        path = Path(self.path) / MANIFEST_FILE
-        tmp = path.with_name(f".{MANIFEST_FILE}.tmp")
-        with open(tmp, "w") as f:
-            # dumps, not dump: json.dump streams through the pure-Python
-            # encoder, about 10x slower than the C one dumps uses.
-            f.write(json.dumps(manifest, separators=(",", ":")))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # dumps, not dump: json.dump streams through the pure-Python encoder,
+        # about 10x slower than the C one dumps uses.
+        data = json.dumps(manifest, separators=(",", ":")).encode()
+        storage = storage_for(self.path)
+        storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
 
 
-def read_manifest(folder: str | os.PathLike) -> Manifest | None:
+def read_manifest(folder: Location) -> Manifest | None:
     """Reads a step folder's ``manifest.json``.
 
     Args:
@@ -231,11 +211,12 @@ def read_manifest(folder: str | os.PathLike) -> Manifest | None:
     Raises:
         CheckpointError: The manifest is not valid JSON of this format.
     """
-    path = Path(folder) / MANIFEST_FILE
-    if not path.is_file():
+    storage = storage_for(folder)
+    path = storage.join(folder, MANIFEST_FILE)
+    if storage.size(path) is None:
         return None
     try:
-        raw = json.loads(path.read_bytes())
+        raw = json.loads(storage.read_bytes(path))
         if raw.get("format") != _FORMAT:
             raise ValueError(f"format {raw.get('format')!r}, not {_FORMAT!r}")
         files = {str(k): _count(v) for k, v in raw["files"].items()}
@@ -246,13 +227,13 @@ def read_manifest(folder: str | os.PathLike) -> Manifest | None:
             )
             for i in raw["items"]
         }
-        return Manifest(_count(raw["step"]), files, items)
+        return Manifest(_count(raw["step"]), files, items, raw.get("optim_layout"))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} is damaged: {e}") from None
 
 
 def check_manifest(
-    folder: Path, step: int | None, ranges: Mapping[tuple[str, int, int], str]
+    folder: Location, step: int | None, ranges: Mapping[tuple[str, int, int], str]
 ) -> Manifest:
     """Reads a step's manifest and checks it against the folder.
 
@@ -266,9 +247,10 @@ def check_manifest(
         The manifest.
 
     Raises:
-        CheckpointError: There is no manifest; it names another step; a data
-            file's size differs from its record; or it lists other items
-            than ``.metadata``, or under other keys.
+        CheckpointError: There is no manifest; it names another step or an
+            optimizer layout this pippy does not read; a data file's size
+            differs from its record; or it lists other items than
+            ``.metadata``, or under other keys.
     """
     manifest = read_manifest(folder)
     if manifest is None:
@@ -283,8 +265,10 @@ def check_manifest(
             "folder renamed or copied under another step's name. Give it its own "
             f"name (step-{manifest.step}) or move it out of the checkpoint folder"
         )
+    check_layout_version(manifest.optim_layout, repr(str(folder)))
+    storage = storage_for(folder)
     for name, size in manifest.files.items():
-        actual = (folder / name).stat().st_size if (folder / name).is_file() else None
+        actual = storage.size(storage.join(folder, name))
         if actual != size:
             raise CheckpointError(
                 f"{str(folder)!r} is damaged: {name} has "
@@ -315,7 +299,7 @@ def _count(value: Any) -> int:
 
 
 def verify_ranges(
-    folder: Path, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
+    folder: Location, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
 ) -> None:
     """Checks byte ranges of a step's files against their manifest checksums.
 

@@ -18,12 +18,25 @@ stage's ``optim.`` section:
 
 A parameter whose gradient stayed None (an unused head, an expert no token
 reached) has ``scalars.<fqn>`` but no ``state.<fqn>.*``: it had no state.
+
+The grammar of a key is ``<section>.<fqn>[.<name>]``, and both the FQN and
+the name may hold dots: DCP flattens nested state (Shampoo's
+``state[p]["precond"] = {"L": ..., "R": ...}``) into ``state.<fqn>.precond.L``.
+A key is therefore split where a known parameter FQN ends, never at a dot;
+:class:`OptimKeys` owns that grammar, and every reader of these keys goes
+through it.
+
+:data:`LAYOUT_VERSION` numbers this packing. Layout 1 is the one above, the
+first pippy wrote (checkpoints that record no version are layout 1); a
+change that an older pippy would misread gets a new number, and
+:func:`check_layout_version` refuses a checkpoint of a layout it does not
+read.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -34,14 +47,148 @@ from torch import nn
 # wrappers' prefixes of torch.compile, DDP, activation checkpointing).
 from torch.distributed.checkpoint.state_dict import StateDictOptions, _get_fqns
 
+from pippy.checkpoint.errors import CheckpointError
+
 #: Optimizer state keyed by parameter FQN, as DCP's state_dict helpers give it.
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
-_OPTIM_STATE = re.compile(r"(?:^|\.)optim\.state\.")
+#: The optimizer layout this pippy writes (see the module docstring).
+LAYOUT_VERSION = 1
+
+_SECTIONS = ("state", "param_groups", "scalars")
+# Where a key's optimizer section starts: after ``optim.`` at a segment start.
+_OPTIM_SECTION = re.compile(r"(?:^|(?<=\.))optim\.(?=(?:state|param_groups|scalars)\.)")
+# What DCP's flattening stores as a leaf of optimizer state (dicts nest them).
+_STORABLE = (torch.Tensor, int, float)
+
+
+def _naming_section(key: str) -> tuple[str, str] | None:
+    """The section and rest of a ``scalars.`` or ``param_groups.`` key, at any root."""
+    for start in (0, *(m.end() for m in _OPTIM_SECTION.finditer(key))):
+        section, _, rest = key[start:].partition(".")
+        if section in ("scalars", "param_groups") and rest:
+            return section, rest
+    return None
+
+
+class OptimKeys:
+    """The grammar of optimizer keys, parsed against the parameters' FQNs.
+
+    A key is ``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>`` or
+    ``scalars.<fqn>`` (section-relative), or any of them after a root and
+    ``optim.`` (``app.optim.state.<fqn>.<name>``, a whole checkpoint's key).
+    It is split where the longest known FQN ends, so nested state
+    (``precond.L``) and dotted FQNs both parse.
+
+    Args:
+        fqns: The FQNs of the parameters whose keys are parsed.
+
+    Attributes:
+        fqns: The known FQNs, as a frozenset.
+    """
+
+    def __init__(self, fqns: Iterable[str]) -> None:
+        self.fqns = frozenset(fqns)
+
+    @classmethod
+    def of_module(cls, module: nn.Module) -> OptimKeys:
+        """The parser for a module's parameters, each under every name it has.
+
+        Args:
+            module: A stage's module, possibly wrapped (DDP, FSDP2, compile).
+
+        Returns:
+            An :class:`OptimKeys` knowing every FQN DCP may give a parameter
+            (a shared one's too).
+        """
+        return cls(
+            fqn
+            for name, _ in module.named_parameters(remove_duplicate=False)
+            for fqn in _get_fqns(module, name)
+        )
+
+    @classmethod
+    def of_keys(cls, keys: Iterable[str], model_fqns: Iterable[str] = ()) -> OptimKeys:
+        """The parser for the FQNs a set of keys names.
+
+        Each ``scalars.<fqn>`` item names its FQN whole. A
+        ``param_groups.<fqn>.<option>`` entry that no FQN known so far parses
+        (torchtitan's layout, which has no ``scalars`` items) names the key but
+        its last segment: a param-group option is a keyword of the optimizer,
+        an identifier. State keys name no FQN on their own.
+
+        Args:
+            keys: Keys, section-relative or under ``<root>optim.``.
+            model_fqns: Further known FQNs (a torchtitan checkpoint's model keys).
+
+        Returns:
+            An :class:`OptimKeys` knowing those FQNs.
+        """
+        named = [pair for pair in map(_naming_section, keys) if pair is not None]
+        known = cls([*model_fqns, *(rest for s, rest in named if s == "scalars")])
+        derived = {  # the option: after the last dot
+            rest.rpartition(".")[0]
+            for section, rest in named
+            if section == "param_groups" and not known.parse(f"{section}.{rest}")
+        }
+        return cls(known.fqns | (derived - {""}))
+
+    def parse(self, key: str) -> tuple[str, str, str] | None:
+        """Splits a section-relative key into section, FQN and name.
+
+        Args:
+            key: ``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>`` or
+                ``scalars.<fqn>``.
+
+        Returns:
+            ``(section, fqn, name)``, name ``""`` for a ``scalars`` item; None
+            for a key of another section or of no known FQN.
+        """
+        section, _, rest = key.partition(".")
+        if section not in _SECTIONS:
+            return None
+        if section == "scalars":
+            return (section, rest, "") if rest in self.fqns else None
+        end = len(rest)
+        while (end := rest.rfind(".", 0, end)) > 0:  # the longest FQN first
+            if rest[:end] in self.fqns and end + 1 < len(rest):
+                return section, rest[:end], rest[end + 1 :]
+        return None
+
+    def split(self, key: str) -> tuple[str, str, str, str] | None:
+        """Splits a dotted checkpoint key into root, section, FQN and name.
+
+        Args:
+            key: A key such as ``app.optim.state.layers.0.w.precond.L``.
+
+        Returns:
+            ``("app.", "state", "layers.0.w", "precond.L")`` for that key: the
+            root is what stands before ``optim.`` (empty when
+            ``StageState``'s state_dict is the whole state_dict); None for a
+            key that is no optimizer entry of a known FQN.
+        """
+        for match in _OPTIM_SECTION.finditer(key):
+            parsed = self.parse(key[match.end() :])
+            if parsed is not None:
+                return key[: match.start()], *parsed
+        return None
+
+    def state_fqns(self, keys: Iterable[str]) -> set[str]:
+        """The FQNs that have state among section-relative keys.
+
+        Args:
+            keys: Keys of a flattened optimizer state_dict.
+
+        Returns:
+            The FQN of every ``state.`` key that :meth:`parse` parses.
+        """
+        return {p[1] for p in map(self.parse, keys) if p and p[0] == "state"}
 
 
 def pack_scalars(
-    optim_sd: dict[str, Any], groups: dict[str, int] | None = None
+    optim_sd: dict[str, Any],
+    groups: dict[str, int] | None = None,
+    keys: OptimKeys | None = None,
 ) -> dict[str, Any]:
     """Puts all of a parameter's optimizer entries but its tensors in one item.
 
@@ -57,21 +204,32 @@ def pack_scalars(
         optim_sd: A flattened optimizer state_dict (``get_state_dict`` with
             ``flatten_optimizer_state_dict=True``).
         groups: The index of each parameter's param group, by FQN.
+        keys: The parser of ``optim_sd``'s keys; by default
+            ``OptimKeys.of_keys(optim_sd)``.
 
     Returns:
         Tensors with elements under their keys; for each parameter,
         ``scalars.<fqn>``: a list of ``[name, value]`` pairs as the module
         docstring describes. DCP keeps such a list, with no tensor inside, as
         one item.
+
+    Raises:
+        CheckpointError: A key names no parameter ``keys`` knows.
     """
+    keys = OptimKeys.of_keys(optim_sd) if keys is None else keys
     packed: dict[str, Any] = {}
     scalars: dict[str, list[list[Any]]] = {}
     for key, value in optim_sd.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             packed[key] = value
             continue
-        section, rest = key.split(".", 1)
-        fqn, name = rest.rsplit(".", 1)
+        parsed = keys.parse(key)
+        if parsed is None:
+            raise CheckpointError(
+                f"the optimizer key {key!r} names no parameter known here: the "
+                "optimizer holds a parameter that the module does not"
+            )
+        section, fqn, name = parsed
         entry = [f"{section}.{name}", value]
         if isinstance(value, torch.Tensor):
             entry = [entry[0], value.item(), str(value.dtype).removeprefix("torch.")]
@@ -147,42 +305,6 @@ def param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
     }
 
 
-def split_state_key(key: str) -> tuple[str, str] | None:
-    """Parses a key of optimizer state into the root and the parameter's FQN.
-
-    Args:
-        key: A dotted checkpoint key, e.g. ``app.optim.state.layers.0.w.exp_avg``.
-
-    Returns:
-        ``("app.", "layers.0.w")`` for that key: the root is what stands
-        before ``optim.`` (empty when ``StageState``'s state_dict is the whole
-        state_dict); None for a key that is not optimizer state.
-    """
-    match = _OPTIM_STATE.search(key)
-    if match is None:
-        return None
-    root = key[: match.start() + (1 if match.start() else 0)]
-    return root, key[match.end() :].rsplit(".", 1)[0]
-
-
-def _state_params(keys: Iterable[str]) -> set[tuple[str, str]]:
-    """The ``(root, fqn)`` of every key of optimizer state among ``keys``."""
-    return {pair for pair in map(split_state_key, keys) if pair is not None}
-
-
-def state_fqns(optim_keys: Iterable[str]) -> set[str]:
-    """The FQNs that have state among an optimizer state_dict's keys.
-
-    Args:
-        optim_keys: Keys of a flattened optimizer state_dict
-            (``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>``).
-
-    Returns:
-        The ``<fqn>`` of every ``state.`` key.
-    """
-    return {fqn for _, fqn in _state_params(f"optim.{k}" for k in optim_keys)}
-
-
 def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
     """Keys of optimizer state to skip: their parameter had none when saved.
 
@@ -190,7 +312,8 @@ def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
     state from ``optimizer.step()``, so its checkpoint has its
     ``optim.scalars.<fqn>`` but no ``optim.state.<fqn>.*``. A fresh optimizer
     to load into has state for every such parameter (DCP's ``get_state_dict``
-    creates it), so those keys are wanted but cannot be read.
+    creates it), so those keys are wanted but cannot be read. The keys are
+    parsed against the FQNs of the ``scalars`` items of both.
 
     Args:
         wanted: The dotted keys of the state_dict to load into.
@@ -199,14 +322,84 @@ def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
     Returns:
         The keys of ``wanted`` whose parameter had no state in the checkpoint.
     """
-    saved = set(saved)
-    wanted = list(wanted)
-    stateless = {
-        (root, fqn)
-        for root, fqn in _state_params(wanted) - _state_params(saved)
-        if f"{root}optim.scalars.{fqn}" in saved
+    saved, wanted = set(saved), list(wanted)
+    keys = OptimKeys.of_keys([*wanted, *saved])
+
+    def state_of(key: str) -> tuple[str, str] | None:  # its (root, fqn)
+        parsed = keys.split(key)
+        return (parsed[0], parsed[2]) if parsed and parsed[1] == "state" else None
+
+    had_state = set(map(state_of, saved))
+    return {
+        key
+        for key in wanted
+        if (param := state_of(key))
+        and param not in had_state
+        and f"{param[0]}optim.scalars.{param[1]}" in saved
     }
-    return {key for key in wanted if split_state_key(key) in stateless}
+
+
+def _leaves(state: Mapping[Any, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Each non-dict value of nested optimizer state, with its dotted name."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def check_storable(
+    optimizers: Sequence[torch.optim.Optimizer], fqn_of: Mapping[Any, str]
+) -> None:
+    """Refuses optimizer state that DCP's flattening cannot store.
+
+    ``flatten_optimizer_state_dict`` takes tensors, ints and floats, nested
+    in dicts, and raises a bare ``NotImplementedError`` on anything else (a
+    ``str``, ``None``); this names the entry, before anything is written.
+
+    Args:
+        optimizers: The optimizers whose ``state`` is checked.
+        fqn_of: The FQN of each parameter, for the message.
+
+    Raises:
+        CheckpointError: An entry (``precond.kind`` for a nested one) is of
+            another type, naming the parameter's FQN, the entry and its type.
+    """
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            for name, value in _leaves(state):
+                if isinstance(value, _STORABLE):
+                    continue
+                fqn = fqn_of.get(param, "<not in the stage's module>")
+                raise CheckpointError(
+                    f"optimizer state {name!r} of parameter {fqn!r} is a "
+                    f"{type(value).__name__}; DCP stores only tensors, ints, "
+                    "floats and dicts of them in optimizer state. Keep it as a "
+                    "number or a tensor (an enum as its int), or as a param-group "
+                    "option, which may hold any picklable value"
+                )
+
+
+def check_layout_version(version: object, where: str) -> None:
+    """Refuses a checkpoint whose optimizer layout this pippy does not read.
+
+    Args:
+        version: The layout recorded with the checkpoint; None for one that
+            records none (written before the field existed: layout 1).
+        where: The checkpoint, for the message (``"step-20"``).
+
+    Raises:
+        CheckpointError: ``version`` is neither None nor
+            :data:`LAYOUT_VERSION`: one line naming both, and the fix.
+    """
+    if version is None or (type(version) is int and version == LAYOUT_VERSION):
+        return
+    newer = type(version) is int and version > LAYOUT_VERSION
+    raise CheckpointError(
+        f"{where} was written with optimizer layout {version!r}; this pippy "
+        f"reads layout {LAYOUT_VERSION}; "
+        + ("upgrade pippy" if newer else "no pippy writes it: the record is damaged")
+    )
 
 
 @contextmanager

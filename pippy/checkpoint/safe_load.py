@@ -18,7 +18,6 @@ import io
 import math
 import os
 import pickle
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ from pippy.checkpoint.manifest import (
     verify_ranges,
 )
 from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
+from pippy.checkpoint.storage import Location, Storage, is_url, storage_for
 
 __all__ = [
     "TRUST_ENV",
@@ -154,7 +154,7 @@ def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
         One line per damaged file (``"__1_0.distcp is missing"``); empty if
         every file is there and at least as long as its items.
     """
-    folder = Path(path)
+    storage = storage_for(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
@@ -163,20 +163,18 @@ def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
             needed[name] = max(needed.get(name, 0), end)
     problems = []
     for name, size in sorted(needed.items()):
-        file = folder / name
-        if not file.is_file():
+        actual = storage.size(storage.join(path, name))
+        if actual is None:
             problems.append(f"{name} is missing")
-        elif file.stat().st_size < size:
-            problems.append(
-                f"{name} has {file.stat().st_size} bytes, its items need {size}"
-            )
+        elif actual < size:
+            problems.append(f"{name} has {actual} bytes, its items need {size}")
     return problems
 
 
-def _read_metadata_file(path: Path, trusted: bool) -> Metadata:
+def _read_metadata_file(path: Location, trusted: bool) -> Metadata:
     """Unpickles ``path`` (allow-listed unless trusted) into DCP's ``Metadata``."""
     try:
-        with open(path, "rb") as metadata_file:
+        with storage_for(path).open_read(path) as metadata_file:
             if trusted:
                 metadata = pickle.load(metadata_file)
             else:
@@ -190,15 +188,17 @@ def _read_metadata_file(path: Path, trusted: bool) -> Metadata:
     return metadata
 
 
-def _data_file(folder: Path, name: Any) -> Path:
+def _data_file(storage: Storage, folder: Location, name: Any) -> Any:
     """The data file ``name`` inside ``folder``; refused if it could be elsewhere."""
     plain = (
         isinstance(name, str)
         and name not in ("", ".", "..")
         and not any(c in name for c in "/\\\0")
     )
-    path = folder / name if plain else None
-    if path is None or path.resolve().parent != folder.resolve():
+    path = storage.join(folder, name) if plain else None
+    if path is None or storage.parent(storage.same_place(path)) != storage.same_place(
+        folder
+    ):
         raise UnsafeCheckpointError(
             f"refused to load {str(folder)!r}: its {METADATA_FILE} names the data "
             f"file {name!r}, which is not a plain file name inside the step folder "
@@ -208,23 +208,26 @@ def _data_file(folder: Path, name: Any) -> Path:
     return path
 
 
-def _check_structure(folder: Path, metadata: Metadata) -> None:
+def _check_structure(folder: Location, metadata: Metadata) -> None:
     """Refuses metadata whose items are not where, or not as large as, it says."""
-    damaged = f"{str(folder / METADATA_FILE)!r} is damaged"
+    damaged = (
+        f"{os.fspath(storage_for(folder).join(folder, METADATA_FILE))!r} is damaged"
+    )
     try:
         _check_tables(folder, metadata, damaged)
     except (AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
         raise CheckpointError(f"{damaged}: {type(e).__name__}: {e}") from None
 
 
-def _check_tables(folder: Path, metadata: Metadata, damaged: str) -> None:
+def _check_tables(folder: Location, metadata: Metadata, damaged: str) -> None:
     """:func:`_check_structure`'s checks; a malformed entry raises anything."""
+    files = storage_for(folder)
     storage = metadata.storage_data
     items = metadata.state_dict_metadata
     if not isinstance(storage, dict) or not isinstance(items, dict):
         raise CheckpointError(f"{damaged}: it has no table of items and files")
     for index, info in storage.items():
-        _data_file(folder, getattr(info, "relative_path", None))
+        _data_file(files, folder, getattr(info, "relative_path", None))
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not all(type(n) is int and n >= 0 for n in (offset, length)):
             raise CheckpointError(f"{damaged}: item {index.fqn!r} has no valid place")
@@ -326,9 +329,13 @@ class SafeFileSystemReader(FileSystemReader):
         verify: bool = True,
     ) -> None:
         super().__init__(path)
+        storage = storage_for(path)
+        folder = storage.join(path)
+        if is_url(path):  # DCP's FileSystemReader would read a local folder
+            self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
+            self.path = self.fs.init_path(path)
         self.trusted = resolve_trusted(trusted)
-        folder = Path(path)
-        if not folder.is_dir():
+        if not storage.is_dir(folder):
             raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
         if not is_complete(folder):
             steps = [p for p in list_steps(folder).values() if is_complete(p)]
@@ -342,7 +349,9 @@ class SafeFileSystemReader(FileSystemReader):
                 "its save did not finish); use an earlier step"
             )
         self.folder = folder
-        self.metadata = _read_metadata_file(folder / METADATA_FILE, self.trusted)
+        self.metadata = _read_metadata_file(
+            storage.join(folder, METADATA_FILE), self.trusted
+        )
         _check_structure(folder, self.metadata)
         self.manifest: Manifest | None = None
         if not check_files:
@@ -380,7 +389,8 @@ class SafeFileSystemReader(FileSystemReader):
         verify_ranges(self.folder, self.manifest, ranges)
         for (name, offset, length), key in ranges.items():
             if key == "step":  # the stored step, the name and the manifest agree
-                with open(self.folder / name, "rb") as f:
+                storage = storage_for(self.folder)
+                with storage.open_read(storage.join(self.folder, name)) as f:
                     f.seek(offset)
                     step = torch.load(io.BytesIO(f.read(length)), weights_only=True)
                 if step != self.manifest.step:

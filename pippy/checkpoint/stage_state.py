@@ -22,10 +22,11 @@ from pippy.checkpoint.checks import fingerprint, renaming_hooks
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.optim_layout import (
     OPTIONS,
+    OptimKeys,
+    check_storable,
     pack_scalars,
     param_fqns,
     saved_groups,
-    state_fqns,
     unpack_scalars,
     without_empty_groups,
 )
@@ -185,18 +186,22 @@ class StageState(Stateful):
             CheckpointError: A submodule's state_dict hook renames its keys
                 (a fused QKV weight saved as ``wq``, ``wk``, ``wv``), naming
                 the module and the hook; or the LR schedulers of a list hold
-                different state.
+                different state; or an optimizer's state holds an entry DCP
+                cannot store (a ``str``), naming the parameter, the entry and
+                its type.
         """
         with _named_renames(self.module):
             if not self.optimizers:
                 sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
             else:
+                check_storable(self.optimizers, param_fqns(self.module))
                 model_sd, optim_sd = get_state_dict(
                     self.module, self.optimizers, options=OPTIONS
                 )
+                keys = OptimKeys.of_module(self.module)
                 sd = {
                     "model": model_sd,
-                    "optim": pack_scalars(optim_sd, self._groups()),
+                    "optim": pack_scalars(optim_sd, self._groups(), keys),
                 }
         sd["step"] = self.step
         if self.lr_schedulers:
@@ -274,8 +279,9 @@ class StageState(Stateful):
         """Checks optimizer and scheduler state, then applies model and optimizer."""
         optim_sd = unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizers, options=OPTIONS)
-        stateless = state_fqns(wanted) - state_fqns(optim_sd)
-        self._check_entries(wanted, optim_sd, stateless)
+        keys = OptimKeys.of_module(self.module)
+        stateless = keys.state_fqns(wanted) - keys.state_fqns(optim_sd)
+        self._check_entries(wanted, optim_sd, stateless, keys)
         fqn_of = param_fqns(self.module)
         self._check_groups(optim_sd, fqn_of)
         if self.lr_schedulers:
@@ -304,16 +310,24 @@ class StageState(Stateful):
 
     @staticmethod
     def _check_entries(
-        wanted: Mapping[str, Any], loaded: Mapping[str, Any], stateless: set[str]
+        wanted: Mapping[str, Any],
+        loaded: Mapping[str, Any],
+        stateless: set[str],
+        optim_keys: OptimKeys,
     ) -> None:
         """Refuses loaded optimizer entries other than the wanted ones."""
         missing = sorted(
-            k for k in wanted.keys() - loaded.keys() if not state_fqns([k]) & stateless
+            k
+            for k in wanted.keys() - loaded.keys()
+            if not optim_keys.state_fqns([k]) & stateless
         )
         # An LR scheduler's initial_lr may stay behind when loading into an
         # optimizer without one; any other entry is another optimizer's.
         extra = sorted(
-            k for k in loaded.keys() - wanted.keys() if not k.endswith(".initial_lr")
+            k
+            for k in loaded.keys() - wanted.keys()
+            if (p := optim_keys.parse(k)) is None
+            or (p[0], p[2]) != ("param_groups", "initial_lr")
         )
         lost = [k for k in missing if k.startswith("state.")]
         if lost:  # a parameter with none of its state is taken as stateless

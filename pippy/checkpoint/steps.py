@@ -4,11 +4,12 @@ A run's checkpoint folder holds ``step-<N>`` folders, one per save. Ranks
 write into a hidden staging folder, ``.step-<N>.partial-<token>``, that rank 0
 renames to ``step-<N>`` once DCP's coordinator has written ``.metadata``: a
 rename is atomic on a POSIX file system, so a step folder is either complete
-or absent. The token is new for every save, so that no save ever writes into
+or absent; the rename and the folders are fsynced, so it stays so after a
+power loss. The token is new for every save, so that no save ever writes into
 or deletes a staging folder it did not create. A step's ``manifest.json``
 says which step it holds; a folder whose name says otherwise is never taken
-for that step. Every path and file operation on step folders lives here, so that
-another storage (an object store) would be added in this module alone.
+for that step. The file operations themselves go through
+:mod:`~pippy.checkpoint.storage`.
 """
 
 from __future__ import annotations
@@ -16,30 +17,43 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from pippy.checkpoint.errors import CheckpointDirError, CheckpointError
+from pippy.checkpoint.errors import (
+    CheckpointDirError,
+    CheckpointError,
+    explain_failures,
+    on_coordinator,
+)
 from pippy.checkpoint.manifest import read_manifest
+from pippy.checkpoint.storage import (
+    Location,
+    check_publishable,
+    glob,
+    storage_for,
+)
 
 __all__ = [
     "METADATA_FILE",
     "StepFolder",
-    "check_writable",
+    "discard",
     "find_latest_step",
     "is_complete",
     "list_steps",
+    "newest_complete_step",
     "parse_step",
+    "prepare_step",
+    "publish",
     "publish_step",
     "remove_old_steps",
+    "remove_staging",
     "step_dir",
 ]
 
@@ -51,14 +65,17 @@ _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
 
 
-def step_dir(checkpoint_dir: str | os.PathLike, step: int) -> Path:
+def step_dir(checkpoint_dir: Location, step: int) -> Any:
     """Returns the folder of one step's checkpoint: ``<checkpoint_dir>/step-<step>``.
 
     Args:
-        checkpoint_dir: The run's checkpoint folder.
+        checkpoint_dir: The run's checkpoint folder: a local path or a URL.
         step: Number of optimizer steps taken when the checkpoint was saved.
+
+    Returns:
+        A ``Path`` for a local folder, a ``str`` for a URL.
     """
-    return Path(checkpoint_dir) / f"step-{step}"
+    return storage_for(checkpoint_dir).join(checkpoint_dir, f"step-{step}")
 
 
 @dataclass(frozen=True)
@@ -73,32 +90,35 @@ class StepFolder:
     """
 
     step: int
-    final: Path
-    staging: Path
+    final: Any
+    staging: Any
 
     @classmethod
-    def of(cls, checkpoint_dir: str | os.PathLike, step: int, token: str) -> StepFolder:
+    def of(cls, checkpoint_dir: Location, step: int, token: str) -> StepFolder:
         """The step folder of ``step`` in ``checkpoint_dir``, staged under ``token``."""
+        storage = storage_for(checkpoint_dir)
         final = step_dir(checkpoint_dir, step)
-        return cls(step, final, final.with_name(f".{final.name}.partial-{token}"))
+        staging = storage.join(checkpoint_dir, f".step-{step}.partial-{token}")
+        return cls(step, final, staging)
 
 
-def is_complete(path: str | os.PathLike) -> bool:
+def is_complete(path: Location) -> bool:
     """Tells whether a step folder holds a complete checkpoint.
 
     DCP's coordinator writes ``.metadata`` only after every rank has written
     its data, so a folder without it was interrupted mid-save.
     """
-    return (Path(path) / METADATA_FILE).is_file()
+    storage = storage_for(path)
+    return storage.size(storage.join(path, METADATA_FILE)) is not None
 
 
-def parse_step(path: str | os.PathLike) -> int | None:
+def parse_step(path: Location) -> int | None:
     """The step of a ``step-<N>`` folder name (no leading zeros), or None."""
-    match = _STEP_RE.match(Path(path).name)
+    match = _STEP_RE.match(storage_for(path).name(path))
     return int(match.group(1)) if match else None
 
 
-def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
+def list_steps(checkpoint_dir: Location) -> dict[int, Any]:
     """Lists the step folders of a checkpoint folder, complete or not.
 
     Args:
@@ -112,28 +132,27 @@ def list_steps(checkpoint_dir: str | os.PathLike) -> dict[int, Path]:
             holds a step folder under a name pippy does not write
             (``step-08`` beside, or instead of, ``step-8``).
     """
-    root = Path(checkpoint_dir)
-    if not root.exists():
-        return {}
-    if not root.is_dir():
+    storage = storage_for(checkpoint_dir)
+    if storage.size(checkpoint_dir) is not None:
         raise CheckpointDirError(
-            f"checkpoint dir {str(root)!r} is a file, not a folder"
+            f"checkpoint dir {os.fspath(checkpoint_dir)!r} is a file, not a folder"
         )
     steps = {}
-    for path in root.iterdir():
+    for name in storage.listdir(checkpoint_dir):
+        path = storage.join(checkpoint_dir, name)
         step = parse_step(path)
-        if step is None and _STEP_LIKE.match(path.name):
+        if step is None and _STEP_LIKE.match(name):
             raise CheckpointDirError(
-                f"{str(path)!r} is not a step folder name pippy writes (it would "
-                f"be step-{int(path.name[5:])}): one step could have two names. "
+                f"{os.fspath(path)!r} is not a step folder name pippy writes (it "
+                f"would be step-{int(name[5:])}): one step could have two names. "
                 "Rename it, or move it out of the checkpoint folder"
             )
-        if step is not None and path.is_dir():
+        if step is not None and storage.is_dir(path):
             steps[step] = path
     return dict(sorted(steps.items()))
 
 
-def _holds_its_step(path: Path) -> bool:
+def _holds_its_step(path: Location) -> bool:
     """False if the step's manifest names another step (or cannot be read)."""
     try:
         manifest = read_manifest(path)
@@ -142,7 +161,28 @@ def _holds_its_step(path: Path) -> bool:
     return manifest is None or manifest.step == parse_step(path)
 
 
-def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
+def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
+    """The newest complete step folder, and the newer ones passed over.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
+
+    Returns:
+        ``(folder or None, skipped)``: as :func:`find_latest_step`, with the
+        step folders newer than it that are incomplete or hold another step.
+
+    Raises:
+        CheckpointDirError: As :func:`find_latest_step`.
+    """
+    skipped: list[str] = []
+    for path in reversed(list_steps(checkpoint_dir).values()):
+        if is_complete(path) and _holds_its_step(path):
+            return path, skipped
+        skipped.append(os.fspath(path))
+    return None, skipped
+
+
+def find_latest_step(checkpoint_dir: Location) -> Any:
     """Finds the newest complete step folder, to resume from.
 
     Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
@@ -153,18 +193,14 @@ def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
 
     Returns:
-        The newest complete ``step-<N>`` folder, or None if there is none.
+        The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
+        URL), or None if there is none.
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder.
+        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder, or
+            is a URL whose storage client is missing.
     """
-    skipped: list[str] = []
-    latest = None
-    for path in reversed(list_steps(checkpoint_dir).values()):
-        if is_complete(path) and _holds_its_step(path):
-            latest = path
-            break
-        skipped.append(str(path))
+    latest, skipped = newest_complete_step(checkpoint_dir)
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(
             "skipping incomplete checkpoints (no .metadata, or a manifest naming "
@@ -174,48 +210,8 @@ def find_latest_step(checkpoint_dir: str | os.PathLike) -> Path | None:
     return latest
 
 
-def on_coordinator(
-    action: str, fn: Callable[[], Any], process_group: dist.ProcessGroup | None
-) -> Any:
-    """Runs ``fn`` on rank 0 only and gives every rank its result or its error.
-
-    A failure on rank 0 alone would leave the other ranks waiting in the next
-    collective; broadcasting it lets all of them stop with the same message.
-
-    Args:
-        action: What ``fn`` does, for the message (``"cannot write to X"``).
-        fn: The file operations; a ``CheckpointDirError`` it raises is raised
-            on every rank, any other ``Exception`` as a ``CheckpointDirError``.
-        process_group: The ranks; the default group if None.
-
-    Returns:
-        What ``fn`` returned on rank 0 (it must pickle).
-
-    Raises:
-        CheckpointDirError: On every rank, if ``fn`` failed.
-    """
-    rank0 = not dist.is_initialized() or dist.get_rank(process_group) == 0
-    outcome: list[Any] = [None, None]  # error, result
-    if rank0:
-        try:
-            outcome[1] = fn()
-        except CheckpointDirError as e:
-            outcome[0] = e
-        except OSError as e:
-            where = f" ({e.filename})" if e.filename else ""
-            outcome[0] = CheckpointDirError(f"{action}: {e.strerror or e}{where}")
-        except Exception as e:  # any other failure: every rank stops with it
-            outcome[0] = CheckpointDirError(f"{action}: {type(e).__name__}: {e}")
-    if dist.is_initialized():
-        src = dist.get_global_rank(process_group, 0) if process_group else 0
-        dist.broadcast_object_list(outcome, src=src, group=process_group)
-    if outcome[0] is not None:
-        raise outcome[0]
-    return outcome[1]
-
-
 def prepare_step(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir: Location,
     step: int,
     process_group: dist.ProcessGroup | None = None,
 ) -> StepFolder:
@@ -237,30 +233,33 @@ def prepare_step(
 
     Raises:
         CheckpointDirError: On every rank: the step exists, or the folder is a
-            file or cannot be written.
+            file, cannot be written, or is on storage without atomic renames.
     """
+    storage = check_publishable(checkpoint_dir)
     list_steps(checkpoint_dir)  # a file where the folder should be: say so
     final = step_dir(checkpoint_dir, step)
     if is_complete(final) and _holds_its_step(final):
         raise CheckpointDirError(
-            f"{str(final)!r} already exists; checkpoints are never "
+            f"{os.fspath(final)!r} already exists; checkpoints are never "
             "overwritten. Resume from it, or save into another checkpoint folder."
         )
 
     def make_staging() -> StepFolder:
         folder = StepFolder.of(checkpoint_dir, step, uuid.uuid4().hex[:12])
-        if final.exists():  # incomplete, or holding another step: keep it aside
-            aside = final.with_name(f".{final.name}.incomplete-{int(time.time())}")
-            final.rename(aside)
+        if storage.exists(final):  # incomplete, or another step's: keep it aside
+            aside = storage.join(
+                checkpoint_dir, f".step-{step}.incomplete-{int(time.time())}"
+            )
+            storage.publish(final, aside)
             logger.warning(
                 "moved %s aside to %s: it was incomplete or held another step",
                 final,
-                aside.name,
+                storage.name(aside),
             )
-        folder.staging.mkdir(parents=True)
+        storage.makedirs(folder.staging)
         return folder
 
-    staging = final.with_name(f".{final.name}.partial-*")
+    staging = storage.join(checkpoint_dir, f".step-{step}.partial-*")
     return on_coordinator(f"cannot create {staging}", make_staging, process_group)
 
 
@@ -272,7 +271,8 @@ def publish(
 ) -> None:
     """Renames a step's staging folder to ``step-<N>``, then prunes old steps.
 
-    Call it on every rank once the save returned everywhere.
+    Call it on every rank once the save returned everywhere. The rename is
+    durable when this returns (:meth:`~pippy.checkpoint.storage.Storage.publish`).
 
     Args:
         folder: The step folder from :func:`prepare_step`.
@@ -282,50 +282,21 @@ def publish(
     Raises:
         CheckpointDirError: On every rank, if the rename or pruning failed.
     """
+    storage = storage_for(folder.final)
 
     def rename_and_prune() -> None:
-        folder.staging.rename(folder.final)
+        storage.publish(folder.staging, folder.final)
         if keep_last is not None:
-            remove_old_steps(folder.final.parent, keep_last, keep=folder.final)
+            remove_old_steps(storage.parent(folder.final), keep_last, keep=folder.final)
 
     on_coordinator(
-        f"cannot publish {folder.final.name}", rename_and_prune, process_group
+        f"cannot publish {storage.name(folder.final)}", rename_and_prune, process_group
     )
 
 
-def check_writable(
-    checkpoint_dir: str | os.PathLike,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Checks, before training, that checkpoints can be written there.
-
-    Rank 0 creates the folder if needed and writes and deletes a probe file,
-    so that a wrong path fails in the first second, not at the first save.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder.
-        process_group: The ranks that will save; the default group if None.
-
-    Raises:
-        CheckpointDirError: On every rank, if the folder is a file, cannot be
-            created, or cannot be written.
-    """
-    list_steps(checkpoint_dir)
-    root = Path(checkpoint_dir)
-
-    def probe() -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        probe_file = root / f".write-test-{os.getpid()}"
-        probe_file.write_bytes(b"")
-        probe_file.unlink()
-
-    on_coordinator(f"cannot write to {root}", probe, process_group)
-
-
 def remove_old_steps(
-    checkpoint_dir: str | os.PathLike, keep_last: int, *, keep: Path | None = None
-) -> list[Path]:
+    checkpoint_dir: Location, keep_last: int, *, keep: Location | None = None
+) -> list[Any]:
     """Deletes all but the newest ``keep_last`` complete step folders.
 
     Steps are ranked by the step they hold (their manifest's), which is their
@@ -346,6 +317,7 @@ def remove_old_steps(
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}")
+    storage = storage_for(checkpoint_dir)
     complete = [
         p
         for p in list_steps(checkpoint_dir).values()
@@ -353,26 +325,43 @@ def remove_old_steps(
     ]
     old = [p for p in complete[:-keep_last] if p != keep]
     for path in old:
-        shutil.rmtree(path)
+        storage.remove(path)
     if old:
-        logger.info("removed old checkpoints %s", [p.name for p in old])
+        logger.info("removed old checkpoints %s", [storage.name(p) for p in old])
     return old
+
+
+def remove_staging(checkpoint_dir: Location) -> list[str]:
+    """Deletes every staging folder in ``checkpoint_dir`` (a dead job's).
+
+    Only the folder's owner may call it (see :class:`~pippy.checkpoint.FolderOwner`).
+
+    Returns:
+        The names removed.
+    """
+    storage = storage_for(checkpoint_dir)
+    removed = []
+    for leftover in glob(storage, checkpoint_dir, ".step-*.partial-*"):
+        storage.remove(leftover)
+        removed.append(storage.name(leftover))
+    return removed
 
 
 @contextmanager
 def publish_step(
-    checkpoint_dir: str | os.PathLike,
+    checkpoint_dir: Location,
     step: int,
     *,
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> Iterator[Path]:
+) -> Iterator[Any]:
     """Gives every rank a staging folder and publishes it as ``step-<step>``.
 
     Use it around ``dcp.save``, on every rank::
 
         with publish_step(checkpoint_dir, step) as checkpoint_id:
-            dcp.save(state_dict, checkpoint_id=checkpoint_id)
+            writer = ManifestWriter(checkpoint_id, step=step)
+            dcp.save(state_dict, storage_writer=writer)
 
     The save goes into ``.step-<step>.partial-<token>``; once it returned on
     every rank (so the coordinator has written ``.metadata``), rank 0 renames
@@ -380,7 +369,9 @@ def publish_step(
     only then removes steps beyond ``keep_last``. A crash before that leaves
     only the hidden staging folder, which :func:`find_latest_step` never
     picks. An existing step folder is never written into. If the body raises,
-    nothing is published and rank 0 removes the staging folder.
+    nothing is published and rank 0 removes the staging folder; DCP's
+    ``CheckpointException`` (a ``BaseException``) is raised as a
+    ``CheckpointError`` with one line per failed rank.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing. On
@@ -394,11 +385,14 @@ def publish_step(
 
     Raises:
         CheckpointDirError: On every rank: ``step-<step>`` exists, or
-            ``checkpoint_dir`` is a file or cannot be written.
+            ``checkpoint_dir`` is a file, cannot be written, or is a URL (an
+            object store cannot publish a step atomically yet).
+        CheckpointError: ``dcp.save`` in the body failed on some rank.
     """
     folder = prepare_step(checkpoint_dir, step, process_group)
     try:
-        yield folder.staging
+        with explain_failures(f"saving step-{step}"):
+            yield folder.staging
     except BaseException:
         discard(folder, process_group)
         raise
@@ -413,4 +407,4 @@ def discard(folder: StepFolder, process_group: dist.ProcessGroup | None = None) 
         process_group: The ranks that saved; rank 0 of it removes the folder.
     """
     if not dist.is_initialized() or dist.get_rank(process_group) == 0:
-        shutil.rmtree(folder.staging, ignore_errors=True)
+        storage_for(folder.staging).remove(folder.staging)

@@ -1,0 +1,188 @@
+"""The storage seam: every path and file operation of a checkpoint, in one place.
+
+A checkpoint's location is a local folder (a ``str`` or ``os.PathLike``; it
+stays a :class:`~pathlib.Path`) or an fsspec URL (``s3://``, ``gs://``,
+``memory://``, ``file://``; it stays a ``str``: ``Path("memory://run")`` would
+fold it into the local folder ``memory:/run``). :func:`storage_for` picks the
+implementation of :class:`Storage` for a location; nothing outside this
+package opens, renames, links or deletes a checkpoint's files, so a new
+storage, publish protocol or lock is added here alone.
+
+:class:`LocalStorage` (:mod:`~pippy.checkpoint.storage.posix`) writes durably,
+in the order that survives a power loss: write, flush, ``fsync`` the file,
+rename, ``fsync`` the folder that holds the new name.
+:class:`DurableFileSystem` gives DCP's own writer the same order: torch
+2.13's ``FileSystemWriter`` fsyncs ``.metadata`` before its buffer is flushed
+at close (torch 2.14 flushes first) and never fsyncs a folder.
+
+:class:`FsspecStorage` (:mod:`~pippy.checkpoint.storage.url`) reads any fsspec
+URL. Object stores have no atomic rename (S3 copies every object, then
+deletes it), so a step cannot yet be published there safely:
+:func:`check_publishable` refuses such a location with one line, until a
+commit-record protocol exists.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+from pippy.checkpoint.errors import CheckpointDirError
+
+__all__ = [
+    "DurableFileSystem",
+    "FsspecStorage",
+    "LocalStorage",
+    "Location",
+    "Storage",
+    "check_publishable",
+    "is_url",
+    "storage_for",
+]
+
+#: A checkpoint location: a local path, or an fsspec URL as a ``str``.
+Location = str | os.PathLike
+
+
+def is_url(location: Location) -> bool:
+    """Tells whether ``location`` is an fsspec URL (``<protocol>://...``)."""
+    return not isinstance(location, Path) and "://" in os.fspath(location)
+
+
+class Storage(Protocol):
+    """What pippy does with a checkpoint's files, on one kind of storage.
+
+    Locations passed in and returned are of the storage's own kind: ``Path``
+    for :class:`LocalStorage`, URL strings for :class:`FsspecStorage`.
+    Writes are durable when they return; ``atomic_rename`` tells whether
+    :meth:`publish` is atomic, as a step's publication requires.
+    """
+
+    atomic_rename: bool
+
+    def join(self, base: Location, *names: str) -> Any:
+        """``base/name/...``, of this storage's kind."""
+        ...
+
+    def name(self, location: Location) -> str:
+        """The last component of ``location``."""
+        ...
+
+    def parent(self, location: Location) -> Any:
+        """The folder holding ``location``."""
+        ...
+
+    def exists(self, location: Location) -> bool:
+        """Whether anything is at ``location``."""
+        ...
+
+    def is_dir(self, location: Location) -> bool:
+        """Whether ``location`` is a folder."""
+        ...
+
+    def size(self, location: Location) -> int | None:
+        """The size of the file at ``location`` in bytes; None if no file is there."""
+        ...
+
+    def listdir(self, location: Location) -> list[str]:
+        """The names in folder ``location``, sorted; empty if it does not exist."""
+        ...
+
+    def makedirs(self, location: Location) -> None:
+        """Creates folder ``location`` and its parents, durably; fine if it exists."""
+        ...
+
+    def open_read(self, location: Location) -> IO[bytes]:
+        """Opens the file at ``location`` to read bytes."""
+        ...
+
+    def read_bytes(self, location: Location) -> bytes:
+        """The whole file at ``location``."""
+        ...
+
+    def write_atomic(self, location: Location, data: bytes) -> None:
+        """Writes ``data`` at ``location`` whole or not at all, durably."""
+        ...
+
+    def open_atomic(self, location: Location) -> AbstractContextManager[IO[bytes]]:
+        """A stream whose bytes appear at ``location`` whole, once the block ends."""
+        ...
+
+    def create_exclusive(self, location: Location, data: bytes) -> bool:
+        """Creates the file ``location`` holding ``data``; False if it exists."""
+        ...
+
+    def publish(self, source: Location, target: Location) -> None:
+        """Renames ``source`` to ``target`` (a file or folder), durably."""
+        ...
+
+    def remove(self, location: Location) -> None:
+        """Deletes the file or folder tree at ``location``; fine if it is gone."""
+        ...
+
+    def same_place(self, location: Location) -> Any:
+        """``location`` with links resolved, to compare two locations."""
+        ...
+
+    def dcp_filesystem(self, location: Location) -> FileSystemBase:
+        """DCP's ``FileSystemBase`` for files under ``location``."""
+        ...
+
+
+def glob(storage: Storage, folder: Location, pattern: str) -> list[Any]:
+    """The entries of ``folder`` whose names match the shell ``pattern``."""
+    return [
+        storage.join(folder, name)
+        for name in storage.listdir(folder)
+        if fnmatch.fnmatchcase(name, pattern)
+    ]
+
+
+def storage_for(location: Location) -> Storage:
+    """The storage that holds ``location``: fsspec for a URL, else the local one.
+
+    Args:
+        location: A local path, or an fsspec URL.
+
+    Returns:
+        A :class:`LocalStorage` or an :class:`FsspecStorage`.
+
+    Raises:
+        CheckpointDirError: A URL whose client is missing or unknown.
+    """
+    if is_url(location):
+        return FsspecStorage(os.fspath(location))
+    return LocalStorage()
+
+
+def check_publishable(location: Location) -> Storage:
+    """The storage of ``location``, if steps can be published there safely.
+
+    Args:
+        location: A run's checkpoint folder, or a folder to export into.
+
+    Returns:
+        Its storage.
+
+    Raises:
+        CheckpointDirError: The storage has no atomic rename (an object
+            store), so a reader could see half a step: refused, in one line.
+    """
+    storage = storage_for(location)
+    if not storage.atomic_rename:
+        raise CheckpointDirError(
+            f"cannot write checkpoints to {os.fspath(location)!r} yet: publishing "
+            "a step needs an atomic rename, which this storage lacks (a reader "
+            "could see half a step). Write to a local or mounted folder"
+        )
+    return storage
+
+
+# After the protocol: the implementations import it.
+from pippy.checkpoint.storage.posix import DurableFileSystem, LocalStorage  # noqa: E402
+from pippy.checkpoint.storage.url import FsspecStorage  # noqa: E402
