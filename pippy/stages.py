@@ -32,6 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pippy.checkpoint.checks import tied_groups
+from pippy.checkpoint.errors import TiedParametersError
+
 __all__ = [
     "PassThrough",
     "StageBuildError",
@@ -139,11 +142,10 @@ def split_model(
         StageBuildError: ``layers`` is not a ``ModuleList`` or ``ModuleDict``,
             a ``ModuleDict`` key is not a layer index, a module in ``first`` or
             ``last`` does not exist, or the stages do not fit the layers.
-
-    Note:
-        Tied weights (an output head sharing the embedding's parameter) end
-        up on two stages and drift apart; call
-        :func:`pippy.checkpoint.check_untied` on the model first.
+        TiedParametersError: A parameter the model ties under two FQNs (an
+            output head sharing the embedding's weight) would be kept under
+            one of them on this stage and under the other elsewhere: the two
+            would train as separate copies.
     """
     container = model.get_submodule(layers)
     if not isinstance(container, nn.ModuleList | nn.ModuleDict):
@@ -161,6 +163,10 @@ def split_model(
         keys = [int(k) for k in container]
     if owned is None:
         owned = layer_range(stage_index, num_stages, len(keys))
+    dropped = [f"{layers}.{index}" for index in keys if index not in owned]
+    dropped += list(first) * (stage_index > 0)
+    dropped += list(last) * (stage_index < num_stages - 1)
+    _check_ties(model, stage_index, num_stages, dropped)
     for index in keys:
         if index in owned:
             continue
@@ -175,6 +181,26 @@ def split_model(
     if forward is not None:
         model.forward = forward.__get__(model)  # type: ignore[method-assign]
     return model
+
+
+def _check_ties(
+    model: nn.Module, stage_index: int, num_stages: int, dropped: list[str]
+) -> None:
+    """Refuses a tied parameter that this stage would keep under some FQNs only."""
+
+    def kept(fqn: str) -> bool:
+        return not any(fqn == d or fqn.startswith(f"{d}.") for d in dropped)
+
+    for group in tied_groups(model):
+        here = [fqn for fqn in group if kept(fqn)]
+        if here and len(here) < len(group):
+            other = next(fqn for fqn in group if not kept(fqn))
+            raise TiedParametersError(
+                f"{other!r} is tied to {here[0]!r}, but stage {stage_index} of "
+                f"{num_stages} keeps only {here[0]!r}: split, the two would train "
+                "as separate copies. Untie them (Hugging Face: "
+                "tie_word_embeddings=False), or keep both on one stage"
+            )
 
 
 def causal_lm_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +276,8 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     Parameters and persistent buffers on ``meta`` are allocated uninitialised
     (fill them with an init function or a checkpoint load); tensors already
     holding values (buffers built under :func:`meta_init`) are moved with
-    their values.
+    their values. A parameter tied under several FQNs stays one parameter
+    (``to_empty`` alone would give each name its own).
 
     Args:
         module: A stage built under :func:`meta_init` and cut by
@@ -276,7 +303,13 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
             "computes buffers on the CPU, or recompute them after allocating"
         )
     kept = {fqn: buf for fqn, buf in module.named_buffers() if not buf.is_meta}
-    module.to_empty(device=device)
+    ties = tied_groups(module)
+    module.to_empty(device=device)  # a new tensor for each name of a tied one
+    for group in ties:  # so tie them again, as the model had them
+        shared = module.get_parameter(group[0])
+        for fqn in group[1:]:
+            owner, _, name = fqn.rpartition(".")
+            setattr(module.get_submodule(owner), name, shared)
     with torch.no_grad():
         for fqn, value in kept.items():
             module.get_buffer(fqn).copy_(value)

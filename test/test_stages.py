@@ -77,3 +77,37 @@ def test_round_trip_and_exact_resume(tmp_path, world_size):
             assert r["losses_a"] == r["losses_b"], (schedule, rank)
             is_last = rank == world_size - 1
             assert all((x is not None) == is_last for x in r["losses_a"])
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_tied_weights_split_over_stages_are_refused_where_the_stage_is_built(name):
+    import pippy
+    from pippy.checkpoint.errors import TiedParametersError
+
+    from helpers import HF_SPLIT, hf_config, hf_model_class
+
+    config, cls = hf_config(name), hf_model_class(name)
+    config.tie_word_embeddings = True
+    embedding = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+    for stage_index in (0, 1):  # the first stage keeps the one, the last the other
+        with pytest.raises(TiedParametersError) as e:
+            pippy.build_stage_module(
+                lambda: cls(config), stage_index, 2, device="cpu", **HF_SPLIT[name]
+            )
+        kept, other = (
+            (embedding[name], "lm_head.weight")
+            if stage_index == 0
+            else ("lm_head.weight", embedding[name])
+        )
+        assert str(e.value) == (
+            f"{other!r} is tied to {kept!r}, but stage {stage_index} of 2 keeps only "
+            f"{kept!r}: split, the two would train as separate copies. Untie them "
+            "(Hugging Face: tie_word_embeddings=False), or keep both on one stage"
+        )
+    with pytest.raises(TiedParametersError):  # split_model refuses it too
+        pippy.split_model(cls(config), 0, 2, **HF_SPLIT[name])
+    # One stage keeps both names of the tie: nothing to refuse.
+    module = pippy.build_stage_module(
+        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT[name]
+    )
+    assert module.lm_head.weight is module.get_parameter(embedding[name])
