@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from pippy.checkpoint.api import ManifestWriter
+from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.storage import DurableFileSystem
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
 from pippy.checkpoint.export import convert_layout, export_hf, parse_size
@@ -80,13 +80,6 @@ def _rank(file_name: str) -> str:
     """The rank that wrote a DCP data file (``__<rank>_0.distcp``), or ``?``."""
     match = _RANK_FILE.match(file_name)
     return match.group(1) if match else "?"
-
-
-def _file_size(folder: Any, name: str) -> str:
-    """The size of a step's file, or ``missing``."""
-    storage = storage_for(folder)
-    size = storage.size(storage.join(folder, name))
-    return "missing" if size is None else _human(size)
 
 
 def _disk_size(folder: Any) -> int:
@@ -151,32 +144,11 @@ def _inspect(args: argparse.Namespace) -> None:
             damage = [str(e)]
     for problem in damage:
         print(f"damaged: {problem}; this step cannot be loaded")
-    files: dict[str, set[str]] = {}
-    stored: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        files.setdefault(index.fqn, set()).add(info.relative_path)
-        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
     items = metadata.state_dict_metadata
     patterns = args.keys or ["*"]
     keys = [k for k in items if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
     if not keys:
         raise ValueError(f"no key of {str(folder)!r} matches --keys {patterns}")
-    rows: list[list] = []
-    per_file: dict[str, tuple[int, int]] = {}
-    for key in keys:
-        item, where = items[key], sorted(files.get(key, ()))
-        if isinstance(item, TensorStorageMetadata):
-            dtype = item.properties.dtype
-            size = math.prod(item.size) * dtype.itemsize
-            rows.append(
-                [key, str(list(item.size)), str(dtype)[6:], size, ",".join(where)]
-            )
-        else:  # pickled: its size as stored
-            size = stored.get(key, 0)
-            rows.append([key, "-", "object", size, ",".join(where)])
-        for name in where:
-            count, total = per_file.get(name, (0, 0))
-            per_file[name] = (count + 1, total + size)
     if steps:
         print(f"{args.path}: {len(steps)} step(s)")
         step_rows = [
@@ -184,19 +156,68 @@ def _inspect(args: argparse.Namespace) -> None:
         ]
         _table(["STEP", "COMPLETE", "ON DISK"], step_rows, right={0, 2})
         print()
+    rows, per_file = _key_rows(metadata, keys)
     layout = detect_layout(items)
     print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
     _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
     print()
-    file_rows: list[list] = [
-        [name, _rank(name), count, total, _file_size(folder, name)]
-        for name, (count, total) in sorted(per_file.items())
-    ]
-    stored_total = sum(row[3] for row in file_rows)
-    file_rows.append(["total", "", len(keys), stored_total, _human(_disk_size(folder))])
-    _table(["FILE", "RANK", "KEYS", "BYTES", "ON DISK"], file_rows, right={1, 2, 3, 4})
+    _print_files(folder, per_file, len(keys))
     if damage:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
+
+
+def _key_rows(
+    metadata: Metadata, keys: list[str]
+) -> tuple[list[list], dict[str, tuple[set[str], int]]]:
+    """The KEY table's rows, and each file's keys and bytes of them."""
+    items, wanted = metadata.state_dict_metadata, set(keys)
+    per_file: dict[str, tuple[set[str], int]] = {}
+    stored: dict[str, int] = {}  # bytes of each key, over its files
+    files: dict[str, set[str]] = {}  # the files of each key
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in wanted:
+            continue
+        item = items[index.fqn]
+        if isinstance(item, TensorStorageMetadata):  # this shard's tensor data
+            chunk = next(c for c in item.chunks if c.offsets == index.offset)
+            size = math.prod(chunk.sizes) * item.properties.dtype.itemsize
+        else:  # pickled: its size as stored
+            size = info.length
+        names, total = per_file.get(info.relative_path, (set(), 0))
+        per_file[info.relative_path] = (names | {index.fqn}, total + size)
+        stored[index.fqn] = stored.get(index.fqn, 0) + size
+        files.setdefault(index.fqn, set()).add(info.relative_path)
+    rows: list[list] = []
+    for key in keys:
+        item = items[key]
+        where = ",".join(sorted(files.get(key, ())))
+        if isinstance(item, TensorStorageMetadata):
+            dtype = item.properties.dtype
+            size = math.prod(item.size) * dtype.itemsize
+            rows.append([key, str(list(item.size)), str(dtype)[6:], size, where])
+        else:
+            rows.append([key, "-", "object", stored.get(key, 0), where])
+    return rows, per_file
+
+
+def _print_files(
+    folder: Any, per_file: dict[str, tuple[set[str], int]], count: int
+) -> None:
+    """The FILE table of the keys shown, its total row counting those files alone."""
+    storage = storage_for(folder)
+    rows: list[list] = []
+    on_disk = 0
+    for name, (names, total) in sorted(per_file.items()):
+        size = storage.size(storage.join(folder, name))
+        on_disk += size or 0
+        shown = "missing" if size is None else _human(size)
+        rows.append([name, _rank(name), len(names), total, shown])
+    rows.append(["total", "", count, sum(row[3] for row in rows), _human(on_disk)])
+    _table(["FILE", "RANK", "KEYS", "BYTES", "ON DISK"], rows, right={1, 2, 3, 4})
+    others = sorted(set(storage.listdir(folder)) - per_file.keys())
+    if others:
+        also = ", ".join(others)
+        print(f"{folder}: {_human(_disk_size(folder))} on disk in all (also {also})")
 
 
 def _export_hf(args: argparse.Namespace, folder: Any) -> None:
@@ -288,7 +309,8 @@ def _parser() -> argparse.ArgumentParser:
         help="list a run's steps and a step's keys",
         description="List a run's steps, then each key of one step: shape, "
         "dtype, bytes (tensor data; for objects, their pickled size) and the "
-        "rank's file that holds it.",
+        "rank's file that holds it; then each file with the keys shown and their "
+        "bytes in it (a shard's share), totalled over the keys and files shown.",
     )
     inspect.add_argument(
         "path",
@@ -363,8 +385,10 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="rewrite a step in pippy's or torchtitan's layout",
         description="Rewrite a step (every key: model, optimizer, scheduler, "
-        "step) in the other layout: torchtitan keeps model keys at the root, "
-        "'optimizer.*' and 'train_state'; pippy 'model.*', 'optim.*', 'step'.",
+        "step, extra state) in the other layout: torchtitan keeps model keys at "
+        "the root, 'optimizer.*', 'train_state.*' and 'dataloader.*' (extra "
+        "state such as a data sampler's); pippy 'model.*', 'optim.*', 'step' "
+        "and each extra state under its name.",
     )
     convert.add_argument(
         "path",

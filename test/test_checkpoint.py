@@ -158,3 +158,13 @@ def test_tied_weights_are_refused_before_splitting():
         match="'output.weight' is 'tok_embeddings.weight'",
     ):
         check_untied(model)
+
+
+def test_a_model_with_fewer_layers_is_refused_naming_the_keys_no_rank_reads(tmp_path):
+    state = {"model": tiny_gpt(n_layers=4).state_dict(), "step": 1}
+    checkpoint.save_stage(state, tmp_path, step=1)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_stage(
+            checkpoint.StageState(tiny_gpt(n_layers=2)), tmp_path / "step-1"
+        )
+    assert "read by no rank and would be dropped: 'model.layers.2" in str(e.value)

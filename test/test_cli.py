@@ -18,7 +18,7 @@ from pippy.checkpoint.safe_load import TRUST_ENV
 from pippy.cli import main
 
 from gpt import GPT, ModelArgs
-from helpers import ROOT, poison_metadata, tiny_gpt
+from helpers import EXAMPLE, ROOT, TINY_FLAGS, poison_metadata, tiny_gpt, torchrun
 
 MODEL_ARGS = ModelArgs(n_layers=2, dim=32, max_seq_len=16)
 
@@ -111,6 +111,41 @@ def test_inspect_a_step_folder_with_key_patterns(run, capsys):
     assert main(["inspect", str(root), "--step", "3", "--keys", "optim.*"]) == 0
     keys = table_rows(capsys.readouterr().out, ("model.", "optim.", "step"))
     assert keys and all(key.startswith("optim.") for key in keys)
+
+
+def test_inspect_totals_count_the_keys_and_files_shown(run, capsys):
+    step = run[0] / "step-3"
+    assert main(["inspect", str(step), "--keys", "model.layers.0.*"]) == 0
+    out = capsys.readouterr().out
+    keys = table_rows(out, ("model.",))
+    files = table_rows(out, ("__", "total"))
+    assert sorted(files) == ["__0_0.distcp", "total"]
+    _, count, nbytes, on_disk = files["__0_0.distcp"]
+    assert int(count) == len(keys) == 10
+    assert int(nbytes) == sum(int(row[2]) for row in keys.values())
+    assert files["total"] == [count, nbytes, on_disk]  # that file alone, as shown
+    # The whole step, .metadata and manifest.json with it, on a line of its own.
+    assert re.search(
+        rf"^{re.escape(str(step))}: [\d.]+ [KM]iB on disk in all "
+        r"\(also \.metadata, manifest\.json\)$",
+        out,
+        re.M,
+    ), out
+
+
+def test_inspect_counts_a_sharded_key_in_each_file_by_its_shard(tmp_path, capsys):
+    flags = [*TINY_FLAGS, "--steps", "1", "--dp", "2", "--fsdp"]
+    torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    assert main(["inspect", str(tmp_path), "--keys", "model.layers.0.*"]) == 0
+    out = capsys.readouterr().out
+    keys = table_rows(out, ("model.",))
+    assert {row[3] for row in keys.values()} == {"__0_0.distcp,__1_0.distcp"}
+    files = table_rows(out, ("__", "total"))
+    tensor_bytes = sum(int(row[2]) for row in keys.values())
+    assert [int(files[f][2]) for f in ("__0_0.distcp", "__1_0.distcp")] == [
+        tensor_bytes // 2
+    ] * 2
+    assert files["total"][:2] == [str(len(keys)), str(tensor_bytes)]
 
 
 def load_export(path, fmt):

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.serialization import get_crc32_options
 
 from pippy import checkpoint
-from pippy.checkpoint.api import ManifestWriter
+from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.steps import step_dir
 
 SEEDS = {0: 10, 1: 11}

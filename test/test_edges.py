@@ -701,5 +701,7 @@ def test_keep_last_below_one_is_refused_before_training(tmp_path):
         expect_ok=False,
     )
     assert run.returncode != 0
-    assert "--keep-last: >= 1" in run.stderr
+    assert (
+        run.stderr.count("error: argument --keep-last: must be 1 or more, not 0") == 1
+    )
     assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -83,3 +83,66 @@ def test_checkpoint_layout_one_file_per_rank_and_original_fqns(tmp_path):
             }
     assert files_of["model.tok_embeddings.weight"] == {"__0_0.distcp"}
     assert files_of["model.output.weight"] == {f"__{world_size - 1}_0.distcp"}
+
+
+def test_the_example_says_what_happened(tmp_path):
+    import re
+
+    from helpers import TINY_FLAGS
+
+    ckpt = tmp_path / "ckpt"
+    flags = [*TINY_FLAGS, "--steps", "4", "--save-every", "2", "--keep-last", "1"]
+    run = torchrun(2, EXAMPLE, *flags, "--async-save", "--checkpoint-dir", ckpt)
+    out = run.stdout
+    # A background save says when it is published, and how long it took.
+    for step in (2, 4):
+        assert re.search(
+            rf"^\[rank 0\] published step-{step}, saved in the background in "
+            r"\d+\.\d\d s$",
+            out,
+            re.M,
+        ), out
+    assert "[rank 0] removed step-2 (keeping the newest 1)" in out  # --keep-last
+    assert sorted(p.name for p in ckpt.iterdir()) == [".owner.json", "step-4"] or (
+        sorted(p.name for p in ckpt.iterdir()) == ["step-4"]
+    )
+    # Saved and loaded lines count a rank's tensors alike: what it holds.
+    sync = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "sync").stdout
+    held = dict(
+        re.findall(r"^\[rank (\d)\] stage \d: saved \d+ of its (\d+) ", sync, re.M)
+    )
+    loaded = dict(
+        re.findall(r"^\[rank (\d)\] stage \d: loaded (\d+) tensors", sync, re.M)
+    )
+    assert held == loaded and len(held) == 2
+    # A run whose --init-from fails leaves no checkpoint folder behind.
+    failed = torchrun(
+        2,
+        EXAMPLE,
+        *flags,
+        "--init-from",
+        tmp_path / "nowhere",
+        "--checkpoint-dir",
+        tmp_path / "new",
+        expect_ok=False,
+    )
+    assert failed.returncode != 0
+    assert (
+        f"error: no checkpoint folder at {str(tmp_path / 'nowhere')!r}" in failed.stdout
+    )
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_raised_steps_resumes_onto_the_new_schedule(tmp_path):
+    from helpers import TINY_FLAGS
+
+    flags = [*TINY_FLAGS, "--save-every", "3", "--checkpoint-dir", tmp_path]
+    torchrun(2, EXAMPLE, *flags, "--steps", "6")
+    lines = loss_lines(torchrun(2, EXAMPLE, *flags, "--steps", "10").stdout)
+    printed = [line.split("| lr ")[1].split()[0] for line in lines]
+    lr = pippy_dcp.parse_args(["--steps", "10"]).lr
+    # Step s trains at the schedule's value after s - 1 scheduler steps.
+    assert printed == [
+        f"{lr * pippy_dcp.lr_factor(s - 1, 10):.2e}" for s in (7, 8, 9, 10)
+    ]
+    assert printed[0] == "4.72e-04"  # not 6 steps' last value, 1.86e-04

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from pippy import checkpoint
+from pippy.checkpoint.checks import named_leaves
+from pippy.checkpoint.layouts import from_torchtitan, pippy_name, to_torchtitan
 from pippy.checkpoint.optim_layout import OPTIONS
 from pippy.cli import main
 
@@ -114,11 +116,13 @@ def test_pippy_to_torchtitan_read_with_plain_dcp(tmp_path):
         if k.startswith("lr_scheduler.")
     }
     assert lr["last_epoch"] == 1 and lr["base_lrs"] == [1e-3]
-    assert (
-        sorted(sd) == ["data.rng_state"]
-        or sorted(sd) == ["train_state.step", "train_state.ntokens_seen"][:0]
-        or not [k for k in sd if not k.startswith("train_state.")]
-    )
+    # torchtitan's train_state, and the param groups' positions it has no place for.
+    assert sorted(sd) == [
+        "train_state.ntokens_seen",
+        "train_state.pippy_param_groups",
+        "train_state.step",
+    ]
+    assert (sd["train_state.step"], sd["train_state.ntokens_seen"]) == (1, 0)
     with pytest.raises(FileExistsError):
         checkpoint.convert_layout(tmp_path / "run" / "step-1", out, to="torchtitan")
 
@@ -183,3 +187,116 @@ def test_hf_export_of_integer_and_bool_tensors_in_shards(tmp_path):
         "n_layers": 1,
     }
     assert main(argv) == 2  # exists: never replaced without --force
+
+
+class Sampler:
+    """A data sampler's state: its generator's, as the example's."""
+
+    def __init__(self):
+        self.generator = torch.Generator().manual_seed(0)
+
+    def state_dict(self):
+        return {"rng_state": self.generator.get_state()}
+
+    def load_state_dict(self, state_dict):
+        self.generator.set_state(state_dict["rng_state"])
+
+
+def sampled_state(extra=True):
+    """trained_state() with a data sampler under "data" (or none)."""
+    state = trained_state()
+    state.extra = {"data": Sampler()} if extra else {}
+    return state
+
+
+def refusal(state, step, **kwargs):
+    """The CheckpointError text load_stage raises, without its rank prefix."""
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        checkpoint.load_stage(state, step, **kwargs)
+    return str(e.value).split("rank 0: CheckpointError: ", 1)[1]
+
+
+def test_extra_state_goes_into_torchtitans_dataloader_section_and_back(tmp_path):
+    flat = dict(named_leaves(sampled_state().state_dict()))
+    titan = to_torchtitan(flat, param_groups=True)
+    assert "dataloader.data.rng_state" in titan and "data.rng_state" not in titan
+    assert titan["train_state.pippy_param_groups"][0] == ["tok_embeddings.weight", 0]
+    back = from_torchtitan(titan)
+    assert sorted(back) == sorted(flat)
+    assert back["optim.scalars.norm.weight"] == flat["optim.scalars.norm.weight"]
+    # torchtitan's own data loader state is flat: it reads as itself.
+    assert pippy_name("dataloader.dp_rank_0") == "dataloader.dp_rank_0"
+    assert to_torchtitan({"dataloader.world_size": 2}) == {"dataloader.world_size": 2}
+    with pytest.raises(ValueError, match=r"^'seed' has no place in torchtitan's"):
+        to_torchtitan({"seed": 3})
+    # A stage loads its sampler's state from the converted step, too.
+    saved = sampled_state()
+    checkpoint.save_stage(saved, tmp_path / "run")
+    titan = tmp_path / "titan" / "step-1"
+    checkpoint.convert_layout(tmp_path / "run" / "step-1", titan, to="torchtitan")
+    fresh = fresh_state()
+    fresh.extra = {"data": Sampler()}
+    fresh.extra["data"].generator.manual_seed(7)
+    must_read = ("model.", "optim.", "lr_scheduler.", "step", "data.")
+    checkpoint.load_stage(fresh, titan, must_read=must_read)
+    assert checkpoint.diff_state_dicts(fresh.state_dict(), saved.state_dict()) == []
+
+
+def test_state_that_is_not_the_models_is_named_when_it_does_not_load(tmp_path):
+    # The data sampler's state under model., as convert --to pippy wrote it
+    # from torchtitan's layout before it had a section there.
+    old = sampled_state().state_dict()
+    old["model"]["data.rng_state"] = old.pop("data")["rng_state"]
+    checkpoint.save_stage(old, tmp_path / "old", step=1)
+    assert refusal(sampled_state(), tmp_path / "old" / "step-1") == (
+        "the checkpoint does not match this run's state (1 problem(s)): "
+        "'data.rng_state' is not in the checkpoint. This run's state has a 'data' "
+        "section that the checkpoint lacks (it holds 'model.data.rng_state' "
+        "instead): load a step saved with the same state, or build this run's "
+        "state without it."
+    )
+    assert refusal(sampled_state(extra=False), tmp_path / "old" / "step-1") == (
+        "1 key(s) of the checkpoint are read by no rank and would be dropped: "
+        "'model.data.rng_state'. This model has no module 'data' (its modules: "
+        "layers, norm, output, tok_embeddings): those keys are another model's, "
+        "or other state saved under 'model.'. Load into the model that saved "
+        "them, or remap those keys before loading."
+    )
+    checkpoint.save_stage(sampled_state(), tmp_path / "new")
+    assert refusal(sampled_state(extra=False), tmp_path / "new" / "step-1") == (
+        "1 key(s) of the checkpoint are read by no rank and would be dropped: "
+        "'data.rng_state'. This run's state lacks a 'data' section: to restore "
+        "it, add a Stateful of that name to the StageState's extra; to leave it "
+        "unread, load with must_read=('model.', 'optim.', 'lr_scheduler.', 'step')."
+    )
+    # torchtitan's own sections, which a pippy run's state has no place for.
+    save_torchtitan(trained_state(), tmp_path / "titan" / "step-1")
+    assert refusal(fresh_state(), tmp_path / "titan" / "step-1", verify=False) == (
+        "2 key(s) of the checkpoint are read by no rank and would be dropped: "
+        "'dataloader.world_size', 'train_state.ntokens_seen'. This run's state "
+        "lacks 'dataloader' and 'train_state' sections: to restore them, add a "
+        "Stateful of each name to the StageState's extra; to leave them unread, "
+        "load with must_read=('model.', 'optim.', 'lr_scheduler.', 'step')."
+    )
+
+
+def test_load_model_reads_torchtitans_optimizer_state_without_a_scheduler(tmp_path):
+    state = trained_state()  # its optimizer has an LR scheduler: initial_lr
+    save_torchtitan(state, tmp_path / "step-1")
+    model = tiny_gpt(n_layers=2, dim=16, max_seq_len=8, seed=5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no scheduler
+    step = checkpoint.load_model(tmp_path / "step-1", model, optimizer, verify=False)
+    assert step == 1
+    assert (
+        checkpoint.diff_state_dicts(model.state_dict(), state.module.state_dict()) == []
+    )
+    ours = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
+    theirs = get_optimizer_state_dict(state.module, state.optimizer, options=OPTIONS)
+    assert (
+        checkpoint.diff_state_dicts(
+            {k: v for k, v in ours.items() if k.startswith("state.")},
+            {k: v for k, v in theirs.items() if k.startswith("state.")},
+        )
+        == []
+    )
+    assert all("initial_lr" not in group for group in optimizer.param_groups)

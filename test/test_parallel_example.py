@@ -20,6 +20,7 @@ from pippy import checkpoint
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.safe_load import read_metadata
 
+import flags
 import pippy_dcp
 from gpt import GPT, ModelArgs
 from helpers import EXAMPLE, TINY_FLAGS, loss_lines, plain_read, torchrun
@@ -160,27 +161,45 @@ def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
 @pytest.mark.parametrize(
     "flags, world_size, message",
     [
-        (["--dp", "3"], 4, "--dp must divide the 4 ranks"),
-        (["--fsdp"], 4, "--fsdp needs --dp 2 or more"),
-        (["--stages-per-rank", "2"], 2, "--stages-per-rank > 1 needs --schedule"),
+        (["--dp", "3"], 4, "argument --dp: must divide the 4 ranks, not 3"),
+        (["--fsdp"], 4, "argument --fsdp: needs --dp 2 or more"),
+        (
+            ["--stages-per-rank", "2", "--schedule", "1f1b"],
+            2,
+            "argument --schedule: --stages-per-rank > 1 needs interleaved-1f1b|",
+        ),
         (
             ["--dp", "2", "--split", "trace"],
             4,
-            "--split trace builds one stage per rank",
+            "argument --split: trace builds one stage per rank",
         ),
         (
             ["--dp", "4", "--batch-size", "8", "--microbatches", "4"],
             4,
-            "--dp x --microbatches must divide --batch-size",
+            "argument --microbatches: --dp x --microbatches (4 x 4) must divide "
+            "--batch-size 8",
         ),
+        (["--keep-last", "0"], 2, "argument --keep-last: must be 1 or more, not 0"),
+        (["--dim", "130"], 2, "argument --dim: must be a multiple of 4 (the heads)"),
+        (["--n-layers", "3"], 4, "argument --n-layers: 3 layers cannot fill 4 stages"),
     ],
 )
-def test_impossible_layouts_are_one_error_line(
+def test_impossible_layouts_are_one_error_line_naming_the_flag(
     monkeypatch, capsys, flags, world_size, message
 ):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     with pytest.raises(SystemExit):
         pippy_dcp.parse_args(flags)
-    assert message in capsys.readouterr().err
-    with pytest.raises(ValueError, match="cannot split 4 layers into 8 stages"):
-        pippy_dcp.stage_layers(0, 8, 4)
+    err = capsys.readouterr().err
+    assert message in err and err.count("error:") == 1
+    monkeypatch.setenv("RANK", "1")  # other ranks exit quietly: rank 0 says it
+    with pytest.raises(SystemExit):
+        pippy_dcp.parse_args(flags)
+    assert capsys.readouterr().err == ""
+
+
+def test_stages_per_rank_alone_takes_a_looped_schedule(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = pippy_dcp.parse_args(["--dp", "2", "--stages-per-rank", "2"])
+    assert args.schedule == "interleaved-1f1b"
+    assert flags.N_HEADS == ModelArgs.n_heads

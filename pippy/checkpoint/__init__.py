@@ -18,9 +18,9 @@ stay importable from their modules, one idea per module:
 
 * :mod:`~pippy.checkpoint.api`: the one save sequence and the one load
   sequence, and the pieces they are made of (:func:`~.api.take_state`,
-  :func:`~.api.publish_step`, :class:`~.api.ManifestWriter`,
-  :func:`~.api.open_step`, :func:`~.api.apply_state`), which a script that
-  spells ``dcp.save`` and ``dcp.load`` out composes.
+  :func:`~.api.publish_step`, :func:`~.api.open_step`,
+  :func:`~.api.load_into`), which a script that spells ``dcp.save`` and
+  ``dcp.load`` out composes.
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs.

@@ -1,17 +1,16 @@
 """The one save sequence and the one load sequence, and the pieces they are made of.
 
-Saving a stage, on every rank at once:
+Saving a stage, on every rank at once::
 
-1. :func:`take_state`: the stage's state_dict, its step checked, its keys
-   checked across ranks (:func:`~pippy.checkpoint.collisions.check_keys`);
-2. :func:`~pippy.checkpoint.steps.publish_step`: a new staging folder, published
-   as ``step-<N>`` once the body returned on every rank, discarded if it
-   raised;
-3. ``dcp.save`` into it through :class:`~pippy.checkpoint.manifest.ManifestWriter`.
+    state_dict, step = take_state(state)  # its step and keys checked
+    with publish_step(checkpoint_dir, step) as writer:  # published once complete
+        dcp.save(state_dict, storage_writer=writer)
 
-Loading: build the stage, take its state_dict (DCP loads in place), ``dcp.load``
-it through the reader and planner of :func:`open_step`, then
-:func:`apply_state` on every rank or on none.
+Loading, after building the stage (DCP loads in place)::
+
+    reader, planner = open_step(path)  # checked before anything is read
+    with load_into(state, path) as state_dict:  # applied on every rank or none
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
 
 :func:`save_stage` and :func:`load_stage` are these sequences;
 :class:`~pippy.checkpoint.AsyncSaver`, the command line and the reference
@@ -44,18 +43,16 @@ from pippy.checkpoint.layouts import (
     to_torchtitan,
 )
 from pippy.checkpoint.load_planner import SafeLoadPlanner
-from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.steps import publish_step, step_dir
 from pippy.checkpoint.storage import Location
 
-# publish_step and ManifestWriter live in steps and manifest; they are listed
-# here as pieces of the save sequence, for a script that composes its own.
+# publish_step lives in steps; it is listed here as a piece of the save
+# sequence, for a script that composes its own.
 __all__ = [
-    "ManifestWriter",
-    "apply_state",
     "gc_paused",
+    "load_into",
     "load_stage",
     "open_step",
     "publish_step",
@@ -162,8 +159,10 @@ def save_stage(
         mesh: As :func:`take_state`. DCP writes each replicated item once,
             spread over the replicas.
         storage_writer: DCP's storage writer; None writes files and a
-            manifest of their checksums with :class:`ManifestWriter` (which
-            loads verify by default). Its path is set to the staging folder.
+            manifest of their checksums with the
+            :class:`~pippy.checkpoint.manifest.ManifestWriter` that
+            ``publish_step`` gives (loads verify it by default). Its path is
+            set to the staging folder.
         planner: DCP's save planner; None uses ``DefaultSavePlanner``.
 
     Returns:
@@ -183,12 +182,12 @@ def save_stage(
     )
     with publish_step(
         checkpoint_dir, step, keep_last=keep_last, process_group=process_group
-    ) as checkpoint_id:
+    ) as writer:
         start = time.perf_counter()
         dcp.save(
             state_dict,
-            checkpoint_id=checkpoint_id,
-            storage_writer=storage_writer or ManifestWriter(checkpoint_id, step=step),
+            checkpoint_id=writer.path,
+            storage_writer=storage_writer or writer,
             planner=planner,
             process_group=process_group,
         )
@@ -280,33 +279,55 @@ def read_any_layout(
         return read_into(state_dict, reader, planner, process_group=process_group)
     wanted = dict(named_leaves(state_dict))
     flat = to_torchtitan(wanted)
-    planner.must_read = tuple(k for k in saved if pippy_name(k).startswith(must_read))
+    # An LR scheduler's initial_lr, which torchtitan keeps as a key of its
+    # own, may stay unread by an optimizer without one (as in pippy's layout,
+    # where it is an entry of the parameter's scalars item).
+    planner.must_read = tuple(
+        k
+        for k in saved
+        if pippy_name(k).startswith(must_read)
+        and not (k.startswith("optimizer.param_groups.") and k.endswith(".initial_lr"))
+    )
     read_into(flat, reader, planner, process_group=process_group)
     for key, value in from_torchtitan(flat).items():
         if key in wanted:
             _set_leaf(state_dict, key, value)
 
 
-def apply_state(
+@contextmanager
+def load_into(
     state: StageState,
-    state_dict: dict[str, Any],
+    path: Location,
     *,
-    path: Location = "",
     process_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Applies a loaded state_dict to the stage, on every rank or on none.
+) -> Iterator[dict[str, Any]]:
+    """Gives the stage's state_dict to fill, then applies it on every rank or none.
+
+    Use it around ``dcp.load``, on every rank. DCP loads in place, into
+    tensors that must exist: ``state.state_dict()`` returns the stage's own
+    tensors (and creates the optimizer's empty state). DCP's
+    ``CheckpointException`` in the body is raised as one ``CheckpointError``
+    line per failed rank. Applying (:meth:`StageState.load_state_dict`) runs
+    on each rank alone; if it refuses on one, every rank raises its error,
+    instead of the others training on into a dead peer.
 
     Args:
-        state: The stage's :class:`StageState`.
-        state_dict: Its ``state_dict()``, filled by ``dcp.load``.
-        path: The step it was read from, for the message.
+        state: The stage's :class:`StageState`; ``StageState(module)``
+            without an optimizer loads the weights alone.
+        path: The step it is read from, for the messages.
         process_group: The ranks that load; the default group if None.
 
+    Yields:
+        The state_dict to pass to ``dcp.load``.
+
     Raises:
-        CheckpointError: :meth:`StageState.load_state_dict` refused on some
-            rank (one line per rank that refused), raised on every rank.
+        CheckpointError: ``dcp.load`` failed on some rank, or applying
+            refused on some rank (one line per rank), on every rank.
     """
-    with fail_together(f"loading {path}".rstrip(), process_group):
+    state_dict = state.state_dict()
+    with explain_failures(f"loading {path}"):
+        yield state_dict
+    with fail_together(f"loading {path}", process_group):
         state.load_state_dict(state_dict)
 
 
@@ -322,9 +343,8 @@ def load_stage(
     """Loads a step into this rank's stage, on every rank.
 
     The load sequence: build the stage and its optimizer first (DCP loads in
-    place), take the state_dict (this creates the empty optimizer state to
-    fill), ``dcp.load`` it through :func:`open_step`'s reader and planner,
-    then :func:`apply_state`. Each rank reads only the keys its stage owns.
+    place), then ``dcp.load`` through :func:`open_step`'s reader and planner
+    inside :func:`load_into`. Each rank reads only the keys its stage owns.
     A step in torchtitan's layout is read under pippy's names.
 
     Args:
@@ -347,15 +367,19 @@ def load_stage(
             shapes, dtypes, optimizer or param groups): on every rank, one
             line per rank that refused.
     """
-    state_dict = state.state_dict() if isinstance(state, StageState) else state
-    read_any_layout(
-        state_dict,
-        path,
-        must_read=must_read,
-        trusted=trusted,
-        verify=verify,
-        process_group=process_group,
-    )
-    if isinstance(state, StageState):
-        apply_state(state, state_dict, path=path, process_group=process_group)
-    return state_dict
+
+    def read(state_dict: dict[str, Any]) -> dict[str, Any]:
+        read_any_layout(
+            state_dict,
+            path,
+            must_read=must_read,
+            trusted=trusted,
+            verify=verify,
+            process_group=process_group,
+        )
+        return state_dict
+
+    if not isinstance(state, StageState):  # a plain state_dict: filled, no more
+        return read(state)
+    with load_into(state, path, process_group=process_group) as state_dict:
+        return read(state_dict)

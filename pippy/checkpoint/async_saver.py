@@ -10,6 +10,8 @@ the three parts :func:`~pippy.checkpoint.steps.publish_step` is made of.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
@@ -34,6 +36,8 @@ from pippy.checkpoint.storage import Location
 
 __all__ = ["AsyncSaver"]
 
+logger = logging.getLogger(__name__)
+
 
 class AsyncSaver:
     """Saves in the background with ``dcp.async_save``, one save at a time.
@@ -56,7 +60,8 @@ class AsyncSaver:
     without waiting; the next ``save``, :meth:`wait` (which a load must call
     first) and :meth:`close` wait for it. Two saves in flight on one gloo
     group crash (torch 2.13: "Connection reset by peer"), hence one at a
-    time.
+    time. Each published step is logged (INFO, on rank 0) with the seconds
+    since its ``save``.
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -100,6 +105,7 @@ class AsyncSaver:
         # poll() agrees on progress over a gloo group of its own, made at the
         # first poll: the save's background thread uses process_group.
         self._poll_group: dist.ProcessGroup | None = None
+        self._started = 0.0  # when the save in flight was called
         self._stager = async_stager or DefaultStager(
             StagingOptions(
                 use_pinned_memory=torch.cuda.is_available(),
@@ -135,6 +141,7 @@ class AsyncSaver:
             CheckpointDirError: As :func:`~pippy.checkpoint.steps.publish_step`.
         """
         self.wait()
+        self._started = time.perf_counter()
         state_dict, step = take_state(
             state, step=step, process_group=self.process_group, mesh=self.mesh
         )
@@ -207,6 +214,13 @@ class AsyncSaver:
             discard(folder, self.process_group)
             raise
         publish(folder, keep_last=self.keep_last, process_group=self.process_group)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            seconds = time.perf_counter() - self._started
+            logger.info(
+                "published step-%d, saved in the background in %.2f s",
+                folder.step,
+                seconds,
+            )
         return folder.final
 
     def poll(self) -> Any:

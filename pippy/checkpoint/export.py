@@ -36,6 +36,8 @@ __all__ = ["convert_layout", "export_hf", "parse_size"]
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
+#: torchtitan's count of tokens trained on, which pippy does not keep.
+_NTOKENS = "train_state.ntokens_seen"
 
 
 def parse_size(text: str) -> int:
@@ -176,6 +178,13 @@ def _sibling(storage: Storage, out: Location) -> Any:
     return storage.join(storage.parent(out), f".{storage.name(out)}.partial-{token}")
 
 
+def _is_zero(value: Any) -> bool:
+    """Whether a stored count is 0 (an int, or a one-element tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.item() == 0
+    return isinstance(value, int) and value == 0
+
+
 def convert_layout(
     path: Location,
     out: Location,
@@ -190,7 +199,12 @@ def convert_layout(
     under the other layout's names (see :mod:`~pippy.checkpoint.layouts`),
     into a temporary folder renamed to ``out`` when complete. Written for
     torchtitan, ``train_state.ntokens_seen``, which its trainer requires and
-    pippy does not keep, is 0.
+    pippy does not keep, is 0; written for pippy, a count of 0 is left out
+    (so that pippy -> torchtitan -> pippy gives the same keys and values),
+    and another count is kept as ``train_state.ntokens_seen``. Extra state
+    (a data sampler's) is torchtitan's ``dataloader.<extra name>.<name>``,
+    and the param group indices are kept (see
+    :mod:`~pippy.checkpoint.layouts`).
 
     Args:
         path: A ``step-<N>`` folder in either layout.
@@ -206,7 +220,8 @@ def convert_layout(
 
     Raises:
         FileExistsError: ``out`` exists.
-        ValueError: ``to`` is not a layout.
+        ValueError: ``to`` is not a layout, or a key has no place in
+            torchtitan's (see :func:`~pippy.checkpoint.layouts.to_torchtitan`).
         CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
         CheckpointDirError: ``out`` is on storage without atomic renames.
     """
@@ -217,9 +232,11 @@ def convert_layout(
         raise FileExistsError(f"{os.fspath(out)!r} exists; converting never overwrites")
     flat = read_checkpoint(path, trusted=trusted, verify=verify)  # pippy's names
     if to == TORCHTITAN:
-        flat = to_torchtitan(flat)
+        flat = to_torchtitan(flat, param_groups=True)
         if "train_state.step" in flat:
-            flat.setdefault("train_state.ntokens_seen", 0)
+            flat.setdefault(_NTOKENS, 0)
+    elif _NTOKENS in flat and _is_zero(flat[_NTOKENS]):
+        del flat[_NTOKENS]  # no count: what the line above writes for pippy's step
     # The save sequence, in one process: take and check the state, write it
     # through DCP into a staging folder, publish it as out (or discard it).
     step = int(flat.get("step", flat.get("train_state.step", 0)))

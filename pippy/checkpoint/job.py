@@ -112,6 +112,7 @@ class FolderOwner:
         self.root = checkpoint_dir
         self.process_group = process_group
         self.token = ""
+        self._created = False  # the folder did not exist: release removes it empty
 
     def __enter__(self) -> FolderOwner:
         """Takes ownership: :meth:`acquire`."""
@@ -143,7 +144,11 @@ class FolderOwner:
         )
 
     def release(self) -> None:
-        """Removes the record if it is still this job's (on rank 0, no collective)."""
+        """Removes the record if it is still this job's (on rank 0, no collective).
+
+        A folder that :meth:`acquire` created and that is empty then (the job
+        saved nothing, e.g. its start failed) is removed too.
+        """
         if not self.token:
             return
         if dist.is_initialized() and dist.get_rank(self.process_group) != 0:
@@ -151,6 +156,8 @@ class FolderOwner:
         record = self._read()
         if record is not None and record.get("token") == self.token:
             self._storage.remove(self._record)
+            if self._created and not self._storage.listdir(self.root):
+                self._storage.remove(self.root)  # a job that saved nothing
 
     def _read(self) -> dict[str, Any] | None:
         """The owner record, or None if there is none."""
@@ -181,6 +188,7 @@ class FolderOwner:
     def _acquire(self) -> str:
         """On rank 0: creates the record, or takes over a dead owner's; its token."""
         token = uuid.uuid4().hex[:12]
+        self._created = not self._storage.exists(self.root)
         self._storage.makedirs(self.root)
         mine = {
             "host": socket.gethostname(),

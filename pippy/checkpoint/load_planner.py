@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from pippy.checkpoint.layouts import TORCHTITAN, detect_layout, pippy_name
 from pippy.checkpoint.optim_layout import OptimKeys, stateless_keys
 from pippy.checkpoint.safe_load import refusal, resolve_trusted
 
@@ -34,6 +36,26 @@ def _drop_leaves(state_dict: dict[str, Any], keys: set[str], prefix: str = "") -
             _drop_leaves(value, keys, f"{prefix}{key}.")
         elif f"{prefix}{key}" in keys:
             del state_dict[key]
+
+
+def _section(key: str) -> str:
+    """The ``must_read`` prefix of a pippy key's section: ``data.``, ``step``."""
+    head, dot, _ = key.partition(".")
+    return head + dot
+
+
+def _quoted(names: list[str]) -> str:
+    """``a 'x' section``, ``'x' and 'y' sections``: the sections named so."""
+    names = [repr(n.rstrip(".")) for n in names]
+    if len(names) == 1:
+        return f"a {names[0]} section"
+    return f"{', '.join(names[:-1])} and {names[-1]} sections"
+
+
+def _must_read(sections: set[str]) -> tuple[str, ...]:
+    """The sections as a ``must_read``: pippy's own first, then the extras."""
+    own = ("model.", "optim.", "lr_scheduler.", "step")
+    return tuple(s for s in own if s in sections) + tuple(sorted(sections - {*own}))
 
 
 def _allow_hint(refused: str) -> str:
@@ -99,6 +121,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.trusted = resolve_trusted(trusted)
         self.must_read = must_read
         self.optim_keys = OptimKeys(())  # set up with the keys by set_up_planner
+        # A key's name in pippy's layout, for messages; set up likewise.
+        self.layout_name: Callable[[str], str] = str
 
     def set_up_planner(
         self,
@@ -110,6 +134,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         wanted = [key for key, _ in named_leaves(state_dict)]
         saved = metadata.state_dict_metadata if metadata is not None else {}
         self.optim_keys = OptimKeys.of_keys([*wanted, *saved])
+        self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
         if metadata is not None:
             _drop_leaves(state_dict, stateless_keys(wanted, saved))
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -143,12 +168,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     )
         if problems:
             shown = "; ".join(list(problems.values())[:6])
+            what = "this model" if self._in_model(problems) else "this run's state"
             raise CheckpointError(
-                f"the checkpoint does not match this model ({len(problems)} "
+                f"the checkpoint does not match {what} ({len(problems)} "
                 f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
                 f"{self._fix_for(problems, saved)}"
             )
         return super().create_local_plan()
+
+    def _in_model(self, keys: Any) -> bool:
+        """Whether some of the keys are the model's or the optimizer's."""
+        return any(_section(self.layout_name(k)) in ("model.", "optim.") for k in keys)
 
     def _fix_for(self, problems: dict[str, str], saved: Any) -> str:
         """What to do about the problems :meth:`create_local_plan` found."""
@@ -168,7 +198,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             )
         if all(re.search(r"(^|\.)lr_scheduler\.", k) for k in problems):
             return "Build the LR scheduler (or none) as the run that saved it did."
+        if not self._in_model(problems):
+            return self._fix_for_sections(problems, saved)
         return "Build the model with the configuration it was saved with."
+
+    def _fix_for_sections(self, problems: dict[str, str], saved: Any) -> str:
+        """What to do about problems of this state's other sections (``extra``)."""
+        name = self.layout_name
+        sections = sorted({_section(name(k)) for k in problems})
+        if any(k in saved for k in problems):
+            return (
+                f"This run's state has {_quoted(sections)} unlike the "
+                "checkpoint's: build it as the run that saved the checkpoint did."
+            )
+        elsewhere = [
+            repr(key)
+            for key in saved
+            if any(name(key).endswith(f".{name(k)}") for k in problems)
+        ]
+        instead = f" (it holds {', '.join(elsewhere[:3])} instead)" if elsewhere else ""
+        return (
+            f"This run's state has {_quoted(sections)} that the checkpoint "
+            f"lacks{instead}: load a step saved with the same state, or build "
+            "this run's state without it."
+        )
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """DCP's global plan, after checking that no required key is left unread."""
@@ -181,24 +234,69 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         )
         if not unread:
             return global_plan
-        why = (
-            "The model or its split does not match the checkpoint (fewer "
-            "layers? per-stage state keyed by a stage index that no longer "
-            "exists?). Fix the model, or remap those keys before loading."
-        )
-        if all(self._optim_section(k) == "state" for k in unread):
-            why = (
-                "They are optimizer state that the optimizer loaded into has no "
-                "place for: it is another class (SGD without momentum has no "
-                "state), it has stepped only some parameters (a fresh one gets "
-                "state for every parameter that requires grad), or they do not "
-                "require grad here. Build the optimizer as the run that saved "
-                "it did, freshly, and unfreeze them."
-            )
         shown = ", ".join(repr(k) for k in unread[:8])
         raise CheckpointError(
             f"{len(unread)} key(s) of the checkpoint are read by no rank and "
-            f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. {why}"
+            f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. "
+            f"{self._why_unread(unread, read)}"
+        )
+
+    def _why_unread(self, unread: list[str], read: set[str]) -> str:
+        """Why the checkpoint's keys that no rank reads are unread, and the fix."""
+        name, why = self.layout_name, []
+        sections = {_section(name(k)) for k in unread} - {"model.", "optim."}
+        ours = _must_read({_section(name(k)) for k in self.state_dict})
+        if extra := sorted(sections - {"lr_scheduler.", "step"}):
+            it, each = ("it", "that") if len(extra) == 1 else ("them", "each")
+            why.append(
+                f"This run's state lacks {_quoted(extra)}: to restore {it}, add "
+                f"a Stateful of {each} name to the StageState's extra; to leave "
+                f"{it} unread, load with must_read={ours!r}."
+            )
+        if own := sorted(sections & {"lr_scheduler.", "step"}):
+            why.append(
+                f"This run's state lacks {_quoted(own)}: build it with the LR "
+                "scheduler and step of the run that saved it, or load with "
+                f"must_read={ours!r}."
+            )
+        others = [k for k in unread if self._optim_section(k) != "state"]
+        if len(others) < len(unread):
+            why.append(
+                f"{'Some are' if others else 'They are'} optimizer state that "
+                "the optimizer loaded into has no place for: it is another class "
+                "(SGD without momentum has no state), it has stepped only some "
+                "parameters (a fresh one gets state for every parameter that "
+                "requires grad), or they do not require grad here. Build the "
+                "optimizer as the run that saved it did, freshly, and unfreeze "
+                "them."
+            )
+        if self._in_model(others):
+            why.append(self._why_unread_model(others, read))
+        return " ".join(why)
+
+    def _why_unread_model(self, unread: list[str], read: set[str]) -> str:
+        """Why model keys are unread: a module this model lacks, or another split."""
+        name = self.layout_name
+
+        def module(key: str) -> str:  # the top-level module a model key names
+            return name(key).removeprefix("model.").split(".")[0]
+
+        ours = {module(k) for k in read if name(k).startswith("model.")}
+        theirs = sorted(
+            {module(k) for k in unread if name(k).startswith("model.")} - ours
+        )
+        if theirs and ours:
+            missing, present = " or ".join(map(repr, theirs)), ", ".join(sorted(ours))
+            return (
+                f"This model has no module {missing} (its modules: {present}): "
+                "those keys are another model's, or other state saved under "
+                "'model.'. Load into the model that saved them, or remap those "
+                "keys before loading."
+            )
+        return (
+            "The model or its split does not match the checkpoint (fewer "
+            "layers? per-stage state keyed by a stage index that no longer "
+            "exists?). Fix the model, or remap those keys before loading."
         )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -32,7 +32,7 @@ from pippy.checkpoint.errors import (
     explain_failures,
     on_coordinator,
 )
-from pippy.checkpoint.manifest import read_manifest
+from pippy.checkpoint.manifest import ManifestWriter, read_manifest
 from pippy.checkpoint.storage import (
     Location,
     check_publishable,
@@ -268,28 +268,35 @@ def publish(
     *,
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> None:
+) -> list[str]:
     """Renames a step's staging folder to ``step-<N>``, then prunes old steps.
 
     Call it on every rank once the save returned everywhere. The rename is
     durable when this returns (:meth:`~pippy.checkpoint.storage.Storage.publish`).
+    The steps removed are logged (INFO) on rank 0.
 
     Args:
         folder: The step folder from :func:`prepare_step`.
         keep_last: If set, then keep only this many newest complete steps.
         process_group: The ranks that saved; the default group if None.
 
+    Returns:
+        The names of the step folders removed, on every rank.
+
     Raises:
         CheckpointDirError: On every rank, if the rename or pruning failed.
     """
     storage = storage_for(folder.final)
 
-    def rename_and_prune() -> None:
+    def rename_and_prune() -> list[str]:
         storage.publish(folder.staging, folder.final)
-        if keep_last is not None:
-            remove_old_steps(storage.parent(folder.final), keep_last, keep=folder.final)
+        if keep_last is None:
+            return []
+        parent = storage.parent(folder.final)
+        removed = remove_old_steps(parent, keep_last, keep=folder.final)
+        return [storage.name(p) for p in removed]
 
-    on_coordinator(
+    return on_coordinator(
         f"cannot publish {storage.name(folder.final)}", rename_and_prune, process_group
     )
 
@@ -327,7 +334,8 @@ def remove_old_steps(
     for path in old:
         storage.remove(path)
     if old:
-        logger.info("removed old checkpoints %s", [storage.name(p) for p in old])
+        names = ", ".join(storage.name(p) for p in old)
+        logger.info("removed %s (keeping the newest %d)", names, keep_last)
     return old
 
 
@@ -354,13 +362,12 @@ def publish_step(
     *,
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
-) -> Iterator[Any]:
+) -> Iterator[ManifestWriter]:
     """Gives every rank a staging folder and publishes it as ``step-<step>``.
 
     Use it around ``dcp.save``, on every rank::
 
-        with publish_step(checkpoint_dir, step) as checkpoint_id:
-            writer = ManifestWriter(checkpoint_id, step=step)
+        with publish_step(checkpoint_dir, step) as writer:
             dcp.save(state_dict, storage_writer=writer)
 
     The save goes into ``.step-<step>.partial-<token>``; once it returned on
@@ -381,7 +388,8 @@ def publish_step(
         process_group: Group of the ranks that save; the default group if None.
 
     Yields:
-        The staging folder, to pass to ``dcp.save`` as ``checkpoint_id``.
+        A :class:`~pippy.checkpoint.manifest.ManifestWriter` of the staging
+        folder (its ``path``), to pass to ``dcp.save`` as ``storage_writer``.
 
     Raises:
         CheckpointDirError: On every rank: ``step-<step>`` exists, or
@@ -392,7 +400,7 @@ def publish_step(
     folder = prepare_step(checkpoint_dir, step, process_group)
     try:
         with explain_failures(f"saving step-{step}"):
-            yield folder.staging
+            yield ManifestWriter(folder.staging, step=step)
     except BaseException:
         discard(folder, process_group)
         raise

@@ -1,0 +1,82 @@
+"""The command line of pippy_dcp.py: standard library only, checked before torch loads.
+
+Every rank parses the same flags; only rank 0 prints an error (each rank exits
+2), and each message names the one flag that is wrong.
+"""
+
+import argparse
+import os
+import sys
+
+LOOPED = ("interleaved-1f1b", "looped-bfs", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", *LOOPED)
+N_HEADS = 4  # gpt.ModelArgs.n_heads: --dim must be a multiple of it
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, printing its error on rank 0 only."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(2)  # rank 0 says it, once
+        super().error(message)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(description="Pipeline-parallel training, checkpointed through DCP.")
+    add = p.add_argument
+    add("--checkpoint-dir", default="checkpoints", help="one step-<N> folder per save")
+    add("--steps", type=_positive, default=20, help="steps in all, resumed included")
+    add("--save-every", type=_positive, default=10, help="save every N and the last")
+    add("--stop-after", type=_positive, help="stop after this step, as if interrupted")
+    add("--split", choices=["manual", "trace"], default="manual", help="stage build")
+    add("--schedule", choices=SCHEDULES, help="default: gpipe; interleaved-1f1b")
+    add("--stages-per-rank", type=_positive, default=1, help="> 1: a looped schedule")
+    add("--dp", type=_positive, default=1, help="data-parallel degree; pp = ranks/dp")
+    add("--fsdp", action="store_true", help="with --dp: FSDP2 shards, not DDP")
+    add("--microbatches", type=_positive, default=4, help="per replica")
+    add("--batch-size", type=_positive, default=8, help="sequences per step, all dp")
+    add("--seq-len", type=_positive, default=128, help="bytes per sequence")
+    add("--n-layers", type=_positive, default=8, help="decoder blocks; >= stages")
+    add("--dim", type=_positive, default=128, help="model width, a multiple of 4")
+    add("--lr", type=float, default=1e-3, help="peak learning rate")
+    add("--seed", type=int, default=0, help="seed of the weights and data order")
+    add("--keep-last", type=_positive, help="keep only the newest K complete steps")
+    add("--async-save", action="store_true", help="save in the background")
+    add("--init-from", help="a step folder whose weights start a new run")
+    add("--data", help="a text file to train on (default: the stdlib's .py files)")
+    args = p.parse_args(argv)
+    looped = args.stages_per_rank > 1
+    args.schedule = args.schedule or ("interleaved-1f1b" if looped else "gpipe")
+    for flag, problem in _problems(args, int(os.environ.get("WORLD_SIZE", args.dp))):
+        p.error(f"argument {flag}: {problem}")
+    return args
+
+
+def _problems(args, world_size: int):
+    """(flag, what is wrong with it) for each flag that cannot work with the others."""
+    stages = world_size // args.dp * args.stages_per_rank
+    if world_size % args.dp:
+        yield "--dp", f"must divide the {world_size} ranks, not {args.dp}"
+    elif args.n_layers < stages:
+        yield "--n-layers", f"{args.n_layers} layers cannot fill {stages} stages"
+    if args.fsdp and args.dp == 1:
+        yield "--fsdp", "needs --dp 2 or more"
+    if args.batch_size % (args.dp * args.microbatches):
+        need = f"--dp x --microbatches ({args.dp} x {args.microbatches})"
+        yield "--microbatches", f"{need} must divide --batch-size {args.batch_size}"
+    if args.schedule == "1f1b" and args.microbatches < stages:
+        yield "--microbatches", f"1f1b needs at least one per stage ({stages})"
+    if args.dim % N_HEADS:
+        yield "--dim", f"must be a multiple of {N_HEADS} (the heads), not {args.dim}"
+    if args.stages_per_rank > 1 and args.schedule not in LOOPED:
+        yield "--schedule", f"--stages-per-rank > 1 needs {'|'.join(LOOPED)}"
+    if args.split == "trace" and (args.dp > 1 or args.stages_per_rank > 1):
+        yield "--split", "trace builds one stage per rank, without --dp"
