@@ -11,15 +11,16 @@ coordinator writes ``manifest.json`` beside ``.metadata``:
 .. code-block:: json
 
     {"format": "pippy-manifest/1", "step": 20, "checksum": "crc32c",
-     "optim_layout": 1,
+     "optim_layout": 1, "written_by": {"torch": "2.13.0+cpu", "pippy": "0.3.0"},
      "files": {"__0_0.distcp": 5123456, "...": 0},
      "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
 
 ``optim_layout`` is the version of the optimizer state's packing
 (:data:`~pippy.checkpoint.optim_layout.LAYOUT_VERSION`; absent in manifests
-written before it was recorded, which hold layout 1). ``files`` maps each
-data file to its size in bytes. The manifest is plain
+written before it was recorded, which hold layout 1); ``written_by`` the torch
+and pippy that wrote the step (:mod:`~pippy.checkpoint.versions`). ``files``
+maps each data file to its size in bytes. The manifest is plain
 JSON: reading it runs no code. ``SafeFileSystemReader`` checks it against
 ``.metadata`` and the files before loading, and each item's checksum as it is
 read. Since nothing checks ``torch.save``'s own CRC-32 of the items, the
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
@@ -44,6 +45,7 @@ from torch.futures import Future
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import DurableFileSystem, Location, storage_for
+from pippy.checkpoint.versions import written_by
 
 __all__ = [
     "MANIFEST_FILE",
@@ -74,12 +76,15 @@ class Manifest:
         files: Size in bytes of each data file, by file name.
         items: ``(file, offset, length)`` of each item, to its key and CRC-32C.
         optim_layout: The optimizer layout version recorded (None: layout 1).
+        written_by: The ``torch`` and ``pippy`` versions that wrote the step
+            (empty for steps written before pippy recorded them).
     """
 
     step: int
     files: dict[str, int]
     items: dict[tuple[str, int, int], tuple[str, int]]
     optim_layout: object = None
+    written_by: dict[str, str] = field(default_factory=dict)
 
 
 def _crc32c_of(folder: Location, ranges: Iterable[tuple[str, int, int]]) -> dict:
@@ -188,6 +193,7 @@ class ManifestWriter(FileSystemWriter):
             "step": self.step,
             "checksum": "crc32c",
             "optim_layout": LAYOUT_VERSION,
+            "written_by": written_by(),
             "files": dict(sorted(files.items())),
             "items": items,
         }
@@ -227,7 +233,12 @@ def read_manifest(folder: Location) -> Manifest | None:
             )
             for i in raw["items"]
         }
-        return Manifest(_count(raw["step"]), files, items, raw.get("optim_layout"))
+        versions = raw.get("written_by", {})
+        if not isinstance(versions, dict):
+            raise ValueError(f"written_by is {versions!r}, not an object")
+        versions = {str(k): str(v) for k, v in versions.items()}
+        step = _count(raw["step"])
+        return Manifest(step, files, items, raw.get("optim_layout"), versions)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path} is damaged: {e}") from None
 

@@ -41,10 +41,12 @@ from pippy.checkpoint.manifest import (
     MANIFEST_FILE,
     Manifest,
     check_manifest,
+    read_manifest,
     verify_ranges,
 )
 from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
 from pippy.checkpoint.storage import Location, Storage, is_url, storage_for
+from pippy.checkpoint.versions import CompatTensorProperties, newer_torch_refusal
 
 __all__ = [
     "TRUST_ENV",
@@ -121,18 +123,25 @@ def refusal(what: str, refused: str) -> UnsafeCheckpointError:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing every global but DCP's own classes."""
+    """Unpickles DCP metadata, refusing every global but DCP's own classes.
 
-    def __init__(self, file: Any, name: str) -> None:
+    Trusted, it refuses nothing. Either way, a newer torch's longer
+    ``TensorProperties`` is read (see :mod:`~pippy.checkpoint.versions`).
+    """
+
+    def __init__(self, file: Any, name: str, trusted: bool = False) -> None:
         super().__init__(file)
         self.name = name
+        self.trusted = trusted
 
     def find_class(self, module: str, name: str) -> Any:
         """Returns an allow-listed global; raises for any other."""
+        if (module, name) == (_DCP_METADATA, "TensorProperties"):
+            return CompatTensorProperties
         allowed = (module, name) in _METADATA_GLOBALS or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         )
-        if not allowed:
+        if not (allowed or self.trusted):
             raise refusal(self.name, f"{module}.{name}")
         return super().find_class(module, name)
 
@@ -173,19 +182,30 @@ def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
 
 def _read_metadata_file(path: Location, trusted: bool) -> Metadata:
     """Unpickles ``path`` (allow-listed unless trusted) into DCP's ``Metadata``."""
+    storage = storage_for(path)
     try:
-        with storage_for(path).open_read(path) as metadata_file:
-            if trusted:
-                metadata = pickle.load(metadata_file)
-            else:
-                metadata = _MetadataUnpickler(metadata_file, str(path)).load()
+        with storage.open_read(path) as metadata_file:
+            metadata = _MetadataUnpickler(metadata_file, str(path), trusted).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
+        manifest = _manifest_or_none(storage.parent(path))
+        writer = manifest.written_by.get("torch") if manifest else None
+        newer = newer_torch_refusal(str(path), writer, e)
+        if newer is not None:
+            raise newer from None
         raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata")
     return metadata
+
+
+def _manifest_or_none(folder: Location) -> Manifest | None:
+    """The step's manifest, or None if it has none or it cannot be read."""
+    try:
+        return read_manifest(folder)
+    except CheckpointError:
+        return None
 
 
 def _data_file(storage: Storage, folder: Location, name: Any) -> Any:
