@@ -33,7 +33,7 @@ from pippy.checkpoint.steps import (
     newest_complete_step,
     parse_step,
 )
-from pippy.checkpoint.storage import check_publishable, storage_for
+from pippy.checkpoint.storage import storage_for
 
 __all__ = ["main"]
 
@@ -242,7 +242,7 @@ def _export(args: argparse.Namespace) -> None:
     if args.hf_config:
         return _export_hf(args, _resolve(args.path, None)[1])
     out = args.out
-    storage = check_publishable(out)
+    storage = storage_for(out)  # a file: whole, by rename or by one PUT
     fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "pt")
     if storage.exists(out) and not args.force:
         raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")

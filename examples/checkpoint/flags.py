@@ -6,6 +6,7 @@ Every rank parses the same flags; only rank 0 prints an error (each rank exits
 
 import argparse
 import os
+import signal
 import sys
 
 LOOPED = ("interleaved-1f1b", "looped-bfs", "zero-bubble")
@@ -27,6 +28,20 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
     return value
+
+
+def _signals(text: str) -> tuple:
+    """SIGTERM,SIGUSR1 -> (signal.SIGTERM, signal.SIGUSR1); USR1 means SIGUSR1."""
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    names = [n if n.startswith("SIG") else f"SIG{n}" for n in names]
+    for name in names:
+        if name not in signal.Signals.__members__:
+            raise argparse.ArgumentTypeError(
+                f"{name} is no signal (e.g. SIGTERM,SIGUSR1)"
+            )
+        if name in ("SIGKILL", "SIGSTOP"):
+            raise argparse.ArgumentTypeError(f"{name} cannot be caught")
+    return tuple(signal.Signals[n] for n in names)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--async-save", action="store_true", help="save in the background")
     add("--init-from", help="a step folder whose weights start a new run")
     add("--data", help="a text file to train on (default: the stdlib's .py files)")
+    stop = "SIGTERM,SIGUSR1"
+    add("--stop-signals", type=_signals, default=stop, help="on these: save, stop")
+    add("--skip-damaged", action="store_true", help="resume past damaged steps")
     args = p.parse_args(argv)
     looped = args.stages_per_rank > 1
     args.schedule = args.schedule or ("interleaved-1f1b" if looped else "gpipe")

@@ -50,8 +50,10 @@ from pippy.checkpoint.checks import (
     state_dict_size,
 )
 from pippy.checkpoint.errors import fail_together
+from pippy.checkpoint.launcher import check_restarts
 from pippy.checkpoint.safe_load import read_metadata
 from pippy.checkpoint.steps import is_complete, step_dir
+from pippy.checkpoint.verified import newest_verified_step
 
 from batches import BatchSampler, load_text
 from gpt import GPT, ModelArgs, init_weights, rope_table
@@ -138,7 +140,10 @@ def load(state: checkpoint.StageState, path, *, weights_only=False) -> tuple:
 def resume(state: checkpoint.StageState, args, layout) -> None:
     """From the newest complete step (one whose save finished), else the weights
     alone of --init-from (optimizer, schedule and step start afresh)."""
-    latest = checkpoint.find_latest_step(args.checkpoint_dir)
+    if args.skip_damaged:  # a restart loop: past steps damaged since they were saved
+        latest = skip_damaged(args, layout)
+    else:
+        latest = checkpoint.find_latest_step(args.checkpoint_dir)
     source = latest or args.init_from
     if source is None:
         return
@@ -288,15 +293,15 @@ def train_step(state, stages: list, schedule, device, dp_group=None) -> float | 
     return loss.item()
 
 
-def save_now(state, args, layout: Layout, saver) -> None:
-    """save(), or with --async-save a background save that returns once staged."""
+def save_now(state, args, layout: Layout, saver) -> float:
+    """save(), or with --async-save a background save that returns once staged.
+    Returns the seconds it took."""
     start, step = time.perf_counter(), state.step
     if saver is not None:  # published by a later poll(), wait() or close()
         saver.save(state)
         tensors, nbytes = state_dict_size(state.state_dict())
-        return report(
-            layout, f"staged {tensors} tensors", nbytes, f"for step-{step}", start
-        )
+        report(layout, f"staged {tensors} tensors", nbytes, f"for step-{step}", start)
+        return time.perf_counter() - start
     (wrote, nbytes), (held, _) = (
         save(state, args, layout.mesh),
         state_dict_size(state.state_dict()),
@@ -306,10 +311,11 @@ def save_now(state, args, layout: Layout, saver) -> None:
     report(
         layout, f"saved {wrote} of its {held} tensors", nbytes, f"to step-{step}", start
     )
+    return time.perf_counter() - start
 
 
 def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
-    """Trains up to --steps (or --stop-after, or a SIGTERM), saving as it goes."""
+    """Trains up to --steps (or --stop-after, or a stop signal), saving as it goes."""
     rank, dp_group = dist.get_rank(), layout.mesh.get_group("dp")
     last = min(args.steps, args.stop_after or args.steps)
     if state.step >= last and rank == 0:
@@ -321,18 +327,21 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
             secs = time.time() - start
             log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
         due = state.step % args.save_every == 0 or state.step == args.steps
-        if due:
-            save_now(state, args, layout, saver)
+        seconds = save_now(state, args, layout, saver) if due else 0.0
+        if due and saver is None:
+            stop.check_save_time(seconds)  # warns if torchrun would cut it short
         elif saver is not None:
             saver.poll()  # publishes a background save as soon as it is on disk
-        if stop.requested():  # preempted: this step is saved before we go
+        if stop.requested():  # preempted, on any rank: this step is saved first
+            start = time.perf_counter()
             if saver is not None:
                 saver.wait()
             if not due:
                 save_now(state, args, layout, None)
             if rank == 0:
-                step = state.step
-                log(f"stopping after step {step}: SIGTERM received, step-{step} saved")
+                step, seconds = state.step, seconds + time.perf_counter() - start
+                saved = f"step-{step} saved in {seconds:.2f} s"
+                log(f"stopping after step {step}: {stop.reason}, {saved}")
             return
     if state.step < args.steps and rank == 0:
         log(f"stopping after step {state.step} (--stop-after), as if interrupted")
@@ -374,6 +383,27 @@ def verify(args, state, path: Path, layout: Layout, device) -> bool:
     return not failed.item()
 
 
+def skip_damaged(args, layout: Layout):
+    """--skip-damaged: the newest step that verifies; each rank says what it
+    skipped (moved aside, so that no later save meets it)."""
+    latest, skipped = newest_verified_step(args.checkpoint_dir)
+    for name, why in skipped.items():
+        log(f"{layout.label}: skipped {name} ({why})")
+    return latest
+
+
+def stop_on_signals(args, device) -> checkpoint.StopSignal:
+    """--stop-signals end training with a save; rank 0 shows torchrun's deadline
+    for it when one is set, and warns of restarts that would hang."""
+    stop = checkpoint.StopSignal(args.stop_signals, device=device)
+    if dist.get_rank() == 0 and stop.deadline and stop.deadline.explicit:
+        names = ", ".join(s.name for s in args.stop_signals)
+        seconds, source = stop.deadline.seconds, stop.deadline.source
+        log(f"{names}: a last save, then exit; {source} gives it {seconds:g} s")
+    check_restarts()
+    return stop
+
+
 def setup_distributed() -> tuple[int, torch.device]:
     if "RANK" not in os.environ:
         sys.exit(f"launch with torchrun: torchrun --nproc-per-node 4 {sys.argv[0]}")
@@ -386,18 +416,19 @@ def setup_distributed() -> tuple[int, torch.device]:
         dist.init_process_group("gloo")
     # pippy logs what it does beyond a save (steps removed by --keep-last, a
     # background save published): rank 0 shows it.
-    level = logging.INFO if dist.get_rank() == 0 else logging.WARNING
     form = f"[rank {dist.get_rank()}] %(message)s"
-    logging.basicConfig(format=form, level=level, stream=sys.stdout)
+    logging.basicConfig(format=form, level=logging.WARNING, stream=sys.stdout)
+    if dist.get_rank() == 0:
+        logging.getLogger("pippy").setLevel(logging.INFO)
     return dist.get_rank(), device
 
 
 def main(args) -> None:
     # set up distributed: gloo on CPU, nccl on GPU. A rank whose torchrun
-    # died stops at once; a SIGTERM ends training with a save
+    # died stops at once; a SIGTERM or SIGUSR1 ends training with a save
     rank, device = setup_distributed()
     checkpoint.stop_with_launcher()
-    stop = checkpoint.StopSignal(device=device)
+    stop = stop_on_signals(args, device)
     owner = checkpoint.FolderOwner(args.checkpoint_dir)
     try:
         # lay the ranks out on a (dp, pp) mesh; build and split the model, the

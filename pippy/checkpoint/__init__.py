@@ -23,7 +23,8 @@ stay importable from their modules, one idea per module:
   ``dcp.load`` out composes.
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
-  publishing rename) and fsspec URLs.
+  publishing rename) and fsspec URLs (object stores: a step committed by its
+  manifest).
 * :mod:`~pippy.checkpoint.steps`: step folders (``<checkpoint_dir>/step-<N>``),
   staged and published once complete; the newest complete step; retention.
 * :mod:`~pippy.checkpoint.stage_state`, :mod:`~pippy.checkpoint.parts` and
@@ -39,8 +40,13 @@ stay importable from their modules, one idea per module:
 * :mod:`~pippy.checkpoint.unsplit`, :mod:`~pippy.checkpoint.layouts` and
   :mod:`~pippy.checkpoint.export`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
-* :mod:`~pippy.checkpoint.job` and :mod:`~pippy.checkpoint.async_saver`: one
-  writer per folder, a last save on preemption; background saves.
+* :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease`,
+  :mod:`~pippy.checkpoint.launcher`, :mod:`~pippy.checkpoint.verified` and
+  :mod:`~pippy.checkpoint.async_saver`: one writer per folder (on an object
+  store, a lease), a last save on preemption within the launcher's deadline,
+  resuming past damaged steps on request; background saves.
+* :mod:`~pippy.checkpoint.versions`: which torch and pippy wrote a step, and
+  reading what another torch wrote.
 * :mod:`~pippy.checkpoint.errors`: the error classes; ``explain_failures`` and
   ``fail_together``, one error per failure on any rank.
 """

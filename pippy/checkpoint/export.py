@@ -223,11 +223,10 @@ def convert_layout(
         ValueError: ``to`` is not a layout, or a key has no place in
             torchtitan's (see :func:`~pippy.checkpoint.layouts.to_torchtitan`).
         CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
-        CheckpointDirError: ``out`` is on storage without atomic renames.
     """
     if to not in (PIPPY, TORCHTITAN):
         raise ValueError(f"no layout {to!r}: {PIPPY!r} or {TORCHTITAN!r}")
-    storage = check_publishable(out)
+    storage = storage_for(out)
     if storage.exists(out):
         raise FileExistsError(f"{os.fspath(out)!r} exists; converting never overwrites")
     flat = read_checkpoint(path, trusted=trusted, verify=verify)  # pippy's names
@@ -241,7 +240,9 @@ def convert_layout(
     # through DCP into a staging folder, publish it as out (or discard it).
     step = int(flat.get("step", flat.get("train_state.step", 0)))
     flat, step = take_state(flat, step=step)
-    folder = StepFolder(step, out, _sibling(storage, out))
+    # On an object store, written in place and committed by its manifest.
+    staging = _sibling(storage, out) if storage.atomic_rename else out
+    folder = StepFolder(step, out, staging)
     storage.makedirs(folder.staging)
     try:
         with warnings.catch_warnings(), explain_failures(f"writing {out}"):

@@ -8,8 +8,9 @@ time, a token) in ``.owner.json``, created exclusively (a hard link,
 which also works on NFS); a second job is refused with the owner named, and the
 record of a job that is gone (its process no longer runs on this host) is
 taken over. :func:`stop_with_launcher` makes workers whose launcher died stop
-instead of training on, and :class:`StopSignal` turns a preemption signal
-into a last save at the end of the current step.
+instead of training on, and :class:`StopSignal` turns a preemption signal,
+on any one rank or on all, into a last save of the current step by every
+rank; :mod:`~pippy.checkpoint.launcher` says how long the launcher waits.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from pippy.checkpoint.errors import (
     CheckpointDirInUseError,
     on_coordinator,
 )
+from pippy.checkpoint.launcher import launcher_deadline
+from pippy.checkpoint.lease import StoreLease
 from pippy.checkpoint.steps import is_complete, list_steps, parse_step, remove_staging
-from pippy.checkpoint.storage import Location, check_publishable
+from pippy.checkpoint.storage import Location, check_publishable, storage_for
 
 __all__ = ["OWNER_FILE", "FolderOwner", "StopSignal", "stop_with_launcher"]
 
@@ -92,6 +95,11 @@ class FolderOwner:
     that job left are removed. A record from another host is never taken
     over: it may belong to a job that still runs.
 
+    On an object store (an fsspec URL), where there is no hard link and no
+    ``/proc`` of the writer's host, the record is created with a conditional
+    write and held with a lease that rank 0 renews; it is taken over only
+    once expired (:class:`~pippy.checkpoint.lease.StoreLease`).
+
     Args:
         checkpoint_dir: The run's checkpoint folder.
         process_group: The job's ranks; the default group if None.
@@ -113,6 +121,7 @@ class FolderOwner:
         self.process_group = process_group
         self.token = ""
         self._created = False  # the folder did not exist: release removes it empty
+        self._lease: StoreLease | None = None  # on an object store
 
     def __enter__(self) -> FolderOwner:
         """Takes ownership: :meth:`acquire`."""
@@ -129,6 +138,13 @@ class FolderOwner:
         Raises:
             CheckpointDirError: As the class says.
         """
+        if not storage_for(self.root).atomic_rename:  # an object store
+            self._lease = StoreLease(self.root, OWNER_FILE)
+            list_steps(self.root)  # an object where the folder should be: say so
+            self.token = on_coordinator(
+                f"cannot write to {self.root}", self._lease.acquire, self.process_group
+            )
+            return
         storage = check_publishable(self.root)
         real = Path(storage.same_place(self.root))
         inside = [p for p in (real, *real.parents) if is_complete(p)]
@@ -153,6 +169,8 @@ class FolderOwner:
             return
         if dist.is_initialized() and dist.get_rank(self.process_group) != 0:
             return
+        if self._lease is not None:
+            return self._lease.release()
         record = self._read()
         if record is not None and record.get("token") == self.token:
             self._storage.remove(self._record)
@@ -261,13 +279,23 @@ def stop_with_launcher(poll_seconds: float = 0.5) -> None:
 
 
 class StopSignal:
-    """Turns a signal (``SIGTERM`` by default) into a stop agreed by all ranks.
+    """Turns a stop signal (``SIGTERM`` by default) into a stop agreed by all ranks.
 
     Cluster schedulers send ``SIGTERM`` some seconds before they preempt a
-    job, and ``torchrun`` passes it on to its workers. The handler only
-    notes the signal; :meth:`requested`, called by every rank once per step,
-    tells all of them to stop at the same step (one ``all_reduce`` of one
-    number), so that they can save that step together and exit.
+    job (Slurm can send ``SIGUSR1`` earlier), and ``torchrun`` passes it on
+    to its workers; a node preempted alone, or a signal to one process,
+    reaches some ranks only. The handler only notes the signal;
+    :meth:`requested`, called by every rank once per step, tells all of them
+    to stop at the same step (one ``all_reduce`` of one number; one more,
+    once, to learn who received what), so that they save that step together
+    and exit.
+
+    Attributes:
+        received: The signal this rank received, or None.
+        received_by: Once :meth:`requested` said yes, on every rank: the
+            signal each rank that received one got, by global rank.
+        deadline: The launcher's grace period after a stop signal
+            (:func:`launcher_deadline`, read at construction), or None.
 
     Args:
         signals: The signals to catch.
@@ -282,7 +310,10 @@ class StopSignal:
         device: torch.device | str = "cpu",
     ) -> None:
         self.received: signal.Signals | None = None
+        self.received_by: dict[int, signal.Signals] = {}
         self.device = torch.device(device)
+        self.deadline = launcher_deadline()
+        self._warned = False
         for sig in signals:
             signal.signal(sig, self._note)
 
@@ -291,8 +322,74 @@ class StopSignal:
         self.received = signal.Signals(signum)
 
     def requested(self) -> bool:
-        """Tells, on every rank alike, whether any rank has received the signal."""
-        flag = torch.tensor([int(self.received is not None)], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """Tells, on every rank alike, whether any rank has received a signal.
+
+        When it says yes, :attr:`received_by` and :attr:`reason` say which
+        ranks received which signal, on every rank.
+        """
+        number = int(self.received or 0)
+        if not dist.is_initialized():
+            self.received_by = {0: signal.Signals(number)} if number else {}
+            return bool(number)
+        flag = torch.tensor([number], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return False
+        # Who received what: once, when stopping, so the step costs one number.
+        numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
+        numbers[dist.get_rank()] = int(self.received or 0)  # a late one counts too
+        numbers = numbers.to(self.device)
+        dist.all_reduce(numbers)
+        self.received_by = {
+            rank: signal.Signals(n) for rank, n in enumerate(numbers.tolist()) if n
+        }
+        return True
+
+    @property
+    def reason(self) -> str:
+        """Who stopped the job: ``"SIGTERM received by rank 1"``; empty before."""
+        ranks: dict[str, list[int]] = {}
+        for rank, sig in sorted(self.received_by.items()):
+            ranks.setdefault(sig.name, []).append(rank)
+        return ", ".join(f"{name} received by {_ranks(r)}" for name, r in ranks.items())
+
+    def check_save_time(self, seconds: float) -> None:
+        """Warns once (rank 0) if a save took longer than the launcher's deadline.
+
+        A stop signal's last save, plus the rest of the step it arrives in,
+        must end before the launcher kills the workers; a save that takes
+        longer now would be cut short then (the step lost, the job killed).
+
+        Args:
+            seconds: How long a save took, from its start to its publication.
+        """
+        deadline = self.deadline
+        if deadline is None or self._warned or seconds <= deadline.seconds:
+            return
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        self._warned = True
+        logger.warning(
+            "a save took %.1f s, longer than the %g s the launcher waits after a "
+            "stop signal before it kills the workers (%s): a last save on "
+            "preemption would be cut short. Give the launcher a longer grace "
+            "period (torchrun --shutdown-timeout), or save less",
+            seconds,
+            deadline.seconds,
+            deadline.source,
+        )
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1``, ``ranks 0, 2``, ``ranks 0-3, 6``: sorted ranks, runs joined."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(
+        f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run))
+        for run in runs
+    )
+    return f"rank{'s' * (len(ranks) > 1)} {text}"

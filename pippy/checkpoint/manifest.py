@@ -44,7 +44,7 @@ from torch.futures import Future
 
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
-from pippy.checkpoint.storage import DurableFileSystem, Location, storage_for
+from pippy.checkpoint.storage import DurableFileSystem, Location, is_url, storage_for
 from pippy.checkpoint.versions import written_by
 
 __all__ = [
@@ -141,7 +141,12 @@ class ManifestWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = DurableFileSystem()
+        if is_url(path):  # an object store: fsspec's streams, durable at close
+            self.fs = storage_for(path).dcp_filesystem(path)  # type: ignore[assignment]
+            self.path = self.fs.init_path(path)
+            self.sync_files = False  # else DCP runs os.sync() per stream
+        else:
+            self.fs = DurableFileSystem()
         self.step = step
         self.written = (0, 0)
 
@@ -157,7 +162,12 @@ class ManifestWriter(FileSystemWriter):
             (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
             for r in results
         ]
-        crcs = _crc32c_of(self.path, ranges)
+        # On an object store, taken as written: nothing is read back.
+        written = getattr(self.fs, "crcs", {})
+        if all(r in written for r in ranges):
+            crcs = {r: written[r] for r in ranges}
+        else:
+            crcs = _crc32c_of(self.path, ranges)
         checked = [
             WriteResult(r.index, r.size_in_bytes, _Checksummed(r.storage_data, crc))
             for r, crc in zip(results, (crcs[k] for k in ranges), strict=True)

@@ -357,7 +357,7 @@ class SafeFileSystemReader(FileSystemReader):
         self.trusted = resolve_trusted(trusted)
         if not storage.is_dir(folder):
             raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
-        if not is_complete(folder):
+        if storage.size(storage.join(folder, METADATA_FILE)) is None:
             steps = [p for p in list_steps(folder).values() if is_complete(p)]
             if steps:
                 raise CheckpointNotFoundError(

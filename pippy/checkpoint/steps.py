@@ -10,6 +10,12 @@ or deletes a staging folder it did not create. A step's ``manifest.json``
 says which step it holds; a folder whose name says otherwise is never taken
 for that step. The file operations themselves go through
 :mod:`~pippy.checkpoint.storage`.
+
+An object store (an fsspec URL: ``s3://``, ``gs://``) has no rename: there a
+step is written in place under its final name, and its ``manifest.json``,
+written last in one PUT, is its commit record. A step folder without it is
+never taken as complete or newest, loaded, or counted by retention, which
+deletes the commit record first.
 """
 
 from __future__ import annotations
@@ -32,13 +38,8 @@ from pippy.checkpoint.errors import (
     explain_failures,
     on_coordinator,
 )
-from pippy.checkpoint.manifest import ManifestWriter, read_manifest
-from pippy.checkpoint.storage import (
-    Location,
-    check_publishable,
-    glob,
-    storage_for,
-)
+from pippy.checkpoint.manifest import MANIFEST_FILE, ManifestWriter, read_manifest
+from pippy.checkpoint.storage import Location, glob, storage_for
 
 __all__ = [
     "METADATA_FILE",
@@ -95,9 +96,14 @@ class StepFolder:
 
     @classmethod
     def of(cls, checkpoint_dir: Location, step: int, token: str) -> StepFolder:
-        """The step folder of ``step`` in ``checkpoint_dir``, staged under ``token``."""
+        """The step folder of ``step`` in ``checkpoint_dir``, staged under ``token``.
+
+        On an object store (no rename) the staging folder is the final one.
+        """
         storage = storage_for(checkpoint_dir)
         final = step_dir(checkpoint_dir, step)
+        if not storage.atomic_rename:
+            return cls(step, final, final)
         staging = storage.join(checkpoint_dir, f".step-{step}.partial-{token}")
         return cls(step, final, staging)
 
@@ -106,10 +112,13 @@ def is_complete(path: Location) -> bool:
     """Tells whether a step folder holds a complete checkpoint.
 
     DCP's coordinator writes ``.metadata`` only after every rank has written
-    its data, so a folder without it was interrupted mid-save.
+    its data, so a folder without it was interrupted mid-save. On an object
+    store, where a step is written in place, its commit record
+    (``manifest.json``, written after ``.metadata``) must exist too.
     """
     storage = storage_for(path)
-    return storage.size(storage.join(path, METADATA_FILE)) is not None
+    marks = [METADATA_FILE] + [MANIFEST_FILE] * (not storage.atomic_rename)
+    return all(storage.size(storage.join(path, m)) is not None for m in marks)
 
 
 def parse_step(path: Location) -> int | None:
@@ -182,15 +191,28 @@ def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
     return None, skipped
 
 
-def find_latest_step(checkpoint_dir: Location) -> Any:
+def find_latest_step(
+    checkpoint_dir: Location,
+    *,
+    verified: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> Any:
     """Finds the newest complete step folder, to resume from.
 
     Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
     ``manifest.json`` names another step (copied or renamed) are never
-    chosen; a warning names those newer than the one returned.
+    chosen; a warning names those newer than the one returned. A complete
+    step damaged afterwards is returned, and loading it fails: in a restart
+    loop, every restart fails alike. ``verified=True`` goes past such steps
+    instead (:func:`~pippy.checkpoint.verified.newest_verified_step`); a
+    warning on rank 0 names each and why.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
+        verified: Check the newest steps against their manifests and move
+            those that fail aside. Then call it on every rank of
+            ``process_group``, as the folder's owner.
+        process_group: With ``verified``, the ranks; the default group if None.
 
     Returns:
         The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
@@ -199,7 +221,18 @@ def find_latest_step(checkpoint_dir: Location) -> Any:
     Raises:
         CheckpointDirError: ``checkpoint_dir`` exists and is not a folder, or
             is a URL whose storage client is missing.
+        CheckpointError: With ``verified``, as ``newest_verified_step``.
     """
+    if verified:
+        from pippy.checkpoint.verified import newest_verified_step  # imports us
+
+        verified_step, reasons = newest_verified_step(
+            checkpoint_dir, process_group=process_group
+        )
+        if not dist.is_initialized() or dist.get_rank(process_group) == 0:
+            for name, why in reasons.items():
+                logger.warning("skipped %s: %s", name, why)
+        return verified_step
     latest, skipped = newest_complete_step(checkpoint_dir)
     if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(
@@ -233,20 +266,26 @@ def prepare_step(
 
     Raises:
         CheckpointDirError: On every rank: the step exists, or the folder is a
-            file, cannot be written, or is on storage without atomic renames.
+            file or cannot be written.
     """
-    storage = check_publishable(checkpoint_dir)
-    list_steps(checkpoint_dir)  # a file where the folder should be: say so
+    storage = storage_for(checkpoint_dir)
     final = step_dir(checkpoint_dir, step)
-    if is_complete(final) and _holds_its_step(final):
-        raise CheckpointDirError(
-            f"{os.fspath(final)!r} already exists; checkpoints are never "
-            "overwritten. Resume from it, or save into another checkpoint folder."
-        )
 
-    def make_staging() -> StepFolder:
+    def make_staging() -> StepFolder:  # on rank 0 alone: no other rank lists
+        list_steps(checkpoint_dir)  # a file where the folder should be: say so
+        if is_complete(final) and _holds_its_step(final):
+            raise CheckpointDirError(
+                f"{os.fspath(final)!r} already exists; checkpoints are never "
+                "overwritten. Resume from it, or save into another checkpoint "
+                "folder."
+            )
         folder = StepFolder.of(checkpoint_dir, step, uuid.uuid4().hex[:12])
-        if storage.exists(final):  # incomplete, or another step's: keep it aside
+        if not storage.atomic_rename and storage.exists(final):
+            # Written in place and never committed (a save cut short): this
+            # job owns the folder, and no reader takes an uncommitted step.
+            storage.remove(final)
+            logger.warning("removed %s: a save of it never committed", final)
+        elif storage.exists(final):  # incomplete, or another step's: keep it aside
             aside = storage.join(
                 checkpoint_dir, f".step-{step}.incomplete-{int(time.time())}"
             )
@@ -289,7 +328,8 @@ def publish(
     storage = storage_for(folder.final)
 
     def rename_and_prune() -> list[str]:
-        storage.publish(folder.staging, folder.final)
+        if folder.staging != folder.final:  # on a store: committed by its record
+            storage.publish(folder.staging, folder.final)
         if keep_last is None:
             return []
         parent = storage.parent(folder.final)
@@ -332,6 +372,7 @@ def remove_old_steps(
     ]
     old = [p for p in complete[:-keep_last] if p != keep]
     for path in old:
+        storage.remove(storage.join(path, MANIFEST_FILE))  # uncommitted first
         storage.remove(path)
     if old:
         names = ", ".join(storage.name(p) for p in old)

@@ -17,9 +17,10 @@ at close (torch 2.14 flushes first) and never fsyncs a folder.
 
 :class:`FsspecStorage` (:mod:`~pippy.checkpoint.storage.url`) reads any fsspec
 URL. Object stores have no atomic rename (S3 copies every object, then
-deletes it), so a step cannot yet be published there safely:
-:func:`check_publishable` refuses such a location with one line, until a
-commit-record protocol exists.
+deletes it): :mod:`~pippy.checkpoint.steps` writes a step there in place and
+commits it with its manifest, written last in one PUT.
+:func:`check_publishable` refuses such a location for what only a rename can
+publish whole (a Hugging Face folder).
 """
 
 from __future__ import annotations
@@ -171,14 +172,14 @@ def check_publishable(location: Location) -> Storage:
 
     Raises:
         CheckpointDirError: The storage has no atomic rename (an object
-            store), so a reader could see half a step: refused, in one line.
+            store), so a reader could see half a folder: refused, in one line.
     """
     storage = storage_for(location)
     if not storage.atomic_rename:
         raise CheckpointDirError(
-            f"cannot write checkpoints to {os.fspath(location)!r} yet: publishing "
-            "a step needs an atomic rename, which this storage lacks (a reader "
-            "could see half a step). Write to a local or mounted folder"
+            f"cannot write a folder to {os.fspath(location)!r}: publishing it "
+            "whole needs an atomic rename, which this storage lacks (a reader "
+            "could see half of it). Write it to a local or mounted folder"
         )
     return storage
 

@@ -6,9 +6,12 @@ import io
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, cast
+from typing import IO, Any, cast
 
+import google_crc32c
+import numpy
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.serialization import get_crc32_options, set_crc32_options
 
 from pippy.checkpoint.errors import CheckpointDirError
 from pippy.checkpoint.storage import Location
@@ -48,8 +51,14 @@ class FsspecStorage:
             raise CheckpointDirError(f"{url!r} is not a storage URL: {e}") from None
 
     def _path(self, location: Location) -> str:
-        """The path fsspec's file system takes (the URL without its protocol)."""
-        return cast(str, self.fs._strip_protocol(os.fspath(location)))
+        """The path fsspec's file system takes (the URL without its protocol).
+
+        Listings fsspec cached are dropped first: other processes (the other
+        ranks, another job) write the same folder.
+        """
+        path = cast(str, self.fs._strip_protocol(os.fspath(location)))
+        self.fs.invalidate_cache(path)
+        return path
 
     def join(self, base: Location, *names: str) -> str:
         """``base/name/...`` as a URL."""
@@ -108,12 +117,21 @@ class FsspecStorage:
         self.write_atomic(location, buffer.getvalue())
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
-        """Creates the object unless it exists (fsspec's ``"xb"`` mode)."""
+        """Creates the object unless it exists, atomically.
+
+        fsspec's ``"xb"`` mode: on S3 a conditional PUT (``If-None-Match: *``),
+        which a store that honours it refuses when the object exists (s3fs
+        raises an ``OSError``, "pre-conditions ... did not hold").
+        """
+        path = self._path(location)
         try:
-            with self.fs.open(self._path(location), "xb") as f:
+            with self.fs.open(path, "xb") as f:
                 f.write(data)
-        except FileExistsError:
-            return False
+        except OSError:  # FileExistsError, or S3's precondition failure
+            self.fs.invalidate_cache(path)
+            if self.fs.exists(path):
+                return False
+            raise
         return True
 
     def publish(self, source: Location, target: Location) -> None:
@@ -131,11 +149,80 @@ class FsspecStorage:
         return os.fspath(location).rstrip("/")
 
     def dcp_filesystem(self, location: Location) -> FileSystemBase:
-        """DCP's fsspec ``FileSystem``, set up for ``location``."""
-        from torch.distributed.checkpoint._fsspec_filesystem import (
-            FileSystem as FsspecFileSystem,
-        )
-
-        fs = FsspecFileSystem()
+        """DCP's fsspec ``FileSystem``, set up for ``location``, without CRC-32."""
+        fs = _no_crc32_filesystem()
         fs.init_path(os.fspath(location))
         return fs
+
+
+class _Crc32cStream:
+    """A stream being written, with the CRC-32C of the bytes between two tells.
+
+    DCP's writer calls ``tell()`` before and after each item, so each span
+    between two calls is one item: its ``(file, offset, length)`` gets the
+    CRC-32C of the bytes as they were written, and nothing need be read back
+    (over the network, on an object store).
+    """
+
+    def __init__(self, raw: Any, name: str, record: dict) -> None:
+        self.raw, self.name, self.record = raw, name, record
+        self.start, self.crc = raw.tell(), 0
+
+    def write(self, data: Any) -> int:
+        """Writes ``data``, extending the checksum (of a view, not a copy)."""
+        view = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
+        self.crc = google_crc32c.extend(self.crc, view)
+        return int(self.raw.write(data))
+
+    def tell(self) -> int:
+        """The position; the span since the last call is recorded."""
+        position = int(self.raw.tell())
+        if position != self.start:
+            self.record[self.name, self.start, position - self.start] = self.crc
+            self.start, self.crc = position, 0
+        return position
+
+    def flush(self) -> None:
+        """Flushes the stream."""
+        self.raw.flush()
+
+    def close(self) -> None:
+        """Records the last span, then closes."""
+        self.tell()
+        self.raw.close()
+
+
+def _no_crc32_filesystem() -> FileSystemBase:
+    """DCP's fsspec file system: no ``torch.save`` CRC-32, a CRC-32C per item."""
+    from torch.distributed.checkpoint._fsspec_filesystem import (
+        FileSystem as FsspecFileSystem,
+    )
+
+    class NoCrc32FsspecFileSystem(FsspecFileSystem):
+        """As :class:`~pippy.checkpoint.storage.DurableFileSystem`, on fsspec.
+
+        Attributes:
+            crcs: ``(file, offset, length)`` of each item written, to its
+                CRC-32C, taken as it was written.
+        """
+
+        crcs: dict[tuple[str, int, int], int]
+
+        @contextmanager
+        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+            """DCP's stream; writing, this thread's ``torch.save`` skips CRC-32."""
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            previous = get_crc32_options()
+            set_crc32_options(False)
+            record = self.__dict__.setdefault("crcs", {})
+            name = os.path.basename(os.fspath(path))
+            try:
+                with super().create_stream(path, mode) as stream:
+                    yield _Crc32cStream(stream, name, record)
+            finally:
+                set_crc32_options(previous)
+
+    return NoCrc32FsspecFileSystem()

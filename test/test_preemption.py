@@ -1,0 +1,388 @@
+"""Preemption, restarts and damage on a real cluster, with real ranks under torchrun.
+
+A signal that reaches one rank only, the launcher's deadline after a stop
+signal, SIGUSR1 (Slurm's early warning), torchrun restarting every worker
+after one was killed (mid-run and mid-save), and a damaged newest step in a
+restart loop. Every run ends compared with an uninterrupted one: the same
+losses, and the same tensors in the last step, bit for bit.
+"""
+
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pippy import checkpoint
+from pippy.checkpoint import launcher
+from pippy.checkpoint.steps import list_steps
+from pippy.checkpoint.verified import newest_verified_step
+
+import helpers
+from helpers import EXAMPLE, ROOT, TINY_FLAGS, linear_state, loss_lines, torchrun
+
+#: An uninterrupted run's flags: 30 steps, saved at 10, 20, 30.
+STEPS = ["--steps", "30", "--save-every", "10"]
+#: ~40 MB a stage: a save that takes long enough to be caught in the middle.
+BIG = ["--n-layers", "4", "--dim", "512", "--seq-len", "32"]
+#: Each attempt of a torchrun restart gets a store of its own (see check_restarts).
+OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+class Job:
+    """The example on 2 ranks under torchrun, in the background, its output
+    read by a thread (so that a hung job fails a timeout, not the suite)."""
+
+    def __init__(self, *flags, torchrun_flags=(), env=None):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            *torchrun_flags,
+            str(EXAMPLE),
+            *map(str, flags),
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**helpers._ENV, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own group: cleaned up by its id
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def out(self):
+        return "".join(self.lines)
+
+    def wait_for(self, found, timeout=120):
+        """Waits until found() is true (a line printed, a folder made)."""
+        deadline = time.monotonic() + timeout
+        while not found() and self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"timed out:\n{self.out[-3000:]}"
+            time.sleep(0.005)
+        assert found(), f"the job ended first:\n{self.out[-3000:]}"
+
+    def printed(self, prefix):
+        return lambda: any(line.startswith(prefix) for line in self.lines)
+
+    def worker(self, rank):
+        """The pid of the worker of `rank`: a child of torchrun with RANK=rank."""
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for pid in map(int, (task / "children").read_text().split()):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                if f"RANK={rank}".encode() in environ:
+                    return pid
+        raise AssertionError(f"no worker of rank {rank} under {self.proc.pid}")
+
+    def finish(self, timeout=180):
+        """Waits for the job; its exit status and output."""
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return self.proc.returncode, self.out
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def losses_by_step(out):
+    """{step: "step N | loss X | lr Y"}; a step printed twice must agree."""
+    found = {}
+    for line in loss_lines(out):
+        step = int(line.split()[1])
+        assert found.setdefault(step, line) == line, (found[step], line)
+    return found
+
+
+def assert_same_tensors(folder, reference):
+    mine, theirs = (
+        checkpoint.read_checkpoint(folder),
+        checkpoint.read_checkpoint(reference),
+    )
+    assert checkpoint.diff_state_dicts(mine, theirs) == []
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """An uninterrupted run of STEPS: its losses by step, and its folder."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    run = torchrun(2, EXAMPLE, *TINY_FLAGS, *STEPS, "--checkpoint-dir", folder)
+    losses = losses_by_step(run.stdout)
+    assert sorted(losses) == list(range(1, 31))
+    return losses, folder
+
+
+# --------------------------------------------------------------------------
+# A stop signal on one rank; SIGUSR1; the launcher's deadline
+# --------------------------------------------------------------------------
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(
+    tmp_path, uninterrupted
+):
+    """One node preempted: the signal reaches rank 1 only, and every rank saves."""
+    reference, ref_folder = uninterrupted
+    flags = [*TINY_FLAGS, "--steps", "30", "--save-every", "1000"]
+    job = Job(*flags, "--checkpoint-dir", tmp_path)
+    try:
+        job.wait_for(job.printed("step   5 |"))
+        os.kill(job.worker(1), signal.SIGTERM)  # one worker, not torchrun
+        code, out = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, out  # torchrun exits 0 only if every worker did
+    [line] = [x for x in out.splitlines() if x.startswith("stopping after")]
+    match = re.fullmatch(
+        r"stopping after step (\d+): SIGTERM received by rank 1, "
+        r"step-(\d+) saved in \d+\.\d\d s",
+        line,
+    )
+    assert match and match[1] == match[2], line
+    step = int(match[1])
+    assert 5 <= step < 30
+    for rank in (0, 1):
+        assert f"[rank {rank}] stage {rank}: saved" in out  # every rank saved it
+    assert sorted(list_steps(tmp_path)) == [step]
+    assert checkpoint.read_checkpoint(tmp_path / f"step-{step}")["step"] == step
+
+    resumed = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    assert f"resuming from {tmp_path / f'step-{step}'}" in resumed.stdout
+    both = {**losses_by_step(out), **losses_by_step(resumed.stdout)}
+    assert both == reference  # steps 1..step, then step+1..30
+    assert_same_tensors(tmp_path / "step-30", ref_folder / "step-30")
+
+
+def test_sigusr1_stops_too_and_the_launchers_deadline_is_said_and_checked(tmp_path):
+    """Slurm's early warning is SIGUSR1; torchrun's --shutdown-timeout (which
+    wins over TORCH_ELASTIC_SHUTDOWN_TIMEOUT, as in torchrun) is read from
+    its command line, shown, and a save longer than it is warned of, once."""
+    job = Job(
+        *TINY_FLAGS,
+        "--steps",
+        "1000",
+        "--save-every",
+        "2",
+        "--checkpoint-dir",
+        tmp_path,
+        torchrun_flags=["--shutdown-timeout=0"],
+        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "100"},
+    )
+    try:
+        job.wait_for(job.printed("step   5 |"))
+        os.kill(job.worker(0), signal.SIGUSR1)
+        code, out = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, out
+    deadline = "SIGTERM, SIGUSR1: a last save, then exit; "
+    assert f"{deadline}torchrun --shutdown-timeout gives it 0 s\n" in out
+    warnings = re.findall(r"a save took \d+\.\d s, longer than the 0 s", out)
+    assert len(warnings) == 1, out  # once, though it saved every 2 steps
+    assert re.search(r": SIGUSR1 received by rank 0, step-(\d+) saved in ", out)
+
+
+def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
+    monkeypatch, caplog
+):
+    """In one process: what the job learns, without torchrun and with its env."""
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        stop = checkpoint.StopSignal((signal.SIGUSR1,))
+        assert not stop.requested() and stop.reason == ""
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested() and stop.reason == "SIGUSR1 received by rank 0"
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    stop.received_by = dict.fromkeys([0, 1, 2, 3, 6], signal.SIGTERM)
+    stop.received_by[5] = signal.SIGUSR1
+    assert stop.reason == (
+        "SIGTERM received by ranks 0-3, 6, SIGUSR1 received by rank 5"
+    )
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert launcher.launcher_deadline() is None  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT", raising=False)
+    default = launcher.launcher_deadline()
+    assert default == launcher.Deadline(30.0, "torchrun's default")
+    assert not default.explicit
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
+    assert launcher.launcher_deadline() == launcher.Deadline(
+        120.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+    )
+
+    stop.deadline = launcher.Deadline(1.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.job"):
+        for seconds in (0.5, 2.0, 3.0):
+            stop.check_save_time(seconds)
+    assert len(caplog.records) == 1 and "a save took 2.0 s" in caplog.text
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("RANK", "0")
+    with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.launcher"):
+        assert launcher.check_restarts()
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert not launcher.check_restarts()
+
+
+# --------------------------------------------------------------------------
+# Restarts by the launcher
+# --------------------------------------------------------------------------
+
+
+def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_equal(
+    tmp_path, uninterrupted
+):
+    """--max-restarts 1: rank 0 is killed at step 15; the new workers take
+    the folder over from the dead job and resume from step-10."""
+    reference, ref_folder = uninterrupted
+    job = Job(
+        *TINY_FLAGS,
+        *STEPS,
+        "--checkpoint-dir",
+        tmp_path,
+        torchrun_flags=["--max-restarts=1"],
+        env=OWN_STORE,
+    )
+    try:
+        job.wait_for(job.printed("step  15 |"))
+        os.kill(job.worker(0), signal.SIGKILL)  # its owner record stays behind
+        code, out = job.finish()
+    finally:
+        job.kill()
+    assert code == 0, out
+    assert f"[rank 0] taking over {tmp_path} from a job that is gone" in out
+    assert f"resuming from {tmp_path / 'step-10'}" in out
+    assert "hang (pytorch/pytorch#135712)" not in out  # its own store: no warning
+    assert losses_by_step(out) == reference  # steps 11-15 twice, alike
+    assert sorted(list_steps(tmp_path)) == [10, 20, 30]
+    assert_same_tensors(tmp_path / "step-30", ref_folder / "step-30")
+    assert "verified:" in out
+
+
+def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
+    """Rank 0, the coordinator, killed while step 4 is written: its staging
+    folder is removed by the job that takes over, which resumes from step-2."""
+    flags = [*BIG, "--steps", "4", "--save-every", "2"]
+    job = Job(
+        *flags,
+        "--checkpoint-dir",
+        tmp_path / "restarted",
+        torchrun_flags=["--max-restarts=1"],
+        env=OWN_STORE,
+    )
+    try:
+        staging = tmp_path / "restarted"
+        job.wait_for(lambda: any(staging.glob(".step-4.partial-*")), timeout=180)
+        os.kill(job.worker(0), signal.SIGKILL)
+        code, out = job.finish(timeout=240)
+    finally:
+        job.kill()
+    assert code == 0, out
+    assert "[rank 0] taking over" in out
+    assert re.search(r"removed \.step-4\.partial-\w+, left by that job", out), out
+    assert f"resuming from {tmp_path / 'restarted' / 'step-2'}" in out
+    assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == [
+        "step-2",
+        "step-4",
+    ]
+    alone = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "alone")
+    assert losses_by_step(out) == losses_by_step(alone.stdout)
+    assert_same_tensors(
+        tmp_path / "restarted" / "step-4", tmp_path / "alone" / "step-4"
+    )
+
+
+# --------------------------------------------------------------------------
+# A damaged newest step in a restart loop
+# --------------------------------------------------------------------------
+
+
+def test_a_damaged_newest_step_is_refused_and_with_skip_damaged_gone_past(
+    tmp_path, uninterrupted
+):
+    reference, ref_folder = uninterrupted
+    folder = tmp_path / "run"
+    shutil.copytree(ref_folder, folder)
+    data = folder / "step-30" / "__1_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])  # a copy cut short
+    flags = [*TINY_FLAGS, *STEPS, "--checkpoint-dir", folder]
+
+    refused = torchrun(2, EXAMPLE, *flags, expect_ok=False)
+    assert refused.returncode != 0
+    for rank in (0, 1):  # the default: every restart would fail alike
+        assert (
+            f"[rank {rank}] error: '{folder / 'step-30'}' is damaged" in refused.stdout
+        )
+    assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-20", "step-30"]
+
+    run = torchrun(2, EXAMPLE, *flags, "--skip-damaged")
+    for rank in (0, 1):  # every rank says what it skipped, and why
+        assert re.search(
+            rf"\[rank {rank}\] stage {rank}: skipped step-30 \(moved aside to "
+            rf"\.step-30\.damaged-\d+: '.*step-30' is damaged: __1_0\.distcp has "
+            r"1000 bytes",
+            run.stdout,
+        ), run.stdout
+    assert f"resuming from {folder / 'step-20'}" in run.stdout
+    assert losses_by_step(run.stdout) == {s: reference[s] for s in range(21, 31)}
+    assert_same_tensors(folder / "step-30", ref_folder / "step-30")
+    [aside] = [p.name for p in folder.iterdir() if p.name.startswith(".")]
+    assert aside.startswith(".step-30.damaged-")
+
+
+def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
+    """In one process: damage is gone past (moved aside, logged); a step that
+    no rank could trust, or that cannot be verified, still stops the job."""
+    for step in (1, 2, 3):
+        state = linear_state()
+        state.step = step
+        checkpoint.save_stage(state, tmp_path)
+    data = tmp_path / "step-3" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-3"  # default
+    with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.steps"):
+        found = checkpoint.find_latest_step(tmp_path, verified=True)
+    assert found == tmp_path / "step-2"
+    assert re.search(
+        r"skipped step-3: moved aside to \.step-3\.damaged-\d+: .* is damaged",
+        caplog.text,
+    )
+    assert sorted(list_steps(tmp_path)) == [1, 2]
+
+    helpers.poison_metadata(tmp_path / "step-2", tmp_path / "marker")
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="refused to load"):
+        newest_verified_step(tmp_path)  # not damage: never skipped for it
+    assert sorted(list_steps(tmp_path)) == [1, 2] and not (tmp_path / "marker").exists()
+
+    (tmp_path / "step-2" / "manifest.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="has no manifest.json"):
+        newest_verified_step(tmp_path)
+    shutil.rmtree(tmp_path / "step-2")
+    data = tmp_path / "step-1" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(checkpoint.CheckpointError, match="no step of .* verifies"):
+        newest_verified_step(tmp_path)
+    assert sorted(list_steps(tmp_path)) == [1]  # nothing moved when none verifies
