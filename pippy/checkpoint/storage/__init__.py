@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.serialization import get_crc32_options, set_crc32_options
 
 from pippy.checkpoint.errors import CheckpointDirError
 
@@ -133,6 +135,23 @@ class Storage(Protocol):
     def dcp_filesystem(self, location: Location) -> FileSystemBase:
         """DCP's ``FileSystemBase`` for files under ``location``."""
         ...
+
+
+@contextmanager
+def no_crc32() -> Iterator[None]:
+    """This thread's ``torch.save`` skips its CRC-32 for the block.
+
+    ``torch.load`` never checks it (pytorch/pytorch#126952); pippy's manifest
+    holds a CRC-32C of every item instead. torch 2.13 keeps the setting per
+    thread (a ContextVar), so a ``torch.save`` elsewhere in the process,
+    meanwhile, is unaffected.
+    """
+    previous = get_crc32_options()
+    set_crc32_options(False)
+    try:
+        yield
+    finally:
+        set_crc32_options(previous)
 
 
 def glob(storage: Storage, folder: Location, pattern: str) -> list[Any]:

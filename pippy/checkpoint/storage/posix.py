@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
-from torch.serialization import get_crc32_options, set_crc32_options
 
-from pippy.checkpoint.storage import Location
+from pippy.checkpoint.storage import Location, no_crc32
 
 __all__ = ["DurableFileSystem", "LocalStorage"]
 
@@ -64,13 +63,8 @@ class DurableFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        previous = get_crc32_options()
-        set_crc32_options(False)
-        try:
-            with _DurableWriter(io.FileIO(os.fspath(path), "wb")) as stream:
-                yield stream
-        finally:
-            set_crc32_options(previous)
+        with no_crc32(), _DurableWriter(io.FileIO(os.fspath(path), "wb")) as stream:
+            yield stream
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         """Renames, then fsyncs the folder holding the new name."""

@@ -11,10 +11,9 @@ from typing import IO, Any, cast
 import google_crc32c
 import numpy
 from torch.distributed.checkpoint.filesystem import FileSystemBase
-from torch.serialization import get_crc32_options, set_crc32_options
 
 from pippy.checkpoint.errors import CheckpointDirError
-from pippy.checkpoint.storage import Location
+from pippy.checkpoint.storage import Location, no_crc32
 
 __all__ = ["FsspecStorage"]
 
@@ -215,14 +214,9 @@ def _no_crc32_filesystem() -> FileSystemBase:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            previous = get_crc32_options()
-            set_crc32_options(False)
             record = self.__dict__.setdefault("crcs", {})
             name = os.path.basename(os.fspath(path))
-            try:
-                with super().create_stream(path, mode) as stream:
-                    yield _Crc32cStream(stream, name, record)
-            finally:
-                set_crc32_options(previous)
+            with no_crc32(), super().create_stream(path, mode) as stream:
+                yield _Crc32cStream(stream, name, record)
 
     return NoCrc32FsspecFileSystem()
