@@ -25,8 +25,10 @@ stay importable from their modules, one idea per module:
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
   manifest).
-* :mod:`~pippy.checkpoint.steps`: step folders (``<checkpoint_dir>/step-<N>``),
-  staged and published once complete; the newest complete step; retention.
+* :mod:`~pippy.checkpoint.steps` and :mod:`~pippy.checkpoint.publishing`:
+  step folders (``<checkpoint_dir>/step-<N>``), staged and published once
+  complete (renamed whole, or committed by their manifest on an object
+  store); the newest complete step; retention.
 * :mod:`~pippy.checkpoint.stage_state`, :mod:`~pippy.checkpoint.parts` and
   :mod:`~pippy.checkpoint.optim_layout`: a rank's stage(s) as one state_dict;
   the one owner of the optimizer-state key grammar.
@@ -34,7 +36,8 @@ stay importable from their modules, one idea per module:
   ``check_keys`` across ranks before a save (DCP would silently keep one copy
   of a colliding key, and mix diverged data-parallel replicas); tied
   weights, traced buffers, sizes.
-* :mod:`~pippy.checkpoint.manifest`, :mod:`~pippy.checkpoint.safe_load` and
+* :mod:`~pippy.checkpoint.manifest`, :mod:`~pippy.checkpoint.safe_load`,
+  :mod:`~pippy.checkpoint.metadata_checks` and
   :mod:`~pippy.checkpoint.load_planner`: checksums of every item written,
   and loading without running code a checkpoint's pickles could carry.
 * :mod:`~pippy.checkpoint.unsplit`, :mod:`~pippy.checkpoint.layouts` and

@@ -43,12 +43,13 @@ from pippy.checkpoint.layouts import (
     to_torchtitan,
 )
 from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.stage_state import StageState
-from pippy.checkpoint.steps import publish_step, step_dir
+from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
 
-# publish_step lives in steps; it is listed here as a piece of the save
+# publish_step lives in publishing; it is listed here as a piece of the save
 # sequence, for a script that composes its own.
 __all__ = [
     "gc_paused",
@@ -145,7 +146,7 @@ def save_stage(
     """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
 
     The save sequence: :func:`take_state`, then ``dcp.save`` into the step's
-    staging folder (:func:`~pippy.checkpoint.steps.publish_step`), published
+    staging folder (:func:`~pippy.checkpoint.publishing.publish_step`), published
     once complete and durable. Call it on every rank of ``process_group`` at
     once. Python's cyclic garbage collector is paused meanwhile
     (:func:`gc_paused`).
@@ -171,7 +172,7 @@ def save_stage(
     Raises:
         ValueError, KeyCollisionError: As :func:`take_state`; nothing is
             written.
-        CheckpointDirError: As :func:`~pippy.checkpoint.steps.publish_step`
+        CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`
             (also: ``checkpoint_dir`` is a URL; object stores cannot publish
             a step atomically yet).
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);

@@ -2,10 +2,10 @@
 
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time:
 :func:`~pippy.checkpoint.api.take_state` and
-:func:`~pippy.checkpoint.steps.prepare_step` at the call, ``dcp.async_save``
+:func:`~pippy.checkpoint.publishing.prepare_step` at the call, ``dcp.async_save``
 through :class:`~pippy.checkpoint.manifest.ManifestWriter`, then
-:func:`~pippy.checkpoint.steps.publish` (or ``discard``) once it is on disk:
-the three parts :func:`~pippy.checkpoint.steps.publish_step` is made of.
+:func:`~pippy.checkpoint.publishing.publish` (or ``discard``) once it is on disk:
+the three parts :func:`~pippy.checkpoint.publishing.publish_step` is made of.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from pippy.checkpoint.api import gc_paused, take_state
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.publishing import StepFolder, discard, prepare_step, publish
 from pippy.checkpoint.stage_state import StageState
-from pippy.checkpoint.steps import StepFolder, discard, prepare_step, publish
 from pippy.checkpoint.storage import Location
 
 __all__ = ["AsyncSaver"]
@@ -55,7 +55,7 @@ class AsyncSaver:
     The files are written by a background thread over a gloo group of their
     own (async saves must not share a group with training collectives, and
     CPU-capable collectives need gloo). The step is published, as by
-    :func:`~pippy.checkpoint.steps.publish_step`, as soon as it is on disk on
+    :func:`~pippy.checkpoint.publishing.publish_step`, as soon as it is on disk on
     every rank: :meth:`poll`, called once per training step, finds that out
     without waiting; the next ``save``, :meth:`wait` (which a load must call
     first) and :meth:`close` wait for it. Two saves in flight on one gloo
@@ -138,7 +138,7 @@ class AsyncSaver:
             CheckpointError: The previous save failed (see :meth:`wait`).
             ValueError, KeyCollisionError: As
                 :func:`~pippy.checkpoint.api.take_state`; nothing is written.
-            CheckpointDirError: As :func:`~pippy.checkpoint.steps.publish_step`.
+            CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`.
         """
         self.wait()
         self._started = time.perf_counter()

@@ -27,7 +27,7 @@ from pippy.checkpoint.api import take_state
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.layouts import PIPPY, TORCHTITAN, to_torchtitan
 from pippy.checkpoint.manifest import ManifestWriter
-from pippy.checkpoint.steps import StepFolder, discard, publish
+from pippy.checkpoint.publishing import StepFolder, discard, publish
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 from pippy.checkpoint.unsplit import read_checkpoint
 

@@ -23,11 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -35,24 +30,17 @@ import torch.distributed as dist
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
-    explain_failures,
-    on_coordinator,
 )
-from pippy.checkpoint.manifest import MANIFEST_FILE, ManifestWriter, read_manifest
+from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.storage import Location, glob, storage_for
 
 __all__ = [
     "METADATA_FILE",
-    "StepFolder",
-    "discard",
     "find_latest_step",
     "is_complete",
     "list_steps",
     "newest_complete_step",
     "parse_step",
-    "prepare_step",
-    "publish",
-    "publish_step",
     "remove_old_steps",
     "remove_staging",
     "step_dir",
@@ -77,35 +65,6 @@ def step_dir(checkpoint_dir: Location, step: int) -> Any:
         A ``Path`` for a local folder, a ``str`` for a URL.
     """
     return storage_for(checkpoint_dir).join(checkpoint_dir, f"step-{step}")
-
-
-@dataclass(frozen=True)
-class StepFolder:
-    """The two paths of one step's save: where it is written, where it is published.
-
-    Attributes:
-        step: The step being saved.
-        final: ``<checkpoint_dir>/step-<step>``, what readers see.
-        staging: ``<checkpoint_dir>/.step-<step>.partial-<token>``, what ranks
-            write into.
-    """
-
-    step: int
-    final: Any
-    staging: Any
-
-    @classmethod
-    def of(cls, checkpoint_dir: Location, step: int, token: str) -> StepFolder:
-        """The step folder of ``step`` in ``checkpoint_dir``, staged under ``token``.
-
-        On an object store (no rename) the staging folder is the final one.
-        """
-        storage = storage_for(checkpoint_dir)
-        final = step_dir(checkpoint_dir, step)
-        if not storage.atomic_rename:
-            return cls(step, final, final)
-        staging = storage.join(checkpoint_dir, f".step-{step}.partial-{token}")
-        return cls(step, final, staging)
 
 
 def is_complete(path: Location) -> bool:
@@ -243,104 +202,6 @@ def find_latest_step(
     return latest
 
 
-def prepare_step(
-    checkpoint_dir: Location,
-    step: int,
-    process_group: dist.ProcessGroup | None = None,
-) -> StepFolder:
-    """Checks that ``step-<step>`` is new and makes its empty staging folder.
-
-    An incomplete ``step-<step>`` (not written by :func:`publish_step`), or
-    one whose manifest names another step (a copy), is moved aside. The
-    staging folder is new, named by a token rank 0 draws.
-    Call it on every rank of ``process_group``; rank 0 does the file
-    operations.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder; created if missing.
-        step: The step about to be saved.
-        process_group: The ranks that save; the default group if None.
-
-    Returns:
-        The step's folder, its staging folder empty and ready.
-
-    Raises:
-        CheckpointDirError: On every rank: the step exists, or the folder is a
-            file or cannot be written.
-    """
-    storage = storage_for(checkpoint_dir)
-    final = step_dir(checkpoint_dir, step)
-
-    def make_staging() -> StepFolder:  # on rank 0 alone: no other rank lists
-        list_steps(checkpoint_dir)  # a file where the folder should be: say so
-        if is_complete(final) and _holds_its_step(final):
-            raise CheckpointDirError(
-                f"{os.fspath(final)!r} already exists; checkpoints are never "
-                "overwritten. Resume from it, or save into another checkpoint "
-                "folder."
-            )
-        folder = StepFolder.of(checkpoint_dir, step, uuid.uuid4().hex[:12])
-        if not storage.atomic_rename and storage.exists(final):
-            # Written in place and never committed (a save cut short): this
-            # job owns the folder, and no reader takes an uncommitted step.
-            storage.remove(final)
-            logger.warning("removed %s: a save of it never committed", final)
-        elif storage.exists(final):  # incomplete, or another step's: keep it aside
-            aside = storage.join(
-                checkpoint_dir, f".step-{step}.incomplete-{int(time.time())}"
-            )
-            storage.publish(final, aside)
-            logger.warning(
-                "moved %s aside to %s: it was incomplete or held another step",
-                final,
-                storage.name(aside),
-            )
-        storage.makedirs(folder.staging)
-        return folder
-
-    staging = storage.join(checkpoint_dir, f".step-{step}.partial-*")
-    return on_coordinator(f"cannot create {staging}", make_staging, process_group)
-
-
-def publish(
-    folder: StepFolder,
-    *,
-    keep_last: int | None = None,
-    process_group: dist.ProcessGroup | None = None,
-) -> list[str]:
-    """Renames a step's staging folder to ``step-<N>``, then prunes old steps.
-
-    Call it on every rank once the save returned everywhere. The rename is
-    durable when this returns (:meth:`~pippy.checkpoint.storage.Storage.publish`).
-    The steps removed are logged (INFO) on rank 0.
-
-    Args:
-        folder: The step folder from :func:`prepare_step`.
-        keep_last: If set, then keep only this many newest complete steps.
-        process_group: The ranks that saved; the default group if None.
-
-    Returns:
-        The names of the step folders removed, on every rank.
-
-    Raises:
-        CheckpointDirError: On every rank, if the rename or pruning failed.
-    """
-    storage = storage_for(folder.final)
-
-    def rename_and_prune() -> list[str]:
-        if folder.staging != folder.final:  # on a store: committed by its record
-            storage.publish(folder.staging, folder.final)
-        if keep_last is None:
-            return []
-        parent = storage.parent(folder.final)
-        removed = remove_old_steps(parent, keep_last, keep=folder.final)
-        return [storage.name(p) for p in removed]
-
-    return on_coordinator(
-        f"cannot publish {storage.name(folder.final)}", rename_and_prune, process_group
-    )
-
-
 def remove_old_steps(
     checkpoint_dir: Location, keep_last: int, *, keep: Location | None = None
 ) -> list[Any]:
@@ -394,66 +255,3 @@ def remove_staging(checkpoint_dir: Location) -> list[str]:
         storage.remove(leftover)
         removed.append(storage.name(leftover))
     return removed
-
-
-@contextmanager
-def publish_step(
-    checkpoint_dir: Location,
-    step: int,
-    *,
-    keep_last: int | None = None,
-    process_group: dist.ProcessGroup | None = None,
-) -> Iterator[ManifestWriter]:
-    """Gives every rank a staging folder and publishes it as ``step-<step>``.
-
-    Use it around ``dcp.save``, on every rank::
-
-        with publish_step(checkpoint_dir, step) as writer:
-            dcp.save(state_dict, storage_writer=writer)
-
-    The save goes into ``.step-<step>.partial-<token>``; once it returned on
-    every rank (so the coordinator has written ``.metadata``), rank 0 renames
-    the folder to ``step-<step>``, which is atomic on a POSIX file system, and
-    only then removes steps beyond ``keep_last``. A crash before that leaves
-    only the hidden staging folder, which :func:`find_latest_step` never
-    picks. An existing step folder is never written into. If the body raises,
-    nothing is published and rank 0 removes the staging folder; DCP's
-    ``CheckpointException`` (a ``BaseException``) is raised as a
-    ``CheckpointError`` with one line per failed rank.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder; created if missing. On
-            several nodes it must be storage that every node sees.
-        step: The step being saved.
-        keep_last: If set, keep only this many newest complete steps.
-        process_group: Group of the ranks that save; the default group if None.
-
-    Yields:
-        A :class:`~pippy.checkpoint.manifest.ManifestWriter` of the staging
-        folder (its ``path``), to pass to ``dcp.save`` as ``storage_writer``.
-
-    Raises:
-        CheckpointDirError: On every rank: ``step-<step>`` exists, or
-            ``checkpoint_dir`` is a file, cannot be written, or is a URL (an
-            object store cannot publish a step atomically yet).
-        CheckpointError: ``dcp.save`` in the body failed on some rank.
-    """
-    folder = prepare_step(checkpoint_dir, step, process_group)
-    try:
-        with explain_failures(f"saving step-{step}"):
-            yield ManifestWriter(folder.staging, step=step)
-    except BaseException:
-        discard(folder, process_group)
-        raise
-    publish(folder, keep_last=keep_last, process_group=process_group)
-
-
-def discard(folder: StepFolder, process_group: dist.ProcessGroup | None = None) -> None:
-    """Removes a failed save's staging folder, on rank 0, without a collective.
-
-    Args:
-        folder: The step folder from :func:`prepare_step`.
-        process_group: The ranks that saved; rank 0 of it removes the folder.
-    """
-    if not dist.is_initialized() or dist.get_rank(process_group) == 0:
-        storage_for(folder.staging).remove(folder.staging)
