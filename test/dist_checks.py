@@ -22,6 +22,7 @@ from pippy.checkpoint.checks import named_leaves, state_dict_size
 from pippy.checkpoint.errors import fail_together
 from pippy.checkpoint.steps import list_steps, step_dir
 
+import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
 from gpt import GPT, ModelArgs, rope_table  # noqa: E402
 from helpers import TINY_FLAGS, run_checks  # noqa: E402
@@ -109,7 +110,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
 
 
 def train_steps(state, stage, schedule, n):
-    return [pippy_dcp.train_step(state, [stage], schedule, DEVICE) for _ in range(n)]
+    return [parallel.train_step(state, [stage], schedule, DEVICE) for _ in range(n)]
 
 
 def check_train(out: Path, rank: int, world_size: int) -> dict:
@@ -123,9 +124,9 @@ def check_train(out: Path, rank: int, world_size: int) -> dict:
     for schedule_name in ("gpipe", "1f1b"):
         args = pippy_dcp.parse_args([*TINY, "--schedule", schedule_name])
         args.microbatches = 4
-        cls = pippy_dcp.SCHEDULES[schedule_name]
+        cls = parallel.SCHEDULES[schedule_name]
         stage, state = build(args, rank, world_size, seed=0)
-        schedule = cls(stage, n_microbatches=4, loss_fn=pippy_dcp.loss_fn)
+        schedule = cls(stage, n_microbatches=4, loss_fn=parallel.loss_fn)
         train_steps(state, stage, schedule, 3)
         saved = copy.deepcopy(state.state_dict())
         folder = out / schedule_name
@@ -133,7 +134,7 @@ def check_train(out: Path, rank: int, world_size: int) -> dict:
         losses_a = train_steps(state, stage, schedule, 3)
 
         stage_b, state_b = build(args, rank, world_size, seed=1)
-        schedule_b = cls(stage_b, n_microbatches=4, loss_fn=pippy_dcp.loss_fn)
+        schedule_b = cls(stage_b, n_microbatches=4, loss_fn=parallel.loss_fn)
         before = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
         checkpoint.load_stage(state_b, checkpoint.find_latest_step(folder))
         after_load = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
@@ -155,7 +156,7 @@ def check_logits(out: Path, rank: int, world_size: int) -> dict:
     each stage's tensors and the pipeline's logits on one batch."""
     args = pippy_dcp.parse_args([*TINY, "--microbatches", "4"])
     stage, state = build(args, rank, world_size, seed=0)
-    schedule = pippy_dcp.SCHEDULES["gpipe"](stage, 4, loss_fn=pippy_dcp.loss_fn)
+    schedule = parallel.SCHEDULES["gpipe"](stage, 4, loss_fn=parallel.loss_fn)
     train_steps(state, stage, schedule, 2)
     checkpoint.save_stage(state, out / "ckpt")
     torch.save(state.state_dict(), out / f"stage-{rank}.pt")
@@ -194,7 +195,7 @@ def check_fsdp(out: Path, rank: int, world_size: int) -> dict:
     for _ in range(2):
         inputs, targets = sampler.next_batch()
         share = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
-        loss = pippy_dcp.loss_fn(model(inputs[share]), targets[share])
+        loss = parallel.loss_fn(model(inputs[share]), targets[share])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -271,7 +272,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     failures reported by wait(), nothing published on failure."""
     args = pippy_dcp.parse_args(TINY)
     stage, state = build(args, rank, world_size, seed=0)
-    schedule = pippy_dcp.SCHEDULES["gpipe"](stage, 4, loss_fn=pippy_dcp.loss_fn)
+    schedule = parallel.SCHEDULES["gpipe"](stage, 4, loss_fn=parallel.loss_fn)
     saver = checkpoint.AsyncSaver(out / "ckpt", keep_last=2)
     train_steps(state, stage, schedule, 2)
     snapshots = {}

@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "check
 from pippy import checkpoint  # noqa: E402
 from pippy.checkpoint.steps import list_steps, step_dir  # noqa: E402
 
+import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
 from helpers import TINY_FLAGS, run_checks  # noqa: E402
 
@@ -28,7 +29,7 @@ DEVICE = torch.device("cpu")
 def example_state(out: Path, seed: int, *flags: str):
     """The example's args, layout, stages and state, built as its main does."""
     args = pippy_dcp.parse_args([*TINY_FLAGS, "--checkpoint-dir", str(out), *flags])
-    layout = pippy_dcp.build_layout(args, DEVICE)
+    layout = parallel.build_layout(args, DEVICE)
     stages = pippy_dcp.build_stages(args, layout, DEVICE, seed=seed)
     state = pippy_dcp.build_state(args, stages, pippy_dcp.load_text(None))
     return args, layout, stages, state
@@ -36,9 +37,9 @@ def example_state(out: Path, seed: int, *flags: str):
 
 def train(state, stages, steps: int = 1) -> None:
     """A few training steps of the example's schedule."""
-    schedule = pippy_dcp.SCHEDULES["gpipe"](stages[0], 4, loss_fn=pippy_dcp.loss_fn)
+    schedule = parallel.SCHEDULES["gpipe"](stages[0], 4, loss_fn=parallel.loss_fn)
     for _ in range(steps):
-        pippy_dcp.train_step(state, stages, schedule, DEVICE)
+        parallel.train_step(state, stages, schedule, DEVICE)
 
 
 def check_durable(out: Path, rank: int, world_size: int) -> dict:

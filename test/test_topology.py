@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from pippy import checkpoint
 from pippy.checkpoint.checks import named_leaves
 
+import parallel
 import pippy_dcp
 from gpt import GPT, ModelArgs
 from helpers import DIST_CHECKS, EXAMPLE, ROOT, loss_lines, torchrun
@@ -137,7 +138,7 @@ def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(pipeline_outputs):
     losses = []
     for _ in range(2):
         inputs, targets = sampler.next_batch()
-        loss = pippy_dcp.loss_fn(model(inputs), targets)
+        loss = parallel.loss_fn(model(inputs), targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -78,6 +78,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def check_saved_shape(args, items: dict, path) -> None:
+    """Raises ValueError if the step at `path`, whose .metadata items (FQN ->
+    metadata with .size) are given, was saved with another --n-layers or --dim,
+    naming the flag; quiet where the step cannot tell (a weights-only step)."""
+    layers = {k.split(".")[2] for k in items if k.startswith("model.layers.")}
+    embedding = items.get("model.tok_embeddings.weight")
+    saved = {"--n-layers": len(layers), "--dim": embedding and embedding.size[1]}
+    for flag, value in saved.items():
+        ours = getattr(args, flag[2:].replace("-", "_"))
+        if value and value != ours:
+            raise ValueError(
+                f"{path} was saved with {flag} {value}, this run has {ours}: "
+                f"pass {flag} {value}, or another --checkpoint-dir"
+            )
+
+
 def _problems(args, world_size: int):
     """(flag, what is wrong with it) for each flag that cannot work with the others."""
     stages = world_size // args.dp * args.stages_per_rank

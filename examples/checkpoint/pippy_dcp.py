@@ -14,49 +14,42 @@ step-20, and the run ends with "verified: ... bitwise equal". With
 --stop-after 10 it stops as if interrupted; the same command without the flag
 prints "resuming from checkpoints/step-10", then the very losses of steps 11-20.
 The checkpoint idea comes first (stages, state, save, load, resume); the
-training harness (mesh, schedules, data, verification, job guards) follows.
+training harness follows (building stages, training, verification, job guards),
+with processes, the (dp, pp) mesh and one train step in parallel.py.
 """
 
 import sys
 
-from flags import parse_args  # standard library only
+from flags import check_saved_shape, parse_args  # standard library only
 
 if __name__ == "__main__":  # a bad flag fails now, before torch loads, once
     ARGS = parse_args()
 
 import functools
-import logging
 import math
-import os
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.device_mesh import DeviceMesh
 
 import pippy
 from pippy import checkpoint
+from pippy.checkpoint import checks
 from pippy.checkpoint.api import load_into, open_step, publish_step, take_state
-from pippy.checkpoint.checks import (
-    check_untied,
-    restore_non_persistent_buffers,
-    state_dict_size,
-)
 from pippy.checkpoint.errors import fail_together
 from pippy.checkpoint.launcher import check_restarts
 from pippy.checkpoint.safe_load import read_metadata
 from pippy.checkpoint.steps import is_complete, step_dir
 from pippy.checkpoint.verified import newest_verified_step
 
+import parallel
 from batches import BatchSampler, load_text
 from gpt import GPT, ModelArgs, init_weights, rope_table
+from parallel import log, report
 
 # ---- The checkpoint idea ------------------------------------------------------
 
@@ -134,7 +127,7 @@ def load(state: checkpoint.StageState, path, *, weights_only=False) -> tuple:
     target = checkpoint.StageState(state.module) if weights_only else state
     with load_into(target, path) as state_dict:
         dcp.load(state_dict, storage_reader=reader, planner=planner)
-    return state_dict_size(state_dict)
+    return checks.state_dict_size(state_dict)
 
 
 def resume(state: checkpoint.StageState, args, layout) -> None:
@@ -147,7 +140,7 @@ def resume(state: checkpoint.StageState, args, layout) -> None:
     source = latest or args.init_from
     if source is None:
         return
-    check_flags_match(args, source)
+    check_saved_shape(args, read_metadata(source).state_dict_metadata, source)
     if dist.get_rank() == 0:
         ignored = " (--init-from applies to new runs only)" * bool(args.init_from)
         log(
@@ -167,35 +160,6 @@ def resume(state: checkpoint.StageState, args, layout) -> None:
 
 # ---- The training harness -----------------------------------------------------
 
-SCHEDULES = {"gpipe": pippy.ScheduleGPipe, "1f1b": pippy.Schedule1F1B}
-LOOPED = {  # all of a rank's stages; stage s runs on pipeline rank s % pp
-    "interleaved-1f1b": pippy.ScheduleInterleaved1F1B,
-    "looped-bfs": pippy.ScheduleLoopedBFS,
-    "zero-bubble": pippy.ScheduleInterleavedZeroBubble,
-}
-SCHEDULES.update(LOOPED)
-
-
-@dataclass
-class Layout:
-    """This rank's place on the (dp, pp) mesh: its stages, and a name for them."""
-
-    mesh: DeviceMesh
-    stages: list[int]
-    num_stages: int
-    label: str  # "[rank 3] stage 1 (dp 1)", "[rank 1] stages 1, 3"
-
-
-def build_layout(args, device: torch.device) -> Layout:
-    """--dp pipelines of pp ranks; pipeline rank r runs stages r, r + pp, ..."""
-    pp = dist.get_world_size() // args.dp
-    mesh = init_device_mesh(device.type, (args.dp, pp), mesh_dim_names=("dp", "pp"))
-    stages = list(range(mesh.get_local_rank("pp"), pp * args.stages_per_rank, pp))
-    label = f"[rank {dist.get_rank()}] stage{'s' * (len(stages) > 1)} "
-    label += ", ".join(map(str, stages))
-    label += f" (dp {mesh.get_local_rank('dp')})" if args.dp > 1 else ""
-    return Layout(mesh, stages, pp * args.stages_per_rank, label)
-
 
 def split_traced(model: GPT, num_stages: int, microbatch: torch.Tensor):
     """Traces the model and splits the graph where split_manual would."""
@@ -207,26 +171,12 @@ def split_traced(model: GPT, num_stages: int, microbatch: torch.Tensor):
         return pippy.pipeline(model, mb_args=(microbatch,), split_spec=split_spec)
 
 
-def data_parallel(module: torch.nn.Module, args, mesh: DeviceMesh) -> torch.nn.Module:
-    """Across the dp dim: DDP replicas, or FSDP2 shards (each rank holds 1/dp)."""
-    if args.dp == 1:
-        return module
-    if args.fsdp:  # parameters and AdamW state become DTensors: a shard per rank
-        return fully_shard(module, mesh=mesh["dp"])
-    ddp = DistributedDataParallel(module, process_group=mesh.get_group("dp"))
-    # The stage all-reduces gradients itself, at the last microbatch's backward;
-    # else torch 2.13's shape inference runs DDP's forward outside no_sync() and
-    # DDP's bucket rebuild fails at step 2.
-    ddp.require_backward_grad_sync = False
-    return ddp
-
-
 def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=None):
     """Builds one stage, allocating memory for that stage alone."""
     model_args = ModelArgs(args.n_layers, args.dim, max_seq_len=args.seq_len)
     with torch.device("meta"):  # shapes only: no rank holds the whole model
         model = GPT(model_args)
-    check_untied(model)  # a weight tied across stages would drift
+    checks.check_untied(model)  # a weight tied across stages would drift
     if args.split == "manual":
         module = split_manual(model, index, num_stages)
     else:
@@ -234,18 +184,18 @@ def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=No
         pipe = split_traced(model, num_stages, torch.zeros(shape, dtype=torch.long))
         module = pipe.get_stage_module(index)
         # The tracer makes the rope buffer a persistent key of every stage.
-        restore_non_persistent_buffers(module, model)
+        checks.restore_non_persistent_buffers(module, model)
     module.to_empty(device=device)  # allocate the stage, then fill it
     init_weights(module, seed)
     module.get_buffer("rope").copy_(rope_table(model_args))
     group = mesh.get_group("pp") if mesh is not None else None
     if args.split == "trace":
         return pipe.build_stage(index, device, group)
-    module = data_parallel(module, args, mesh) if mesh is not None else module
+    module = parallel.data_parallel(module, args, mesh) if mesh is not None else module
     return pippy.PipelineStage(module, index, num_stages, device, group=group)
 
 
-def build_stages(args, layout: Layout, device, *, seed: int) -> list:
+def build_stages(args, layout: parallel.Layout, device, *, seed: int) -> list:
     """This rank's stages, in order, each replicated or sharded across dp."""
     n, mesh = layout.num_stages, layout.mesh
     return [
@@ -253,64 +203,18 @@ def build_stages(args, layout: Layout, device, *, seed: int) -> list:
     ]
 
 
-def log(message: str) -> None:
-    """Prints a line in one write, so that lines of concurrent ranks never mix."""
-    sys.stdout.write(message + "\n")
-    sys.stdout.flush()
-
-
-def report(layout: Layout, what: str, nbytes: int, where: str, start: float) -> None:
-    seconds = time.perf_counter() - start
-    log(f"{layout.label}: {what}, {nbytes / 1e6:.1f} MB {where} in {seconds:.2f} s")
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def train_step(state, stages: list, schedule, device, dp_group=None) -> float | None:
-    """One optimizer step over all microbatches; on the last stage, the batch's
-    mean loss (averaged over the dp replicas); None elsewhere."""
-    inputs, targets = state.extra["data"].next_batch()  # every rank draws: stay in step
-    if dp_group is not None:  # a replica's slice of the global batch, in rank order
-        share, i = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-        inputs, targets = inputs.chunk(share)[i], targets.chunk(share)[i]
-    losses: list[torch.Tensor] = []
-    first, last = stages[0].is_first, stages[-1].is_last
-    args = (inputs.to(device),) if first else ()
-    kwargs = {"target": targets.to(device), "losses": losses} if last else {}
-    schedule.step(*args, **kwargs)
-    state.optimizer.step()
-    state.optimizer.zero_grad()
-    state.lr_scheduler.step()
-    state.step += 1
-    if not losses:
-        return None
-    loss = torch.stack(losses).mean()
-    if dp_group is not None:  # the global batch's loss, whatever the layout
-        dist.all_reduce(loss, group=dp_group)
-        loss /= dist.get_world_size(dp_group)
-    return loss.item()
-
-
-def save_now(state, args, layout: Layout, saver) -> float:
+def save_now(state, args, layout: parallel.Layout, saver) -> float:
     """save(), or with --async-save a background save that returns once staged.
     Returns the seconds it took."""
-    start, step = time.perf_counter(), state.step
+    start = time.perf_counter()
+    held, nbytes = checks.state_dict_size(state.state_dict())
     if saver is not None:  # published by a later poll(), wait() or close()
         saver.save(state)
-        tensors, nbytes = state_dict_size(state.state_dict())
-        report(layout, f"staged {tensors} tensors", nbytes, f"for step-{step}", start)
-        return time.perf_counter() - start
-    (wrote, nbytes), (held, _) = (
-        save(state, args, layout.mesh),
-        state_dict_size(state.state_dict()),
-    )
-    # An entry several ranks hold (a dp replica, the sampler's state) is
-    # written once, by one of them: a rank may write fewer tensors than it loads.
-    report(
-        layout, f"saved {wrote} of its {held} tensors", nbytes, f"to step-{step}", start
-    )
+        what, where = f"staged {held} tensors", f"for step-{state.step}"
+    else:  # an entry several ranks hold (a dp replica, the data order) is written
+        wrote, nbytes = save(state, args, layout.mesh)  # once, by one of them
+        what, where = f"saved {wrote} of its {held} tensors", f"to step-{state.step}"
+    report(layout, what, nbytes, where, start)
     return time.perf_counter() - start
 
 
@@ -322,7 +226,7 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
         log(f"already at step {state.step} of {args.steps}: nothing to train")
     while state.step < last:
         start, lr = time.time(), state.optimizer.param_groups[0]["lr"]
-        loss = train_step(state, stages, schedule, device, dp_group)
+        loss = parallel.train_step(state, stages, schedule, device, dp_group)
         if loss is not None and dist.get_rank(dp_group) == 0:  # last stage, replica 0
             secs = time.time() - start
             log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
@@ -347,22 +251,7 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
         log(f"stopping after step {state.step} (--stop-after), as if interrupted")
 
 
-def check_flags_match(args, path) -> None:
-    """Refuses a step saved with another --n-layers or --dim, naming the flag."""
-    items = read_metadata(path).state_dict_metadata
-    layers = {k.split(".")[2] for k in items if k.startswith("model.layers.")}
-    embedding = items.get("model.tok_embeddings.weight")
-    saved = {"--n-layers": len(layers), "--dim": embedding and embedding.size[1]}
-    for flag, value in saved.items():
-        ours = getattr(args, flag[2:].replace("-", "_"))
-        if value and value != ours:
-            raise ValueError(
-                f"{path} was saved with {flag} {value}, this run has {ours}: "
-                f"pass {flag} {value}, or another --checkpoint-dir"
-            )
-
-
-def verify(args, state, path: Path, layout: Layout, device) -> bool:
+def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
     """Loads `path` into freshly initialised stages and compares every tensor
     (with FSDP2, every rank its own shards)."""
     start = time.perf_counter()
@@ -383,7 +272,7 @@ def verify(args, state, path: Path, layout: Layout, device) -> bool:
     return not failed.item()
 
 
-def skip_damaged(args, layout: Layout):
+def skip_damaged(args, layout: parallel.Layout):
     """--skip-damaged: the newest step that verifies; each rank says what it
     skipped (moved aside, so that no later save meets it)."""
     latest, skipped = newest_verified_step(args.checkpoint_dir)
@@ -404,29 +293,10 @@ def stop_on_signals(args, device) -> checkpoint.StopSignal:
     return stop
 
 
-def setup_distributed() -> tuple[int, torch.device]:
-    if "RANK" not in os.environ:
-        sys.exit(f"launch with torchrun: torchrun --nproc-per-node 4 {sys.argv[0]}")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    # pippy logs what it does beyond a save (steps removed by --keep-last, a
-    # background save published): rank 0 shows it.
-    form = f"[rank {dist.get_rank()}] %(message)s"
-    logging.basicConfig(format=form, level=logging.WARNING, stream=sys.stdout)
-    if dist.get_rank() == 0:
-        logging.getLogger("pippy").setLevel(logging.INFO)
-    return dist.get_rank(), device
-
-
 def main(args) -> None:
     # set up distributed: gloo on CPU, nccl on GPU. A rank whose torchrun
     # died stops at once; a SIGTERM or SIGUSR1 ends training with a save
-    rank, device = setup_distributed()
+    rank, device = parallel.setup_distributed()
     checkpoint.stop_with_launcher()
     stop = stop_on_signals(args, device)
     owner = checkpoint.FolderOwner(args.checkpoint_dir)
@@ -435,12 +305,9 @@ def main(args) -> None:
         # schedule, and the state to checkpoint. A failure on one rank stops
         # them all, instead of the others waiting in a collective
         with fail_together("setting up", keep_own_error=True):
-            layout = build_layout(args, device)
+            layout = parallel.build_layout(args, device)
             stages = build_stages(args, layout, device, seed=args.seed)
-            runs = stages if args.schedule in LOOPED else stages[0]
-            schedule = SCHEDULES[args.schedule](
-                runs, args.microbatches, loss_fn=loss_fn
-            )
+            schedule = parallel.build_schedule(args, stages)
             state = build_state(args, stages, load_text(args.data))
         # own the checkpoint folder: one job writes it, a second is refused
         owner.acquire()
@@ -450,10 +317,8 @@ def main(args) -> None:
         # --async-save, in the background, one save at a time
         saver = None
         if args.async_save:
-            keep, mesh = args.keep_last, layout.mesh
-            saver = checkpoint.AsyncSaver(
-                args.checkpoint_dir, keep_last=keep, mesh=mesh
-            )
+            folder, keep = args.checkpoint_dir, args.keep_last
+            saver = checkpoint.AsyncSaver(folder, keep_last=keep, mesh=layout.mesh)
         train(args, state, stages, schedule, device, layout, saver, stop)
         if saver is not None:
             saver.close()  # waits for the last save, then publishes it
