@@ -83,3 +83,24 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(tmp_path):
         if row["method"] == "pippy_sync":
             assert all(0 < row[p] < row["wall_s"] for p in parts), row
             assert sum(row[p] for p in parts) <= row["wall_s"] * 1.01, row
+
+
+def test_the_gpu_check_runs_dry_on_the_cpu():
+    """bench/gpu_check.sh --dry: the GPU check's three rows, on gloo and the CPU."""
+    proc = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--dry"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = dict(
+        tuple(cell.strip() for cell in line.split("|"))
+        for line in proc.stdout.splitlines()
+        if line.count("|") == 1
+    )
+    assert rows["example, 2 ranks (gloo, CPU)"].startswith("ok, verified bitwise")
+    assert rows["stop at 2, resume to 4"] == "resumed; last step bitwise"
+    assert rows["async blocking / bare copy"].endswith("x")
