@@ -104,3 +104,23 @@ def test_the_gpu_check_runs_dry_on_the_cpu():
     assert rows["example, 2 ranks (gloo, CPU)"].startswith("ok, verified bitwise")
     assert rows["stop at 2, resume to 4"] == "resumed; last step bitwise"
     assert rows["async blocking / bare copy"].endswith("x")
+
+
+def test_the_overlap_benchmark_runs_every_mode(tmp_path):
+    """bench/overlap.py on a tiny stage: its one row, every mode's ratio."""
+    cmd = [sys.executable, "bench/overlap.py", "--out-dir", str(tmp_path)]
+    cmd += ["--mb-per-rank", "1", "--compute", "0.05", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads((tmp_path / "results.json").read_text())
+    assert {k.split("/")[1] for k in run["results"]} == {
+        "none",
+        "sync",
+        "async",
+        "copy",
+    }
+    row = (tmp_path / "results.md").read_text().splitlines()[-1]
+    assert row.startswith("| 0.05 |") and row.count("x") == 4

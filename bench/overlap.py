@@ -1,0 +1,192 @@
+"""A save every step, hidden behind a step whose compute leaves the CPU idle.
+
+On an accelerator a training step's compute runs on the device while the CPU
+waits; a background save can use that idle CPU. This loop has that shape on
+the CPU: each step updates the real state in place (AdamW over a stage of
+about ``--mb-per-rank`` MB of weights and moments), then waits ``--compute``
+seconds with the CPU idle, as a host waits for a GPU step. Per compute time it
+runs, in the same processes and in turns:
+
+* ``none``: no saving;
+* ``sync``: ``checkpoint.save_stage`` after every step;
+* ``async``: ``checkpoint.AsyncSaver.save`` after every step (``poll()`` each
+  step; a save waits for the previous one), the last one waited for in time;
+* ``copy``: a bare copy of every tensor into buffers allocated beforehand,
+  the floor of what a save must block for.
+
+It reports the mean step time of each (slowest rank) over ``none``'s, and the
+async save's blocking part (until ``save`` returns) over the bare copy's.
+Targets (issue 24): async every step <= 1.05x, its blocking part <= 1.0x the
+bare copy, async < sync.
+
+    python bench/overlap.py --out-dir bench/results-overlap     # ~3 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pippy import checkpoint
+
+MODES = ("none", "sync", "async", "copy")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(mb: float, rank: int) -> checkpoint.StageState:
+    """A stage of Linear layers of this rank's own FQNs, ~mb MB with AdamW state."""
+    dim = 1024
+    layers = max(1, round(mb * 1e6 / (3 * 4 * dim * dim)))  # weights, 2 moments
+    blocks = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(layers)])
+    module = torch.nn.ModuleDict({f"stage{rank}": blocks})
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 1e-3)  # a fixed gradient: the update is real
+    optimizer.step()
+    return checkpoint.StageState(module, optimizer)
+
+
+def tensors(state_dict) -> list[torch.Tensor]:
+    """Every tensor of a nested state_dict."""
+    out: list[torch.Tensor] = []
+    for value in state_dict.values():
+        if isinstance(value, dict):
+            out += tensors(value)
+        elif isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+def run_mode(mode, state, compute, steps, work, saver, buffers) -> tuple[list, list]:
+    """`steps` steps of one mode: (step times, blocking times of its saves), s."""
+    step_times, blocked = [], []
+    dist.barrier()
+    for _ in range(steps):
+        start = time.perf_counter()
+        state.optimizer.step()  # the state changes in place, as in training
+        state.step += 1
+        time.sleep(compute)  # the device computes; the host is idle
+        saving = time.perf_counter()
+        if mode == "sync":
+            checkpoint.save_stage(state, work / "sync", keep_last=1)
+        elif mode == "async":
+            saver.save(state)
+        elif mode == "copy":
+            for src, dst in zip(tensors(state.state_dict()), buffers, strict=True):
+                dst.copy_(src)
+        if mode != "none":
+            blocked.append(time.perf_counter() - saving)
+        if mode == "async":
+            saver.poll()
+        step_times.append(time.perf_counter() - start)
+    if mode == "async":  # the last save's wait counts in the mode's time
+        start = time.perf_counter()
+        saver.wait()
+        step_times[-1] += time.perf_counter() - start
+    return step_times, blocked
+
+
+def rank_main(opts) -> None:
+    """Every compute time, every mode in turn; rank 0 writes the results."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = build(opts.mb_per_rank, rank)
+    buffers = [torch.empty_like(t) for t in tensors(state.state_dict())]
+    work = Path(opts.work_dir)
+    saver = checkpoint.AsyncSaver(work / "async", keep_last=1)
+    results = {}
+    for compute in opts.compute:
+        run_mode("sync", state, 0.0, 1, work, saver, buffers)  # warm-up saves
+        run_mode("async", state, 0.0, 1, work, saver, buffers)
+        for mode in MODES:
+            times, blocked = run_mode(
+                mode, state, compute, opts.steps, work, saver, buffers
+            )
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, (times, blocked))
+            results[f"{compute}/{mode}"] = everyone
+            if rank == 0:
+                print(f"compute {compute} s, {mode}: {sum(times):.2f} s")
+    saver.close()
+    nbytes = sum(t.numel() * t.element_size() for t in buffers)
+    if rank == 0:
+        out = {"ranks": world, "bytes_per_rank": nbytes, "results": results}
+        Path(opts.result).write_text(json.dumps(out | {"compute": opts.compute}))
+    dist.destroy_process_group()
+
+
+def _slowest(run: dict, compute: float, mode: str, part: int) -> float:
+    """The slowest rank's mean step (part 0) or median blocking time (part 1)."""
+    ranks = run["results"][f"{compute}/{mode}"]
+    if part == 0:
+        return max(sum(r[0]) / len(r[0]) for r in ranks)
+    return max(statistics.median(r[1]) for r in ranks)
+
+
+def table(run: dict) -> str:
+    """Mean step time per mode (x none) and async blocking / bare copy."""
+    lines = ["| compute s | none s | sync | async | copy | async blocks / copy |"]
+    lines.append("|---|---|---|---|---|---|")
+    for compute in run["compute"]:
+        step = {m: _slowest(run, compute, m, 0) for m in MODES}
+        cells = [f"{compute:g}", f"{step['none']:.3f}"]
+        cells += [f"{step[m] / step['none']:.3f}x" for m in ("sync", "async", "copy")]
+        blocked = _slowest(run, compute, "async", 1) / _slowest(run, compute, "copy", 1)
+        cells.append(f"{blocked:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Launches the ranks, then prints and writes the table."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--out-dir", default="bench/results-overlap", help="results.json, .md")
+    add("--ranks", type=int, default=2, help="ranks, one stage each")
+    add("--mb-per-rank", type=float, default=150, help="weights and AdamW state")
+    add("--compute", type=float, nargs="+", default=[0.5, 2.0], help="idle s/step")
+    add("--steps", type=int, default=5, help="timed steps per mode")
+    add("--timeout", type=int, default=900, help="seconds for the launch")
+    add("--rank-run", action="store_true", help=argparse.SUPPRESS)
+    add("--work-dir", help=argparse.SUPPRESS)
+    add("--result", help=argparse.SUPPRESS)
+    opts = p.parse_args()
+    if opts.rank_run:
+        return rank_main(opts)
+    out = Path(opts.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="overlap-") as work:
+        result = Path(work, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc-per-node={opts.ranks}", __file__, "--rank-run"]
+        cmd += ["--mb-per-rank", str(opts.mb_per_rank), "--steps", str(opts.steps)]
+        cmd += ["--compute", *map(str, opts.compute), "--work-dir", work]
+        cmd += ["--result", str(result)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, check=True, env=env, timeout=opts.timeout, cwd=ROOT)
+        run = json.loads(result.read_text())
+    command = "python bench/overlap.py " + " ".join(sys.argv[1:])
+    mb = run["bytes_per_rank"] / 1e6
+    text = (
+        f"Command: `{command.strip()}`, {time.perf_counter() - start:.0f} s, "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, P={run['ranks']}, "
+        f"{mb:.0f} MB/rank.\n\nMean step time (x none):\n\n{table(run)}\n"
+    )
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(run, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
