@@ -16,12 +16,27 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
 from pippy.checkpoint.manifest import ManifestWriter  # noqa: E402
+from pippy.checkpoint.publishing import publish_step  # noqa: E402
 
 from helpers import run_checks  # noqa: E402
+
+_MESH = []
+
+
+def shared(step, placement):
+    """``model.shared.w``, one DTensor over both ranks, placed as asked."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    if not _MESH:
+        _MESH.append(init_device_mesh("cpu", (dist.get_world_size(),)))
+    full = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+    return distribute_tensor(full, _MESH[0], [placement])
 
 
 def stage(
@@ -35,11 +50,12 @@ def stage(
     frozen=False,
     note="short",
     keys_of=None,
+    placement=None,
 ):
     """A rank's state at a step: values new at every step, layout as asked."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     owner = rank if keys_of is None else keys_of
-    model = {}
+    model = {} if placement is None else {"shared.w": shared(step, placement)}
     if not removed:
         model[f"layers.{owner}.w"] = torch.randn(4, 4, generator=g).to(dtype)
     model[f"layers.{owner}.b"] = torch.randn(b_len, generator=g).requires_grad_(frozen)
@@ -48,13 +64,20 @@ def stage(
     return {"model": model, "notes": {f"rank{owner}": note}, "step": step}
 
 
+def _whole(value):
+    """A leaf as saved: a DTensor whole (a collective), a tensor detached."""
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor().detach()
+    return value.detach() if torch.is_tensor(value) else value
+
+
 def flat(state):
-    """The state's leaves under DCP's dotted keys, detached."""
+    """The state's leaves under DCP's dotted keys, whole and detached."""
     out = {}
     for section, value in state.items():
         if isinstance(value, dict):
             for k, v in value.items():
-                out[f"{section}.{k}"] = v.detach() if torch.is_tensor(v) else v
+                out[f"{section}.{k}"] = _whole(v)
         else:
             out[section] = value
     return out
@@ -86,6 +109,14 @@ SEQUENCE = [
     (19, {}, "threads2", "fresh"),  # the writer's settings
     (20, {}, "threads2", "reused"),
     (21, {}, None, "fresh"),
+    # A DTensor over both ranks: its chunking changes, then it is replicated
+    # (each rank offers it whole; DCP's global plan has one rank write it).
+    (22, {r: dict(placement=Shard(0)) for r in (0, 1)}, None, "fresh"),
+    (23, {r: dict(placement=Shard(0)) for r in (0, 1)}, None, "reused"),
+    (24, {r: dict(placement=Shard(1)) for r in (0, 1)}, None, "fresh"),
+    (25, {r: dict(placement=Replicate()) for r in (0, 1)}, None, "fresh"),
+    (26, {r: dict(placement=Replicate()) for r in (0, 1)}, None, "reused"),
+    (27, {}, None, "fresh"),
 ]
 
 
@@ -120,14 +151,21 @@ def _save(cache, out, rank, step, changes, kind, group=None, folder="ckpt"):
     state = stage(rank, step, **changes.get(rank, {}))
     made, reused = cache.plans_made, cache.plans_reused
     SAID.lines.clear()
-    checkpoint.save_stage(
-        state,
-        out / folder,
-        step=step,
-        plan_cache=cache,
-        storage_writer=writer_for(kind, out / "unused", step),
-        process_group=group,
-    )
+    if "placement" in changes.get(rank, {}):
+        # A DTensor under one key on both ranks, which check_keys would take
+        # for a collision without a mesh of pipeline and data-parallel dims:
+        # the save sequence spelled out, the cache in place of dcp.save.
+        with publish_step(out / folder, step) as writer:
+            cache.save(state, storage_writer=writer, checkpoint_id=writer.path)
+    else:
+        checkpoint.save_stage(
+            state,
+            out / folder,
+            step=step,
+            plan_cache=cache,
+            storage_writer=writer_for(kind, out / "unused", step),
+            process_group=group,
+        )
     torch.save(flat(state), out / "expected" / f"{folder}-{step}-rank{rank}.pt")
     return {
         "step": step,
