@@ -288,7 +288,8 @@ def targets_table(checks: list[dict]) -> str:
 
 def case_cells(s: dict) -> list[str]:
     """The first cells of a save case's row: degree, case and MB per rank."""
-    return [str(s["ranks"]), s["case"], f"{s['bytes_per_rank'] / MB:.0f}"]
+    mb = s["bytes_per_rank"] / MB
+    return [str(s["ranks"]), s["case"], f"{mb:.0f}" if mb >= 10 else f"{mb:.2g}"]
 
 
 def headline_table(summary: list[dict]) -> str:
