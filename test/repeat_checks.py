@@ -117,6 +117,8 @@ SEQUENCE = [
     (25, {r: dict(placement=Replicate()) for r in (0, 1)}, None, "fresh"),
     (26, {r: dict(placement=Replicate()) for r in (0, 1)}, None, "reused"),
     (27, {}, None, "fresh"),
+    (28, {1: dict(forget=True)}, None, "fresh"),  # rank 1 dropped its plan
+    (29, {}, None, "reused"),
 ]
 
 
@@ -148,7 +150,10 @@ SAID = Said()
 
 def _save(cache, out, rank, step, changes, kind, group=None, folder="ckpt"):
     """One save_stage with the cache; its expected state and the cache's counts."""
-    state = stage(rank, step, **changes.get(rank, {}))
+    change = dict(changes.get(rank, {}))
+    if change.pop("forget", False):
+        cache.forget()
+    state = stage(rank, step, **change)
     made, reused = cache.plans_made, cache.plans_reused
     SAID.lines.clear()
     if "placement" in changes.get(rank, {}):

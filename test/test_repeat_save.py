@@ -4,7 +4,8 @@ One launch of 2 ranks (test/repeat_checks.py) saves a sequence of steps with
 one cache: unchanged layouts reuse the plan, and every change (a dtype, a
 shape, a key added or removed, requires_grad, keys moved between ranks, the
 writer's settings, the group of ranks, caches of different saves, a
-DTensor's chunking) plans afresh on every rank. Here, in another process, plain DCP (FileSystemReader,
+DTensor's chunking, a rank that forgot its plan) plans afresh on every
+rank. Here, in another process, plain DCP (FileSystemReader,
 no pippy) reads every step back, bitwise equal to what each rank saved.
 """
 
@@ -158,6 +159,7 @@ def test_the_log_says_why_a_save_planned_afresh(repeat_ranks):
         "planning afresh: rank 0: 'model.shared.w' changed (properties or chunks); "
         "rank 1: 'model.shared.w' changed (properties or chunks)"
     ]
+    assert said[28] == ["planning afresh: rank 1: no plan kept"]
     assert said[42] == [
         "planning afresh: rank 1: its kept plan is another save's than the "
         "coordinator's"

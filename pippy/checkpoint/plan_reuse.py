@@ -210,6 +210,15 @@ class SavePlanCache:
     ``.metadata`` is the one ``dcp.save`` would write: plain ``dcp.load``
     reads it.
 
+    What plans afresh: any change of a key, a tensor's shape, dtype or other
+    property DCP records (``requires_grad``, ...), its chunks (a DTensor's
+    placements or mesh), the state_dict's nesting, the writer's class,
+    ``thread_count`` or format, or the process group's ranks; a rank without
+    a kept plan (a new cache, :meth:`forget`, a failed save); caches of
+    different saves on different ranks. Non-tensor items are written anew
+    each time, whatever their type and size. Why it planned is logged at
+    INFO by the coordinator (``pippy.checkpoint.plan_reuse``).
+
     Attributes:
         plans_made: Saves that planned afresh (the first included).
         plans_reused: Saves that reused the kept plan.
@@ -219,7 +228,8 @@ class SavePlanCache:
         (pippy's ``ManifestWriter``) with ``single_file_per_rank=True`` (the
         default); with any other writer every save plans afresh. A change of
         layout costs one more round and, on the ranks whose layout did not
-        change, one more write of their items. One save at a time per cache.
+        change, one more write of their items. One save at a time per cache;
+        :class:`~pippy.checkpoint.AsyncSaver` takes no cache yet.
     """
 
     def __init__(self) -> None:
@@ -350,7 +360,9 @@ class SavePlanCache:
         """``dcp.save`` with DCP's default planner; its plan kept where it can be."""
         why = "; ".join(f"rank {r}: {reasons[r]}" for r in sorted(reasons))
         if group.rank == 0:
-            first = all(v == "no plan kept" for v in reasons.values())
+            first = len(reasons) == group.size and all(
+                v == "no plan kept" for v in reasons.values()
+            )
             logger.log(
                 logging.DEBUG if first else logging.INFO, "planning afresh: %s", why
             )
