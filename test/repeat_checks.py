@@ -232,5 +232,34 @@ def check_failure(out: Path, rank: int, world_size: int) -> dict:
     }
 
 
+def check_async(out: Path, rank: int, world_size: int) -> dict:
+    """AsyncSaver with a cache: repeats reuse the plan, a dtype change plans."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    (out / "expected").mkdir(exist_ok=True)
+    cache = checkpoint.SavePlanCache()
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    saver = checkpoint.AsyncSaver(out / "async", plan_cache=cache, async_stager=stager)
+    wide = {1: dict(dtype=torch.float64)}
+    saves = []
+    for step, changes in ((1, {}), (2, {}), (3, wide), (4, wide)):
+        state = stage(rank, step, **changes.get(rank, {}))
+        made, reused = cache.plans_made, cache.plans_reused
+        saver.save(state, step)
+        saver.wait()
+        saves.append(
+            {
+                "step": step,
+                "made": cache.plans_made - made,
+                "reused": cache.plans_reused - reused,
+            }
+        )
+        torch.save(flat(state), out / "expected" / f"async-{step}-rank{rank}.pt")
+    saver.close()
+    return {"saves": saves}
+
+
 if __name__ == "__main__":
-    run_checks({"sequence": check_sequence, "failure": check_failure})
+    run_checks(
+        {"sequence": check_sequence, "failure": check_failure, "async": check_async}
+    )

@@ -42,7 +42,7 @@ NO_MANIFEST = {50, 51}  # DCP's own FileSystemWriter
 def repeat_ranks(tmp_path_factory):
     """One launch of 2 ranks for the checks below (starting ranks is slow)."""
     out = tmp_path_factory.mktemp("repeat")
-    torchrun(2, CHECKS, "sequence,failure", out)
+    torchrun(2, CHECKS, "sequence,failure,async", out)
     return out
 
 
@@ -178,6 +178,17 @@ def test_a_failed_repeat_save_fails_on_every_rank_and_the_next_plans(repeat_rank
     step = repeat_ranks / "failing" / "step-4"
     expected = _expected(repeat_ranks, "failing", 4)
     assert _bitwise_diff(plain_read(step), expected) == []
+
+
+def test_the_async_saver_reuses_the_plan_and_plans_on_a_change(repeat_ranks):
+    for result in _results(repeat_ranks, "async"):
+        got = [_outcome(s) for s in result["saves"]]
+        assert got == ["fresh", "reused", "fresh", "reused"]
+    for step in (1, 2, 3, 4):
+        path = repeat_ranks / "async" / f"step-{step}"
+        expected = _expected(repeat_ranks, "async", step)
+        assert _bitwise_diff(plain_read(path), expected) == [], f"step-{step}"
+        assert checkpoint.verify_step(path) > 0
 
 
 def test_in_one_process_and_with_a_planner(tmp_path):

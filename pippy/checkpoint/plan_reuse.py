@@ -202,7 +202,8 @@ class SavePlanCache:
 
     Keep one per kind of save (its state_dict's layout) for the whole run and
     pass it to every save, on every rank: ``save_stage(..., plan_cache=cache)``,
-    or :meth:`save` in place of ``dcp.save`` inside
+    ``AsyncSaver(..., plan_cache=cache)``, or :meth:`save` in place of
+    ``dcp.save`` inside
     :func:`~pippy.checkpoint.publishing.publish_step`. The first save plans
     as ``dcp.save`` does (``DefaultSavePlanner``); a repeat of the same
     layout skips DCP's plan exchange and the broadcast of ``.metadata``
@@ -228,8 +229,8 @@ class SavePlanCache:
         (pippy's ``ManifestWriter``) with ``single_file_per_rank=True`` (the
         default); with any other writer every save plans afresh. A change of
         layout costs one more round and, on the ranks whose layout did not
-        change, one more write of their items. One save at a time per cache;
-        :class:`~pippy.checkpoint.AsyncSaver` takes no cache yet.
+        change, one more write of their items. One save at a time per cache
+        (:class:`~pippy.checkpoint.AsyncSaver` takes one: ``plan_cache=``).
     """
 
     def __init__(self) -> None:
