@@ -25,7 +25,7 @@ from harness import (
     fsync_path,
     tensors_of,
 )
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from writers import (
     Crc32Writer,
@@ -61,12 +61,15 @@ def sync_save(
     planner: DefaultSavePlanner | None = None,
     *,
     writer: type[Marks] = TimedWriter,
+    plan_cache: checkpoint.SavePlanCache | None = None,
     **writer_kwargs: Any,
 ) -> dict[str, float]:
     """``checkpoint.save_stage`` into ``folder``, its time split into parts.
 
     ``writer``: the storage writer (pippy's, or a variant of ``writers.py``),
-    built with ``writer_kwargs`` (``thread_count``, ...).
+    built with ``writer_kwargs`` (``thread_count``, ...); ``plan_cache``: a
+    kept ``SavePlanCache`` (then *dcp_plan* is the local plan and its
+    comparison, *dcp_finish* the one gather, ``.metadata`` and the broadcast).
 
     Returns:
         Seconds of each part: ``pippy`` (``state_dict()``, the key check and
@@ -83,7 +86,12 @@ def sync_save(
     with dcp_save_span() as listener:
         start = time.perf_counter()
         checkpoint.save_stage(
-            state, folder, step=STEP, storage_writer=storage, planner=planner
+            state,
+            folder,
+            step=STEP,
+            storage_writer=storage,
+            planner=planner,
+            plan_cache=plan_cache,
         )
         end = time.perf_counter()
     if listener.span is None:
@@ -104,6 +112,42 @@ def sync_method(ctx: Ctx, name: str, *, cached: bool = False, **variant: Any) ->
 
     def run() -> dict:
         return {"parts": sync_save(ctx.state, ctx.work / name, planner, **variant)}
+
+    return Method(run=run, cleanup=ctx.remover(name))
+
+
+def repeat_method(ctx: Ctx, name: str) -> Method:
+    """:func:`sync_save` with one ``SavePlanCache`` kept across repeats.
+
+    Its plan is made once, by an untimed save before the first repeat, so
+    every timed save is a repeat save of an unchanged layout.
+    """
+    cache = checkpoint.SavePlanCache()
+
+    def prepare() -> None:
+        if cache.plans_made == 0:
+            sync_save(ctx.state, ctx.work / f"{name}-plan", plan_cache=cache)
+            ctx.remover(f"{name}-plan")()
+
+    def run() -> dict:
+        parts = sync_save(ctx.state, ctx.work / name, plan_cache=cache)
+        if cache.plans_made != 1:  # a timed save that planned: not a repeat
+            raise RuntimeError(f"{name}: the kept plan was not reused")
+        return {"parts": parts}
+
+    return Method(run=run, prepare=prepare, cleanup=ctx.remover(name))
+
+
+def dcp_save(ctx: Ctx, name: str) -> Method:
+    """Baseline: plain ``dcp.save`` of the same state, DCP's own writer and planner.
+
+    The state is taken as pippy takes it (``StageState.state_dict()``), inside
+    the timed region; no key check, manifest or publishing.
+    """
+    folder = ctx.work / name / f"step-{STEP}"
+
+    def run() -> None:
+        dcp.save(ctx.state.state_dict(), storage_writer=FileSystemWriter(folder))
 
     return Method(run=run, cleanup=ctx.remover(name))
 
@@ -372,6 +416,8 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "pippy_sync_nomanifest": sync_method(
             ctx, "pippy_sync_nomanifest", writer=PlainTimedWriter
         ),
+        "pippy_sync_repeat": repeat_method(ctx, "pippy_sync_repeat"),
+        "dcp_save": dcp_save(ctx, "dcp_save"),
         "pippy_async_tuned": async_method(ctx, "pippy_async_tuned", tuned=True),
         "torch_save_stage": torch_save_stage(ctx, "torch_save_stage"),
         "gather_rank0": gather_rank0(ctx, "gather_rank0", keep),

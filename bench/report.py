@@ -29,6 +29,7 @@ REFERENCES = {
     "x_ref_load": "load_same",
     "x_torch_load_stage": "load_torch_stage",
     "x_torch_load": "torch_load_full",
+    "x_dcp_save": "dcp_save",
 }
 # The options tried against pippy's sync save (writers.py, methods.py).
 SYNC_VARIANTS = (
@@ -37,6 +38,7 @@ SYNC_VARIANTS = (
     "pippy_sync_threads2",
     "pippy_sync_cached",
     "pippy_sync_nomanifest",
+    "pippy_sync_repeat",
 )
 # The parts of a sync save's time that methods.sync_save reports, in order.
 PARTS = ("pippy_s", "dcp_plan_s", "dcp_write_s", "dcp_finish_s")
@@ -156,6 +158,9 @@ def save_checks(summary: list[dict]) -> list[dict]:
         wanted += [("pippy_sync / raw_write", 1.3)] if mb >= 400 else []
         wanted += [("pippy part / raw_write", 0.1)] if mb >= 100 else []
         wanted = [] if "keys" in sync["case"] else wanted
+        if mb < 1:  # fixed costs: pippy's save, and a repeat with the kept plan
+            wanted += [("pippy_sync / dcp_save", 1.1)]
+            wanted += [("pippy_sync_repeat / dcp_save", 0.5)]
         wanted += [
             ("pippy_sync / pippy_sync_nomanifest", 1.1),  # computing checksums
             ("load_same / load_same_unverified", 1.1),  # verifying them
@@ -283,7 +288,8 @@ def targets_table(checks: list[dict]) -> str:
 
 def case_cells(s: dict) -> list[str]:
     """The first cells of a save case's row: degree, case and MB per rank."""
-    return [str(s["ranks"]), s["case"], f"{s['bytes_per_rank'] / MB:.0f}"]
+    mb = s["bytes_per_rank"] / MB
+    return [str(s["ranks"]), s["case"], f"{mb:.0f}" if mb >= 10 else f"{mb:.2g}"]
 
 
 def headline_table(summary: list[dict]) -> str:
@@ -325,7 +331,7 @@ def parts_table(summary: list[dict]) -> str:
     rows = []
     for m in save_cases(summary):
         raw = m["raw_write"]["wall_s"]
-        for name in ("pippy_sync", *SYNC_VARIANTS[:3]):
+        for name in ("pippy_sync", *SYNC_VARIANTS[:3], "pippy_sync_repeat"):
             s = m[name]
             fixed = sum(s[part] for part in PARTS if part != "dcp_write_s")
             items = s["items_per_rank"]
@@ -341,6 +347,33 @@ def parts_table(summary: list[dict]) -> str:
                     f"{fixed:.3f} ({fixed / raw:.2f})",
                 ]
             )
+    return markdown(head, rows)
+
+
+def fixed_cost_table(summary: list[dict]) -> str:
+    """Per degree and size: pippy's save and a repeat save against ``dcp.save``.
+
+    A repeat save reuses the plan ``checkpoint.SavePlanCache`` kept; at small
+    stages the time is the fixed cost per save, and the rows by P show how it
+    grows with the number of ranks.
+    """
+    head = ["P", "case", "MB/rank", "items/rank", "dcp_save s"]
+    head += ["pippy_sync s (x dcp_save)", "pippy_sync_repeat s (x dcp_save)"]
+    head += ["repeat: dcp_plan + dcp_finish s"]
+    rows = []
+    for m in save_cases(summary):
+        dcp, sync, repeat = m["dcp_save"], m["pippy_sync"], m["pippy_sync_repeat"]
+        fixed = repeat["dcp_plan_s"] + repeat["dcp_finish_s"]
+        rows.append(
+            [
+                *case_cells(sync),
+                str(sync["items_per_rank"]),
+                f"{dcp['wall_s']:.3f}",
+                f"{sync['wall_s']:.3f} ({sync['x_dcp_save']:.2f})",
+                f"{repeat['wall_s']:.3f} ({repeat['x_dcp_save']:.2f})",
+                f"{fixed:.3f}",
+            ]
+        )
     return markdown(head, rows)
 
 
@@ -390,6 +423,8 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
         f"(one writer, 512 MiB + fsync) {machine['disk_probe_gb_per_s']:.2f} GB/s, "
         f"{machine['seconds']} s in all.\n\n"
         f"## Saves\n\n{headline_table(summary)}\n\n"
+        "## Fixed cost per save: pippy and a repeat save against plain dcp.save\n\n"
+        f"{fixed_cost_table(summary)}\n\n"
         "## Where a sync save's time goes (median seconds of the slowest rank)\n\n"
         f"{parts_table(summary)}\n\n"
         "## Extra RSS per rank, MB (highest over ranks and repeats)\n\n"

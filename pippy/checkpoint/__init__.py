@@ -10,17 +10,20 @@ union over ranks is the whole model and no key is offered by two ranks.
 
 This package exports what a training job needs: :class:`StageState`;
 :func:`save_stage`, :func:`load_stage` and :func:`find_latest_step`;
-:class:`AsyncSaver`; :class:`FolderOwner`, :class:`StopSignal` and
-:func:`stop_with_launcher`; :func:`read_checkpoint` and :func:`load_model`
-(one process); :func:`export_hf` and :func:`convert_layout`;
-:func:`verify_step` and :func:`diff_state_dicts`; and the errors. The gears
-stay importable from their modules, one idea per module:
+:class:`AsyncSaver`; :class:`SavePlanCache` (repeat saves of one layout);
+:class:`FolderOwner`, :class:`StopSignal` and :func:`stop_with_launcher`;
+:func:`read_checkpoint` and :func:`load_model` (one process);
+:func:`export_hf` and :func:`convert_layout`; :func:`verify_step` and
+:func:`diff_state_dicts`; and the errors. The gears stay importable from
+their modules, one idea per module:
 
 * :mod:`~pippy.checkpoint.api`: the one save sequence and the one load
   sequence, and the pieces they are made of (:func:`~.api.take_state`,
   :func:`~.api.publish_step`, :func:`~.api.open_step`,
   :func:`~.api.load_into`), which a script that spells ``dcp.save`` and
   ``dcp.load`` out composes.
+* :mod:`~pippy.checkpoint.plan_reuse`: a repeat save of an unchanged
+  layout with the previous save's plan, and a fresh plan on any change.
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
@@ -67,6 +70,7 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
+from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.steps import find_latest_step
@@ -80,6 +84,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "FolderOwner",
     "KeyCollisionError",
+    "SavePlanCache",
     "StageState",
     "StopSignal",
     "UnsafeCheckpointError",

@@ -43,6 +43,7 @@ from pippy.checkpoint.layouts import (
     to_torchtitan,
 )
 from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.stage_state import StageState
@@ -142,6 +143,7 @@ def save_stage(
     mesh: DeviceMesh | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
+    plan_cache: SavePlanCache | None = None,
 ) -> Any:
     """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
 
@@ -165,19 +167,27 @@ def save_stage(
             ``publish_step`` gives (loads verify it by default). Its path is
             set to the staging folder.
         planner: DCP's save planner; None uses ``DefaultSavePlanner``.
+        plan_cache: Kept across saves (the same object at every save, on
+            every rank): a repeat save of an unchanged layout reuses the
+            previous save's plan (:class:`~pippy.checkpoint.SavePlanCache`).
 
     Returns:
         The published step folder (a ``Path`` for a local folder).
 
     Raises:
         ValueError, KeyCollisionError: As :func:`take_state`; nothing is
-            written.
+            written. Also: both ``planner`` and ``plan_cache`` given.
         CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`
             (also: ``checkpoint_dir`` is a URL; object stores cannot publish
             a step atomically yet).
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
     """
+    if planner is not None and plan_cache is not None:
+        raise ValueError(
+            "save_stage: pass planner or plan_cache, not both (a kept plan is "
+            "DefaultSavePlanner's); drop planner to reuse plans"
+        )
     state_dict, step = take_state(
         state, step=step, process_group=process_group, mesh=mesh
     )
@@ -185,13 +195,21 @@ def save_stage(
         checkpoint_dir, step, keep_last=keep_last, process_group=process_group
     ) as writer:
         start = time.perf_counter()
-        dcp.save(
-            state_dict,
-            checkpoint_id=writer.path,
-            storage_writer=storage_writer or writer,
-            planner=planner,
-            process_group=process_group,
-        )
+        if plan_cache is None:
+            dcp.save(
+                state_dict,
+                checkpoint_id=writer.path,
+                storage_writer=storage_writer or writer,
+                planner=planner,
+                process_group=process_group,
+            )
+        else:  # the previous save's plan, if the layout did not change
+            plan_cache.save(
+                state_dict,
+                checkpoint_id=writer.path,
+                storage_writer=storage_writer or writer,
+                process_group=process_group,
+            )
         end = time.perf_counter()
         logger.debug(
             "dcp.save of step-%d took %.3f s",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pippy.checkpoint.api import gc_paused, take_state
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import StepFolder, discard, prepare_step, publish
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.storage import Location
@@ -71,6 +72,11 @@ class AsyncSaver:
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
         async_stager: How state is copied; None keeps one ``DefaultStager``
             that copies before ``save`` returns (see the note).
+        plan_cache: If set, each save after the first of an unchanged layout
+            reuses the previous save's plan
+            (:class:`~pippy.checkpoint.SavePlanCache`, written by its
+            ``save`` in a thread of this saver's instead of
+            ``dcp.async_save``'s).
 
     Note:
         The default stager copies the state into CPU buffers that are
@@ -91,8 +97,10 @@ class AsyncSaver:
         process_group: dist.ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
         async_stager: AsyncStager | None = None,
+        plan_cache: SavePlanCache | None = None,
     ):
         self.checkpoint_dir = checkpoint_dir
+        self.plan_cache = plan_cache
         self.keep_last = keep_last
         self.mesh = mesh
         self._own_group = process_group is None and dist.is_initialized()
@@ -148,13 +156,17 @@ class AsyncSaver:
         folder = prepare_step(self.checkpoint_dir, step, self.process_group)
         try:
             with explain_failures(f"saving step-{step}"):
-                response = dcp.async_save(
-                    state_dict,
-                    checkpoint_id=folder.staging,
-                    storage_writer=ManifestWriter(folder.staging, step=step),
-                    process_group=self.process_group,
-                    async_stager=self._stager,
-                )
+                writer = ManifestWriter(folder.staging, step=step)
+                if self.plan_cache is not None:
+                    response = self._save_with_plan(state_dict, writer)
+                else:
+                    response = dcp.async_save(
+                        state_dict,
+                        checkpoint_id=folder.staging,
+                        storage_writer=writer,
+                        process_group=self.process_group,
+                        async_stager=self._stager,
+                    )
         except BaseException:
             discard(folder, self.process_group)
             raise
@@ -167,6 +179,34 @@ class AsyncSaver:
         else:
             self._pending = (response, None, folder)
         return folder.staging
+
+    def _save_with_plan(
+        self, state_dict: dict[str, Any], writer: ManifestWriter
+    ) -> Future | AsyncSaveResponse:
+        """Stages with the saver's stager, then ``plan_cache.save`` in a thread."""
+        staged = self._stager.stage(state_dict)
+        cache, group = self.plan_cache, self.process_group
+        assert cache is not None
+
+        def write() -> None:
+            copy = staged.result() if isinstance(staged, Future) else staged
+            cache.save(copy, storage_writer=writer, process_group=group)
+
+        executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
+        upload = executor.submit(write)
+        executor.shutdown(wait=False)  # its one thread ends with the save
+        if isinstance(staged, Future):  # staging goes on in the background
+            done: Future = Future()
+
+            def relay(f: Future) -> None:
+                error = f.exception()
+                done.set_exception(error) if error else done.set_result(None)
+
+            staged.add_done_callback(relay)
+            return AsyncSaveResponse(staging_completion=done, upload_completion=upload)
+        if self._stager.should_synchronize_after_execute:
+            self._stager.synchronize_staging()
+        return upload
 
     def wait_for_staging(self) -> None:
         """Waits until the state of the save in flight has been copied.
