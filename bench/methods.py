@@ -37,6 +37,7 @@ from writers import (
 )
 
 from pippy import checkpoint
+from pippy.checkpoint import plan_reuse
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.collisions import check_keys
 from pippy.checkpoint.steps import step_dir
@@ -61,7 +62,7 @@ def sync_save(
     planner: DefaultSavePlanner | None = None,
     *,
     writer: type[Marks] = TimedWriter,
-    plan_cache: checkpoint.SavePlanCache | None = None,
+    plan_cache: plan_reuse.SavePlanCache | None = None,
     **writer_kwargs: Any,
 ) -> dict[str, float]:
     """``checkpoint.save_stage`` into ``folder``, its time split into parts.
@@ -122,7 +123,7 @@ def repeat_method(ctx: Ctx, name: str) -> Method:
     Its plan is made once, by an untimed save before the first repeat, so
     every timed save is a repeat save of an unchanged layout.
     """
-    cache = checkpoint.SavePlanCache()
+    cache = plan_reuse.SavePlanCache()
 
     def prepare() -> None:
         if cache.plans_made == 0:

@@ -353,7 +353,7 @@ def parts_table(summary: list[dict]) -> str:
 def fixed_cost_table(summary: list[dict]) -> str:
     """Per degree and size: pippy's save and a repeat save against ``dcp.save``.
 
-    A repeat save reuses the plan ``checkpoint.SavePlanCache`` kept; at small
+    A repeat save reuses the plan ``plan_reuse.SavePlanCache`` kept; at small
     stages the time is the fixed cost per save, and the rows by P show how it
     grows with the number of ranks.
     """

@@ -20,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
+from pippy.checkpoint import plan_reuse  # noqa: E402
 from pippy.checkpoint.manifest import ManifestWriter  # noqa: E402
 from pippy.checkpoint.publishing import publish_step  # noqa: E402
 
@@ -183,7 +184,7 @@ def _save(cache, out, rank, step, changes, kind, group=None, folder="ckpt"):
 def check_sequence(out: Path, rank: int, world_size: int) -> dict:
     """Saves of SEQUENCE, then a change of the group, then mixed-up caches."""
     (out / "expected").mkdir(exist_ok=True)
-    cache = checkpoint.SavePlanCache()
+    cache = plan_reuse.SavePlanCache()
     saves = [_save(cache, out, rank, s, c, k) for s, c, k, _ in SEQUENCE]
     # What dcp.save itself writes for the states of two reused saves.
     for step in (2, 18):
@@ -199,7 +200,7 @@ def check_sequence(out: Path, rank: int, world_size: int) -> dict:
     # Two caches, each planned for its own layout; then each rank passes
     # another: every local plan equals its kept one, but they belong to
     # different saves.
-    other = checkpoint.SavePlanCache()
+    other = plan_reuse.SavePlanCache()
     wide = {1: dict(dtype=torch.float64)}
     saves.append(_save(other, out, rank, 40, wide, None))
     saves.append(_save(cache, out, rank, 41, {}, None))
@@ -213,7 +214,7 @@ def check_sequence(out: Path, rank: int, world_size: int) -> dict:
 def check_failure(out: Path, rank: int, world_size: int) -> dict:
     """A repeat save that fails on rank 1 only reaches every rank; the next plans."""
     (out / "expected").mkdir(exist_ok=True)
-    cache = checkpoint.SavePlanCache()
+    cache = plan_reuse.SavePlanCache()
     saves = [_save(cache, out, rank, s, {}, None, folder="failing") for s in (1, 2)]
     state = stage(rank, 3, note=(lambda: None) if rank == 1 else "short")
     reused = cache.plans_reused
@@ -237,7 +238,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     (out / "expected").mkdir(exist_ok=True)
-    cache = checkpoint.SavePlanCache()
+    cache = plan_reuse.SavePlanCache()
     stager = DefaultStager(StagingOptions(False, False, False, False))
     saver = checkpoint.AsyncSaver(out / "async", plan_cache=cache, async_stager=stager)
     wide = {1: dict(dtype=torch.float64)}

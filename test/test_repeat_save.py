@@ -1,4 +1,4 @@
-"""Repeat saves with a kept plan (checkpoint.SavePlanCache), on real ranks.
+"""Repeat saves with a kept plan (plan_reuse.SavePlanCache), on real ranks.
 
 One launch of 2 ranks (test/repeat_checks.py) saves a sequence of steps with
 one cache: unchanged layouts reuse the plan, and every change (a dtype, a
@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from pippy import checkpoint
+from pippy.checkpoint import plan_reuse
 
 from helpers import plain_read, torchrun
 from repeat_checks import SEQUENCE, flat, stage
@@ -192,7 +193,7 @@ def test_the_async_saver_reuses_the_plan_and_plans_on_a_change(repeat_ranks):
 
 
 def test_in_one_process_and_with_a_planner(tmp_path):
-    cache = checkpoint.SavePlanCache()
+    cache = plan_reuse.SavePlanCache()
     for step in (1, 2):
         checkpoint.save_stage(stage(0, step), tmp_path, step=step, plan_cache=cache)
     assert (cache.plans_made, cache.plans_reused) == (1, 1)

@@ -10,7 +10,7 @@ union over ranks is the whole model and no key is offered by two ranks.
 
 This package exports what a training job needs: :class:`StageState`;
 :func:`save_stage`, :func:`load_stage` and :func:`find_latest_step`;
-:class:`AsyncSaver`; :class:`SavePlanCache` (repeat saves of one layout);
+:class:`AsyncSaver`;
 :class:`FolderOwner`, :class:`StopSignal` and :func:`stop_with_launcher`;
 :func:`read_checkpoint` and :func:`load_model` (one process);
 :func:`export_hf` and :func:`convert_layout`; :func:`verify_step` and
@@ -22,8 +22,9 @@ their modules, one idea per module:
   :func:`~.api.publish_step`, :func:`~.api.open_step`,
   :func:`~.api.load_into`), which a script that spells ``dcp.save`` and
   ``dcp.load`` out composes.
-* :mod:`~pippy.checkpoint.plan_reuse`: a repeat save of an unchanged
-  layout with the previous save's plan, and a fresh plan on any change.
+* :mod:`~pippy.checkpoint.plan_reuse`: ``SavePlanCache``, a repeat save of
+  an unchanged layout with the previous save's plan (``save_stage(...,
+  plan_cache=)``, ``AsyncSaver(plan_cache=)``), a fresh plan on any change.
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
@@ -70,7 +71,6 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
-from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.steps import find_latest_step
@@ -84,7 +84,6 @@ __all__ = [
     "CheckpointNotFoundError",
     "FolderOwner",
     "KeyCollisionError",
-    "SavePlanCache",
     "StageState",
     "StopSignal",
     "UnsafeCheckpointError",

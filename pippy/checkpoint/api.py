@@ -169,7 +169,7 @@ def save_stage(
         planner: DCP's save planner; None uses ``DefaultSavePlanner``.
         plan_cache: Kept across saves (the same object at every save, on
             every rank): a repeat save of an unchanged layout reuses the
-            previous save's plan (:class:`~pippy.checkpoint.SavePlanCache`).
+            previous save's plan (:class:`~pippy.plan_reuse.SavePlanCache`).
 
     Returns:
         The published step folder (a ``Path`` for a local folder).

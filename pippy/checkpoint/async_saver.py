@@ -74,7 +74,7 @@ class AsyncSaver:
             that copies before ``save`` returns (see the note).
         plan_cache: If set, each save after the first of an unchanged layout
             reuses the previous save's plan
-            (:class:`~pippy.checkpoint.SavePlanCache`, written by its
+            (:class:`~pippy.plan_reuse.SavePlanCache`, written by its
             ``save`` in a thread of this saver's instead of
             ``dcp.async_save``'s).
 
