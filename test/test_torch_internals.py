@@ -27,6 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.serialization import get_crc32_options, set_crc32_options
 
 from pippy.checkpoint.safe_load import _METADATA_GLOBALS
+from pippy.checkpoint.storage import CRC32_PER_THREAD, no_crc32
 
 
 class _Recorder(pickle.Unpickler):
@@ -108,7 +109,8 @@ def test_compute_local_shape_and_global_offset_gives_shape_then_offset():
         dist.destroy_process_group()
 
 
-def test_crc32_options_are_per_thread():
+def test_crc32_options_are_per_thread_where_pippy_says_so():
+    # storage.no_crc32 turns torch.save's CRC-32 off only where it is per thread.
     seen = []
     previous = get_crc32_options()
     set_crc32_options(False)
@@ -116,10 +118,21 @@ def test_crc32_options_are_per_thread():
         other = threading.Thread(target=lambda: seen.append(get_crc32_options()))
         other.start()
         other.join()
-        assert (get_crc32_options(), seen) == (False, [True])
+        assert get_crc32_options() is False
+        assert seen == [previous if CRC32_PER_THREAD else False]
     finally:
         set_crc32_options(previous)
     assert get_crc32_options() is previous
+
+
+def test_no_crc32_leaves_other_threads_and_the_setting_alone():
+    seen = []
+    with no_crc32():
+        assert get_crc32_options() is (not CRC32_PER_THREAD)
+        other = threading.Thread(target=lambda: seen.append(get_crc32_options()))
+        other.start()
+        other.join()
+    assert seen == [True] and get_crc32_options() is True
 
 
 def test_a_weights_only_refusal_names_the_global_as_load_planner_parses_it():
