@@ -29,6 +29,7 @@ from torch.serialization import get_crc32_options
 from pippy import checkpoint
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.steps import step_dir
+from pippy.checkpoint.storage import CRC32_PER_THREAD
 
 SEEDS = {0: 10, 1: 11}
 
@@ -117,7 +118,10 @@ def test_torch_crc32_is_off_only_while_writing(saved):
         for key, where in item_ranges(folder).items():
             with zipfile.ZipFile(io.BytesIO(item_bytes(folder, where))) as archive:
                 crcs = {info.filename: info.CRC for info in archive.infolist()}
-            assert set(crcs.values()) == {0}, (step, key, crcs)
+            if CRC32_PER_THREAD:
+                assert set(crcs.values()) == {0}, (step, key, crcs)
+            else:  # torch 2.10, 2.11: the setting is the process's; kept on
+                assert 0 not in crcs.values(), (step, key, crcs)
 
 
 @pytest.mark.parametrize("step", [1, 2])

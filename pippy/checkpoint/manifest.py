@@ -136,7 +136,9 @@ class ManifestWriter(FileSystemWriter):
     Note:
         The zip records of the items carry no CRC-32 (their fields are zero):
         a zip tool that tests them reports errors, while ``torch.load`` and
-        ``dcp.load`` read them as before.
+        ``dcp.load`` read them as before. On torch 2.10 and 2.11, whose
+        setting is the whole process's, they keep it
+        (:func:`~pippy.checkpoint.storage.no_crc32`).
     """
 
     def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:

@@ -17,15 +17,32 @@ A ``.metadata`` that still cannot be read is refused by
 :func:`newer_torch_refusal` with the versions named, where the manifest says
 a newer torch wrote it, instead of being called damaged.
 
-Private torch names pippy relies on, each checked on torch 2.10, 2.13 and
-2.15 by the suite (test/test_golden.py reads steps those versions wrote):
-``torch.distributed.checkpoint.state_dict._get_fqns`` (optimizer keys by
-FQN), ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
-(a shard's place, for the replica check),
-``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URL reads),
-and ``torch.serialization.set_crc32_options`` being per thread (a
-ContextVar in torch 2.13; the manifest tests check a ``torch.save`` elsewhere
-keeps its CRC-32).
+Private torch names pippy relies on, each with a test in
+test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
+2.14 and 2.15 (test/golden/version_matrix.py runs that file under each):
+
+* ``torch.distributed.checkpoint.state_dict._get_fqns`` (optimizer keys by
+  FQN, :mod:`~pippy.checkpoint.optim_layout`);
+* ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
+  (a shard's place, for the replica check in
+  :mod:`~pippy.checkpoint.collisions`);
+* ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URL reads
+  and writes, :mod:`~pippy.checkpoint.storage.url`);
+* in ``.metadata``, the globals the safe reader allows
+  (:mod:`~pippy.checkpoint.safe_load`): ``filesystem._StorageInfo``,
+  ``metadata._MEM_FORMAT_ENCODING``, ``torch.serialization._get_layout``,
+  and no others than those listed there; ``_StorageInfo``'s
+  ``relative_path``, ``offset`` and ``length``, which the manifest reads;
+* ``FileSystemWriter`` and ``FileSystemReader``'s ``fs`` and ``path`` fields,
+  which pippy's writer and reader replace, and the writer's ``sync_files``;
+* the text of ``torch.load(weights_only=True)``'s refusal, ``GLOBAL
+  module.name``, which the load planner parses to name the global;
+* ``torch.serialization.set_crc32_options`` being per thread (a
+  ContextVar since torch 2.13; a ``torch.save`` elsewhere keeps its CRC-32);
+* an LR scheduler's ``_last_lr`` list in its state (compared per group);
+* ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules``,
+  ``_non_persistent_buffers_set``, ``_state_dict_hooks`` and
+  ``_state_dict_pre_hooks`` (stage merging, meta builds, buffer checks).
 """
 
 from __future__ import annotations

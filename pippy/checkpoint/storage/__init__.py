@@ -32,8 +32,10 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.serialization import get_crc32_options, set_crc32_options
+from torch.torch_version import TorchVersion
 
 from pippy.checkpoint.errors import CheckpointDirError
 
@@ -137,15 +139,31 @@ class Storage(Protocol):
         ...
 
 
+#: Whether torch keeps ``torch.save``'s CRC-32 setting per thread: from torch
+#: 2.12 on (a ContextVar in its config module); torch 2.10 and 2.11 have one
+#: setting for the whole process.
+CRC32_PER_THREAD = TorchVersion(torch.__version__) >= "2.12"
+
+
 @contextmanager
 def no_crc32() -> Iterator[None]:
     """This thread's ``torch.save`` skips its CRC-32 for the block.
 
     ``torch.load`` never checks it (pytorch/pytorch#126952); pippy's manifest
-    holds a CRC-32C of every item instead. torch 2.13 keeps the setting per
-    thread (a ContextVar), so a ``torch.save`` elsewhere in the process,
-    meanwhile, is unaffected.
+    holds a CRC-32C of every item instead. torch keeps the setting per thread
+    from 2.12 on, so a ``torch.save`` elsewhere in the process, meanwhile, is
+    unaffected.
+
+    Note:
+        On torch 2.10 and 2.11 (:data:`CRC32_PER_THREAD` false) the block
+        changes nothing: there the setting is the whole process's, so turning
+        it off would drop the CRC-32 of every other thread's ``torch.save``
+        meanwhile, and two writer threads restoring it in turn could leave it
+        off for good.
     """
+    if not CRC32_PER_THREAD:
+        yield
+        return
     previous = get_crc32_options()
     set_crc32_options(False)
     try:
