@@ -23,6 +23,9 @@ Private torch names pippy relies on, each checked on torch 2.10, 2.13 and
 FQN), ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
 (a shard's place, for the replica check),
 ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URL reads),
+``torch.distributed.distributed_c10d._get_default_store`` (the store that
+:mod:`~pippy.checkpoint.stall` waits on; checked on torch 2.13 only, by
+test/test_stall.py, which fails if it is gone or not shared by the ranks),
 and ``torch.serialization.set_crc32_options`` being per thread (a
 ContextVar in torch 2.13; the manifest tests check a ``torch.save`` elsewhere
 keeps its CRC-32).
