@@ -28,7 +28,8 @@ from pippy.checkpoint.api import load_into, open_step  # noqa: E402
 from pippy.checkpoint.load_planner import SafeLoadPlanner  # noqa: E402
 from pippy.checkpoint.steps import list_steps  # noqa: E402
 
-from helpers import run_checks  # noqa: E402
+import pippy_dcp  # noqa: E402
+from helpers import TINY_FLAGS, run_checks  # noqa: E402
 
 os.environ["PIPPY_WAIT_LOG_SECONDS"] = "1"  # pippy's waits log every second
 SLOW = 1
@@ -219,6 +220,31 @@ def check_load_timeout(out: Path, rank: int, world_size: int) -> dict:
     return result
 
 
+def check_example(out: Path, rank: int, world_size: int) -> dict:
+    """The example's save and load with --checkpoint-timeout 1, the slow rank
+    coming to each 2 s late."""
+    flags = ["--checkpoint-dir", str(out / "example"), "--checkpoint-timeout", "1"]
+    args = pippy_dcp.parse_args([*TINY_FLAGS, *flags])
+    device = torch.device("cpu")
+    layout = pippy_dcp.build_layout(args, device)
+    stages = pippy_dcp.build_stages(args, layout, device, seed=0)
+    state = pippy_dcp.build_state(args, stages, pippy_dcp.load_text(None))
+    pippy_dcp.save(state, args, layout.mesh)  # step-0, every rank on time
+    state.step = 1
+
+    def late(fn):
+        if rank == SLOW:
+            time.sleep(2.0)
+        fn()
+
+    saved = outcome(lambda: late(lambda: pippy_dcp.save(state, args, layout.mesh)))
+    path = out / "example" / "step-0"
+    wait = args.checkpoint_timeout  # as resume() passes it
+    loaded = outcome(lambda: late(lambda: pippy_dcp.load(state, path, timeout=wait)))
+    steps = sorted(list_steps(out / "example"))
+    return {"save": saved, "load": loaded, "steps": steps}
+
+
 def check_store(out: Path, rank: int, world_size: int) -> dict:
     """The private store getter pippy waits on: one store that all ranks share."""
     store = _get_default_store()
@@ -239,5 +265,6 @@ if __name__ == "__main__":
             "start_timeout": check_start_timeout,
             "load_logs": check_load_logs,
             "load_timeout": check_load_timeout,
+            "example": check_example,
         }
     )
