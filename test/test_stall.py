@@ -37,6 +37,13 @@ def results(tmp_path_factory):
     return out, found
 
 
+def logged(ranks):
+    """The lines logged, by the one rank that logs: one of those waiting."""
+    logging = [r for r, result in enumerate(ranks) if result["lines"]]
+    assert len(logging) == 1 and logging[0] != 1
+    return ranks[logging[0]]["lines"]
+
+
 def test_the_store_pippy_waits_on_is_one_store_all_ranks_share(results):
     _, found = results
     for rank in found["store"]:
@@ -45,7 +52,7 @@ def test_the_store_pippy_waits_on_is_one_store_all_ranks_share(results):
 
 def test_a_rank_slow_to_write_is_logged_every_interval_with_its_progress(results):
     _, found = results
-    lines = found["save_logs"][0]["lines"]
+    lines = logged(found["save_logs"])
     late = (
         "saving step-1: rank 1 not at write after {} s (rank 1: wrote 3 of 5 "
         "items, 0.5 of 1.0 MB); ranks 0, 2 waiting"
@@ -53,14 +60,13 @@ def test_a_rank_slow_to_write_is_logged_every_interval_with_its_progress(results
     assert [text for _, text in lines] == [late.format(1), late.format(2)]
     # Within the interval of 1 s, and again one interval later.
     assert 1.0 <= lines[0][0] < 1.9 and 2.0 <= lines[1][0] < 2.9
-    # Once per interval, by the first rank there; the save goes on.
-    assert found["save_logs"][1]["lines"] == found["save_logs"][2]["lines"] == []
+    # The save goes on.
     assert all(r["steps"] == [1] for r in found["save_logs"])
 
 
 def test_a_rank_slow_to_read_is_logged_with_its_progress(results):
     out, found = results
-    lines = found["load_logs"][0]["lines"]
+    lines = logged(found["load_logs"])
     path = out / "ckpt" / "step-1"
     late = (
         f"loading {path}: rank 1 not at read after {{}} s (rank 1: read 2 of 5 "
@@ -68,7 +74,6 @@ def test_a_rank_slow_to_read_is_logged_with_its_progress(results):
     )
     assert [text for _, text in lines] == [late.format(1), late.format(2)]
     assert 1.0 <= lines[0][0] < 1.9
-    assert found["load_logs"][1]["lines"] == found["load_logs"][2]["lines"] == []
     assert all(r["loaded"] for r in found["load_logs"])
 
 

@@ -10,8 +10,8 @@ the process group's key-value store (the c10d store that
 ``init_process_group`` made) and waits there, not in a collective:
 
 * every :func:`log_every` seconds (30 by default, ``PIPPY_WAIT_LOG_SECONDS``),
-  the lowest-numbered rank that is there logs one WARNING line naming the
-  ranks that are not, each with how far it is (items and bytes written or
+  the first rank that came logs one WARNING line naming the ranks that are
+  not, each with how far it is (items and bytes written or
   read so far, which pippy's storage writer and reader record as they go);
 * with a ``timeout``, at the deadline the operation is marked aborted in the
   store and every rank that is there raises one
@@ -27,9 +27,12 @@ fails within it. Such a group has timed out and is not fit for more
 collectives: end the job (a launcher restarts it from the last step).
 
 The cost on a normal save or load is a few store round trips per point (one
-``set``, one ``add``, one ``compare_set`` on the last rank to arrive, and a
-poll of one key), and one ``set`` at most every :data:`PROGRESS_EVERY_S`
-seconds while writing or reading; no collective.
+``set``, one ``add``, one ``compare_set`` on the last rank to arrive, one
+``wait`` that the store answers when that key is set, one ``get``), and one
+``set`` at most every :data:`PROGRESS_EVERY_S` seconds while writing or
+reading; no collective. A ``wait`` that times out (every log interval, on the
+rank that logs) makes c10d print two warnings of its own (``waitForInput ...
+likely a timeout``), as torch's own store-based barrier does.
 
 Note:
     The store is ``torch.distributed.distributed_c10d._get_default_store``, a
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -80,6 +84,8 @@ PROGRESS_EVERY_S = 0.1
 #: Seconds a collective may wait once its operation timed out.
 ABORT_WAIT_S = 1.0
 _GO = "go"
+# The longest single wait on the store (a rank waiting without a deadline).
+_LONGEST_WAIT_S = 600.0
 # The next point's number, per process group: ranks call points in one order.
 _next_point: dict[str, int] = {}
 # The operation whose writer or reader records progress and arrives.
@@ -207,6 +213,10 @@ class Waits:
     def arrive(self) -> None:
         """Waits at the point until every rank is there, logging those that are not.
 
+        The first rank to arrive logs, and at the deadline decides the
+        outcome; the others wait on the store for it (and, should that rank
+        be gone, decide themselves :data:`ABORT_WAIT_S` seconds later).
+
         Raises:
             CheckpointTimeout: ``timeout`` passed before every rank arrived, or
                 this rank arrived after another one's timeout: the ranks that
@@ -217,24 +227,38 @@ class Waits:
         start = time.monotonic()
         store, outcome = self.store, f"{self.prefix}/outcome"
         store.set(f"{self.prefix}/r{self.rank}", "there")
-        if store.add(f"{self.prefix}/count", 1) == len(self.ranks):
+        arrived = store.add(f"{self.prefix}/count", 1)
+        if arrived == len(self.ranks):
             store.compare_set(outcome, "", _GO)
-        pause, logged = 0.0005, start
-        while not store.check([outcome]):
+        first = arrived == 1
+        deadline = None
+        if self.timeout is not None:
+            deadline = start + self.timeout + (0.0 if first else ABORT_WAIT_S)
+        next_log = start + self.log_every if first else math.inf
+        while not self._wait_for(outcome, min(next_log, deadline or math.inf)):
             now = time.monotonic()
-            if self.timeout is not None and now - start >= self.timeout:
+            if deadline is not None and now >= deadline:
                 late, line = self._missing()
                 if late:  # else the last one is about to say go
                     store.compare_set(outcome, "", self._timeout_message(late, line))
-            if now - logged >= self.log_every:
-                logged = now
+                deadline = None
+            if now >= next_log:
+                next_log += self.log_every
                 self._log_missing(now - start)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
         result = store.get(outcome).decode()
         if result != _GO:
             self.timed_out = CheckpointTimeout(result)
             raise self.timed_out
+
+    def _wait_for(self, key: str, until: float) -> bool:
+        """Whether ``key`` was set before ``until`` (a ``time.monotonic()``)."""
+        # torch's own store-based barrier waits and logs this way, too.
+        seconds = min(until - time.monotonic(), _LONGEST_WAIT_S)
+        try:
+            self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
+        except dist.DistStoreError:  # the wait timed out; the store is fine
+            return False
+        return True
 
     def _missing(self) -> tuple[list[int], str]:
         """The ranks not at the point, and a line with how far each is."""
@@ -249,11 +273,11 @@ class Waits:
         return late, "; ".join(parts)
 
     def _log_missing(self, waited: float) -> None:
-        """Logs the ranks not there yet, once per interval, from the first one there."""
+        """Logs the ranks not there yet, with how far each is."""
         late, line = self._missing()
-        there = [r for r in self.ranks if r not in late]
-        if not late or self.rank != there[0]:
+        if not late:
             return
+        there = [r for r in self.ranks if r not in late]
         logger.warning(
             "%s: %s not at %s after %.0f s (%s); %s waiting",
             self.action,
