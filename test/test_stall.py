@@ -89,10 +89,12 @@ def test_a_save_times_out_on_every_rank_naming_the_stalled_one(results):
         assert rank["error"] == error
         assert rank["folder"] == ["step-1"]  # no step-2, no staging folder left
         assert rank["step1_untouched"]
-    # The others stop at the deadline, plus at most 1 s for DCP's collective
-    # that follows, before rank 1 even wakes (3.5 s in); rank 1 raises too.
+    # The others stop at the deadline (the first rank there keeps it: the
+    # others may have come a little later), plus at most 1 s for DCP's
+    # collective that follows, before rank 1 even wakes (3.5 s in); rank 1
+    # raises too.
     for rank in (0, 2):
-        assert 1.0 <= found["save_timeout"][rank]["seconds"] < 3.3
+        assert 0.9 <= found["save_timeout"][rank]["seconds"] < 3.3
     assert found["save_timeout"][1]["seconds"] >= 3.5
 
 
@@ -109,7 +111,7 @@ def test_a_rank_late_to_start_a_save_is_named_and_raises_too(results):
         # No rank entered a collective of the save: the group still works.
         assert rank["after"] == [0, 1, 2]
     for rank in (0, 2):
-        assert 1.0 <= found["start_timeout"][rank]["seconds"] < 2.0
+        assert 0.9 <= found["start_timeout"][rank]["seconds"] < 2.0
 
 
 def test_a_load_times_out_on_every_rank_naming_the_stalled_one(results):
@@ -123,7 +125,7 @@ def test_a_load_times_out_on_every_rank_naming_the_stalled_one(results):
     for rank in found["load_timeout"]:
         assert rank["error"] == error
     for rank in (0, 2):
-        assert 1.0 <= found["load_timeout"][rank]["seconds"] < 3.3
+        assert 0.9 <= found["load_timeout"][rank]["seconds"] < 3.3
     assert found["load_timeout"][1]["seconds"] >= 3.5
 
 
@@ -148,7 +150,7 @@ def test_the_examples_flag_bounds_its_save_and_its_load(results):
         assert found["example"][rank]["load"]["seconds"] < 2.0
 
 
-@pytest.mark.parametrize("bad", [0, -1, "30", True, timedelta(0)])
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "30", True, timedelta(0)])
 def test_a_timeout_that_is_not_a_positive_number_is_refused(bad):
     with pytest.raises(ValueError) as e:
         checkpoint.save_stage(helpers.linear_state(), "unused", step=1, timeout=bad)

@@ -109,7 +109,7 @@ def seconds(timeout: Timeout) -> float | None:
     if timeout is None:
         return None
     value = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(
             f"timeout must be a positive number of seconds or a timedelta, not "
             f"{timeout!r}; None waits without a deadline"
