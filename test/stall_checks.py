@@ -246,13 +246,26 @@ def check_example(out: Path, rank: int, world_size: int) -> dict:
 
 
 def check_store(out: Path, rank: int, world_size: int) -> dict:
-    """The private store getter pippy waits on: one store that all ranks share."""
+    """The private store getter pippy waits on: one store that all ranks share;
+    after 4 saves (8 points: start and write), only the last two points' keys
+    are left in it."""
     store = _get_default_store()
     store.set(f"stall-checks/{rank}", str(rank))
     dist.barrier()
+    group = dist.new_group(backend="gloo")
+    for step in range(1, 5):
+        state = stage(rank, step)
+        state.step = step
+        checkpoint.save_stage(state, out / "store-ckpt", process_group=group)
+    dist.barrier()
+    left = [
+        [store.check([f"pippy/{group.group_name}/{n}/{key}"]) for n in range(8)]
+        for key in ("count", "outcome", *(f"r{r}" for r in range(world_size)))
+    ]
     return {
         "is_store": isinstance(store, dist.Store),
         "seen": [store.get(f"stall-checks/{r}").decode() for r in range(world_size)],
+        "left": left,
     }
 
 

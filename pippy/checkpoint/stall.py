@@ -28,7 +28,9 @@ collectives: end the job (a launcher restarts it from the last step).
 
 The cost on a normal save or load is a few store round trips per point (one
 ``set``, one ``add``, one ``compare_set`` on the last rank to arrive, one
-``wait`` that the store answers when that key is set, one ``get``), and one
+``wait`` that the store answers when that key is set, one ``get``, and one
+``delete_key`` of the point before the last, two more on the last rank, so
+that the store does not grow with the job), and one
 ``set`` at most every :data:`PROGRESS_EVERY_S` seconds while writing or
 reading; no collective. A ``wait`` that times out (every log interval, on the
 rank that logs) makes c10d print two warnings of its own (``waitForInput ...
@@ -195,6 +197,8 @@ class Waits:
         number = _next_point.get(name, 0)
         _next_point[name] = number + 1
         self.prefix = f"pippy/{name}/{number}"
+        # Every rank at this point is past the one before the last.
+        self._older = f"pippy/{name}/{number - 2}" if number >= 2 else None
         self.store = _get_default_store()
         self._recorded = 0.0
 
@@ -249,6 +253,21 @@ class Waits:
         if result != _GO:
             self.timed_out = CheckpointTimeout(result)
             raise self.timed_out
+        self._forget_older(last=arrived == len(self.ranks))
+
+    def _forget_older(self, *, last: bool) -> None:
+        """Deletes the keys of the point before the last, which no rank reads again.
+
+        Every rank is at this point, so every rank read the older point's
+        outcome (and no rank still lists its arrivals); without this, a long
+        job's store would grow by a key per rank and save.
+        """
+        if self._older is None:
+            return
+        self.store.delete_key(f"{self._older}/r{self.rank}")
+        if last:
+            self.store.delete_key(f"{self._older}/count")
+            self.store.delete_key(f"{self._older}/outcome")
 
     def _wait_for(self, key: str, until: float) -> bool:
         """Whether ``key`` was set before ``until`` (a ``time.monotonic()``)."""
