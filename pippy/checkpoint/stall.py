@@ -1,40 +1,33 @@
 """Waiting for the other ranks of a save or load: who is late, how far, how long.
 
-A rank that is slow or stuck in a save or load used to leave the others
-waiting silently in a collective until gloo's or NCCL's own timeout (30 or 10
-minutes by default, hours where a job raised it). A rank blocked inside a
-collective cannot be interrupted, so pippy checks first: before the first
-collective of a save or load (``start``) and before DCP gathers what each
-rank wrote or read (``write``, ``read``), every rank records its arrival in
-the process group's key-value store (the c10d store that
-``init_process_group`` made) and waits there, not in a collective:
+A rank slow or stuck in a save or load used to leave the others waiting
+silently in a collective until gloo's or NCCL's own timeout (30 or 10 minutes
+by default). A rank blocked in a collective cannot be interrupted, so before
+the first collective of a save or load (``start``) and before DCP gathers
+what each rank wrote or read (``write``, ``read``), every rank records its
+arrival in the c10d store ``init_process_group`` made, and waits there:
 
-* every :func:`log_every` seconds (30 by default, ``PIPPY_WAIT_LOG_SECONDS``),
-  the first rank that came logs one WARNING line naming the ranks that are
-  not, each with how far it is (items and bytes written or
-  read so far, which pippy's storage writer and reader record as they go);
+* every :func:`log_every` seconds (30 by default, ``PIPPY_WAIT_LOG_SECONDS``)
+  the first rank there logs one WARNING line naming the ranks that are not,
+  with the items and bytes each has written or read (recorded as they go);
 * with a ``timeout``, at the deadline the operation is marked aborted in the
-  store and every rank that is there raises one
+  store and every rank there raises one
   :class:`~pippy.checkpoint.errors.CheckpointTimeout` naming the ranks that
-  did not arrive; a rank that arrives later reads the mark and raises the same
-  error, instead of entering a collective nobody joins.
+  did not arrive; one that arrives later reads the mark and raises it too,
+  instead of entering a collective nobody joins.
 
-Inside ``dcp.save`` or ``dcp.load`` (the ``write`` and ``read`` points), DCP
-catches any exception and still runs its next collective; so before raising
-there, a rank shortens its process group's timeout
-(``ProcessGroup.set_timeout``) to :data:`ABORT_WAIT_S`, and that collective
-fails within it. Such a group has timed out and is not fit for more
-collectives: end the job (a launcher restarts it from the last step).
+Inside ``dcp.save`` or ``dcp.load``, DCP catches any exception and still runs
+its next collective, so a rank that times out there first sets its group's
+timeout to :data:`ABORT_WAIT_S` (``ProcessGroup.set_timeout``); the group is
+then not fit for more collectives: end the job (a launcher restarts it).
 
-The cost on a normal save or load is a few store round trips per point (one
-``set``, one ``add``, one ``compare_set`` on the last rank to arrive, one
-``wait`` that the store answers when that key is set, one ``get``, and one
-``delete_key`` of the point before the last, two more on the last rank, so
-that the store does not grow with the job), and one
-``set`` at most every :data:`PROGRESS_EVERY_S` seconds while writing or
-reading; no collective. A ``wait`` that times out (every log interval, on the
-rank that logs) makes c10d print two warnings of its own (``waitForInput ...
-likely a timeout``), as torch's own store-based barrier does.
+A normal save or load costs a few store round trips per point (``set``,
+``add``, ``wait``, ``get``, ``delete_key`` of the point before the last; a
+``compare_set`` and two more deletes on the last rank there), and a ``set``
+at most every :data:`PROGRESS_EVERY_S` seconds while writing or reading; no
+collective. A ``wait`` that times out (each log interval, on the rank that
+logs) makes c10d print two warnings of its own (``waitForInput ... likely a
+timeout``), as torch's own store-based barrier does.
 
 Note:
     The store is ``torch.distributed.distributed_c10d._get_default_store``, a
@@ -284,7 +277,7 @@ class Waits:
         late, parts = [], []
         for rank in self.ranks:
             key = f"{self.prefix}/r{rank}"
-            status = store_value(self.store, key)
+            status = _store_value(self.store, key)
             if status == "there":
                 continue
             late.append(rank)
@@ -309,22 +302,13 @@ class Waits:
 
     def _timeout_message(self, late: list[int], line: str) -> str:
         """The one line every rank raises at the deadline."""
+        saving = self.action.startswith("saving")
+        undone = "The step is not published" if saving else "The stage is not loaded"
         return (
             f"{self.action} timed out: {_ranks(late)} did not arrive at {self.point} "
-            f"within {self.timeout:g} s ({line}). {self._aborted()}; find what "
-            "holds them (a slow disk, a hung process), or raise the timeout"
+            f"within {self.timeout:g} s ({line}). {undone}; find what holds them "
+            "(a slow disk, a hung process), or raise the timeout"
         )
-
-    def _aborted(self) -> str:
-        """What a timeout leaves undone: a save unpublished, a load unapplied."""
-        if self.action.startswith("saving"):
-            return "The step is not published"
-        return "The stage is not loaded"
-
-    def shorten_collectives(self) -> None:
-        """Makes the group's next collective fail within ``ABORT_WAIT_S`` seconds."""
-        if self.enabled and hasattr(self.group, "set_timeout"):  # torch >= 2.7
-            self.group.set_timeout(timedelta(seconds=ABORT_WAIT_S))
 
     def counting(self, planner: Any, sizes: Mapping[Any, int]) -> Any:
         """``planner``, recording progress as DCP hands it each item."""
@@ -338,12 +322,13 @@ class Waits:
         finally:
             try:
                 self.arrive()
-            except CheckpointTimeout:
-                self.shorten_collectives()  # DCP's own collective comes next
+            except CheckpointTimeout:  # DCP's own collective comes next: cut it short
+                if hasattr(self.group, "set_timeout"):  # public since torch 2.7
+                    self.group.set_timeout(timedelta(seconds=ABORT_WAIT_S))
                 raise
 
 
-def store_value(store: dist.Store, key: str) -> str | None:
+def _store_value(store: dist.Store, key: str) -> str | None:
     """The value of ``key`` in ``store``, or None if it is not set."""
     return store.get(key).decode() if store.check([key]) else None
 
@@ -351,11 +336,10 @@ def store_value(store: dist.Store, key: str) -> str | None:
 def start(
     action: str, *, timeout: Timeout, process_group: dist.ProcessGroup | None
 ) -> None:
-    """Waits until every rank has started ``action``, before its first collective.
+    """Waits for every rank to start ``action``, before its first collective.
 
     Raises:
-        ValueError: As :class:`Waits`.
-        CheckpointTimeout: As :meth:`Waits.arrive`.
+        ValueError, CheckpointTimeout: As :class:`Waits` and :meth:`Waits.arrive`.
     """
     Waits(action, "start", timeout=timeout, process_group=process_group).arrive()
 
