@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _get_default_store
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.serialization import get_crc32_options, set_crc32_options
@@ -105,6 +106,19 @@ def test_compute_local_shape_and_global_offset_gives_shape_then_offset():
             tensor.shape, tensor.device_mesh, tensor.placements
         )
         assert (tuple(shape), tuple(offset)) == ((4, 3), (0, 0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_get_default_store_is_the_default_groups_store():
+    """pippy.checkpoint.stall waits on it: a key-value store shared by the group."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        default = _get_default_store()
+        default.set("pippy/probe", b"1")
+        assert default.get("pippy/probe") == b"1"
+        assert default.check(["pippy/probe"])
     finally:
         dist.destroy_process_group()
 

@@ -30,6 +30,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
+
+
 def _signals(text: str) -> tuple:
     """SIGTERM,SIGUSR1 -> (signal.SIGTERM, signal.SIGUSR1); USR1 means SIGUSR1."""
     names = [n.strip().upper() for n in text.split(",") if n.strip()]
@@ -70,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     stop = "SIGTERM,SIGUSR1"
     add("--stop-signals", type=_signals, default=stop, help="on these: save, stop")
     add("--skip-damaged", action="store_true", help="resume past damaged steps")
+    wait = "seconds a save or load waits for a late rank, then fails naming it"
+    add("--checkpoint-timeout", type=_seconds, help=wait)
     args = p.parse_args(argv)
     looped = args.stages_per_rank > 1
     args.schedule = args.schedule or ("interleaved-1f1b" if looped else "gpipe")

@@ -104,17 +104,22 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
     # would lose a stage without a word, and diverged dp replicas would mix key
     # by key. take_state checks first: keys disjoint across the pipeline dim,
     # replicas equal across the dp dim, and the stored step is the one saved.
-    state_dict, step = take_state(state, mesh=mesh)
+    wait = args.checkpoint_timeout  # for a late rank; then all fail, naming it
+    state_dict, step = take_state(state, mesh=mesh, timeout=wait)
     # One checkpoint_id for all ranks: each writes its own file, rank 0 writes
     # .metadata (every key's file and offset). publish_step stages the files in
     # a hidden folder, fsynced, renamed to step-<N> once every rank is done; its
     # writer adds manifest.json, a CRC-32C of every item, which loads verify.
-    with publish_step(args.checkpoint_dir, step, keep_last=args.keep_last) as writer:
+    with publish_step(
+        args.checkpoint_dir, step, keep_last=args.keep_last, timeout=wait
+    ) as writer:
         dcp.save(state_dict, storage_writer=writer)
     return writer.written
 
 
-def load(state: checkpoint.StageState, path, *, weights_only=False) -> tuple:
+def load(
+    state: checkpoint.StageState, path, *, weights_only=False, timeout=None
+) -> tuple:
     """Every rank at once: fills its stage(s) from a step, in place.
     Returns the (tensors, bytes) loaded."""
     # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
@@ -125,7 +130,7 @@ def load(state: checkpoint.StageState, path, *, weights_only=False) -> tuple:
     # state_dict(), this stage's own tensors (AdamW's moments made empty), so
     # each rank reads only its keys; then applies it on every rank, or on none.
     target = checkpoint.StageState(state.module) if weights_only else state
-    with load_into(target, path) as state_dict:
+    with load_into(target, path, timeout=timeout) as state_dict:
         dcp.load(state_dict, storage_reader=reader, planner=planner)
     return checks.state_dict_size(state_dict)
 
@@ -149,7 +154,8 @@ def resume(state: checkpoint.StageState, args, layout) -> None:
             else f"starting from the weights of {source}"
         )
     start = time.perf_counter()
-    tensors, nbytes = load(state, source, weights_only=latest is None)
+    wait = args.checkpoint_timeout  # for a late rank; then all fail, naming it
+    tensors, nbytes = load(state, source, weights_only=latest is None, timeout=wait)
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {source}", start)
     # The schedule is a function of --steps, not saved: a raised --steps goes
     # on at this step of its own schedule (the same LR, bitwise, if unchanged).

@@ -52,6 +52,10 @@ their modules, one idea per module:
   :mod:`~pippy.checkpoint.async_saver`: one writer per folder (on an object
   store, a lease), a last save on preemption within the launcher's deadline,
   resuming past damaged steps on request; background saves.
+* :mod:`~pippy.checkpoint.stall`: a rank slow or stuck in a save or load;
+  the others wait for it in the c10d store, log how far it is, and with a
+  ``timeout`` all raise :class:`~pippy.checkpoint.errors.CheckpointTimeout`
+  (a ``CheckpointError`` and a ``TimeoutError``) naming it.
 * :mod:`~pippy.checkpoint.versions`: which torch and pippy wrote a step, and
   reading what another torch wrote.
 * :mod:`~pippy.checkpoint.errors`: the error classes; ``explain_failures`` and

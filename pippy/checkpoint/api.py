@@ -32,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.device_mesh import DeviceMesh
 
+from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.collisions import check_keys
 from pippy.checkpoint.errors import explain_failures, fail_together
@@ -47,6 +48,7 @@ from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.stage_state import StageState
+from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
 
@@ -90,6 +92,7 @@ def take_state(
     step: int | None = None,
     process_group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
+    timeout: Timeout = None,
 ) -> tuple[dict[str, Any], int]:
     """Takes the state to save and checks it, on every rank at once.
 
@@ -102,6 +105,8 @@ def take_state(
             dims, for :func:`~pippy.checkpoint.collisions.check_keys`: stages
             replicated over data-parallel ranks are compared, not taken for
             collisions.
+        timeout: Seconds (or a ``timedelta``) a rank waits for the others to
+            start saving (:mod:`~pippy.checkpoint.stall`); None: no deadline.
 
     Returns:
         ``(state_dict, step)``: what to pass to ``dcp.save``, and its step.
@@ -113,7 +118,10 @@ def take_state(
         CheckpointError: Taking the state failed on another rank.
         KeyCollisionError: As ``check_keys`` (also ``DivergedReplicasError``
             and ``NestedStateError``), on every rank.
+        CheckpointTimeout: Some rank did not start within ``timeout``.
     """
+    shown = step if step is not None else getattr(state, "step", "?")
+    stall.start(f"saving step-{shown}", timeout=timeout, process_group=process_group)
     # Taking the state runs on each rank alone: a refusal on one rank (its
     # parts' LR schedulers differ) stops all, not only the one.
     with fail_together("saving", process_group, keep_own_error=True):
@@ -144,6 +152,7 @@ def save_stage(
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
     plan_cache: SavePlanCache | None = None,
+    timeout: Timeout = None,
 ) -> Any:
     """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
 
@@ -169,7 +178,11 @@ def save_stage(
         planner: DCP's save planner; None uses ``DefaultSavePlanner``.
         plan_cache: Kept across saves (the same object at every save, on
             every rank): a repeat save of an unchanged layout reuses the
-            previous save's plan (:class:`~pippy.plan_reuse.SavePlanCache`).
+            previous save's plan
+            (:class:`~pippy.checkpoint.plan_reuse.SavePlanCache`).
+        timeout: Seconds (or a ``timedelta``) a rank waits for the others at
+            the start of the save and once it has written its items; None
+            (the default): no deadline. Late ranks are logged either way.
 
     Returns:
         The published step folder (a ``Path`` for a local folder).
@@ -182,18 +195,16 @@ def save_stage(
             a step atomically yet).
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
+        CheckpointTimeout: As :func:`~pippy.checkpoint.publishing.publish_step`.
     """
     if planner is not None and plan_cache is not None:
         raise ValueError(
             "save_stage: pass planner or plan_cache, not both (a kept plan is "
             "DefaultSavePlanner's); drop planner to reuse plans"
         )
-    state_dict, step = take_state(
-        state, step=step, process_group=process_group, mesh=mesh
-    )
-    with publish_step(
-        checkpoint_dir, step, keep_last=keep_last, process_group=process_group
-    ) as writer:
+    ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
+    state_dict, step = take_state(state, step=step, mesh=mesh, **ranks)
+    with publish_step(checkpoint_dir, step, keep_last=keep_last, **ranks) as writer:
         start = time.perf_counter()
         if plan_cache is None:
             dcp.save(
@@ -319,6 +330,7 @@ def load_into(
     path: Location,
     *,
     process_group: dist.ProcessGroup | None = None,
+    timeout: Timeout = None,
 ) -> Iterator[dict[str, Any]]:
     """Gives the stage's state_dict to fill, then applies it on every rank or none.
 
@@ -335,6 +347,11 @@ def load_into(
             without an optimizer loads the weights alone.
         path: The step it is read from, for the messages.
         process_group: The ranks that load; the default group if None.
+            ``dcp.load`` in the body must run on the same group.
+        timeout: Seconds (or a ``timedelta``) a rank waits for the others at
+            the start of the load and, reading with pippy's reader, once it
+            has read its items (:mod:`~pippy.checkpoint.stall`); None: no
+            deadline. Late ranks are logged either way, with their progress.
 
     Yields:
         The state_dict to pass to ``dcp.load``.
@@ -342,10 +359,15 @@ def load_into(
     Raises:
         CheckpointError: ``dcp.load`` failed on some rank, or applying
             refused on some rank (one line per rank), on every rank.
+        CheckpointTimeout: Some rank was not there within ``timeout``, on
+            every rank, naming it; nothing is applied. After one inside
+            ``dcp.load`` the group is not fit for more collectives.
+        ValueError: ``timeout`` is not a positive number.
     """
-    state_dict = state.state_dict()
-    with explain_failures(f"loading {path}"):
-        yield state_dict
+    with stall.loading(f"loading {path}", timeout, process_group):
+        state_dict = state.state_dict()
+        with explain_failures(f"loading {path}"):
+            yield state_dict
     with fail_together(f"loading {path}", process_group):
         state.load_state_dict(state_dict)
 
@@ -358,6 +380,7 @@ def load_stage(
     trusted: bool | None = None,
     verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    timeout: Timeout = None,
 ) -> dict[str, Any]:
     """Loads a step into this rank's stage, on every rank.
 
@@ -375,6 +398,8 @@ def load_stage(
         trusted: As :func:`open_step`.
         verify: As :func:`open_step`.
         process_group: The ranks that load; the default group if None.
+        timeout: As :func:`load_into`; None (the default) waits without a
+            deadline.
 
     Returns:
         The state_dict as loaded (tensors are the stage's own).
@@ -385,6 +410,7 @@ def load_stage(
         CheckpointError: It is damaged or does not match the stage (keys,
             shapes, dtypes, optimizer or param groups): on every rank, one
             line per rank that refused.
+        CheckpointTimeout: As :func:`load_into`.
     """
 
     def read(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -399,6 +425,8 @@ def load_stage(
         return state_dict
 
     if not isinstance(state, StageState):  # a plain state_dict: filled, no more
-        return read(state)
-    with load_into(state, path, process_group=process_group) as state_dict:
+        with stall.loading(f"loading {path}", timeout, process_group):
+            return read(state)
+    ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
+    with load_into(state, path, **ranks) as state_dict:
         return read(state_dict)

@@ -33,6 +33,7 @@ from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import StepFolder, discard, prepare_step, publish
 from pippy.checkpoint.stage_state import StageState
+from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.storage import Location
 
 __all__ = ["AsyncSaver"]
@@ -74,9 +75,16 @@ class AsyncSaver:
             that copies before ``save`` returns (see the note).
         plan_cache: If set, each save after the first of an unchanged layout
             reuses the previous save's plan
-            (:class:`~pippy.plan_reuse.SavePlanCache`, written by its
-            ``save`` in a thread of this saver's instead of
+            (:class:`~pippy.checkpoint.plan_reuse.SavePlanCache`, written by
+            its ``save`` in a thread of this saver's instead of
             ``dcp.async_save``'s).
+        timeout: Seconds (or a ``timedelta``) ``save`` waits for every rank
+            to start saving, as :func:`~pippy.checkpoint.api.take_state`;
+            None waits without a deadline. The background write has no
+            deadline of its own.
+
+    Raises:
+        ValueError: ``timeout`` is not a positive number.
 
     Note:
         The default stager copies the state into CPU buffers that are
@@ -98,11 +106,13 @@ class AsyncSaver:
         mesh: DeviceMesh | None = None,
         async_stager: AsyncStager | None = None,
         plan_cache: SavePlanCache | None = None,
+        timeout: Timeout = None,
     ):
         self.checkpoint_dir = checkpoint_dir
         self.plan_cache = plan_cache
         self.keep_last = keep_last
         self.mesh = mesh
+        self.timeout = seconds(timeout)
         self._own_group = process_group is None and dist.is_initialized()
         if self._own_group:
             process_group = dist.new_group(backend="gloo")
@@ -147,11 +157,17 @@ class AsyncSaver:
             ValueError, KeyCollisionError: As
                 :func:`~pippy.checkpoint.api.take_state`; nothing is written.
             CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`.
+            CheckpointTimeout: Some rank did not start saving within the
+                timeout; nothing is written.
         """
         self.wait()
         self._started = time.perf_counter()
         state_dict, step = take_state(
-            state, step=step, process_group=self.process_group, mesh=self.mesh
+            state,
+            step=step,
+            process_group=self.process_group,
+            mesh=self.mesh,
+            timeout=self.timeout,
         )
         folder = prepare_step(self.checkpoint_dir, step, self.process_group)
         try:

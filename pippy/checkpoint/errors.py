@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointDirInUseError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointTimeout",
     "DivergedReplicasError",
     "KeyCollisionError",
     "NestedStateError",
@@ -79,6 +80,14 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No complete checkpoint where one was asked for."""
 
 
+class CheckpointTimeout(CheckpointError, TimeoutError):
+    """Some ranks did not arrive at a save or load within its timeout.
+
+    The message names them, how far each was, the action and the step; every
+    rank that waited raises the same one (see :mod:`~pippy.checkpoint.stall`).
+    """
+
+
 class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """A checkpoint holds a pickled object that could run code when loaded."""
 
@@ -116,6 +125,7 @@ def explain_failures(action: str) -> Iterator[None]:
 
     Raises:
         UnsafeCheckpointError: Some rank refused a pickle (the first message).
+        CheckpointTimeout: Some rank gave up waiting for the others.
         CheckpointError: Any other failure: one line per failed rank with the
             exception's type and message.
     """
@@ -124,8 +134,8 @@ def explain_failures(action: str) -> Iterator[None]:
     except CheckpointException as e:
         failures = {rank: exc for rank, (exc, _trace) in sorted(e.failures.items())}
         for exc in failures.values():
-            if isinstance(exc, UnsafeCheckpointError):
-                raise UnsafeCheckpointError(str(exc)) from None
+            if isinstance(exc, UnsafeCheckpointError | CheckpointTimeout):
+                raise type(exc)(str(exc)) from None
         raise _failed_on(
             action,
             {r: f"{type(x).__name__}: {_message(x)}" for r, x in failures.items()},

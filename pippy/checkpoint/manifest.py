@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import DurableFileSystem, Location, is_url, storage_for
@@ -155,7 +156,27 @@ class ManifestWriter(FileSystemWriter):
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
-        """Writes this rank's items as DCP does, then checksums them as written."""
+        """Writes this rank's items as DCP does, then checksums them as written.
+
+        Inside :func:`~pippy.checkpoint.publishing.publish_step`, the items
+        written so far are recorded as they go, and the rank then waits for
+        the others (:mod:`~pippy.checkpoint.stall`) before DCP gathers the
+        results.
+
+        Raises:
+            CheckpointTimeout: Some rank did not finish writing in time.
+        """
+        waits = stall.active()
+        if waits is None:
+            return self._write_checksummed(plan, planner)
+        sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
+        with waits.inside_dcp():
+            return self._write_checksummed(plan, waits.counting(planner, sizes))
+
+    def _write_checksummed(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """DCP's ``write_data``, its results carrying each item's CRC-32C."""
         results = super().write_data(plan, planner).wait()
         tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
         lengths = [r.storage_data.length for r in results if r.index in tensors]

@@ -22,8 +22,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointDirError, explain_failures, on_coordinator
 from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.steps import (
     _holds_its_step,
     is_complete,
@@ -172,6 +174,7 @@ def publish_step(
     *,
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
+    timeout: Timeout = None,
 ) -> Iterator[ManifestWriter]:
     """Gives every rank a staging folder and publishes it as ``step-<step>``.
 
@@ -196,6 +199,12 @@ def publish_step(
         step: The step being saved.
         keep_last: If set, keep only this many newest complete steps.
         process_group: Group of the ranks that save; the default group if None.
+            ``dcp.save`` in the body must run on the same group.
+        timeout: Seconds (or a ``timedelta``) a rank that has written its
+            items waits for the others before the save is abandoned; None
+            waits without a deadline. Either way, every
+            :func:`~pippy.checkpoint.stall.log_every` seconds the ranks not
+            done are logged with what they wrote so far.
 
     Yields:
         A :class:`~pippy.checkpoint.manifest.ManifestWriter` of the staging
@@ -206,11 +215,19 @@ def publish_step(
             ``checkpoint_dir`` is a file, cannot be written, or is a URL (an
             object store cannot publish a step atomically yet).
         CheckpointError: ``dcp.save`` in the body failed on some rank.
+        CheckpointTimeout: Some rank had not written its items within
+            ``timeout``: on every rank that had, naming those that had not;
+            nothing is published. The group then holds a collective that
+            timed out: end the job.
+        ValueError: ``timeout`` is not a positive number.
     """
+    action = f"saving step-{step}"
+    stall.seconds(timeout)  # a bad timeout is refused before anything is made
     folder = prepare_step(checkpoint_dir, step, process_group)
     try:
-        with explain_failures(f"saving step-{step}"):
-            yield ManifestWriter(folder.staging, step=step)
+        with stall.waiting(action, "write", timeout, process_group):
+            with explain_failures(action):
+                yield ManifestWriter(folder.staging, step=step)
     except BaseException:
         discard(folder, process_group)
         raise

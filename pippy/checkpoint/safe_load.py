@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from pippy.checkpoint import stall
 from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -276,10 +277,27 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Checks the planned items against their checksums, then reads them.
 
+        Inside :func:`~pippy.checkpoint.api.load_into`, the items read so far
+        are recorded as they go, and the rank then waits for the others
+        (:mod:`~pippy.checkpoint.stall`) before DCP's next collective.
+
         Raises:
             CheckpointError: An item does not match its checksum, or the
                 ``step`` read is not the manifest's.
+            CheckpointTimeout: Some rank did not finish reading in time.
         """
+        waits = stall.active()
+        if waits is None:
+            return self._read_verified(plan, planner)
+        sizes = {
+            i.storage_index: self.storage_data[i.storage_index].length
+            for i in plan.items
+        }
+        with waits.inside_dcp():
+            return self._read_verified(plan, waits.counting(planner, sizes))
+
+    def _read_verified(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Checks the items against the manifest, then reads them as DCP does."""
         if self.manifest is None:
             return super().read_data(plan, planner)
         indices = [item.storage_index for item in plan.items]

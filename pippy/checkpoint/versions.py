@@ -37,8 +37,12 @@ test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
   which pippy's writer and reader replace, and the writer's ``sync_files``;
 * the text of ``torch.load(weights_only=True)``'s refusal, ``GLOBAL
   module.name``, which the load planner parses to name the global;
-* ``torch.serialization.set_crc32_options`` being per thread (a
-  ContextVar since torch 2.13; a ``torch.save`` elsewhere keeps its CRC-32);
+* ``torch.serialization.set_crc32_options`` being per thread from torch
+  2.12 on (``storage.CRC32_PER_THREAD``; on 2.10 and 2.11 it is one setting
+  per process, so ``no_crc32`` leaves it on there);
+* ``torch.distributed.distributed_c10d._get_default_store`` (the default
+  group's key-value store, which :mod:`~pippy.checkpoint.stall` waits on:
+  there is no public getter);
 * an LR scheduler's ``_last_lr`` list in its state (compared per group);
 * ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``, ``_state_dict_hooks`` and

@@ -1,0 +1,283 @@
+"""A rank put to sleep in a save or a load, on real ranks; launched with torchrun.
+
+    torchrun --nproc-per-node 3 test/stall_checks.py CHECK[,CHECK...] OUT_DIR
+
+As test/dist_checks.py: each rank writes OUT_DIR/<check>-rank<R>.json. Rank 1
+sleeps (SLOW): in DCP's hands, a third of the way through its items (a slow
+disk: every item takes 0.15 s, the third one seconds), or before the save
+starts. Each check runs on a gloo group of its own, since one whose save
+timed out inside DCP is left with a collective that timed out.
+"""
+
+import hashlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.distributed_c10d import _get_default_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
+from pippy import checkpoint  # noqa: E402
+from pippy.checkpoint.api import load_into, open_step  # noqa: E402
+from pippy.checkpoint.load_planner import SafeLoadPlanner  # noqa: E402
+from pippy.checkpoint.steps import list_steps  # noqa: E402
+
+import pippy_dcp  # noqa: E402
+from helpers import TINY_FLAGS, run_checks  # noqa: E402
+
+os.environ["PIPPY_WAIT_LOG_SECONDS"] = "1"  # pippy's waits log every second
+SLOW = 1
+PER_ITEM_S = 0.15
+TIMEOUT_S = 1.0
+
+
+class Lines(logging.Handler):
+    """The WARNING lines pippy's waits log, with the seconds since ``start``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.start = time.monotonic()
+        self.lines: list[tuple[float, str]] = []
+        logging.getLogger("pippy.checkpoint.stall").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((time.monotonic() - self.start, record.getMessage()))
+
+    def close(self) -> None:
+        logging.getLogger("pippy.checkpoint.stall").removeHandler(self)
+        super().close()
+
+
+def nap(rank: int, count: list[int], stall_s: float) -> None:
+    """On the slow rank: 0.15 s per item, and ``stall_s`` at the third."""
+    if rank == SLOW:
+        count[0] += 1
+        time.sleep(stall_s if count[0] == 3 else PER_ITEM_S)
+
+
+class SlowSaver(DefaultSavePlanner):
+    """DCP's planner, slow to hand over items on the slow rank."""
+
+    def __init__(self, rank: int, stall_s: float) -> None:
+        super().__init__()
+        self.rank, self.stall_s, self.count = rank, stall_s, [0]
+
+    def resolve_data(self, write_item):
+        if write_item.tensor_data is not None:
+            nap(self.rank, self.count, self.stall_s)
+        return super().resolve_data(write_item)
+
+
+class SlowLoader(SafeLoadPlanner):
+    """pippy's load planner, slow to take items on the slow rank."""
+
+    def __init__(self, rank: int, stall_s: float) -> None:
+        super().__init__()
+        self.rank, self.stall_s, self.count = rank, stall_s, [0]
+
+    def resolve_tensor(self, read_item):
+        nap(self.rank, self.count, self.stall_s)
+        return super().resolve_tensor(read_item)
+
+
+def stage(rank: int, value: float) -> checkpoint.StageState:
+    """Four 256 KB tensors under keys of this rank's own (1 MB a rank)."""
+    layers = [torch.nn.Linear(256, 256, bias=False) for _ in range(4)]
+    module = torch.nn.ModuleDict({f"r{rank}": torch.nn.Sequential(*layers)})
+    for p in module.parameters():
+        p.data.fill_(value)
+    state = checkpoint.StageState(module)
+    state.step = 1
+    return state
+
+
+def digest(folder: Path) -> dict:
+    """Each file of a step folder, by its SHA-256."""
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+    }
+
+
+def outcome(fn) -> dict:
+    """What ``fn`` raised (type and message) and when, in seconds."""
+    start = time.monotonic()
+    try:
+        fn()
+        error = None
+    except checkpoint.CheckpointError as e:
+        error = [type(e).__name__, str(e)]
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+def check_save_logs(out: Path, rank: int, world_size: int) -> dict:
+    """No timeout: the slow rank stalls 2.2 s mid-write; the save completes."""
+    group = dist.new_group(backend="gloo")
+    lines = Lines()
+    try:
+        checkpoint.save_stage(
+            stage(rank, 1.0),
+            out / "ckpt",
+            planner=SlowSaver(rank, 2.2),
+            process_group=group,
+        )
+    finally:
+        lines.close()
+    return {"lines": lines.lines, "steps": sorted(list_steps(out / "ckpt"))}
+
+
+def check_save_timeout(out: Path, rank: int, world_size: int) -> dict:
+    """A 1 s timeout; the slow rank stalls 3.5 s mid-write of step-2."""
+    group = dist.new_group(backend="gloo")
+    before = digest(out / "ckpt" / "step-1")
+    state = stage(rank, 2.0)
+    state.step = 2
+
+    def save():
+        checkpoint.save_stage(
+            state,
+            out / "ckpt",
+            planner=SlowSaver(rank, 3.5),
+            process_group=group,
+            timeout=TIMEOUT_S,
+        )
+
+    result = outcome(save)
+    dist.barrier()  # every rank done, the late one included
+    result["folder"] = sorted(p.name for p in (out / "ckpt").iterdir())
+    result["step1_untouched"] = digest(out / "ckpt" / "step-1") == before
+    return result
+
+
+def check_start_timeout(out: Path, rank: int, world_size: int) -> dict:
+    """A 1 s timeout; the slow rank comes to the save of step-3 after 2.5 s."""
+    group = dist.new_group(backend="gloo")
+    state = stage(rank, 3.0)
+    state.step = 3
+
+    def save():
+        if rank == SLOW:
+            time.sleep(2.5)
+        checkpoint.save_stage(
+            state, out / "ckpt", process_group=group, timeout=TIMEOUT_S
+        )
+
+    result = outcome(save)
+    # The group is intact: nobody entered a collective of the save.
+    ranks = [None] * world_size
+    dist.all_gather_object(ranks, rank, group=group)
+    result["after"] = ranks
+    result["folder"] = sorted(p.name for p in (out / "ckpt").iterdir())
+    return result
+
+
+def check_load_logs(out: Path, rank: int, world_size: int) -> dict:
+    """No timeout: the slow rank stalls 2.2 s mid-read of step-1; the load
+    completes (with the pieces the example uses)."""
+    group = dist.new_group(backend="gloo")
+    path = out / "ckpt" / "step-1"
+    state = stage(rank, 0.0)
+    reader, _ = open_step(path)
+    lines = Lines()
+    try:
+        with load_into(state, path, process_group=group) as state_dict:
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=SlowLoader(rank, 2.2),
+                process_group=group,
+            )
+    finally:
+        lines.close()
+    loaded = all(bool((p == 1.0).all()) for p in state.module.parameters())
+    return {"lines": lines.lines, "loaded": loaded}
+
+
+def check_load_timeout(out: Path, rank: int, world_size: int) -> dict:
+    """A 1 s timeout; the slow rank stalls 3.5 s mid-read of step-1."""
+    group = dist.new_group(backend="gloo")
+    path = out / "ckpt" / "step-1"
+    state = stage(rank, 0.0)
+
+    def load():
+        reader, _ = open_step(path)
+        with load_into(state, path, process_group=group, timeout=TIMEOUT_S) as sd:
+            dcp.load(
+                sd,
+                storage_reader=reader,
+                planner=SlowLoader(rank, 3.5),
+                process_group=group,
+            )
+
+    result = outcome(load)
+    dist.barrier()
+    return result
+
+
+def check_example(out: Path, rank: int, world_size: int) -> dict:
+    """The example's save and load with --checkpoint-timeout 1, the slow rank
+    coming to each 2 s late."""
+    flags = ["--checkpoint-dir", str(out / "example"), "--checkpoint-timeout", "1"]
+    args = pippy_dcp.parse_args([*TINY_FLAGS, *flags])
+    device = torch.device("cpu")
+    layout = pippy_dcp.build_layout(args, device)
+    stages = pippy_dcp.build_stages(args, layout, device, seed=0)
+    state = pippy_dcp.build_state(args, stages, pippy_dcp.load_text(None))
+    pippy_dcp.save(state, args, layout.mesh)  # step-0, every rank on time
+    state.step = 1
+
+    def late(fn):
+        if rank == SLOW:
+            time.sleep(2.0)
+        fn()
+
+    saved = outcome(lambda: late(lambda: pippy_dcp.save(state, args, layout.mesh)))
+    path = out / "example" / "step-0"
+    wait = args.checkpoint_timeout  # as resume() passes it
+    loaded = outcome(lambda: late(lambda: pippy_dcp.load(state, path, timeout=wait)))
+    steps = sorted(list_steps(out / "example"))
+    return {"save": saved, "load": loaded, "steps": steps}
+
+
+def check_store(out: Path, rank: int, world_size: int) -> dict:
+    """The private store getter pippy waits on: one store that all ranks share;
+    after 4 saves (8 points: start and write), only the last two points' keys
+    are left in it."""
+    store = _get_default_store()
+    store.set(f"stall-checks/{rank}", str(rank))
+    dist.barrier()
+    group = dist.new_group(backend="gloo")
+    for step in range(1, 5):
+        state = stage(rank, step)
+        state.step = step
+        checkpoint.save_stage(state, out / "store-ckpt", process_group=group)
+    dist.barrier()
+    left = [
+        [store.check([f"pippy/{group.group_name}/{n}/{key}"]) for n in range(8)]
+        for key in ("count", "outcome", *(f"r{r}" for r in range(world_size)))
+    ]
+    return {
+        "is_store": isinstance(store, dist.Store),
+        "seen": [store.get(f"stall-checks/{r}").decode() for r in range(world_size)],
+        "left": left,
+    }
+
+
+if __name__ == "__main__":
+    run_checks(
+        {
+            "store": check_store,
+            "save_logs": check_save_logs,
+            "save_timeout": check_save_timeout,
+            "start_timeout": check_start_timeout,
+            "load_logs": check_load_logs,
+            "load_timeout": check_load_timeout,
+            "example": check_example,
+        }
+    )

@@ -1,0 +1,188 @@
+"""A rank that stalls in a save or a load, on 3 real ranks under torchrun.
+
+Rank 1 is put to sleep (test/stall_checks.py): mid-write, mid-read, or before
+the save starts. The others log, every PIPPY_WAIT_LOG_SECONDS (1 s here),
+which rank is not there and how far it is (stall_checks.py sets it); with a timeout, every rank ends
+with the same CheckpointTimeout naming rank 1, long before gloo's own timeout
+(30 minutes) and before rank 1 wakes, and nothing is published.
+"""
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from pippy import checkpoint
+from pippy.checkpoint import stall
+
+import helpers
+from helpers import torchrun
+
+CHECKS = Path(__file__).with_name("stall_checks.py")
+ALL = "store,save_logs,save_timeout,start_timeout,load_logs,load_timeout,example"
+FIX = "find what holds them (a slow disk, a hung process), or raise the timeout"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every check's result, by check and rank, from one launch of 3 ranks."""
+    out = tmp_path_factory.mktemp("stall")
+    torchrun(3, CHECKS, ALL, out, timeout=120)
+    found = {}
+    for name in ALL.split(","):
+        found[name] = [
+            json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(3)
+        ]
+    return out, found
+
+
+def logged(ranks):
+    """The lines logged, by the one rank that logs: one of those waiting."""
+    logging = [r for r, result in enumerate(ranks) if result["lines"]]
+    assert len(logging) == 1 and logging[0] != 1
+    return ranks[logging[0]]["lines"]
+
+
+def test_the_store_pippy_waits_on_is_one_store_all_ranks_share_and_stays_small(results):
+    _, found = results
+    only_the_last_two = [False] * 6 + [True] * 2
+    for rank in found["store"]:
+        assert rank == {
+            "is_store": True,
+            "seen": ["0", "1", "2"],
+            "left": [only_the_last_two] * 5,  # count, outcome, a key per rank
+        }
+
+
+def test_a_rank_slow_to_write_is_logged_every_interval_with_its_progress(results):
+    _, found = results
+    lines = logged(found["save_logs"])
+    late = (
+        "saving step-1: rank 1 not at write after {} s (rank 1: wrote 3 of 5 "
+        "items, 0.5 of 1.0 MB); ranks 0, 2 waiting"
+    )
+    assert [text for _, text in lines] == [late.format(1), late.format(2)]
+    # Within the interval of 1 s, and again one interval later.
+    assert 1.0 <= lines[0][0] < 1.9 and 2.0 <= lines[1][0] < 2.9
+    # The save goes on.
+    assert all(r["steps"] == [1] for r in found["save_logs"])
+
+
+def test_a_rank_slow_to_read_is_logged_with_its_progress(results):
+    out, found = results
+    lines = logged(found["load_logs"])
+    path = out / "ckpt" / "step-1"
+    late = (
+        f"loading {path}: rank 1 not at read after {{}} s (rank 1: read 2 of 5 "
+        "items, 0.5 of 1.1 MB); ranks 0, 2 waiting"
+    )
+    assert [text for _, text in lines] == [late.format(1), late.format(2)]
+    assert 1.0 <= lines[0][0] < 1.9
+    assert all(r["loaded"] for r in found["load_logs"])
+
+
+def test_a_save_times_out_on_every_rank_naming_the_stalled_one(results):
+    _, found = results
+    error = [
+        "CheckpointTimeout",
+        "saving step-2 timed out: rank 1 did not arrive at write within 1 s "
+        "(rank 1: wrote 3 of 5 items, 0.5 of 1.0 MB). The step is not "
+        f"published; {FIX}",
+    ]
+    for rank in found["save_timeout"]:
+        assert rank["error"] == error
+        assert rank["folder"] == ["step-1"]  # no step-2, no staging folder left
+        assert rank["step1_untouched"]
+    # The others stop at the deadline (the first rank there keeps it: the
+    # others may have come a little later), plus at most 1 s for DCP's
+    # collective that follows, before rank 1 even wakes (3.5 s in); rank 1
+    # raises too.
+    for rank in (0, 2):
+        assert 0.9 <= found["save_timeout"][rank]["seconds"] < 3.3
+    assert found["save_timeout"][1]["seconds"] >= 3.5
+
+
+def test_a_rank_late_to_start_a_save_is_named_and_raises_too(results):
+    _, found = results
+    error = [
+        "CheckpointTimeout",
+        "saving step-3 timed out: rank 1 did not arrive at start within 1 s "
+        f"(rank 1: not started). The step is not published; {FIX}",
+    ]
+    for rank in found["start_timeout"]:
+        assert rank["error"] == error
+        assert rank["folder"] == ["step-1"]
+        # No rank entered a collective of the save: the group still works.
+        assert rank["after"] == [0, 1, 2]
+    for rank in (0, 2):
+        assert 0.9 <= found["start_timeout"][rank]["seconds"] < 2.0
+
+
+def test_a_load_times_out_on_every_rank_naming_the_stalled_one(results):
+    out, found = results
+    error = [
+        "CheckpointTimeout",
+        f"loading {out / 'ckpt' / 'step-1'} timed out: rank 1 did not arrive at "
+        "read within 1 s (rank 1: read 2 of 5 items, 0.5 of 1.1 MB). The stage "
+        f"is not loaded; {FIX}",
+    ]
+    for rank in found["load_timeout"]:
+        assert rank["error"] == error
+    for rank in (0, 2):
+        assert 0.9 <= found["load_timeout"][rank]["seconds"] < 3.3
+    assert found["load_timeout"][1]["seconds"] >= 3.5
+
+
+def test_the_examples_flag_bounds_its_save_and_its_load(results):
+    out, found = results
+    tail = f"within 1 s (rank 1: not started). The {{}}; {FIX}"
+    path = out / "example" / "step-0"
+    for rank in found["example"]:
+        assert rank["save"]["error"] == [
+            "CheckpointTimeout",
+            "saving step-1 timed out: rank 1 did not arrive at start "
+            + tail.format("step is not published"),
+        ]
+        assert rank["load"]["error"] == [
+            "CheckpointTimeout",
+            f"loading {path} timed out: rank 1 did not arrive at start "
+            + tail.format("stage is not loaded"),
+        ]
+        assert rank["steps"] == [0]
+    for rank in (0, 2):
+        assert found["example"][rank]["save"]["seconds"] < 2.0
+        assert found["example"][rank]["load"]["seconds"] < 2.0
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "30", True, timedelta(0)])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(bad):
+    with pytest.raises(ValueError) as e:
+        checkpoint.save_stage(helpers.linear_state(), "unused", step=1, timeout=bad)
+    assert str(e.value) == (
+        f"timeout must be a positive number of seconds or a timedelta, not {bad!r}; "
+        "None waits without a deadline"
+    )
+
+
+def test_timeouts_in_seconds_or_as_a_timedelta():
+    assert stall.seconds(None) is None
+    assert stall.seconds(timedelta(minutes=2)) == 120.0
+    assert stall.seconds(2) == 2.0
+
+
+@pytest.mark.parametrize("text", ["0", "soon", "-3"])
+def test_a_bad_log_interval_is_refused_naming_the_variable(monkeypatch, text):
+    monkeypatch.setenv(stall.LOG_ENV, text)
+    with pytest.raises(ValueError) as e:
+        stall.log_every()
+    assert str(e.value) == (
+        f"PIPPY_WAIT_LOG_SECONDS={text!r}: set it to a positive number of seconds"
+    )
+
+
+def test_the_log_interval_defaults_to_30_seconds(monkeypatch):
+    monkeypatch.delenv(stall.LOG_ENV, raising=False)
+    assert stall.log_every() == 30.0
+    monkeypatch.setenv(stall.LOG_ENV, "2.5")
+    assert stall.log_every() == 2.5
