@@ -28,6 +28,7 @@ from pippy.checkpoint.api import load_into, open_step  # noqa: E402
 from pippy.checkpoint.load_planner import SafeLoadPlanner  # noqa: E402
 from pippy.checkpoint.steps import list_steps  # noqa: E402
 
+import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
 from helpers import TINY_FLAGS, run_checks  # noqa: E402
 
@@ -226,7 +227,7 @@ def check_example(out: Path, rank: int, world_size: int) -> dict:
     flags = ["--checkpoint-dir", str(out / "example"), "--checkpoint-timeout", "1"]
     args = pippy_dcp.parse_args([*TINY_FLAGS, *flags])
     device = torch.device("cpu")
-    layout = pippy_dcp.build_layout(args, device)
+    layout = parallel.build_layout(args, device)
     stages = pippy_dcp.build_stages(args, layout, device, seed=0)
     state = pippy_dcp.build_state(args, stages, pippy_dcp.load_text(None))
     pippy_dcp.save(state, args, layout.mesh)  # step-0, every rank on time
