@@ -51,6 +51,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.stateful import Stateful
 
+from pippy.checkpoint import stall
+
 __all__ = ["SavePlanCache"]
 
 logger = logging.getLogger(__name__)
@@ -325,7 +327,11 @@ class SavePlanCache:
         assert planner.local_plan is not None
         writer.prepare_local_plan(planner.local_plan)  # its folder, as dcp.save
         final_plan = planner.finish_plan(kept.final_plan)
-        results = writer.write_data(final_plan, planner).wait()
+        # A rank whose layout changed writes nothing here, so no rank waits
+        # for the others in the writer (pippy.checkpoint.stall): the gather
+        # that follows is where they meet; a fresh plan's dcp.save waits as usual.
+        with stall.suspended():
+            results = writer.write_data(final_plan, planner).wait()
         return _WRITTEN, (kept.token, results)
 
     def _decide(

@@ -63,6 +63,7 @@ __all__ = [
     "log_every",
     "seconds",
     "start",
+    "suspended",
     "waiting",
 ]
 
@@ -134,6 +135,16 @@ def log_every() -> float:
 def active() -> Waits | None:
     """The operation whose storage writer or reader records progress now, if any."""
     return _active.get()
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """No writer or reader in the block reports or arrives (a write some ranks skip)."""
+    token = _active.set(None)
+    try:
+        yield
+    finally:
+        _active.reset(token)
 
 
 def _ranks(ranks: list[int]) -> str:
