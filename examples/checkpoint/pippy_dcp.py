@@ -49,10 +49,10 @@ from pippy.checkpoint.checks import (
     restore_non_persistent_buffers,
     state_dict_size,
 )
+from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import fail_together
 from pippy.checkpoint.launcher import check_restarts
-from pippy.checkpoint.safe_load import read_metadata
-from pippy.checkpoint.steps import is_complete, step_dir
+from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.verified import newest_verified_step
 
 from batches import BatchSampler, load_text
@@ -349,7 +349,8 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
 
 def check_flags_match(args, path) -> None:
     """Refuses a step saved with another --n-layers or --dim, naming the flag."""
-    items = read_metadata(path).state_dict_metadata
+    # rank 0 reads the step's index, the other ranks get it (one broadcast)
+    items = open_reader(path, check_files=False).metadata.state_dict_metadata
     layers = {k.split(".")[2] for k in items if k.startswith("model.layers.")}
     embedding = items.get("model.tok_embeddings.weight")
     saved = {"--n-layers": len(layers), "--dim": embedding and embedding.size[1]}
@@ -459,7 +460,8 @@ def main(args) -> None:
             saver.close()  # waits for the last save, then publishes it
         # verify: load the final checkpoint into fresh stages, compare bit for bit
         final = step_dir(args.checkpoint_dir, state.step)
-        ok = not is_complete(final) or verify(args, state, final, layout, device)
+        saved = checkpoint.find_latest_step(args.checkpoint_dir) == final
+        ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about
         flag = " (--checkpoint-dir)" * isinstance(e, checkpoint.CheckpointDirError)

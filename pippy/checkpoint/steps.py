@@ -30,6 +30,7 @@ import torch.distributed as dist
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
+    on_coordinator,
 )
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.storage import Location, glob, storage_for
@@ -166,21 +167,33 @@ def find_latest_step(
     instead (:func:`~pippy.checkpoint.verified.newest_verified_step`); a
     warning on rank 0 names each and why.
 
+    With a process group, rank 0 alone lists the folder and reads the
+    manifests, and broadcasts the answer: every rank resumes from the same
+    step, and no other rank lists the folder (on NFS, attribute caching can
+    make ranks disagree on what exists; many ranks listing a bucket at once
+    get throttled).
+
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
         verified: Check the newest steps against their manifests and move
-            those that fail aside. Then call it on every rank of
-            ``process_group``, as the folder's owner.
-        process_group: With ``verified``, the ranks; the default group if None.
+            those that fail aside, as the folder's owner.
+        process_group: The ranks; the default group if None. Without an
+            initialized process group, this process answers alone.
 
     Returns:
         The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
         URL), or None if there is none.
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder, or
-            is a URL whose storage client is missing.
+        CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
+            not a folder, cannot be listed, or is a URL whose storage client
+            is missing.
         CheckpointError: With ``verified``, as ``newest_verified_step``.
+
+    Note:
+        Call it on every rank of ``process_group`` at once (it is a
+        collective), or in a process without a process group; called on
+        rank 0 alone, it waits for the others.
     """
     if verified:
         from pippy.checkpoint.verified import newest_verified_step  # imports us
@@ -192,8 +205,13 @@ def find_latest_step(
             for name, why in reasons.items():
                 logger.warning("skipped %s: %s", name, why)
         return verified_step
-    latest, skipped = newest_complete_step(checkpoint_dir)
-    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+    where = os.fspath(checkpoint_dir)
+    latest, skipped = on_coordinator(
+        f"cannot list {where}",
+        lambda: newest_complete_step(checkpoint_dir),
+        process_group,
+    )
+    if skipped and (not dist.is_initialized() or dist.get_rank(process_group) == 0):
         logger.warning(
             "skipping incomplete checkpoints (no .metadata, or a manifest naming "
             "another step) %s",

@@ -1,0 +1,109 @@
+"""One rank answers every question about the checkpoint folder; the others ask none.
+
+The example resumes on 3 ranks, saves with ``--keep-last`` and verifies,
+each rank under its own ``strace`` (one trace file per rank, so a call is
+known by its rank). Only rank 0 may list the checkpoint folder, look at its
+step folders, their ``.metadata`` and ``manifest.json``, or the owner record;
+the others open only the data files their stage reads and the staging folder
+they write. In a bucket, the same run counts s3fs's real calls per rank:
+only rank 0 lists.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from helpers import _ENV, EXAMPLE, ROOT, TINY_FLAGS, torchrun
+
+STRACE = shutil.which("strace")
+SYSCALLS = "getdents64,openat,newfstatat,statx,stat,lstat,access"
+NPROC = 3
+FLAGS = [*TINY_FLAGS, "--save-every", "2", "--keep-last", "1"]
+_CALL = re.compile(r"^\d+\s+(?P<call>\w+)\((?P<args>.*)")
+_FD = re.compile(r"^\d+<(?P<path>[^>]*)>")
+_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def _traced_example(out: Path, *flags, env=None, timeout=240):
+    """Runs the example on NPROC ranks, each rank under strace into out/rank-<R>."""
+    wrapper = (  # torchrun starts the wrapper; RANK names its trace
+        f'exec {STRACE} -f -qq -y --seccomp-bpf -s 256 -e trace={SYSCALLS} -o "$0/rank-$RANK" '
+        f'{sys.executable} -u "$@"'
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={NPROC}", "--no-python", "sh", "-c", wrapper]
+    command += [str(out), str(EXAMPLE), *map(str, flags)]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**_ENV, **(env or {})},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def folder_questions(trace: str, root: Path) -> Counter:
+    """What one rank's trace asks about the folder, by kind.
+
+    ``list``: a listing (``getdents64``) of the checkpoint folder itself;
+    ``look``: any call on the folder itself, a step folder, its
+    ``.metadata`` or ``manifest.json``, or the owner record.
+    """
+    root_text = str(root)
+    step = re.compile(
+        rf"^{re.escape(root_text)}(/step-\d+(/(\.metadata|manifest\.json))?"
+        r"|/\.owner\.json)?/?$"
+    )
+    asked: Counter = Counter()
+    for line in trace.splitlines():
+        m = _CALL.match(line)
+        if m is None:
+            continue
+        fd = _FD.match(m["args"])
+        if m["call"] == "getdents64":
+            asked["list"] += bool(fd and fd["path"] == root_text)
+            continue
+        paths = _QUOTED.findall(m["args"])[:1]  # the path the call is about
+        if m["call"] in ("newfstatat", "statx", "openat") and fd and fd["path"] != "/":
+            if paths and not paths[0].startswith("/"):  # relative to a folder fd
+                paths = [f"{fd['path']}/{paths[0]}" if paths[0] else fd["path"]]
+        asked["look"] += any(step.match(p) for p in paths)
+    return asked
+
+
+@pytest.fixture
+def traced(tmp_path):
+    if STRACE is None:
+        if os.environ.get("CI"):  # the README's setup installs it: CI must have it
+            pytest.fail("strace is not installed; the README's setup installs it")
+        pytest.skip("strace is not installed (apt-get install strace)")
+    return tmp_path
+
+
+def test_only_rank_0_lists_or_looks_at_the_checkpoint_folder(traced):
+    root = (traced / "ckpt").resolve()
+    first = torchrun(NPROC, EXAMPLE, *FLAGS, "--steps", "2", "--checkpoint-dir", root)
+    assert "verified:" in first.stdout
+    out = traced / "traces"
+    out.mkdir()
+    second = _traced_example(out, *FLAGS, "--steps", "4", "--checkpoint-dir", root)
+    assert f"resuming from {root}/step-2" in second.stdout
+    assert "removed step-2 (keeping the newest 1)" in second.stdout
+    assert f"verified: {root}/step-4" in second.stdout
+    asked = {
+        r: folder_questions((out / f"rank-{r}").read_text(), root) for r in range(NPROC)
+    }
+    print(asked)
+    assert asked[0]["list"] >= 3  # resume, save, keep-last, verify: rank 0 asks
+    assert asked[0]["look"] > 0
+    for rank in range(1, NPROC):
+        assert asked[rank] == Counter(list=0, look=0), rank
