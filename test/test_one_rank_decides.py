@@ -5,8 +5,10 @@ each rank under its own ``strace`` (one trace file per rank, so a call is
 known by its rank). Only rank 0 may list the checkpoint folder, look at its
 step folders, their ``.metadata`` and ``manifest.json``, or the owner record;
 the others open only the data files their stage reads and the staging folder
-they write. In a bucket, the same run counts s3fs's real calls per rank:
-only rank 0 lists.
+they write. In a bucket, the same runs on 2 ranks count s3fs's real requests
+per rank (its own log, one line per request): only rank 0 lists the run or
+reads a manifest; rank 1 reads its items, and asks only what DCP's own writer
+asks on every rank of the step it saves (is there a ``.metadata`` yet).
 """
 
 import os
@@ -14,12 +16,13 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from helpers import _ENV, EXAMPLE, ROOT, TINY_FLAGS, torchrun
+from helpers import _ENV, EXAMPLE, ROOT, TINY_FLAGS, s3_env, start_s3_server, torchrun
 
 STRACE = shutil.which("strace")
 SYSCALLS = "getdents64,openat,newfstatat,statx,stat,lstat,access"
@@ -30,11 +33,11 @@ _FD = re.compile(r"^\d+<(?P<path>[^>]*)>")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
-def _example_per_rank(out: Path, wrapper: str, *flags, env=None, timeout=240):
+def _example_per_rank(out, wrapper, *flags, env=None, nproc=NPROC, timeout=240):
     """Runs the example on NPROC ranks, each started by the shell line
     ``wrapper`` ($0: out, $RANK: its rank, "$@": the example and its flags)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={NPROC}", "--no-python", "sh", "-c", wrapper]
+    command += [f"--nproc-per-node={nproc}", "--no-python", "sh", "-c", wrapper]
     command += [str(out), str(EXAMPLE), *map(str, flags)]
     result = subprocess.run(
         command,
@@ -117,3 +120,72 @@ def test_only_rank_0_lists_or_looks_at_the_checkpoint_folder(traced):
     for rank in range(1, NPROC):  # they load their items, and ask nothing
         assert asked[rank]["data"] > 0, rank
         assert (asked[rank]["list"], asked[rank]["look"]) == (0, 0), rank
+
+
+_S3_CALL = re.compile(
+    r"CALL: (?P<call>\w+) - .*'Bucket': 'one', '(?:Key|Prefix)': '(?P<key>[^']*)'"
+)
+DATA = "<a data file>"
+
+
+def bucket_calls(log: str, run: str) -> Counter:
+    """``(call, key)`` of each call a rank's s3fs made on the run's objects.
+
+    The calls come from s3fs's own log (``S3FS_LOGGING_LEVEL=DEBUG``: one
+    ``CALL:`` line per request); a data file's key is counted as DATA.
+    """
+    calls: Counter = Counter()
+    for m in _S3_CALL.finditer(log):
+        key = m["key"]
+        if key.startswith(f"{run}/"):
+            name = key.rstrip("/").rsplit("/", 1)[-1]
+            calls[m["call"], DATA if name.endswith(".distcp") else key] += 1
+    return calls
+
+
+@pytest.fixture
+def bucket(tmp_path):
+    (tmp_path / "s3").mkdir()
+    proc, endpoint = start_s3_server(tmp_path / "s3")
+    env = s3_env(endpoint)
+    try:
+        for _ in range(50):  # the filer may still be starting
+            made = subprocess.run(
+                [sys.executable, "-c", "import s3fs; s3fs.S3FileSystem().mkdir('one')"],
+                env={**_ENV, **env},
+                capture_output=True,
+                timeout=60,
+            )
+            if made.returncode == 0:
+                break
+            time.sleep(0.2)
+        yield env, "s3://one/run"
+    finally:
+        proc.kill()  # nothing to keep; weed takes seconds to stop when asked
+        proc.wait(timeout=30)
+
+
+def test_only_rank_0_lists_the_bucket(bucket, tmp_path):
+    env, url = bucket
+    plain = f'exec {sys.executable} -u "$@"'
+    flags = [*FLAGS, "--checkpoint-dir", url]
+    _example_per_rank(tmp_path, plain, *flags, "--stop-after", "2", env=env, nproc=2)
+    out = tmp_path / "logs"
+    out.mkdir()
+    logged = f'exec {sys.executable} -u "$@" 2>"$0/rank-$RANK.log"'
+    env = {**env, "S3FS_LOGGING_LEVEL": "DEBUG"}
+    second = _example_per_rank(out, logged, *flags, env=env, nproc=2)
+    assert f"resuming from {url}/step-2" in second.stdout
+    assert f"verified: {url}/step-4" in second.stdout
+    calls = [bucket_calls((out / f"rank-{r}.log").read_text(), "run") for r in (0, 1)]
+    assert calls[0]["list_objects_v2", "run/"] >= 3  # resume, save, keep-last, verify
+    assert calls[0]["get_object", "run/step-2/manifest.json"] >= 1
+    assert calls[1]["get_object", DATA] > 0  # rank 1 loads its items
+    asked = {call: n for call, n in calls[1].items() if call[1] != DATA}
+    # ... and asks nothing but what DCP's own writer asks on every rank, of
+    # the step it saves (FileSystemWriter.prepare_local_plan: no .metadata
+    # there yet; s3fs looks for the object, then for a folder of that name).
+    assert asked == {
+        ("head_object", "run/step-4/.metadata"): 1,
+        ("list_objects_v2", "run/step-4/.metadata/"): 1,
+    }
