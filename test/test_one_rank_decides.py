@@ -5,10 +5,11 @@ each rank under its own ``strace`` (one trace file per rank, so a call is
 known by its rank). Only rank 0 may list the checkpoint folder, look at its
 step folders, their ``.metadata`` and ``manifest.json``, or the owner record;
 the others open only the data files their stage reads and the staging folder
-they write. In a bucket, the same runs on 2 ranks count s3fs's real requests
-per rank (its own log, one line per request): only rank 0 lists the run or
-reads a manifest; rank 1 reads its items, and asks only what DCP's own writer
-asks on every rank of the step it saves (is there a ``.metadata`` yet).
+they write. In a bucket, one run on 2 ranks (save, --keep-last, load the
+newest step) counts s3fs's real requests per rank (its own log, one line per
+request): only rank 0 lists the run or reads a manifest; rank 1 reads its
+items, and asks only what DCP's own writer asks on every rank of the step it
+saves (is there a ``.metadata`` yet).
 """
 
 import os
@@ -166,26 +167,29 @@ def bucket(tmp_path):
 
 
 def test_only_rank_0_lists_the_bucket(bucket, tmp_path):
+    # One run: it owns a new folder, saves step-2 and step-4 (--keep-last
+    # then deletes step-2), and loads the newest step to verify it, by the
+    # same find_latest_step and open_step as a resume.
     env, url = bucket
-    plain = f'exec {sys.executable} -u "$@"'
-    flags = [*FLAGS, "--checkpoint-dir", url]
-    _example_per_rank(tmp_path, plain, *flags, "--stop-after", "2", env=env, nproc=2)
-    out = tmp_path / "logs"
-    out.mkdir()
     logged = f'exec {sys.executable} -u "$@" 2>"$0/rank-$RANK.log"'
     env = {**env, "S3FS_LOGGING_LEVEL": "DEBUG"}
-    second = _example_per_rank(out, logged, *flags, env=env, nproc=2)
-    assert f"resuming from {url}/step-2" in second.stdout
-    assert f"verified: {url}/step-4" in second.stdout
-    calls = [bucket_calls((out / f"rank-{r}.log").read_text(), "run") for r in (0, 1)]
-    assert calls[0]["list_objects_v2", "run/"] >= 3  # resume, save, keep-last, verify
-    assert calls[0]["get_object", "run/step-2/manifest.json"] >= 1
+    run = _example_per_rank(
+        tmp_path, logged, *FLAGS, "--checkpoint-dir", url, env=env, nproc=2
+    )
+    assert "removed step-2 (keeping the newest 1)" in run.stdout
+    assert f"verified: {url}/step-4" in run.stdout
+    calls = [
+        bucket_calls((tmp_path / f"rank-{r}.log").read_text(), "run") for r in (0, 1)
+    ]
+    assert calls[0]["list_objects_v2", "run/"] >= 3  # owner, 2 saves, keep-last, verify
+    assert calls[0]["get_object", "run/step-4/manifest.json"] >= 1
     assert calls[1]["get_object", DATA] > 0  # rank 1 loads its items
     asked = {call: n for call, n in calls[1].items() if call[1] != DATA}
     # ... and asks nothing but what DCP's own writer asks on every rank, of
-    # the step it saves (FileSystemWriter.prepare_local_plan: no .metadata
+    # each step it saves (FileSystemWriter.prepare_local_plan: no .metadata
     # there yet; s3fs looks for the object, then for a folder of that name).
     assert asked == {
-        ("head_object", "run/step-4/.metadata"): 1,
-        ("list_objects_v2", "run/step-4/.metadata/"): 1,
+        (call, f"run/step-{step}/.metadata{end}"): 1
+        for step in (2, 4)
+        for call, end in (("head_object", ""), ("list_objects_v2", "/"))
     }
