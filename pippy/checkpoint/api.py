@@ -8,7 +8,7 @@ Saving a stage, on every rank at once::
 
 Loading, after building the stage (DCP loads in place)::
 
-    reader, planner = open_step(path)  # checked before anything is read
+    reader, planner = open_step(path)  # checked on rank 0 before anything is read
     with load_into(state, path) as state_dict:  # applied on every rank or none
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 

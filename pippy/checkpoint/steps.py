@@ -16,6 +16,11 @@ step is written in place under its final name, and its ``manifest.json``,
 written last in one PUT, is its commit record. A step folder without it is
 never taken as complete or newest, loaded, or counted by retention, which
 deletes the commit record first.
+
+The functions here ask the storage from the process that calls them; in a
+job, rank 0 asks and broadcasts the answer (:func:`find_latest_step` itself,
+publishing and ownership around the others; see
+:mod:`~pippy.checkpoint.coordinated`).
 """
 
 from __future__ import annotations
@@ -228,7 +233,8 @@ def remove_old_steps(
     Steps are ranked by the step they hold (their manifest's), which is their
     name's: a folder whose manifest names another step (copied or renamed)
     is neither counted nor deleted. Incomplete folders are left alone (they
-    may be a save in progress).
+    may be a save in progress). It runs in this process alone: in a job,
+    :func:`~pippy.checkpoint.publishing.publish` calls it on rank 0.
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -262,7 +268,8 @@ def remove_old_steps(
 def remove_staging(checkpoint_dir: Location) -> list[str]:
     """Deletes every staging folder in ``checkpoint_dir`` (a dead job's).
 
-    Only the folder's owner may call it (see :class:`~pippy.checkpoint.FolderOwner`).
+    Only the folder's owner may call it (see :class:`~pippy.checkpoint.FolderOwner`,
+    which does, on rank 0).
 
     Returns:
         The names removed.
