@@ -116,6 +116,8 @@ def explain_failures(action: str) -> Iterator[None]:
 
     Raises:
         UnsafeCheckpointError: Some rank refused a pickle (the first message).
+        CheckpointDirInUseError: Some rank found the folder another job's
+            (the first message).
         CheckpointError: Any other failure: one line per failed rank with the
             exception's type and message.
     """
@@ -123,9 +125,9 @@ def explain_failures(action: str) -> Iterator[None]:
         yield
     except CheckpointException as e:
         failures = {rank: exc for rank, (exc, _trace) in sorted(e.failures.items())}
-        for exc in failures.values():
-            if isinstance(exc, UnsafeCheckpointError):
-                raise UnsafeCheckpointError(str(exc)) from None
+        for exc in failures.values():  # one line, as these say what to do
+            if isinstance(exc, UnsafeCheckpointError | CheckpointDirInUseError):
+                raise type(exc)(str(exc)) from None
         raise _failed_on(
             action,
             {r: f"{type(x).__name__}: {_message(x)}" for r, x in failures.items()},
