@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -89,15 +90,6 @@ def wait_for_lease_to_expire(fs, key):
     """Sleeps until the owner record's lease is over (a killed job's stays)."""
     record = json.loads(fs.cat_file(f"{key}/.owner.json"))
     time.sleep(max(0.0, record["expires"] - time.time() + 0.5))
-
-
-def freeze_between_renewals(job, fs, key):
-    """SIGSTOPs the job just after its lease was renewed: not in the middle
-    of a renewal, whose PUT would land when it wakes (no compare-and-swap)."""
-    record = f"{key}/.owner.json"
-    last = fs.cat_file(record)
-    job.wait_for(lambda: fs.cat_file(record) != last, 30)
-    job.signal(signal.SIGSTOP)
 
 
 def catch_mid_save(job, fs, key, steps):
@@ -243,7 +235,7 @@ def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
     b = None
     try:
         a.wait_for(lambda: committed(fs, key, 2))
-        freeze_between_renewals(a, fs, key)  # a paused VM, a stopped process
+        a.signal(signal.SIGSTOP)  # a paused VM, a stopped process
         wait_for_lease_to_expire(fs, key)
         b = Job(*MEDIUM, *STEPS, "--save-every", "3", "--checkpoint-dir", run)
         b.wait_for(lambda: committed(fs, key, 3))
@@ -283,3 +275,54 @@ def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
         n in (2, 3, 6, 8) for n in range(1, 9)
     ]
     assert not fs.exists(f"{key}/.owner.json")  # B released it; A did not touch
+
+
+def test_a_stalled_owner_commits_no_background_save_after_losing_its_lease(
+    bucket, tmp_path, caplog
+):
+    """Job A (--async-save, a 2 s lease) is frozen while a background save
+    is being written; this process takes the folder over and saves a step;
+    A wakes, writes out what it had in flight, and its commit is refused:
+    that step never becomes complete, and nothing of the new owner's moves."""
+    fs, root = bucket
+    run, key = f"{root}/stalled-async", "pippy-test/stalled-async"
+    a = Job(
+        *MEDIUM,
+        *STEPS,
+        "--save-every",
+        "2",
+        "--async-save",
+        "--checkpoint-dir",
+        run,
+        env={LEASE_ENV: "2"},
+    )
+    try:
+        step = catch_mid_save(a, fs, key, steps=(4, 6))
+        wait_for_lease_to_expire(fs, key)
+        with checkpoint.FolderOwner(run):  # another job, here: takes it over
+            state = helpers.linear_state()
+            state.step = 100
+            checkpoint.save_stage(state, run)
+            before = objects(fs, key)
+            a.signal(signal.SIGCONT)
+            code, out = a.finish()
+            after = objects(fs, key)
+    finally:
+        a.kill()
+    assert f"taking over {run} from a job whose lease expired at" in caplog.text
+    assert code == 1, out
+    for rank in (0, 1):
+        [error] = [x for x in out.splitlines() if x.startswith(f"[rank {rank}] error")]
+        assert error.startswith(
+            f"[rank {rank}] error: this job lost {run}: another job took it over "
+            f"(host '{socket.gethostname()}', pid {os.getpid()}, started "
+        ), error
+    # What A had on the wire may land (a PUT cannot be fenced), in its own
+    # uncommitted folder only; the rest is as the new owner left it.
+    landed = {p for p in after.keys() - before.keys()}
+    assert {p.rsplit("/", 1)[0] for p in landed} <= {f"{key}/step-{step}"}
+    assert all(p.endswith(".distcp") for p in landed), landed
+    assert {p: v for p, v in after.items() if p in before} == before
+    assert not committed(fs, key, step)
+    assert not fs.exists(f"{key}/step-{step}/.metadata")
+    assert checkpoint.find_latest_step(run) == f"{run}/step-100"

@@ -19,8 +19,13 @@ write that could touch another job's objects (a step's first file, its
 commit record, retention) the saving code asks :func:`check_lease`, which
 reads the record (one GET): a job whose lease was lost is refused, naming the
 job that took over, and writes nothing more. An object store has no
-compare-and-swap on a plain PUT, so what stays open is one request: a write
-already sent when the job stalled lands when it wakes.
+compare-and-swap on a plain PUT: renewals use S3's conditional PUT
+(``If-Match`` on the record's ETag), so that a renewal sent by a job that
+stalled cannot overwrite the new owner's record. A step's data objects have
+no such guard: what stays open is a data PUT already under way when the job
+stalled, which lands when it wakes, in that job's uncommitted step (had the
+new owner saved a step of the same number meanwhile, its manifest's
+checksums would refuse the mixed step at load).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import uuid
 from typing import Any
 
 from pippy.checkpoint.errors import CheckpointDirError, CheckpointDirInUseError
-from pippy.checkpoint.storage import Location, storage_for
+from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
 
 __all__ = ["LEASE_ENV", "LEASE_SECONDS", "StoreLease", "check_lease", "lease_lost"]
 
@@ -132,7 +137,10 @@ class StoreLease:
         self, root: Location, record: str, *, lease_seconds: float | None = None
     ) -> None:
         self.root = _key(root)
-        self.storage = storage_for(root)
+        storage = storage_for(root)
+        assert isinstance(storage, FsspecStorage), "a lease is for object stores"
+        self.storage = storage
+        self._version: str | None = None  # of this job's record, as last written
         self.record = self.storage.join(self.root, record)
         self.lease_seconds = resolve_lease_seconds(lease_seconds)
         self.token = ""
@@ -188,6 +196,7 @@ class StoreLease:
         self.storage.makedirs(self.root)
         for _ in range(3):
             if self.storage.create_exclusive(self.record, self._encoded()):
+                self._version = self.storage.version(self.record)  # just made
                 _HELD[self.root] = self
                 self._start_renewing()
                 return self.token
@@ -256,8 +265,14 @@ class StoreLease:
             if record is None or record.get("token") != self.token:
                 self._lose(record)
             due = self.expires - time.time() < self.lease_seconds * 2 / 3
-            if always or due:
-                self.storage.write_atomic(self.record, self._encoded())
+            if always or due:  # only over this job's own last write
+                data = self._encoded()
+                version = self.storage.replace_if_unchanged(
+                    self.record, data, self._version
+                )
+                if version is None:
+                    self._lose(self._read_or_none(self.record))
+                self._version = version or None
 
     def _read_or_none(self, path: str) -> dict[str, Any] | None:
         """A record, or None if there is none or it is not one pippy wrote."""
