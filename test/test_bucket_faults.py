@@ -326,3 +326,62 @@ def test_a_stalled_owner_commits_no_background_save_after_losing_its_lease(
     assert not committed(fs, key, step)
     assert not fs.exists(f"{key}/step-{step}/.metadata")
     assert checkpoint.find_latest_step(run) == f"{run}/step-100"
+
+
+def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
+    """In one process, each guard alone: the record is replaced by another
+    job's (what a takeover leaves) before a save, during one (before its
+    commit record), and between its commit and its retention. Each is
+    refused with the same line naming that job; its steps stay."""
+    import torch.distributed.checkpoint as dcp
+
+    from pippy.checkpoint.api import publish_step, take_state
+
+    fs, root = bucket
+    run, key = f"{root}/guards", "pippy-test/guards"
+    theirs = {"host": "node9", "pid": 99, "since": "then", "token": "theirs"}
+    theirs = json.dumps({**theirs, "expires": time.time() + 600}).encode()
+    named = "another job took it over (host 'node9', pid 99, started then)"
+    state = helpers.linear_state()
+
+    def take_over():  # the other job's record replaces ours
+        fs.pipe_file(f"{key}/.owner.json", theirs)
+
+    def save(step, *, during=None, after=None, keep_last=None):
+        state.step = step
+        state_dict, _ = take_state(state)
+        with publish_step(run, step, keep_last=keep_last) as writer:
+            (during or (lambda: None))()
+            dcp.save(state_dict, storage_writer=writer)
+            (after or (lambda: None))()
+
+    # Before a save: refused before anything is written.
+    with checkpoint.FolderOwner(run, lease_seconds=600):
+        save(1)
+        take_over()
+        with pytest.raises(checkpoint.CheckpointDirInUseError) as e:
+            save(2)
+        assert re.fullmatch(
+            rf"this job lost {run}: {re.escape(named)}, though this job's lease "
+            r"ran until \S+, so this job writes nothing more there\. Stop this "
+            r"job; the other job's steps are untouched: resume from them once it "
+            r"has ended",
+            str(e.value),
+        ), str(e.value)
+    assert not fs.exists(f"{key}/step-2")
+    # During a save: its data is written, its commit record is not.
+    fs.rm(key, recursive=True)
+    with checkpoint.FolderOwner(run, lease_seconds=600):
+        with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
+            save(3, during=take_over)
+    assert fs.exists(f"{key}/step-3/__0_0.distcp")  # not removed: a store's
+    assert not fs.exists(f"{key}/step-3/.metadata")  # step is written in place
+    assert not fs.exists(f"{key}/step-3/manifest.json")
+    # After its commit: retention (--keep-last 1) deletes nothing.
+    fs.rm(key, recursive=True)
+    with checkpoint.FolderOwner(run, lease_seconds=600):
+        save(4)
+        with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
+            save(5, after=take_over, keep_last=1)
+    assert committed(fs, key, 4) and committed(fs, key, 5)
+    assert fs.cat_file(f"{key}/.owner.json") == theirs  # left to its owner

@@ -290,12 +290,17 @@ class StoreLease:
             )
         else:
             other = "its owner record is gone (another job took it over)"
+        if time.time() >= self.expires:
+            when = (
+                f" after this job's lease expired at {_when(self.expires)} (not "
+                f"renewed for {self.lease_seconds:g} s: this job stalled)"
+            )
+        else:
+            when = f", though this job's lease ran until {_when(self.expires)}"
         self._lost_to = (
-            f"this job lost {self.root}: {other} after this job's lease expired "
-            f"at {_when(self.expires)} (not renewed for {self.lease_seconds:g} s: "
-            "this job stalled), so this job writes nothing more there. Stop "
-            "this job; the other job's steps are untouched: resume from them "
-            "once it has ended"
+            f"this job lost {self.root}: {other}{when}, so this job writes "
+            "nothing more there. Stop this job; the other job's steps are "
+            "untouched: resume from them once it has ended"
         )
         self.lost.set()
         raise CheckpointDirInUseError(self._lost_to)
