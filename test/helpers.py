@@ -439,39 +439,38 @@ def s3_bucket(tmp_path_factory):
             _ENV.pop(k, None) if v is None else _ENV.__setitem__(k, v)
 
 
-# Plain DCP, no pippy: every item of a step (a folder or a URL) into a file.
+# Plain DCP, no pippy: every item of each step (a folder or a URL), into a file.
 _PLAIN_READ = """
 import sys, torch, torch.distributed.checkpoint as dcp
-step, out = sys.argv[1], sys.argv[2]
-if "://" in step:
-    try:  # public from torch 2.15
-        from torch.distributed.checkpoint import FsspecReader
-    except ImportError:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-    reader = FsspecReader(step)
-else:
-    reader = dcp.FileSystemReader(step)
-items = reader.read_metadata().state_dict_metadata
-sd = {
-    k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
-    for k, m in items.items()
-}
-dcp.load(sd, storage_reader=reader, no_dist=True)
-torch.save(sd, out)
+try:  # public from torch 2.15
+    from torch.distributed.checkpoint import FsspecReader
+except ImportError:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+*steps, out = sys.argv[1:]
+read = []
+for step in steps:
+    reader = FsspecReader(step) if "://" in step else dcp.FileSystemReader(step)
+    items = reader.read_metadata().state_dict_metadata
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
+        for k, m in items.items()
+    }
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    read.append(sd)
+torch.save(read, out)
 """
 
 
-def plain_read_elsewhere(step, scratch):
-    """Every item of a step, read with plain DCP in another process (no pippy).
-
-    A URL is read with DCP's FsspecReader, a folder with its FileSystemReader.
-    """
+def plain_read_elsewhere(steps, scratch):
+    """Every item of each step, read with plain DCP in one other process (no
+    pippy): a URL with DCP's FsspecReader, a folder with its FileSystemReader.
+    Returns one state_dict per step."""
     out = Path(scratch) / f"plain-{time.monotonic_ns()}.pt"
     subprocess.run(
-        [sys.executable, "-c", _PLAIN_READ, str(step), str(out)],
+        [sys.executable, "-c", _PLAIN_READ, *map(str, steps), str(out)],
         env=_ENV,
         check=True,
-        timeout=120,
+        timeout=180,
         capture_output=True,
     )
     return torch.load(out, weights_only=False)  # written by the line above

@@ -39,18 +39,14 @@ def bucket(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """An uninterrupted run on a local disk, saved at every step: its losses
-    by step, and each step's items as plain DCP reads them."""
+    by step, and the folder of each step."""
     folder = tmp_path_factory.mktemp("reference")
     run = torchrun(
         2, EXAMPLE, *MEDIUM, *STEPS, "--save-every", "1", "--checkpoint-dir", folder
     )
     losses = by_step(run.stdout)
     assert sorted(losses) == list(range(1, 9))
-
-    def step(n):
-        return plain_read_elsewhere(folder / f"step-{n}", folder)
-
-    return losses, step
+    return losses, lambda n: folder / f"step-{n}"
 
 
 def by_step(out):
@@ -80,10 +76,12 @@ def committed(fs, key, step):
     return fs.exists(f"{key}/step-{step}/manifest.json")
 
 
-def assert_same(step_url, expected, scratch):
-    """The step, read by plain DCP in another process, equals `expected`."""
-    got = plain_read_elsewhere(step_url, scratch)
-    assert checkpoint.diff_state_dicts(got, expected) == []
+def assert_same(pairs, scratch):
+    """Each (step, reference step), read by plain DCP in another process, agree
+    bit for bit."""
+    read = plain_read_elsewhere([s for pair in pairs for s in pair], scratch)
+    for (step, _), got, expected in zip(pairs, read[::2], read[1::2], strict=True):
+        assert checkpoint.diff_state_dicts(got, expected) == [], step
 
 
 def wait_for_lease_to_expire(fs, key):
@@ -143,7 +141,7 @@ def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
     assert checkpoint.find_latest_step(run) == f"{run}/step-{good}"
     with pytest.raises(checkpoint.CheckpointNotFoundError):
         checkpoint.read_checkpoint(f"{run}/step-{step}")
-    assert_same(f"{run}/step-{good}", saved(good), tmp_path)
+    assert_same([(f"{run}/step-{good}", saved(good))], tmp_path)
     assert all(by_step(first)[n] == losses[n] for n in by_step(first))
     before = [n for n in range(1, 9) if committed(fs, key, n)]
     assert before == [good - 1, good]
@@ -164,7 +162,7 @@ def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
     assert removed == [", ".join(f"step-{n}" for n in r) for r in expected]
     assert f"verified: {run}/step-8 loaded into fresh stages" in again.stdout
     assert by_step(again.stdout) == {n: losses[n] for n in range(step, 9)}
-    assert_same(f"{run}/step-8", saved(8), tmp_path)
+    assert_same([(f"{run}/step-8", saved(8))], tmp_path)
     # Nothing looks complete that is not: the dead save is still uncommitted,
     # and without a .metadata plain DCP cannot take it for a step either.
     kept = [*before, *saves][-2:]
@@ -207,8 +205,7 @@ def test_async_saves_and_a_sigterm_end_with_loadable_steps_in_a_bucket(
         n in (3, stop) for n in range(1, 9)
     ]
     assert by_step(out) == {n: losses[n] for n in range(1, stop + 1)}
-    for n in (3, stop):
-        assert_same(f"{run}/step-{n}", saved(n), tmp_path)
+    assert_same([(f"{run}/step-{n}", saved(n)) for n in (3, stop)], tmp_path)
 
 
 def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
@@ -234,8 +231,9 @@ def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
     )
     b = None
     try:
-        a.wait_for(lambda: committed(fs, key, 2))
-        a.signal(signal.SIGSTOP)  # a paused VM, a stopped process
+        saved_2 = [f"[rank {r}] stage {r}: saved " for r in (0, 1)]
+        a.wait_for(lambda: all(x in a.out and "to step-2 in" in a.out for x in saved_2))
+        a.signal(signal.SIGSTOP)  # a paused VM, a stopped process, mid-training
         wait_for_lease_to_expire(fs, key)
         b = Job(*MEDIUM, *STEPS, "--save-every", "3", "--checkpoint-dir", run)
         b.wait_for(lambda: committed(fs, key, 3))
@@ -270,7 +268,7 @@ def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
     assert f"resuming from {run}/step-2" in b_out
     assert f"verified: {run}/step-8 loaded into fresh stages" in b_out
     assert by_step(b_out) == {n: losses[n] for n in range(3, 9)}
-    assert_same(f"{run}/step-8", saved(8), tmp_path)
+    assert_same([(f"{run}/step-8", saved(8))], tmp_path)
     assert [committed(fs, key, n) for n in range(1, 9)] == [
         n in (2, 3, 6, 8) for n in range(1, 9)
     ]
