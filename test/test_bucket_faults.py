@@ -383,3 +383,24 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
             save(5, after=take_over, keep_last=1)
     assert committed(fs, key, 4) and committed(fs, key, 5)
     assert fs.cat_file(f"{key}/.owner.json") == theirs  # left to its owner
+
+
+def test_a_lease_that_is_no_number_of_seconds_is_refused_in_one_line(
+    bucket, monkeypatch
+):
+    """PIPPY_LEASE_SECONDS (what the tests above shorten) is read once, at
+    FolderOwner's acquire; a bad value is one line naming it, nothing written."""
+    fs, root = bucket
+    run = f"{root}/bad-lease"
+    for text in ("soon", "0", "-5", "nan"):
+        monkeypatch.setenv(LEASE_ENV, text)
+        with pytest.raises(ValueError) as e:
+            checkpoint.FolderOwner(run).acquire()
+        assert str(e.value) == (
+            f"PIPPY_LEASE_SECONDS={text!r} is not a lease: give a number of "
+            "seconds above 0, or leave it unset for the default of 60"
+        )
+    monkeypatch.delenv(LEASE_ENV)
+    with pytest.raises(ValueError, match="^lease_seconds=0 is not a lease"):
+        checkpoint.FolderOwner(run, lease_seconds=0).acquire()
+    assert not fs.exists("pippy-test/bad-lease")

@@ -57,14 +57,20 @@ _HELD: dict[str, StoreLease] = {}
 
 
 def resolve_lease_seconds(seconds: float | None) -> float:
-    """The lease: ``seconds`` as given, else ``PIPPY_LEASE_SECONDS``, else 60 s.
+    """Decides the lease once: the argument, else the environment, else 60 s.
+
+    Args:
+        seconds: The lease in seconds; None reads ``PIPPY_LEASE_SECONDS``,
+            and 60 s (:data:`LEASE_SECONDS`) where it is unset.
+
+    Returns:
+        The lease, in seconds.
 
     Raises:
-        ValueError: The environment variable is not a positive number.
+        ValueError: The lease (given, or set in the environment) is not a
+            number of seconds above 0.
     """
-    if seconds is not None:
-        return seconds
-    text = os.environ.get(LEASE_ENV)
+    text = os.environ.get(LEASE_ENV) if seconds is None else str(seconds)
     if text is None:
         return LEASE_SECONDS
     try:
@@ -72,9 +78,10 @@ def resolve_lease_seconds(seconds: float | None) -> float:
     except ValueError:
         value = 0.0
     if not value > 0:
+        where = f"{LEASE_ENV}={text!r}" if seconds is None else f"lease_seconds={text}"
         raise ValueError(
-            f"{LEASE_ENV}={text!r} is not a lease: give a number of seconds "
-            "above 0, or unset it for the default of 60"
+            f"{where} is not a lease: give a number of seconds above 0, or "
+            "leave it unset for the default of 60"
         )
     return value
 
