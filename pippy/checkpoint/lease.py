@@ -131,7 +131,8 @@ class StoreLease:
             None reads ``PIPPY_LEASE_SECONDS`` (default 60 s).
 
     Raises:
-        ValueError: ``PIPPY_LEASE_SECONDS`` is not a positive number.
+        ValueError: The lease is not a number of seconds above 0.
+        TypeError: ``root`` is a local folder, not a URL.
 
     Attributes:
         token: This job's token, once acquired.
@@ -145,7 +146,11 @@ class StoreLease:
     ) -> None:
         self.root = _key(root)
         storage = storage_for(root)
-        assert isinstance(storage, FsspecStorage), "a lease is for object stores"
+        if not isinstance(storage, FsspecStorage):
+            raise TypeError(
+                f"{os.fspath(root)!r} is a local folder: a lease is for an object "
+                "store's URL (FolderOwner keeps a local folder's owner record)"
+            )
         self.storage = storage
         self._version: str | None = None  # of this job's record, as last written
         self.record = self.storage.join(self.root, record)
