@@ -197,15 +197,14 @@ def test_async_saves_and_a_sigterm_end_with_loadable_steps_in_a_bucket(
         line,
     )
     assert match and match[1] == match[2], line
-    stop = int(match[1])
-    assert stop in (4, 5), line  # not due: saved at once, not in the background
+    stop = int(match[1])  # 4 or 5: not due, so saved at once (sync); a slow
+    assert 4 <= stop < 8, line  # torchrun may pass it on at 6 (async, waited for)
     assert "[rank 0] published step-3, saved in the background in " in out
     assert f"verified: {run}/step-{stop} loaded into fresh stages" in out
-    assert [committed(fs, key, n) for n in range(1, 9)] == [
-        n in (3, stop) for n in range(1, 9)
-    ]
+    steps = sorted({n for n in (3, 6) if n <= stop} | {stop})
+    assert [n for n in range(1, 9) if committed(fs, key, n)] == steps
     assert by_step(out) == {n: losses[n] for n in range(1, stop + 1)}
-    assert_same([(f"{run}/step-{n}", saved(n)) for n in (3, stop)], tmp_path)
+    assert_same([(f"{run}/step-{n}", saved(n)) for n in steps], tmp_path)
 
 
 def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
@@ -218,17 +217,9 @@ def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
     fs, root = bucket
     losses, saved = reference
     run, key = f"{root}/stalled", "pippy-test/stalled"
-    a = Job(
-        *MEDIUM,
-        *STEPS,
-        "--save-every",
-        "2",
-        "--keep-last",
-        "1",  # were A not stopped, its save of step-4 would delete B's step-3
-        "--checkpoint-dir",
-        run,
-        env={LEASE_ENV: "2"},
-    )
+    # Were A not stopped, its save of step-4 would delete B's step-3.
+    a_flags = ["--save-every", "2", "--keep-last", "1", "--checkpoint-dir", run]
+    a = Job(*MEDIUM, *STEPS, *a_flags, env={LEASE_ENV: "2"})
     b = None
     try:
         saved_2 = [f"[rank {r}] stage {r}: saved " for r in (0, 1)]
@@ -284,16 +275,8 @@ def test_a_stalled_owner_commits_no_background_save_after_losing_its_lease(
     that step never becomes complete, and nothing of the new owner's moves."""
     fs, root = bucket
     run, key = f"{root}/stalled-async", "pippy-test/stalled-async"
-    a = Job(
-        *MEDIUM,
-        *STEPS,
-        "--save-every",
-        "2",
-        "--async-save",
-        "--checkpoint-dir",
-        run,
-        env={LEASE_ENV: "2"},
-    )
+    a_flags = ["--save-every", "2", "--async-save", "--checkpoint-dir", run]
+    a = Job(*MEDIUM, *STEPS, *a_flags, env={LEASE_ENV: "2"})
     try:
         step = catch_mid_save(a, fs, key, steps=(4, 6))
         wait_for_lease_to_expire(fs, key)
