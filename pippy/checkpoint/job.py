@@ -104,10 +104,15 @@ class FolderOwner:
     Args:
         checkpoint_dir: The run's checkpoint folder.
         process_group: The job's ranks; the default group if None.
+        lease_seconds: On an object store, how long the record holds the
+            folder unless renewed; None reads ``PIPPY_LEASE_SECONDS``
+            (default 60 s). A job stalled for longer can lose the folder;
+            its next save is then refused (``CheckpointDirInUseError``).
 
     Raises:
         CheckpointDirInUseError: On entry, on every rank: another job owns
             the folder (the message names it).
+        ValueError: ``PIPPY_LEASE_SECONDS`` is not a positive number.
         CheckpointDirError: On entry, on every rank: the folder is a step
             folder, a file, or cannot be written.
     """
@@ -117,9 +122,11 @@ class FolderOwner:
         checkpoint_dir: Location,
         *,
         process_group: dist.ProcessGroup | None = None,
+        lease_seconds: float | None = None,
     ) -> None:
         self.root = checkpoint_dir
         self.process_group = process_group
+        self.lease_seconds = lease_seconds
         self.token = ""
         self._created = False  # the folder did not exist: release removes it empty
         self._lease: StoreLease | None = None  # on an object store
@@ -143,7 +150,9 @@ class FolderOwner:
         # token (or its error): no other rank lists or stats the folder.
         take = self._acquire
         if not storage_for(self.root).atomic_rename:  # an object store
-            self._lease = StoreLease(self.root, OWNER_FILE)
+            self._lease = StoreLease(
+                self.root, OWNER_FILE, lease_seconds=self.lease_seconds
+            )
             take = self._acquire_lease
         self.token = on_coordinator(
             f"cannot write to {self.root}", take, self.process_group
