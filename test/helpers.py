@@ -2,8 +2,11 @@
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +57,86 @@ def launch(nproc, script, *args, **popen_kwargs):
     """
     cmd = _torchrun_command(nproc, script, args)
     return subprocess.Popen(cmd, cwd=ROOT, env=_ENV, **popen_kwargs)
+
+
+class Job:
+    """The example on 2 ranks under torchrun, in the background, its output
+    read by a thread (so that a hung job fails a timeout, not the suite)."""
+
+    def __init__(self, *flags, torchrun_flags=(), env=None):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            *torchrun_flags,
+            str(EXAMPLE),
+            *map(str, flags),
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**_ENV, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own group: cleaned up by its id
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def out(self):
+        return "".join(self.lines)
+
+    def wait_for(self, found, timeout=120):
+        """Waits until found() is true (a line printed, a folder made)."""
+        deadline = time.monotonic() + timeout
+        while not found() and self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"timed out:\n{self.out[-3000:]}"
+            time.sleep(0.005)
+        assert found(), f"the job ended first:\n{self.out[-3000:]}"
+
+    def printed(self, prefix):
+        return lambda: any(line.startswith(prefix) for line in self.lines)
+
+    def workers(self):
+        """The pids of torchrun's children, its workers."""
+        tasks = Path(f"/proc/{self.proc.pid}/task").iterdir()
+        return [
+            pid for t in tasks for pid in map(int, (t / "children").read_text().split())
+        ]
+
+    def worker(self, rank):
+        """The pid of the worker of `rank`: a child of torchrun with RANK=rank."""
+        for pid in self.workers():
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                return pid
+        raise AssertionError(f"no worker of rank {rank} under {self.proc.pid}")
+
+    def signal(self, sig):
+        """Sends `sig` to the workers and to torchrun at once (torchrun starts
+        each worker in a session of its own, out of reach of its group)."""
+        for pid in [*self.workers(), self.proc.pid]:
+            os.kill(pid, sig)
+
+    def finish(self, timeout=180):
+        """Waits for the job; its exit status and output."""
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return self.proc.returncode, self.out
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
 
 
 def torchrun(nproc, script, *args, timeout=240, expect_ok=True):
@@ -324,3 +407,70 @@ def s3_env(endpoint):
         "AWS_SECRET_ACCESS_KEY": "pippy-test",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+def s3_bucket(tmp_path_factory):
+    """A module's S3 server with a bucket: yields (s3fs file system, "s3://pippy-test").
+
+    The server's settings go into this process's environment and the ranks'
+    (as a real bucket's would) for as long as the module runs.
+    """
+    proc, endpoint = start_s3_server(tmp_path_factory.mktemp("s3"))
+    env = s3_env(endpoint)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    _ENV.update(env)
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    for _ in range(50):  # the filer may still be starting
+        try:
+            fs.mkdir("pippy-test")
+            break
+        except OSError:
+            time.sleep(0.2)
+    try:
+        yield fs, "s3://pippy-test"
+    finally:
+        proc.kill()  # weed takes 5 s to stop on SIGTERM; nothing here to keep
+        proc.wait(timeout=30)
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            _ENV.pop(k, None) if v is None else _ENV.__setitem__(k, v)
+
+
+# Plain DCP, no pippy: every item of each step (a folder or a URL), into a file.
+_PLAIN_READ = """
+import sys, torch, torch.distributed.checkpoint as dcp
+try:  # public from torch 2.15
+    from torch.distributed.checkpoint import FsspecReader
+except ImportError:
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+*steps, out = sys.argv[1:]
+read = []
+for step in steps:
+    reader = FsspecReader(step) if "://" in step else dcp.FileSystemReader(step)
+    items = reader.read_metadata().state_dict_metadata
+    sd = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
+        for k, m in items.items()
+    }
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    read.append(sd)
+torch.save(read, out)
+"""
+
+
+def plain_read_elsewhere(steps, scratch):
+    """Every item of each step, read with plain DCP in one other process (no
+    pippy): a URL with DCP's FsspecReader, a folder with its FileSystemReader.
+    Returns one state_dict per step."""
+    out = Path(scratch) / f"plain-{time.monotonic_ns()}.pt"
+    subprocess.run(
+        [sys.executable, "-c", _PLAIN_READ, *map(str, steps), str(out)],
+        env=_ENV,
+        check=True,
+        timeout=180,
+        capture_output=True,
+    )
+    return torch.load(out, weights_only=False)  # written by the line above

@@ -8,8 +8,6 @@ write held with a lease.
 """
 
 import json
-import os
-import subprocess
 import time
 
 import pytest
@@ -18,39 +16,14 @@ from pippy import checkpoint
 from pippy.cli import main
 
 import helpers
-from helpers import EXAMPLE, TINY_FLAGS, loss_lines, s3_env, start_s3_server, torchrun
+from helpers import EXAMPLE, TINY_FLAGS, loss_lines, torchrun
 
 FLAGS = [*TINY_FLAGS, "--save-every", "2", "--keep-last", "2"]
 
 
 @pytest.fixture(scope="module")
 def bucket(tmp_path_factory):
-    proc, endpoint = start_s3_server(tmp_path_factory.mktemp("s3"))
-    env = s3_env(endpoint)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    helpers._ENV.update(env)
-    import s3fs
-
-    fs = s3fs.S3FileSystem()
-    for _ in range(50):  # the filer may still be starting
-        try:
-            fs.mkdir("pippy-test")
-            break
-        except OSError:
-            time.sleep(0.2)
-    try:
-        yield fs, "s3://pippy-test"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # weed takes long to stop; nothing to keep
-            proc.kill()
-            proc.wait(timeout=30)
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-            helpers._ENV.pop(k, None) if v is None else helpers._ENV.__setitem__(k, v)
+    yield from helpers.s3_bucket(tmp_path_factory)
 
 
 def example(run, *flags, ok=True):

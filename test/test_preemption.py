@@ -12,11 +12,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
 
@@ -26,7 +21,7 @@ from pippy.checkpoint.steps import list_steps
 from pippy.checkpoint.verified import newest_verified_step
 
 import helpers
-from helpers import EXAMPLE, ROOT, TINY_FLAGS, linear_state, loss_lines, torchrun
+from helpers import EXAMPLE, TINY_FLAGS, Job, linear_state, loss_lines, torchrun
 
 #: An uninterrupted run's flags: 30 steps, saved at 10, 20, 30.
 STEPS = ["--steps", "30", "--save-every", "10"]
@@ -34,74 +29,6 @@ STEPS = ["--steps", "30", "--save-every", "10"]
 BIG = ["--n-layers", "4", "--dim", "512", "--seq-len", "32"]
 #: Each attempt of a torchrun restart gets a store of its own (see check_restarts).
 OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-class Job:
-    """The example on 2 ranks under torchrun, in the background, its output
-    read by a thread (so that a hung job fails a timeout, not the suite)."""
-
-    def __init__(self, *flags, torchrun_flags=(), env=None):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            *torchrun_flags,
-            str(EXAMPLE),
-            *map(str, flags),
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**helpers._ENV, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own group: cleaned up by its id
-        )
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def out(self):
-        return "".join(self.lines)
-
-    def wait_for(self, found, timeout=120):
-        """Waits until found() is true (a line printed, a folder made)."""
-        deadline = time.monotonic() + timeout
-        while not found() and self.proc.poll() is None:
-            assert time.monotonic() < deadline, f"timed out:\n{self.out[-3000:]}"
-            time.sleep(0.005)
-        assert found(), f"the job ended first:\n{self.out[-3000:]}"
-
-    def printed(self, prefix):
-        return lambda: any(line.startswith(prefix) for line in self.lines)
-
-    def worker(self, rank):
-        """The pid of the worker of `rank`: a child of torchrun with RANK=rank."""
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
-            for pid in map(int, (task / "children").read_text().split()):
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                if f"RANK={rank}".encode() in environ:
-                    return pid
-        raise AssertionError(f"no worker of rank {rank} under {self.proc.pid}")
-
-    def finish(self, timeout=180):
-        """Waits for the job; its exit status and output."""
-        self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=10)
-        return self.proc.returncode, self.out
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 def losses_by_step(out):

@@ -40,10 +40,10 @@ import pippy
 from pippy import checkpoint
 from pippy.checkpoint import checks
 from pippy.checkpoint.api import load_into, open_step, publish_step, take_state
+from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import fail_together
 from pippy.checkpoint.launcher import check_restarts
-from pippy.checkpoint.safe_load import read_metadata
-from pippy.checkpoint.steps import is_complete, step_dir
+from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.verified import newest_verified_step
 
 import parallel
@@ -145,7 +145,9 @@ def resume(state: checkpoint.StageState, args, layout) -> None:
     source = latest or args.init_from
     if source is None:
         return
-    check_saved_shape(args, read_metadata(source).state_dict_metadata, source)
+    # rank 0 reads the step's index, the other ranks get it (one broadcast)
+    index = open_reader(source, check_files=False).metadata.state_dict_metadata
+    check_saved_shape(args, index, source)
     if dist.get_rank() == 0:
         ignored = " (--init-from applies to new runs only)" * bool(args.init_from)
         log(
@@ -330,7 +332,8 @@ def main(args) -> None:
             saver.close()  # waits for the last save, then publishes it
         # verify: load the final checkpoint into fresh stages, compare bit for bit
         final = step_dir(args.checkpoint_dir, state.step)
-        ok = not is_complete(final) or verify(args, state, final, layout, device)
+        saved = checkpoint.find_latest_step(args.checkpoint_dir) == final
+        ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about
         flag = " (--checkpoint-dir)" * isinstance(e, checkpoint.CheckpointDirError)

@@ -29,6 +29,9 @@ their modules, one idea per module:
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
   manifest).
+* :mod:`~pippy.checkpoint.coordinated`: which rank answers which question
+  about the checkpoint folder (rank 0, for all: which step, is it complete,
+  who owns the folder, what to delete), and the step's reader made so.
 * :mod:`~pippy.checkpoint.steps` and :mod:`~pippy.checkpoint.publishing`:
   step folders (``<checkpoint_dir>/step-<N>``), staged and published once
   complete (renamed whole, or committed by their manifest on an object

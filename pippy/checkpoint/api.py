@@ -8,7 +8,7 @@ Saving a stage, on every rank at once::
 
 Loading, after building the stage (DCP loads in place)::
 
-    reader, planner = open_step(path)  # checked before anything is read
+    reader, planner = open_step(path)  # checked on rank 0 before anything is read
     with load_into(state, path) as state_dict:  # applied on every rank or none
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.collisions import check_keys
+from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import explain_failures, fail_together
 from pippy.checkpoint.layouts import (
     PIPPY,
@@ -237,8 +238,14 @@ def open_step(
     must_read: tuple[str, ...] = ("",),
     trusted: bool | None = None,
     verify: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
 ) -> tuple[SafeFileSystemReader, SafeLoadPlanner]:
     """The storage reader and load planner to pass to ``dcp.load`` for a step.
+
+    Call it on every rank of ``process_group`` at once: rank 0 alone looks
+    at the step's folder, ``.metadata`` and manifest, and the others take
+    its answer (:func:`~pippy.checkpoint.coordinated.open_reader`).
 
     Args:
         path: A ``step-<N>`` folder.
@@ -247,15 +254,25 @@ def open_step(
         trusted: See :class:`SafeFileSystemReader`.
         verify: Check every item read against the step's ``manifest.json``;
             False loads a checkpoint without one (plain DCP's), unverified.
+        process_group: The ranks that load; the default group if None.
+        no_dist: This process opens it alone, with no collective, as
+            ``dcp.load``'s ``no_dist``.
 
     Returns:
         ``(storage_reader, planner)``.
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
-            :class:`SafeFileSystemReader`, before anything is read.
+            :class:`SafeFileSystemReader`, before anything is read, on every
+            rank.
     """
-    reader = SafeFileSystemReader(path, trusted=trusted, verify=verify)
+    reader = open_reader(
+        path,
+        trusted=trusted,
+        verify=verify,
+        process_group=process_group,
+        no_dist=no_dist,
+    )
     return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
 
 
@@ -302,7 +319,11 @@ def read_any_layout(
 ) -> None:
     """Fills a state_dict in pippy's names from a step in either layout, in place."""
     reader, planner = open_step(
-        path, must_read=must_read, trusted=trusted, verify=verify
+        path,
+        must_read=must_read,
+        trusted=trusted,
+        verify=verify,
+        process_group=process_group,
     )
     saved = reader.read_metadata().state_dict_metadata
     if detect_layout(saved) == PIPPY:

@@ -126,6 +126,8 @@ def explain_failures(action: str) -> Iterator[None]:
     Raises:
         UnsafeCheckpointError: Some rank refused a pickle (the first message).
         CheckpointTimeout: Some rank gave up waiting for the others.
+        CheckpointDirInUseError: Some rank found the folder another job's
+            (the first message).
         CheckpointError: Any other failure: one line per failed rank with the
             exception's type and message.
     """
@@ -133,8 +135,10 @@ def explain_failures(action: str) -> Iterator[None]:
         yield
     except CheckpointException as e:
         failures = {rank: exc for rank, (exc, _trace) in sorted(e.failures.items())}
-        for exc in failures.values():
-            if isinstance(exc, UnsafeCheckpointError | CheckpointTimeout):
+        for exc in failures.values():  # one line, as these say what to do
+            if isinstance(
+                exc, UnsafeCheckpointError | CheckpointTimeout | CheckpointDirInUseError
+            ):
                 raise type(exc)(str(exc)) from None
         raise _failed_on(
             action,

@@ -80,9 +80,10 @@ def _describe(record: dict[str, Any]) -> str:
 class FolderOwner:
     """Makes one job at a time the writer of a run's checkpoint folder.
 
-    On entry (every rank of ``process_group`` at once), rank 0 creates the
-    folder if needed and the owner record ``.owner.json``; every rank gets
-    the job's token, which names its staging folders. On exit, the record is
+    On entry (every rank of ``process_group`` at once), rank 0 checks the
+    folder, creates it if needed and the owner record ``.owner.json``; every
+    rank gets the job's token, which names its staging folders, or the same
+    error. No other rank looks at the folder. On exit, the record is
     removed if it is still this job's. Use it around training::
 
         with FolderOwner(checkpoint_dir):
@@ -103,10 +104,15 @@ class FolderOwner:
     Args:
         checkpoint_dir: The run's checkpoint folder.
         process_group: The job's ranks; the default group if None.
+        lease_seconds: On an object store, how long the record holds the
+            folder unless renewed; None reads ``PIPPY_LEASE_SECONDS``
+            (default 60 s). A job stalled for longer can lose the folder;
+            its next save is then refused (``CheckpointDirInUseError``).
 
     Raises:
         CheckpointDirInUseError: On entry, on every rank: another job owns
             the folder (the message names it).
+        ValueError: ``PIPPY_LEASE_SECONDS`` is not a positive number.
         CheckpointDirError: On entry, on every rank: the folder is a step
             folder, a file, or cannot be written.
     """
@@ -116,9 +122,11 @@ class FolderOwner:
         checkpoint_dir: Location,
         *,
         process_group: dist.ProcessGroup | None = None,
+        lease_seconds: float | None = None,
     ) -> None:
         self.root = checkpoint_dir
         self.process_group = process_group
+        self.lease_seconds = lease_seconds
         self.token = ""
         self._created = False  # the folder did not exist: release removes it empty
         self._lease: StoreLease | None = None  # on an object store
@@ -138,25 +146,16 @@ class FolderOwner:
         Raises:
             CheckpointDirError: As the class says.
         """
+        # Rank 0 alone looks at the folder and takes it; the others get the
+        # token (or its error): no other rank lists or stats the folder.
+        take = self._acquire
         if not storage_for(self.root).atomic_rename:  # an object store
-            self._lease = StoreLease(self.root, OWNER_FILE)
-            list_steps(self.root)  # an object where the folder should be: say so
-            self.token = on_coordinator(
-                f"cannot write to {self.root}", self._lease.acquire, self.process_group
+            self._lease = StoreLease(
+                self.root, OWNER_FILE, lease_seconds=self.lease_seconds
             )
-            return
-        storage = check_publishable(self.root)
-        real = Path(storage.same_place(self.root))
-        inside = [p for p in (real, *real.parents) if is_complete(p)]
-        if parse_step(real) is not None or inside:
-            step = inside[0] if inside else real
-            raise CheckpointDirError(
-                f"{str(self.root)!r} is or lies in the step folder {str(step)!r}, "
-                f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
-            )
-        list_steps(self.root)  # a file where the folder should be: say so
+            take = self._acquire_lease
         self.token = on_coordinator(
-            f"cannot write to {self.root}", self._acquire, self.process_group
+            f"cannot write to {self.root}", take, self.process_group
         )
 
     def release(self) -> None:
@@ -203,8 +202,27 @@ class FolderOwner:
         """Where the owner record is."""
         return self._storage.join(self.root, OWNER_FILE)
 
+    def _acquire_lease(self) -> str:
+        """On rank 0, on an object store: the lease's token."""
+        assert self._lease is not None
+        list_steps(self.root)  # an object where the folder should be: say so
+        return self._lease.acquire()
+
+    def _check_not_a_step(self) -> None:
+        """Refuses a root that is, or lies in, a step folder."""
+        real = Path(self._storage.same_place(self.root))
+        inside = [p for p in (real, *real.parents) if is_complete(p)]
+        if parse_step(real) is not None or inside:
+            step = inside[0] if inside else real
+            raise CheckpointDirError(
+                f"{str(self.root)!r} is or lies in the step folder {str(step)!r}, "
+                f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
+            )
+        list_steps(self.root)  # a file where the folder should be: say so
+
     def _acquire(self) -> str:
         """On rank 0: creates the record, or takes over a dead owner's; its token."""
+        self._check_not_a_step()
         token = uuid.uuid4().hex[:12]
         self._created = not self._storage.exists(self.root)
         self._storage.makedirs(self.root)

@@ -44,6 +44,7 @@ from torch.futures import Future
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointError
+from pippy.checkpoint.lease import check_lease
 from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import DurableFileSystem, Location, is_url, storage_for
 from pippy.checkpoint.versions import written_by
@@ -200,7 +201,14 @@ class ManifestWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` as DCP does, then ``manifest.json``."""
+        """Writes ``.metadata`` as DCP does, then ``manifest.json``.
+
+        First, on an object store, checks that this job still holds the
+        folder's lease (:func:`~pippy.checkpoint.lease.check_lease`): a job
+        that stalled and lost the folder commits nothing there.
+        """
+        storage = storage_for(self.path)
+        check_lease(storage.parent(self.path))
         items: list[dict[str, Any]] = []
         files: dict[str, int] = {}
         plain: list[list[WriteResult]] = []
@@ -233,7 +241,6 @@ class ManifestWriter(FileSystemWriter):
         # dumps, not dump: json.dump streams through the pure-Python encoder,
         # about 10x slower than the C one dumps uses.
         data = json.dumps(manifest, separators=(",", ":")).encode()
-        storage = storage_for(self.path)
         storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
 
 

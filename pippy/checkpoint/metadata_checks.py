@@ -111,8 +111,12 @@ def _check_tables(folder: Location, metadata: Metadata, damaged: str) -> None:
     items = metadata.state_dict_metadata
     if not isinstance(storage, dict) or not isinstance(items, dict):
         raise CheckpointError(f"{damaged}: it has no table of items and files")
+    contained: set[str] = set()  # each file once: resolving a path stats it
     for index, info in storage.items():
-        data_file(files, folder, getattr(info, "relative_path", None))
+        name = getattr(info, "relative_path", None)
+        if not (isinstance(name, str) and name in contained):
+            data_file(files, folder, name)
+            contained.add(str(name))  # a plain name: data_file refuses others
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not all(type(n) is int and n >= 0 for n in (offset, length)):
             raise CheckpointError(f"{damaged}: item {index.fqn!r} has no valid place")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointDirError, explain_failures, on_coordinator
+from pippy.checkpoint.lease import check_lease, lease_lost
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.steps import (
@@ -93,11 +94,14 @@ def prepare_step(
     Raises:
         CheckpointDirError: On every rank: the step exists, or the folder is a
             file or cannot be written.
+        CheckpointDirInUseError: On every rank: this job lost the folder's
+            lease to another job (:func:`~pippy.checkpoint.lease.check_lease`).
     """
     storage = storage_for(checkpoint_dir)
     final = step_dir(checkpoint_dir, step)
 
     def make_staging() -> StepFolder:  # on rank 0 alone: no other rank lists
+        check_lease(checkpoint_dir)  # a job that lost the folder writes nothing
         list_steps(checkpoint_dir)  # a file where the folder should be: say so
         if is_complete(final) and _holds_its_step(final):
             raise CheckpointDirError(
@@ -150,10 +154,13 @@ def publish(
 
     Raises:
         CheckpointDirError: On every rank, if the rename or pruning failed.
+        CheckpointDirInUseError: On every rank: this job lost the folder's
+            lease to another job; nothing is pruned.
     """
     storage = storage_for(folder.final)
 
     def rename_and_prune() -> list[str]:
+        check_lease(storage.parent(folder.final))
         if folder.staging != folder.final:  # on a store: committed by its record
             storage.publish(folder.staging, folder.final)
         if keep_last is None:
@@ -237,9 +244,15 @@ def publish_step(
 def discard(folder: StepFolder, process_group: dist.ProcessGroup | None = None) -> None:
     """Removes a failed save's staging folder, on rank 0, without a collective.
 
+    A job that lost its lease removes nothing: on an object store the step
+    is written in place, and the folder may be the new owner's.
+
     Args:
         folder: The step folder from :func:`prepare_step`.
         process_group: The ranks that saved; rank 0 of it removes the folder.
     """
+    storage = storage_for(folder.staging)
+    if lease_lost(storage.parent(folder.final)):
+        return
     if not dist.is_initialized() or dist.get_rank(process_group) == 0:
-        storage_for(folder.staging).remove(folder.staging)
+        storage.remove(folder.staging)

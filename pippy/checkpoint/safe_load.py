@@ -219,6 +219,8 @@ class SafeFileSystemReader(FileSystemReader):
             files; from ``read_data``, an item does not match its checksum.
     """
 
+    manifest: Manifest | None
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -227,13 +229,8 @@ class SafeFileSystemReader(FileSystemReader):
         check_files: bool = True,
         verify: bool = True,
     ) -> None:
-        super().__init__(path)
-        storage = storage_for(path)
-        folder = storage.join(path)
-        if is_url(path):  # DCP's FileSystemReader would read a local folder
-            self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
-            self.path = self.fs.init_path(path)
-        self.trusted = resolve_trusted(trusted)
+        self._open(path, trusted)
+        storage, folder = storage_for(path), self.folder
         if not storage.is_dir(folder):
             raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
         if storage.size(storage.join(folder, METADATA_FILE)) is None:
@@ -247,12 +244,10 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
                 "its save did not finish); use an earlier step"
             )
-        self.folder = folder
         self.metadata = _read_metadata_file(
             storage.join(folder, METADATA_FILE), self.trusted
         )
         check_structure(folder, self.metadata)
-        self.manifest: Manifest | None = None
         if not check_files:
             return
         problems = find_damage(folder, self.metadata)
@@ -266,6 +261,37 @@ class SafeFileSystemReader(FileSystemReader):
         if verify:
             ranges = storage_ranges(self.metadata)
             self.manifest = check_manifest(folder, parse_step(folder), ranges)
+
+    def _open(self, path: str | os.PathLike, trusted: bool | None) -> None:
+        """DCP's reader of ``path``, set up without touching a file."""
+        super().__init__(path)
+        storage = storage_for(path)
+        if is_url(path):  # DCP's FileSystemReader would read a local folder
+            self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
+            self.path = self.fs.init_path(path)
+        self.trusted = resolve_trusted(trusted)
+        self.folder = storage.join(path)
+        self.manifest = None
+
+    @classmethod
+    def checked(
+        cls,
+        path: str | os.PathLike,
+        *,
+        trusted: bool,
+        metadata: Metadata,
+        manifest: Manifest | None,
+    ) -> SafeFileSystemReader:
+        """A reader of a step that another rank has read and checked.
+
+        Nothing is read or looked up here: ``metadata`` and ``manifest`` are
+        what that rank's reader holds (see
+        :func:`~pippy.checkpoint.coordinated.open_reader`).
+        """
+        reader = cls.__new__(cls)
+        reader._open(path, trusted)
+        reader.metadata, reader.manifest = metadata, manifest
+        return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Returns the metadata read and checked when the reader was made."""
@@ -322,6 +348,9 @@ class SafeFileSystemReader(FileSystemReader):
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
     """Reads a step folder's ``.metadata`` with :class:`SafeFileSystemReader`.
 
+    It runs in this process alone; on every rank of a job at once,
+    :func:`~pippy.checkpoint.coordinated.open_reader` reads it on rank 0 only.
+
     Args:
         path: A ``step-<N>`` folder.
         trusted: See :class:`SafeFileSystemReader`.
@@ -340,6 +369,9 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
 
 def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
     """Checks a whole step against its manifest: every item of every file.
+
+    It runs in this process alone, with no collective (on a job's rank 0,
+    :func:`~pippy.checkpoint.verified.newest_verified_step` calls it).
 
     Args:
         path: A ``step-<N>`` folder.

@@ -16,6 +16,11 @@ step is written in place under its final name, and its ``manifest.json``,
 written last in one PUT, is its commit record. A step folder without it is
 never taken as complete or newest, loaded, or counted by retention, which
 deletes the commit record first.
+
+The functions here ask the storage from the process that calls them; in a
+job, rank 0 asks and broadcasts the answer (:func:`find_latest_step` itself,
+publishing and ownership around the others; see
+:mod:`~pippy.checkpoint.coordinated`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.distributed as dist
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
+    on_coordinator,
 )
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.storage import Location, glob, storage_for
@@ -166,21 +172,33 @@ def find_latest_step(
     instead (:func:`~pippy.checkpoint.verified.newest_verified_step`); a
     warning on rank 0 names each and why.
 
+    With a process group, rank 0 alone lists the folder and reads the
+    manifests, and broadcasts the answer: every rank resumes from the same
+    step, and no other rank lists the folder (on NFS, attribute caching can
+    make ranks disagree on what exists; many ranks listing a bucket at once
+    get throttled).
+
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
         verified: Check the newest steps against their manifests and move
-            those that fail aside. Then call it on every rank of
-            ``process_group``, as the folder's owner.
-        process_group: With ``verified``, the ranks; the default group if None.
+            those that fail aside, as the folder's owner.
+        process_group: The ranks; the default group if None. Without an
+            initialized process group, this process answers alone.
 
     Returns:
         The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
         URL), or None if there is none.
 
     Raises:
-        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder, or
-            is a URL whose storage client is missing.
+        CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
+            not a folder, cannot be listed, or is a URL whose storage client
+            is missing.
         CheckpointError: With ``verified``, as ``newest_verified_step``.
+
+    Note:
+        Call it on every rank of ``process_group`` at once (it is a
+        collective), or in a process without a process group; called on
+        rank 0 alone, it waits for the others.
     """
     if verified:
         from pippy.checkpoint.verified import newest_verified_step  # imports us
@@ -192,8 +210,13 @@ def find_latest_step(
             for name, why in reasons.items():
                 logger.warning("skipped %s: %s", name, why)
         return verified_step
-    latest, skipped = newest_complete_step(checkpoint_dir)
-    if skipped and (not dist.is_initialized() or dist.get_rank() == 0):
+    where = os.fspath(checkpoint_dir)
+    latest, skipped = on_coordinator(
+        f"cannot list {where}",
+        lambda: newest_complete_step(checkpoint_dir),
+        process_group,
+    )
+    if skipped and (not dist.is_initialized() or dist.get_rank(process_group) == 0):
         logger.warning(
             "skipping incomplete checkpoints (no .metadata, or a manifest naming "
             "another step) %s",
@@ -210,7 +233,8 @@ def remove_old_steps(
     Steps are ranked by the step they hold (their manifest's), which is their
     name's: a folder whose manifest names another step (copied or renamed)
     is neither counted nor deleted. Incomplete folders are left alone (they
-    may be a save in progress).
+    may be a save in progress). It runs in this process alone: in a job,
+    :func:`~pippy.checkpoint.publishing.publish` calls it on rank 0.
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -244,7 +268,8 @@ def remove_old_steps(
 def remove_staging(checkpoint_dir: Location) -> list[str]:
     """Deletes every staging folder in ``checkpoint_dir`` (a dead job's).
 
-    Only the folder's owner may call it (see :class:`~pippy.checkpoint.FolderOwner`).
+    Only the folder's owner may call it (see :class:`~pippy.checkpoint.FolderOwner`,
+    which does, on rank 0).
 
     Returns:
         The names removed.

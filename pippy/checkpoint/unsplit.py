@@ -58,7 +58,7 @@ def read_checkpoint(
         KeyError: No key starts with ``prefix``.
         CheckpointError: A data file is missing or damaged.
     """
-    reader, planner = open_step(path, trusted=trusted, verify=verify)
+    reader, planner = open_step(path, trusted=trusted, verify=verify, no_dist=True)
     saved = reader.read_metadata().state_dict_metadata
     name = (lambda k: k) if detect_layout(saved) == PIPPY else pippy_name
     state_dict: dict[str, Any] = {}

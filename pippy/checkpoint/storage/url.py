@@ -19,6 +19,8 @@ __all__ = ["FsspecStorage"]
 
 # The optional extra that brings each protocol's fsspec client.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+# The protocols whose PUT takes If-Match on a version tag (s3fs passes it on).
+_CONDITIONAL = {"s3", "s3a"}
 
 
 class FsspecStorage:
@@ -132,6 +134,45 @@ class FsspecStorage:
                 return False
             raise
         return True
+
+    def version(self, location: Location) -> str | None:
+        """The version tag of the object at ``location`` (S3: its ETag), or None.
+
+        None too where the store gives none, or nothing is there.
+        """
+        try:
+            info = self.fs.info(self._path(location))
+        except FileNotFoundError:
+            return None
+        tag = info.get("ETag") if self.protocol in _CONDITIONAL else None
+        return str(tag) if tag else None
+
+    def replace_if_unchanged(
+        self, location: Location, data: bytes, version: str | None
+    ) -> str | None:
+        """Overwrites the object in one PUT if it is still at ``version``.
+
+        On S3 a conditional PUT (``If-Match``, honoured by AWS S3 since 2024
+        and by SeaweedFS), so that a writer that stalled cannot overwrite what
+        another wrote meanwhile. Elsewhere (no ``version``) the PUT is plain.
+
+        Returns:
+            The new version tag ("" where the store gives none), or None if
+            the object changed or is gone: nothing was written.
+        """
+        path = self._path(location)
+        if version is None or self.protocol not in _CONDITIONAL:
+            self.fs.pipe_file(path, data)
+            return ""
+        try:
+            out = self.fs.pipe_file(path, data, IfMatch=version)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # s3fs: "pre-conditions you specified did not hold"
+            if "pre-condition" in str(e) or "412" in str(e):
+                return None
+            raise
+        return str(out["ETag"])
 
     def publish(self, source: Location, target: Location) -> None:
         """Moves ``source`` to ``target``: a copy, then a delete (not atomic)."""
