@@ -153,6 +153,32 @@ class ManifestWriter(FileSystemWriter):
             self.fs = DurableFileSystem()
         self.step = step
         self.written = (0, 0)
+        self._coordinator_asks = (
+            False  # set_up_storage_writer: rank 0 asks for this rank
+        )
+
+    def set_up_storage_writer(
+        self, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """As DCP's; notes whether the coordinator asks for this rank."""
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self._coordinator_asks = not is_coordinator and kwargs.get(
+            "use_collectives", True
+        )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """As DCP's, but only the coordinator asks whether the step has a ``.metadata``.
+
+        DCP's writer asks it on every rank (a stat, on a bucket a HEAD and a
+        listing per rank); one rank decides every storage question, and
+        :func:`~pippy.checkpoint.publishing.prepare_step` made the staging
+        folder anew on the coordinator. The others only make sure the folder
+        they write into exists, as DCP's writer does first.
+        """
+        if not self._coordinator_asks:
+            return super().prepare_local_plan(plan)
+        self.fs.mkdir(self.path)
+        return plan
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner

@@ -37,10 +37,10 @@ Note:
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -84,10 +84,11 @@ _GO = "go"
 _LONGEST_WAIT_S = 600.0
 # The next point's number, per process group: ranks call points in one order.
 _next_point: dict[str, int] = {}
-# The operation whose writer or reader records progress and arrives.
-_active: contextvars.ContextVar[Waits | None] = contextvars.ContextVar(
-    "pippy_waits", default=None
-)
+# The operation whose writer or reader records progress and arrives, per
+# thread. Not a ContextVar: asyncio copies the context into its tasks (fsspec
+# runs them in a thread of its own), and a Waits there, holding a process
+# group, freed in that thread at exit, aborts the process (torch 2.13).
+_active = threading.local()
 
 
 def seconds(timeout: Timeout) -> float | None:
@@ -134,17 +135,17 @@ def log_every() -> float:
 
 def active() -> Waits | None:
     """The operation whose storage writer or reader records progress now, if any."""
-    return _active.get()
+    return getattr(_active, "waits", None)
 
 
 @contextmanager
 def suspended() -> Iterator[None]:
     """No writer or reader in the block reports or arrives (a write some ranks skip)."""
-    token = _active.set(None)
+    before, _active.waits = active(), None
     try:
         yield
     finally:
-        _active.reset(token)
+        _active.waits = before
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -203,8 +204,12 @@ class Waits:
         self.prefix = f"pippy/{name}/{number}"
         # Every rank at this point is past the one before the last.
         self._older = f"pippy/{name}/{number - 2}" if number >= 2 else None
-        self.store = _get_default_store()
         self._recorded = 0.0
+
+    @property
+    def store(self) -> dist.Store:
+        """The default group's store, not held between calls (see the note below)."""
+        return _get_default_store()
 
     def record(self, done: int, total: int, nbytes: int, total_bytes: int) -> None:
         """Records how far this rank is (items and bytes), at most every 0.1 s."""
@@ -373,7 +378,7 @@ def waiting(
             ``dcp.load`` runs on.
     """
     waits = Waits(action, point, timeout=timeout, process_group=process_group)
-    token = _active.set(waits)
+    before, _active.waits = active(), waits
     try:
         yield waits
     except BaseException:
@@ -381,7 +386,7 @@ def waiting(
             raise waits.timed_out from None
         raise
     finally:
-        _active.reset(token)
+        _active.waits = before
 
 
 @contextmanager
