@@ -183,6 +183,11 @@ def test_only_rank_0_lists_the_bucket(bucket, tmp_path):
     assert calls[0]["list_objects_v2", "run/"] >= 3  # owner, 2 saves, keep-last, verify
     assert calls[0]["get_object", "run/step-4/manifest.json"] >= 1
     assert calls[1]["get_object", DATA] > 0  # rank 1 loads its items
+    # A save reads nothing back: the manifest's checksums are taken from the
+    # bytes as they are written (step-2 is saved, then removed, never loaded).
+    for rank in (0, 1):
+        log = (tmp_path / f"rank-{rank}.log").read_text()
+        assert not re.search(r"CALL: get_object .*'Key': 'run/step-2/__", log), rank
     asked = {call: n for call, n in calls[1].items() if call[1] != DATA}
     # ... and asks nothing else: not even whether the step it saves has a
     # .metadata yet, which DCP's own writer asks on every rank (a HEAD and a

@@ -191,9 +191,7 @@ def save_stage(
     Raises:
         ValueError, KeyCollisionError: As :func:`take_state`; nothing is
             written. Also: both ``planner`` and ``plan_cache`` given.
-        CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`
-            (also: ``checkpoint_dir`` is a URL; object stores cannot publish
-            a step atomically yet).
+        CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
         CheckpointTimeout: As :func:`~pippy.checkpoint.publishing.publish_step`.

@@ -219,8 +219,7 @@ def publish_step(
 
     Raises:
         CheckpointDirError: On every rank: ``step-<step>`` exists, or
-            ``checkpoint_dir`` is a file, cannot be written, or is a URL (an
-            object store cannot publish a step atomically yet).
+            ``checkpoint_dir`` is a file or cannot be written.
         CheckpointError: ``dcp.save`` in the body failed on some rank.
         CheckpointTimeout: Some rank had not written its items within
             ``timeout``: on every rank that had, naming those that had not;
