@@ -57,6 +57,19 @@ def test_the_example_trains_saves_and_resumes_in_a_bucket(bucket, tmp_path, caps
     out = tmp_path / "gpt.safetensors"
     assert main(["export", run, "--out", str(out)]) == 0
     assert out.stat().st_size > 100_000
+    # convert, bucket to bucket, there and back: every item as it was
+    titan, back = f"{root}/titan/step-6", f"{root}/back/step-6"
+    assert main(["convert", f"{run}/step-6", "--to", "torchtitan", "--out", titan]) == 0
+    assert main(["convert", titan, "--to", "pippy", "--out", back]) == 0
+    assert checkpoint.diff_state_dicts(checkpoint.read_checkpoint(back), ours) == []
+    # load_model: the un-split model from the bucket, in this process
+    model = helpers.tiny_gpt()
+    checkpoint.load_model(f"{run}/step-6", model)
+    weights = {k[len("model.") :]: v for k, v in ours.items() if k.startswith("model.")}
+    assert checkpoint.diff_state_dicts(model.state_dict(), weights) == []
+    # --init-from a step in the bucket: a new run starts from its weights
+    started = example(tmp_path / "init", "--steps", "2", "--init-from", f"{run}/step-6")
+    assert f"starting from the weights of {run}/step-6" in started.stdout
 
 
 def test_a_step_without_its_commit_record_is_never_taken(bucket):
