@@ -1,5 +1,6 @@
 """What the tests share: launching real ranks, the tiny model, planted pickles."""
 
+import json
 import os
 import pickle
 import signal
@@ -474,3 +475,10 @@ def plain_read_elsewhere(steps, scratch):
         capture_output=True,
     )
     return torch.load(out, weights_only=False)  # written by the line above
+
+
+def rank_results(out, check, ranks=2):
+    """What each rank of a checks script wrote for `check`: <check>-rank<r>.json."""
+    return [
+        json.loads((out / f"{check}-rank{r}.json").read_text()) for r in range(ranks)
+    ]

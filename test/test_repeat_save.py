@@ -9,7 +9,6 @@ rank. Here, in another process, plain DCP (FileSystemReader,
 no pippy) reads every step back, bitwise equal to what each rank saved.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from pippy import checkpoint
 from pippy.checkpoint import plan_reuse
 
-from helpers import plain_read, torchrun
+from helpers import plain_read, rank_results, torchrun
 from repeat_checks import SEQUENCE, flat, stage
 
 CHECKS = Path(__file__).with_name("repeat_checks.py")
@@ -45,10 +44,6 @@ def repeat_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("repeat")
     torchrun(2, CHECKS, "sequence,failure,async", out)
     return out
-
-
-def _results(out, check):
-    return [json.loads((out / f"{check}-rank{r}.json").read_text()) for r in range(2)]
 
 
 def _expected(out, folder, step):
@@ -85,7 +80,7 @@ def _outcome(save):
 
 
 def test_each_save_reuses_the_plan_only_if_no_rank_changed(repeat_ranks):
-    for rank, result in enumerate(_results(repeat_ranks, "sequence")):
+    for rank, result in enumerate(rank_results(repeat_ranks, "sequence")):
         got = {s["step"]: _outcome(s) for s in result["saves"]}
         want = {s: o for s, o in EXPECTED.items() if rank == 0 or s != 30}
         assert got == want
@@ -125,7 +120,7 @@ def test_a_reused_save_writes_the_metadata_dcp_save_writes(repeat_ranks):
 
 def test_the_log_says_why_a_save_planned_afresh(repeat_ranks):
     said = {
-        s["step"]: s["said"] for s in _results(repeat_ranks, "sequence")[0]["saves"]
+        s["step"]: s["said"] for s in rank_results(repeat_ranks, "sequence")[0]["saves"]
     }
     f32, f64 = "torch.float32[4, 4]", "torch.float64[4, 4]"
     assert said[1] == [] and said[2] == []  # the first plan is no news
@@ -168,7 +163,7 @@ def test_the_log_says_why_a_save_planned_afresh(repeat_ranks):
 
 
 def test_a_failed_repeat_save_fails_on_every_rank_and_the_next_plans(repeat_ranks):
-    for result in _results(repeat_ranks, "failure"):
+    for result in rank_results(repeat_ranks, "failure"):
         assert result["error"] == (
             "saving step-3 failed on 1 rank(s):\n  rank 1: AttributeError: Can't "
             "pickle local object 'check_failure.<locals>.<lambda>'"
@@ -182,7 +177,7 @@ def test_a_failed_repeat_save_fails_on_every_rank_and_the_next_plans(repeat_rank
 
 
 def test_the_async_saver_reuses_the_plan_and_plans_on_a_change(repeat_ranks):
-    for result in _results(repeat_ranks, "async"):
+    for result in rank_results(repeat_ranks, "async"):
         got = [_outcome(s) for s in result["saves"]]
         assert got == ["fresh", "reused", "fresh", "reused"]
     for step in (1, 2, 3, 4):

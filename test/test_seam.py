@@ -8,7 +8,6 @@ load write and read what save_stage and load_stage do.
 """
 
 import importlib.util
-import json
 import shutil
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from pippy.checkpoint.storage import (
 )
 from pippy.cli import main
 
-from helpers import linear_state, plain_read, torchrun
+from helpers import linear_state, plain_read, rank_results, torchrun
 
 CHECKS = Path(__file__).with_name("seam_checks.py")
 
@@ -196,10 +195,6 @@ def seam_ranks(tmp_path_factory):
     return out
 
 
-def _results(out, check):
-    return [json.loads((out / f"{check}-rank{r}.json").read_text()) for r in range(2)]
-
-
 def test_the_examples_save_and_save_stage_write_the_same_step(seam_ranks):
     example = seam_ranks / "example" / "step-2"
     library = seam_ranks / "library" / "step-2"
@@ -210,14 +205,14 @@ def test_the_examples_save_and_save_stage_write_the_same_step(seam_ranks):
     assert set(reader.read_metadata().state_dict_metadata) == set(
         FileSystemReader(library).read_metadata().state_dict_metadata
     )
-    for r in _results(seam_ranks, "same"):
+    for r in rank_results(seam_ranks, "same"):
         assert r["example_vs_library"] == []  # the two loads agree bitwise
         assert r["loaded_vs_saved"] == []
         assert r["steps"] == [2, 2]
 
 
 def test_the_async_saver_checks_step_and_keys_as_save_stage(seam_ranks):
-    for r in _results(seam_ranks, "async_checks"):
+    for r in rank_results(seam_ranks, "async_checks"):
         assert r["wrong_step"] == (
             "ValueError: the state holds step 1; it cannot be step-5"
         )
@@ -229,7 +224,7 @@ def test_the_async_saver_checks_step_and_keys_as_save_stage(seam_ranks):
 
 
 def test_the_async_saver_with_a_background_stager(seam_ranks):
-    for r in _results(seam_ranks, "async_staging"):
+    for r in rank_results(seam_ranks, "async_staging"):
         assert r["steps"] == [1, 2]
         assert r["differ"] == {"1": [], "2": []}  # the moment of each call
 
