@@ -177,7 +177,8 @@ class ManifestWriter(FileSystemWriter):
         """
         if not self._coordinator_asks:
             return super().prepare_local_plan(plan)
-        self.fs.mkdir(self.path)
+        if isinstance(self.fs, DurableFileSystem):  # a store has no folders to make
+            storage_for(self.path).makedirs(self.path)
         return plan
 
     def write_data(
