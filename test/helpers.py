@@ -423,6 +423,9 @@ def s3_bucket(tmp_path_factory):
     _ENV.update(env)
     import s3fs
 
+    # fsspec keeps one S3FileSystem per set of arguments for the process: one
+    # made for another module's server (another endpoint) must not be reused.
+    s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem()
     for _ in range(50):  # the filer may still be starting
         try:
@@ -435,6 +438,7 @@ def s3_bucket(tmp_path_factory):
     finally:
         proc.kill()  # weed takes 5 s to stop on SIGTERM; nothing here to keep
         proc.wait(timeout=30)
+        s3fs.S3FileSystem.clear_instance_cache()
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
             _ENV.pop(k, None) if v is None else _ENV.__setitem__(k, v)
