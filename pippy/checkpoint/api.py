@@ -8,13 +8,12 @@ Saving a stage, on every rank at once::
 
 Loading, after building the stage (DCP loads in place)::
 
-    reader, planner = open_step(path)  # checked on rank 0 before anything is read
     with load_into(state, path) as state_dict:  # applied on every rank or none
+        reader, planner = open_step(path)  # checked on rank 0 before any read
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
-:func:`save_stage` and :func:`load_stage` are these sequences;
-:class:`~pippy.checkpoint.AsyncSaver`, the command line and the reference
-example use the same pieces.
+:func:`save_stage` and :func:`load_stage` are these sequences; ``AsyncSaver``,
+the command line and the reference example use the same pieces.
 """
 
 from __future__ import annotations
