@@ -3,9 +3,9 @@
 A real save on 2 ranks runs under ``strace -f -y``; the trace must show every
 file under the checkpoint folder fsynced after its last write before it is
 renamed (or its folder renamed), and the folder holding a new name fsynced
-after every publishing rename. The same checker, run on what a script
-without pippy writes (``dcp.save`` into a folder, then a rename), finds the
-holes: on torch 2.13 ``.metadata.tmp`` is fsynced before its bytes are
+after every publishing rename; and no data file opened to be read back for
+its checksums. The same checker, run on what a script without pippy writes
+(``dcp.save`` into a folder, then a rename), finds the holes: on torch 2.13 ``.metadata.tmp`` is fsynced before its bytes are
 written, and no folder is fsynced after a rename.
 """
 
@@ -114,6 +114,11 @@ def test_a_step_saved_by_pippy_is_durable_when_published(tmp_path):
     assert any('/.metadata"' in ln for ln in renamed)
     assert any('/manifest.json"' in ln for ln in renamed)
     assert any(f'"{root}/step-1"' in ln for ln in renamed)
+    # The manifest's checksums are taken as the items are written: no data
+    # file is opened to be read back.
+    opened = [ln for ln in trace.splitlines() if "openat(" in ln and ".distcp" in ln]
+    assert any("O_CREAT" in ln for ln in opened), opened
+    assert [ln for ln in opened if "O_RDONLY" in ln] == []
 
 
 def test_the_checker_finds_the_holes_of_plain_dcp_and_a_rename(tmp_path):

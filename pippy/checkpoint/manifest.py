@@ -4,9 +4,9 @@ DCP stores no checksums, and ``torch.load`` never checks the zip CRC-32 that
 ``torch.save`` computes (its zip reader is built with CRC checks disabled:
 pytorch/pytorch#126952), so a flipped bit, a truncated item or a rank file
 swapped for another of equal size loads without a word. :class:`ManifestWriter`
-is DCP's ``FileSystemWriter`` that, once each rank has written its items,
-reads them back and checksums them (CRC-32C, ``google-crc32c``); the
-coordinator writes ``manifest.json`` beside ``.metadata``:
+is DCP's ``FileSystemWriter`` that checksums each item (CRC-32C,
+``google-crc32c``) from its bytes as they are written, and the coordinator
+writes ``manifest.json`` beside ``.metadata``:
 
 .. code-block:: json
 
@@ -110,8 +110,10 @@ def _crc32c_of(folder: Location, ranges: Iterable[tuple[str, int, int]]) -> dict
 class ManifestWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
 
-    Each rank reads back the items it has just written (from the page cache)
-    and computes their CRC-32C; the checksums travel to the coordinator with
+    Each rank takes the CRC-32C of every item from its bytes as they are
+    written (its file system's streams record them; nothing is read back,
+    unless a file system given to it does not record them); the checksums
+    travel to the coordinator with
     DCP's own write results, and the coordinator writes ``manifest.json``
     after ``.metadata``. Plain ``dcp.load`` ignores the extra file.
 
@@ -213,7 +215,7 @@ class ManifestWriter(FileSystemWriter):
             (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
             for r in results
         ]
-        # On an object store, taken as written: nothing is read back.
+        # Taken as written by pippy's file systems: nothing is read back.
         written = getattr(self.fs, "crcs", {})
         if all(r in written for r in ranges):
             crcs = {r: written[r] for r in ranges}

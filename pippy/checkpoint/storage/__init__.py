@@ -32,6 +32,8 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+import google_crc32c
+import numpy
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.serialization import get_crc32_options, set_crc32_options
@@ -46,6 +48,7 @@ __all__ = [
     "Location",
     "Storage",
     "check_publishable",
+    "checksummed",
     "is_url",
     "storage_for",
 ]
@@ -170,6 +173,89 @@ def no_crc32() -> Iterator[None]:
         yield
     finally:
         set_crc32_options(previous)
+
+
+# Writes up to this many bytes are gathered before they are checksummed.
+_SMALL_WRITE = 16 * 1024
+
+
+class _Crc32cStream:
+    """A stream being written, with the CRC-32C of the bytes between two tells.
+
+    DCP's writer calls ``tell()`` before and after each item, so each span
+    between two calls is one item: its ``(file, offset, length)`` gets the
+    CRC-32C of the bytes as they were written, and nothing need be read back.
+    ``torch.save`` writes about 40 small records per item: they are gathered,
+    then checksummed and passed on in one write.
+    """
+
+    def __init__(self, raw: Any, name: str, record: dict) -> None:
+        self.raw, self.name, self.record = raw, name, record
+        self.start, self.crc = raw.tell(), 0
+        self.small = bytearray()  # small writes not yet checksummed nor passed on
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        """Writes ``data``, extending the checksum (of a view, not a copy)."""
+        size = len(data)  # torch.save and DCP write bytes (format "B")
+        if size <= _SMALL_WRITE:
+            self.small += data
+            return size
+        self._pass_small()
+        array = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
+        self.crc = google_crc32c.extend(self.crc, array)
+        return self.raw.write(data)
+
+    def _pass_small(self) -> None:
+        """Checksums the gathered small writes and passes them on."""
+        if self.small:
+            data = bytes(self.small)
+            self.crc = google_crc32c.extend(self.crc, data)
+            self.raw.write(data)
+            self.small.clear()
+
+    def tell(self) -> int:
+        """The position; the span since the last call is recorded."""
+        self._pass_small()
+        position = int(self.raw.tell())
+        if position != self.start:
+            self.record[self.name, self.start, position - self.start] = self.crc
+            self.start, self.crc = position, 0
+        return position
+
+    def fileno(self) -> int:
+        """The file's descriptor, for DCP's fsync; AttributeError if it has none."""
+        self.flush()
+        return int(self.raw.fileno())
+
+    def flush(self) -> None:
+        """Flushes the stream."""
+        self._pass_small()
+        self.raw.flush()
+
+    def close(self) -> None:
+        """Records the last span, then closes."""
+        if not self.closed:
+            self.tell()
+            self.raw.close()
+            self.closed = True
+
+
+@contextmanager
+def checksummed(fs: FileSystemBase, path: str | os.PathLike, raw: Any) -> Iterator[Any]:
+    """``raw``, a stream DCP writes ``path`` through, recording each item's CRC-32C.
+
+    The checksums go into ``fs.crcs``, ``(file, offset, length)`` to CRC-32C,
+    which :class:`~pippy.checkpoint.manifest.ManifestWriter` takes for its
+    manifest instead of reading the items back. Use it inside the block that
+    closes ``raw``: at its end, what it holds back is written to ``raw``
+    (DCP closes a data file's stream itself, but not ``.metadata``'s).
+    """
+    record = fs.__dict__.setdefault("crcs", {})
+    stream = _Crc32cStream(raw, os.path.basename(os.fspath(path)), record)
+    yield stream
+    if not stream.closed:
+        stream.tell()
 
 
 def glob(storage: Storage, folder: Location, pattern: str) -> list[Any]:

@@ -14,7 +14,7 @@ from typing import IO, Any, cast
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
-from pippy.checkpoint.storage import Location, no_crc32
+from pippy.checkpoint.storage import Location, checksummed, no_crc32
 
 __all__ = ["DurableFileSystem", "LocalStorage"]
 
@@ -51,10 +51,17 @@ class DurableFileSystem(FileSystem):
     * A rename fsyncs the folder that holds the new name (``.metadata``).
     * While a file is written, this thread's ``torch.save`` skips its CRC-32,
       which ``torch.load`` never checks (pytorch/pytorch#126952); pippy's
-      manifest holds a CRC-32C of every item instead. torch 2.13 keeps the
+      manifest holds a CRC-32C of every item instead, taken from the bytes as
+      they are written (``crcs``: nothing is read back). torch 2.13 keeps the
       setting per thread (a ContextVar), so a ``torch.save`` elsewhere in the
       process, meanwhile, is unaffected.
+
+    Attributes:
+        crcs: ``(file, offset, length)`` of each item written, to its
+            CRC-32C, taken as it was written.
     """
+
+    crcs: dict[tuple[str, int, int], int]
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -64,7 +71,8 @@ class DurableFileSystem(FileSystem):
                 yield stream
             return
         with no_crc32(), _DurableWriter(io.FileIO(os.fspath(path), "wb")) as stream:
-            yield stream
+            with checksummed(self, path, stream) as checked:
+                yield checked
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         """Renames, then fsyncs the folder holding the new name."""

@@ -8,12 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any, cast
 
-import google_crc32c
-import numpy
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
 from pippy.checkpoint.errors import CheckpointDirError
-from pippy.checkpoint.storage import Location, no_crc32
+from pippy.checkpoint.storage import Location, checksummed, no_crc32
 
 __all__ = ["FsspecStorage"]
 
@@ -195,43 +193,6 @@ class FsspecStorage:
         return fs
 
 
-class _Crc32cStream:
-    """A stream being written, with the CRC-32C of the bytes between two tells.
-
-    DCP's writer calls ``tell()`` before and after each item, so each span
-    between two calls is one item: its ``(file, offset, length)`` gets the
-    CRC-32C of the bytes as they were written, and nothing need be read back
-    (over the network, on an object store).
-    """
-
-    def __init__(self, raw: Any, name: str, record: dict) -> None:
-        self.raw, self.name, self.record = raw, name, record
-        self.start, self.crc = raw.tell(), 0
-
-    def write(self, data: Any) -> int:
-        """Writes ``data``, extending the checksum (of a view, not a copy)."""
-        view = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
-        self.crc = google_crc32c.extend(self.crc, view)
-        return int(self.raw.write(data))
-
-    def tell(self) -> int:
-        """The position; the span since the last call is recorded."""
-        position = int(self.raw.tell())
-        if position != self.start:
-            self.record[self.name, self.start, position - self.start] = self.crc
-            self.start, self.crc = position, 0
-        return position
-
-    def flush(self) -> None:
-        """Flushes the stream."""
-        self.raw.flush()
-
-    def close(self) -> None:
-        """Records the last span, then closes."""
-        self.tell()
-        self.raw.close()
-
-
 def _no_crc32_filesystem() -> FileSystemBase:
     """DCP's fsspec file system: no ``torch.save`` CRC-32, a CRC-32C per item."""
     from torch.distributed.checkpoint._fsspec_filesystem import (
@@ -255,9 +216,8 @@ def _no_crc32_filesystem() -> FileSystemBase:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            record = self.__dict__.setdefault("crcs", {})
-            name = os.path.basename(os.fspath(path))
             with no_crc32(), super().create_stream(path, mode) as stream:
-                yield _Crc32cStream(stream, name, record)
+                with checksummed(self, path, stream) as checked:
+                    yield checked
 
     return NoCrc32FsspecFileSystem()
