@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves
-from pippy.checkpoint.collisions import check_keys
+from pippy.checkpoint.collisions import offer_keys, refuse_losses
 from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import explain_failures, fail_together
 from pippy.checkpoint.layouts import (
@@ -123,8 +123,9 @@ def take_state(
     shown = step if step is not None else getattr(state, "step", "?")
     stall.start(f"saving step-{shown}", timeout=timeout, process_group=process_group)
     # Taking the state runs on each rank alone: a refusal on one rank (its
-    # parts' LR schedulers differ) stops all, not only the one.
-    with fail_together("saving", process_group, keep_own_error=True):
+    # parts' LR schedulers differ) stops all, not only the one. The key
+    # check's offers travel in the same gather.
+    with fail_together("saving", process_group, keep_own_error=True) as sent:
         if step is None and not isinstance(state, StageState):
             raise ValueError("saving a plain state_dict needs its step")
         if isinstance(state, StageState):
@@ -135,8 +136,9 @@ def take_state(
         stored = state_dict.get("step")
         if isinstance(stored, int) and stored != step:
             raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
+        sent.value = offer_keys(state_dict, process_group=process_group, mesh=mesh)
     assert step is not None
-    check_keys(state_dict, process_group=process_group, mesh=mesh)
+    refuse_losses(sent.everyone, process_group=process_group)
     return state_dict, step
 
 

@@ -28,7 +28,7 @@ from pippy.checkpoint.errors import (
     NestedStateError,
 )
 
-__all__ = ["check_keys"]
+__all__ = ["check_keys", "offer_keys", "refuse_losses"]
 
 
 def _with_ranks(items: dict[str, list[int]]) -> str:
@@ -275,16 +275,55 @@ def check_keys(
     """
     if not dist.is_initialized():
         return
+    offer = offer_keys(
+        state_dict, owned=owned, process_group=process_group, mesh=mesh, pp_dim=pp_dim
+    )
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, offer, group=process_group)
+    refuse_losses(gathered, process_group=process_group)
+
+
+def offer_keys(
+    state_dict: Mapping[str, Any],
+    *,
+    owned: tuple[str, ...] = ("model", "optim"),
+    process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    pp_dim: str = "pp",
+) -> dict[str, Any] | None:
+    """:func:`check_keys`'s first half, on each rank alone: what it sends.
+
+    For a caller that gathers it along with something else; then
+    :func:`refuse_losses` on the gathered offers. Args as :func:`check_keys`.
+
+    Returns:
+        This rank's offer (it pickles), or None without a process group.
+
+    Raises:
+        ValueError: As :func:`check_keys`.
+    """
+    if not dist.is_initialized():
+        return None
     world_size = dist.get_world_size(process_group)
     if mesh is not None and mesh.size() != world_size:
         raise ValueError(
             f"the mesh spans {mesh.size()} ranks and {world_size} ranks save: pass "
             "the whole mesh (for example its ('dp', 'pp') dims), not a slice of it"
         )
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(
-        gathered, _offer(state_dict, owned, mesh, pp_dim), group=process_group
-    )
+    return _offer(state_dict, owned, mesh, pp_dim)
+
+
+def refuse_losses(
+    gathered: list[Any], *, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """:func:`check_keys`'s second half: every rank's offer, by group rank, judged.
+
+    Raises:
+        KeyCollisionError, DivergedReplicasError, NestedStateError: As
+            :func:`check_keys`.
+    """
+    if not dist.is_initialized():
+        return
     offers = {
         dist.get_global_rank(process_group, r) if process_group else r: offer
         for r, offer in enumerate(gathered)
