@@ -17,8 +17,8 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
   its plan made by an untimed save first, so every timed save reuses it.
 * ``dcp_save``: plain ``dcp.save`` of the same ``state_dict()`` with DCP's own
   writer and planner: what target 1's fixed costs are judged against.
-* ``pippy_async_tuned``: the example's async save, ``state_dict()``,
-  ``check_keys`` and ``checkpoint.AsyncSaver.save`` on a gloo group of its
+* ``pippy_async_tuned``: the example's async save, ``state_dict()`` and
+  ``checkpoint.AsyncSaver.save`` (which checks the keys) on a gloo group of its
   own, one saver (and its stager's buffers) kept across saves: ``blocked``
   until ``save`` returns, ``wall`` until ``wait`` has published the step.
 * ``torch_save_stage``: ``torch.save`` of each stage's state_dict, all at once.

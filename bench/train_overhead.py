@@ -11,7 +11,7 @@ falls on all of them alike:
 * ``none``: no saving;
 * ``sync/N``: ``checkpoint.save_stage`` after every N-th step;
 * ``async/N``: ``checkpoint.AsyncSaver`` (the example's ``--async-save``:
-  ``state_dict()``, ``check_keys``, ``save``; ``poll()`` on the other steps),
+  ``save``, which checks the keys; ``poll()`` on the other steps),
   its last save waited for at the end of each 10 steps, inside their time;
 * ``sync/1+freeze``: ``sync/1`` after ``gc.freeze()`` (the objects built at
   setup moved out of the garbage collector's reach);
@@ -53,7 +53,6 @@ from pippy import PipelineStage, ScheduleGPipe, checkpoint
 
 sys.path.insert(0, str(ROOT / "examples" / "checkpoint"))
 from pippy.checkpoint.checks import state_dict_size
-from pippy.checkpoint.collisions import check_keys
 
 from gpt import GPT, ModelArgs, init_weights, rope_table  # noqa: E402
 from pippy_dcp import split_manual  # noqa: E402
@@ -125,9 +124,7 @@ def run_mode(mode: str, parts, steps: int, folder: Path, saver) -> list[float]:
         if due and kind == "sync":
             save(state, folder, keep_last=2)
         elif due:
-            state_dict = state.state_dict()
-            check_keys(state_dict)
-            saver.save(state_dict, state.step)
+            saver.save(state)
         elif kind == "async":
             saver.poll()
         times.append(time.perf_counter() - start)

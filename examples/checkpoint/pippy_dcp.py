@@ -215,7 +215,7 @@ def save_now(state, args, layout: parallel.Layout, saver) -> float:
     Returns the seconds it took."""
     start = time.perf_counter()
     held, nbytes = checks.state_dict_size(state.state_dict())
-    if saver is not None:  # published by a later poll(), wait() or close()
+    if saver is not None:  # published by its background thread once written
         saver.save(state)
         what, where = f"staged {held} tensors", f"for step-{state.step}"
     else:  # an entry several ranks hold (a dp replica, the data order) is written
@@ -242,7 +242,7 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
         if due and saver is None:
             stop.check_save_time(seconds)  # warns if torchrun would cut it short
         elif saver is not None:
-            saver.poll()  # publishes a background save as soon as it is on disk
+            saver.poll()  # a background save's outcome, on every rank at once
         if stop.requested():  # preempted, on any rank: this step is saved first
             start = time.perf_counter()
             if saver is not None:

@@ -1,11 +1,12 @@
 """``AsyncSaver``: saves in the background, one save in flight at a time.
 
-The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time:
-:func:`~pippy.checkpoint.api.take_state` and
-:func:`~pippy.checkpoint.publishing.prepare_step` at the call, ``dcp.async_save``
-through :class:`~pippy.checkpoint.manifest.ManifestWriter`, then
-:func:`~pippy.checkpoint.publishing.publish` (or ``discard``) once it is on disk:
-the three parts :func:`~pippy.checkpoint.publishing.publish_step` is made of.
+The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
+the call, :func:`~pippy.checkpoint.api.take_state` and the stager's copy; in
+a background thread, the three parts
+:func:`~pippy.checkpoint.publishing.publish_step` is made of
+(:func:`~pippy.checkpoint.publishing.prepare_step`, ``dcp.save`` through
+:class:`~pippy.checkpoint.manifest.ManifestWriter`, then
+:func:`~pippy.checkpoint.publishing.publish`, or ``discard`` on a failure).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -24,16 +25,16 @@ from torch.distributed.checkpoint.staging import (
     DefaultStager,
     StagingOptions,
 )
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.device_mesh import DeviceMesh
 
 from pippy.checkpoint.api import gc_paused, take_state
-from pippy.checkpoint.errors import explain_failures
+from pippy.checkpoint.errors import explain_failures, fail_together
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.plan_reuse import SavePlanCache
-from pippy.checkpoint.publishing import StepFolder, discard, prepare_step, publish
+from pippy.checkpoint.publishing import discard, prepare_step, publish
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.stall import Timeout, seconds
+from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
 
 __all__ = ["AsyncSaver"]
@@ -42,28 +43,29 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncSaver:
-    """Saves in the background with ``dcp.async_save``, one save at a time.
+    """Saves in the background, one save at a time, as DCP's ``async_save``.
 
     ``save`` checks the state as :func:`~pippy.checkpoint.save_stage` does
-    (its step, and its keys across ranks) and returns once DCP has started
-    copying it (staging); the checkpoint holds the values of the moment of
-    the call. With DCP's default, blocking stager the copy is done when
-    ``save`` returns; with a stager that stages in the background
+    (its step, and its keys across ranks) and has the stager copy it
+    (staging); the checkpoint holds the values of the moment of the call.
+    With DCP's ``DefaultStager`` that blocks (the default) the copy is done
+    when ``save`` returns; with a stager that stages in the background
     (``StagingOptions(use_async_staging=True)``), the copy overlaps the next
     training step: call :meth:`wait_for_staging` before the optimizer
     changes the parameters (before ``optimizer.step()``), so that the copy
     is of the moment of the call.
 
-    The files are written by a background thread over a gloo group of their
+    Everything else runs in one background thread, over a gloo group of its
     own (async saves must not share a group with training collectives, and
-    CPU-capable collectives need gloo). The step is published, as by
-    :func:`~pippy.checkpoint.publishing.publish_step`, as soon as it is on disk on
-    every rank: :meth:`poll`, called once per training step, finds that out
-    without waiting; the next ``save``, :meth:`wait` (which a load must call
-    first) and :meth:`close` wait for it. Two saves in flight on one gloo
-    group crash (torch 2.13: "Connection reset by peer"), hence one at a
-    time. Each published step is logged (INFO, on rank 0) with the seconds
-    since its ``save``.
+    CPU-capable collectives need gloo): the step's staging folder, the write
+    (``dcp.save``), and the publishing, as by
+    :func:`~pippy.checkpoint.publishing.publish_step`, as soon as the step
+    is on disk on every rank. :meth:`poll`, called once per training step,
+    reports it (or its failure) without waiting; the next ``save``,
+    :meth:`wait` (which a load must call first) and :meth:`close` wait for
+    it. Two saves in flight on one gloo group crash (torch 2.13: "Connection
+    reset by peer"), hence one at a time. Each published step is logged
+    (INFO, on rank 0) with the seconds since its ``save``.
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -75,9 +77,8 @@ class AsyncSaver:
             that copies before ``save`` returns (see the note).
         plan_cache: If set, each save after the first of an unchanged layout
             reuses the previous save's plan
-            (:class:`~pippy.checkpoint.plan_reuse.SavePlanCache`, written by
-            its ``save`` in a thread of this saver's instead of
-            ``dcp.async_save``'s).
+            (:class:`~pippy.checkpoint.plan_reuse.SavePlanCache`, its
+            ``save`` in place of ``dcp.save``).
         timeout: Seconds (or a ``timedelta``) ``save`` waits for every rank
             to start saving, as :func:`~pippy.checkpoint.api.take_state`;
             None waits without a deadline. The background write has no
@@ -117,9 +118,10 @@ class AsyncSaver:
         if self._own_group:
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
-        # (upload future, staging future or None, step folder) of the save
-        # in flight.
-        self._pending: tuple[Future, Future | None, StepFolder] | None = None
+        # (upload future, staging future or None, step) of the save in flight.
+        self._pending: tuple[Future, Future | None, int] | None = None
+        # The one thread that writes and publishes, one save after the other.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
         # poll() agrees on progress over a gloo group of its own, made at the
         # first poll: the save's background thread uses process_group.
         self._poll_group: dist.ProcessGroup | None = None
@@ -139,8 +141,12 @@ class AsyncSaver:
     ) -> Any:
         """Waits for the previous save, then starts saving ``state``.
 
-        Python's garbage collector is paused until it returns, as in
-        :func:`~pippy.checkpoint.save_stage`; the background write is not.
+        At the call: the state is taken and checked as in
+        :func:`~pippy.checkpoint.save_stage` (its step, and its keys across
+        ranks), and copied by the stager. The rest runs in the background:
+        the step's staging folder, the write, and the publishing (see the
+        class). Python's garbage collector is paused until it returns, as
+        in :func:`~pippy.checkpoint.save_stage`; the background write is not.
         Call it on every rank at once.
 
         Args:
@@ -150,13 +156,13 @@ class AsyncSaver:
                 to ``state.step`` for a ``StageState``.
 
         Returns:
-            The staging folder being written.
+            The step folder it will be published as.
 
         Raises:
-            CheckpointError: The previous save failed (see :meth:`wait`).
+            CheckpointError, CheckpointDirError: The previous save failed (see
+                :meth:`wait`).
             ValueError, KeyCollisionError: As
                 :func:`~pippy.checkpoint.api.take_state`; nothing is written.
-            CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`.
             CheckpointTimeout: Some rank did not start saving within the
                 timeout; nothing is written.
         """
@@ -169,60 +175,40 @@ class AsyncSaver:
             mesh=self.mesh,
             timeout=self.timeout,
         )
-        folder = prepare_step(self.checkpoint_dir, step, self.process_group)
-        try:
-            with explain_failures(f"saving step-{step}"):
-                writer = ManifestWriter(folder.staging, step=step)
-                if self.plan_cache is not None:
-                    response = self._save_with_plan(state_dict, writer)
-                else:
-                    response = dcp.async_save(
-                        state_dict,
-                        checkpoint_id=folder.staging,
-                        storage_writer=writer,
-                        process_group=self.process_group,
-                        async_stager=self._stager,
-                    )
-        except BaseException:
-            discard(folder, self.process_group)
-            raise
-        if isinstance(response, AsyncSaveResponse):  # a stager that stages async
-            self._pending = (
-                response.upload_completion,
-                response.staging_completion,
-                folder,
-            )
-        else:
-            self._pending = (response, None, folder)
-        return folder.staging
-
-    def _save_with_plan(
-        self, state_dict: dict[str, Any], writer: ManifestWriter
-    ) -> Future | AsyncSaveResponse:
-        """Stages with the saver's stager, then ``plan_cache.save`` in a thread."""
         staged = self._stager.stage(state_dict)
-        cache, group = self.plan_cache, self.process_group
-        assert cache is not None
-
-        def write() -> None:
-            copy = staged.result() if isinstance(staged, Future) else staged
-            cache.save(copy, storage_writer=writer, process_group=group)
-
-        executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
-        upload = executor.submit(write)
-        executor.shutdown(wait=False)  # its one thread ends with the save
-        if isinstance(staged, Future):  # staging goes on in the background
-            done: Future = Future()
-
-            def relay(f: Future) -> None:
-                error = f.exception()
-                done.set_exception(error) if error else done.set_result(None)
-
-            staged.add_done_callback(relay)
-            return AsyncSaveResponse(staging_completion=done, upload_completion=upload)
-        if self._stager.should_synchronize_after_execute:
+        if (
+            not isinstance(staged, Future)
+            and self._stager.should_synchronize_after_execute
+        ):
             self._stager.synchronize_staging()
-        return upload
+        # A stager that stages in the background gives a Future of the copy.
+        staging = staged if isinstance(staged, Future) else None
+        upload = self._executor.submit(self._write, staged, step)
+        self._pending = (upload, staging, step)
+        return step_dir(self.checkpoint_dir, step)
+
+    def _write(self, staged: Any, step: int) -> Any:
+        """In the background: the staging folder, the write, then publishing."""
+        group = self.process_group
+        with fail_together(f"staging step-{step}", group):
+            copy = staged.result() if isinstance(staged, Future) else staged
+        folder = prepare_step(self.checkpoint_dir, step, group)
+        try:
+            writer = ManifestWriter(folder.staging, step=step)
+            if self.plan_cache is not None:
+                self.plan_cache.save(copy, storage_writer=writer, process_group=group)
+            else:
+                dcp.save(copy, storage_writer=writer, process_group=group)
+        except BaseException:
+            discard(folder, group)
+            raise
+        publish(folder, keep_last=self.keep_last, process_group=group)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            seconds = time.perf_counter() - self._started
+            logger.info(
+                "published step-%d, saved in the background in %.2f s", step, seconds
+            )
+        return folder.final
 
     def wait_for_staging(self) -> None:
         """Waits until the state of the save in flight has been copied.
@@ -235,19 +221,19 @@ class AsyncSaver:
         """
         if self._pending is None or self._pending[1] is None:
             return
-        upload, staging, folder = self._pending
+        upload, staging, step = self._pending
         assert staging is not None
         try:
-            with explain_failures(f"staging step-{folder.step}"):
+            with explain_failures(f"staging step-{step}"):
                 staging.result()
         except BaseException:
             self._pending = None
-            discard(folder, self.process_group)
+            wait([upload])  # it stops at staging, its group free again
             raise
-        self._pending = (upload, None, folder)
+        self._pending = (upload, None, step)
 
     def wait(self) -> Any:
-        """Waits for the save in flight and publishes it.
+        """Waits for the save in flight, which publishes it.
 
         Returns:
             The published step folder, or None if no save was in flight.
@@ -255,38 +241,24 @@ class AsyncSaver:
         Raises:
             CheckpointError: The background save failed, on some rank; the
                 step is not published and earlier steps are untouched.
+            CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`
+                (the step exists, the folder cannot be written), on every rank.
         """
-        if self._pending is None:
-            return None
         self.wait_for_staging()
         if self._pending is None:
             return None
-        upload, _, folder = self._pending
+        upload, _, step = self._pending
         self._pending = None
-        try:
-            with explain_failures(f"saving step-{folder.step} in the background"):
-                upload.result()
-        except BaseException:
-            discard(folder, self.process_group)
-            raise
-        publish(folder, keep_last=self.keep_last, process_group=self.process_group)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            seconds = time.perf_counter() - self._started
-            logger.info(
-                "published step-%d, saved in the background in %.2f s",
-                folder.step,
-                seconds,
-            )
-        return folder.final
+        with explain_failures(f"saving step-{step} in the background"):
+            return upload.result()
 
     def poll(self) -> Any:
-        """Publishes the save in flight if it is on disk on every rank; never waits.
+        """Whether the save in flight is published on every rank; never waits.
 
         Call it on every rank once per training step: each rank says whether
-        its part is done (one ``all_reduce`` of one number, on a gloo group
-        over all ranks made at the first call), so that all publish at the
-        same step. A save is then visible, and ``keep_last``
-        prunes, as soon as it is durable, not only at the next save.
+        its save is done (one ``all_reduce`` of one number, on a gloo group
+        over all ranks made at the first call), so that all learn of it, or
+        of its failure, at the same step.
 
         Returns:
             The published step folder, or None.
@@ -304,10 +276,11 @@ class AsyncSaver:
         return self.wait() if done.item() else None
 
     def close(self) -> None:
-        """Waits for the save in flight (publishing it), frees buffers and group."""
+        """Waits for the save in flight, then frees buffers, thread and groups."""
         try:
             self.wait()
         finally:
+            self._executor.shutdown(wait=True)
             self._stager.close()
             if self._poll_group is not None:
                 dist.destroy_process_group(self._poll_group)
