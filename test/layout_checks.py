@@ -103,6 +103,10 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
         result[f"{kind}_keys"] = sorted(sd["model"])
         result[f"{kind}_no_mesh"] = error_of(lambda sd=sd: check_keys(sd))
         checkpoint.save_stage(state, out / kind, mesh=mesh)
+        if kind == "fsdp":  # the same step, from the async saver's staged copy
+            saver = checkpoint.AsyncSaver(out / "fsdp-async", mesh=mesh)
+            saver.save(state)
+            saver.close()
         dump(state, out, kind, rank)
         fresh = mesh_state(mesh, kind, seed=7)
         checkpoint.load_stage(fresh, out / kind / "step-1")

@@ -7,6 +7,7 @@ As test/dist_checks.py: each rank writes OUT_DIR/<check>-rank<R>.json.
 
 import copy
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -109,7 +110,8 @@ def _error(fn) -> str | None:
 
 
 def check_async_checks(out: Path, rank: int, world_size: int) -> dict:
-    """AsyncSaver checks the step and the keys before writing, as save_stage."""
+    """AsyncSaver checks the step (at the call) and the keys (in the background,
+    before writing), as save_stage."""
     _, layout, stages, state = example_state(out / "unused", 0)
     train(state, stages)
     saver = checkpoint.AsyncSaver(out / "async", mesh=layout.mesh)
@@ -117,8 +119,21 @@ def check_async_checks(out: Path, rank: int, world_size: int) -> dict:
         "wrong_step": _error(lambda: saver.save(state.state_dict(), 5)),
         "steps_after_wrong_step": sorted(list_steps(out / "async")),
     }
+    # A wrong step on rank 1 alone: it raises at once; rank 0 by a poll(), at
+    # the same step of the training loop as rank 1's poll() that says nothing.
+    result["one_wrong"] = _error(
+        lambda: saver.save(state.state_dict(), state.step + 4 * rank)
+    )
+    result["polled"] = []
+    for _ in range(50):
+        result["polled"].append(_error(saver.poll))
+        time.sleep(0.02)
+    result["polled"] = [p for p in result["polled"] if p is not None]
     state.extra["per_rank"] = PerRank(rank)
-    result["collision"] = _error(lambda: saver.save(state))
+    # Refused in the background, before anything is written: the next wait()
+    # (or poll(), or save()) raises it on every rank.
+    saver.save(state)
+    result["collision"] = _error(saver.wait)
     result["steps_after_collision"] = sorted(list_steps(out / "async"))
     del state.extra["per_rank"]
     saver.save(state)

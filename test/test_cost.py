@@ -155,3 +155,41 @@ if __name__ == "__main__":
     if sys.argv[1] != "save":
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")
     run_ranks(Path(sys.argv[2]))
+
+
+def test_the_kept_buffer_stager_copies_bitwise_into_the_same_buffers():
+    """AsyncSaver's stager: the values of the moment, in buffers kept between
+    saves; a changed layout gets a new buffer; non-tensors are copied."""
+    from pippy.checkpoint.staging import KeptBufferStager
+
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    state = {
+        "model": {
+            "w": weight,
+            "wt": weight.detach().t(),
+            "e": torch.ones(3, 1).expand(3, 4),
+        },
+        "optim": {"scalars.w": [1e-3, (0.9, 0.999)]},
+        "step": 3,
+    }
+    stager = KeptBufferStager(pin_memory=False)
+    before = weight.detach().clone()
+    first = stager.stage(state)
+    with torch.no_grad():
+        weight.add_(1.0)  # training goes on: the staged copy keeps the old values
+    assert torch.equal(first["model"]["w"], before)
+    assert (
+        first["model"]["w"].requires_grad and type(first["model"]["w"]) is torch.Tensor
+    )
+    assert first["model"]["wt"].stride() == state["model"]["wt"].stride()
+    assert torch.equal(first["model"]["e"], state["model"]["e"])
+    assert first["optim"] == state["optim"] and first["step"] == 3
+    second = stager.stage(state)
+    for key in ("w", "wt", "e"):
+        assert torch.equal(second["model"][key], state["model"][key]), key
+        assert second["model"][key].data_ptr() == first["model"][key].data_ptr(), key
+    state["model"]["w"] = torch.randn(5, 6, dtype=torch.float64)  # a new layout
+    third = stager.stage(state)
+    assert torch.equal(third["model"]["w"], state["model"]["w"])
+    assert third["model"]["w"].data_ptr() != first["model"]["w"].data_ptr()
+    stager.close()

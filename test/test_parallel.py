@@ -6,8 +6,10 @@ import json
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from pippy import checkpoint
+from pippy.checkpoint.manifest import read_manifest
 from pippy.checkpoint.parts import merge_parts
 
 from helpers import ROOT, plain_read, tiny_gpt, torchrun
@@ -62,6 +64,14 @@ def test_fsdp2_shards_are_saved_and_reload_bitwise(mesh_run):
     out, found = mesh_run
     assert all(r["fsdp_reload_differ"] == [] for r in found)
     assert all(r["fsdp_parts_reload_differ"] == [] for r in found)  # 2 stages/rank
+    # The async saver stages DTensor shards as they are: its step holds the
+    # same items, bytes and metadata as the sync save's.
+    sync, staged = out / "fsdp" / "step-1", out / "fsdp-async" / "step-1"
+    assert read_manifest(staged).items == read_manifest(sync).items
+    assert (
+        FileSystemReader(staged).read_metadata().state_dict_metadata
+        == FileSystemReader(sync).read_metadata().state_dict_metadata
+    )
     full = {f"model.{k}" for k in tiny_gpt().state_dict()}
     assert {k for k in plain_read(out / "fsdp-parts" / "step-1")} >= full
     saved = plain_read(out / "fsdp" / "step-1")

@@ -217,6 +217,15 @@ def test_the_async_saver_checks_step_and_keys_as_save_stage(seam_ranks):
             "ValueError: the state holds step 1; it cannot be step-5"
         )
         assert r["steps_after_wrong_step"] == []
+    rank0, rank1 = rank_results(seam_ranks, "async_checks")
+    wrong = "the state holds step 1; it cannot be step-5"
+    assert rank1["one_wrong"] == f"ValueError: {wrong}"
+    assert rank1["polled"] == []  # said once, by save()
+    assert rank0["one_wrong"] is None  # its own state was right
+    assert rank0["polled"] == [
+        f"CheckpointError: saving failed on 1 rank(s):\n  rank 1: ValueError: {wrong}"
+    ]
+    for r in (rank0, rank1):
         assert r["collision"].startswith("KeyCollisionError: ")
         assert "'per_rank.value'" in r["collision"]
         assert r["steps_after_collision"] == []

@@ -52,7 +52,8 @@ their modules, one idea per module:
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease`,
   :mod:`~pippy.checkpoint.launcher`, :mod:`~pippy.checkpoint.verified` and
-  :mod:`~pippy.checkpoint.async_saver`: one writer per folder (on an object
+  :mod:`~pippy.checkpoint.async_saver` (with
+  :mod:`~pippy.checkpoint.staging`): one writer per folder (on an object
   store, a lease), a last save on preemption within the launcher's deadline,
   resuming past damaged steps on request; background saves.
 * :mod:`~pippy.checkpoint.stall`: a rank slow or stuck in a save or load;

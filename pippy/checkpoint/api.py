@@ -63,6 +63,7 @@ __all__ = [
     "read_any_layout",
     "read_into",
     "save_stage",
+    "state_to_save",
     "take_state",
 ]
 
@@ -126,19 +127,30 @@ def take_state(
     # parts' LR schedulers differ) stops all, not only the one. The key
     # check's offers travel in the same gather.
     with fail_together("saving", process_group, keep_own_error=True) as sent:
-        if step is None and not isinstance(state, StageState):
-            raise ValueError("saving a plain state_dict needs its step")
-        if isinstance(state, StageState):
-            state_dict = state.state_dict()
-            step = state.step if step is None else step
-        else:
-            state_dict = dict(state)
-        stored = state_dict.get("step")
-        if isinstance(stored, int) and stored != step:
-            raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
+        state_dict, step = state_to_save(state, step)
         sent.value = offer_keys(state_dict, process_group=process_group, mesh=mesh)
-    assert step is not None
     refuse_losses(sent.everyone, process_group=process_group)
+    return state_dict, step
+
+
+def state_to_save(
+    state: StageState | Mapping[str, Any], step: int | None
+) -> tuple[dict[str, Any], int]:
+    """:func:`take_state`'s part that runs on each rank alone: the state and its step.
+
+    Raises:
+        ValueError: As :func:`take_state`, on this rank.
+    """
+    if isinstance(state, StageState):
+        state_dict = state.state_dict()
+        step = state.step if step is None else step
+    elif step is None:
+        raise ValueError("saving a plain state_dict needs its step")
+    else:
+        state_dict = dict(state)
+    stored = state_dict.get("step")
+    if isinstance(stored, int) and stored != step:
+        raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
     return state_dict, step
 
 

@@ -1,8 +1,9 @@
 """``AsyncSaver``: saves in the background, one save in flight at a time.
 
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
-the call, :func:`~pippy.checkpoint.api.take_state` and the stager's copy; in
-a background thread, the three parts
+the call, what :func:`~pippy.checkpoint.api.take_state` does on each rank
+alone, and the stager's copy; in a background thread, the rest of
+``take_state`` (its checks across ranks), then the three parts
 :func:`~pippy.checkpoint.publishing.publish_step` is made of
 (:func:`~pippy.checkpoint.publishing.prepare_step`, ``dcp.save`` through
 :class:`~pippy.checkpoint.manifest.ManifestWriter`, then
@@ -20,19 +21,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import (
-    AsyncStager,
-    DefaultStager,
-    StagingOptions,
-)
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
 
-from pippy.checkpoint.api import gc_paused, take_state
+from pippy.checkpoint import stall
+from pippy.checkpoint.api import gc_paused, state_to_save
+from pippy.checkpoint.collisions import offer_keys, refuse_losses
 from pippy.checkpoint.errors import explain_failures, fail_together
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import discard, prepare_step, publish
 from pippy.checkpoint.stage_state import StageState
+from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
@@ -45,23 +45,24 @@ logger = logging.getLogger(__name__)
 class AsyncSaver:
     """Saves in the background, one save at a time, as DCP's ``async_save``.
 
-    ``save`` checks the state as :func:`~pippy.checkpoint.save_stage` does
-    (its step, and its keys across ranks) and has the stager copy it
+    ``save`` blocks only while it takes the state and the stager copies it
     (staging); the checkpoint holds the values of the moment of the call.
-    With DCP's ``DefaultStager`` that blocks (the default) the copy is done
-    when ``save`` returns; with a stager that stages in the background
-    (``StagingOptions(use_async_staging=True)``), the copy overlaps the next
-    training step: call :meth:`wait_for_staging` before the optimizer
-    changes the parameters (before ``optimizer.step()``), so that the copy
-    is of the moment of the call.
+    The default stager (:class:`~pippy.checkpoint.staging.KeptBufferStager`)
+    has copied everything when ``save`` returns; with a stager that stages
+    in the background (DCP's ``StagingOptions(use_async_staging=True)``),
+    the copy overlaps the next training step: call :meth:`wait_for_staging`
+    before the optimizer changes the parameters (before
+    ``optimizer.step()``), so that the copy is of the moment of the call.
 
     Everything else runs in one background thread, over a gloo group of its
     own (async saves must not share a group with training collectives, and
-    CPU-capable collectives need gloo): the step's staging folder, the write
-    (``dcp.save``), and the publishing, as by
-    :func:`~pippy.checkpoint.publishing.publish_step`, as soon as the step
-    is on disk on every rank. :meth:`poll`, called once per training step,
-    reports it (or its failure) without waiting; the next ``save``,
+    CPU-capable collectives need gloo): the checks across ranks of
+    :func:`~pippy.checkpoint.save_stage` (each rank waits for the others,
+    keys, replicas), the step's staging folder, the write (``dcp.save``), and
+    the publishing, as by :func:`~pippy.checkpoint.publishing.publish_step`,
+    as soon as the step is on disk on every rank. :meth:`poll`, called once
+    per training step, reports it, or raises its failure or refusal, on
+    every rank at the same step, without waiting; the next ``save``,
     :meth:`wait` (which a load must call first) and :meth:`close` wait for
     it. Two saves in flight on one gloo group crash (torch 2.13: "Connection
     reset by peer"), hence one at a time. Each published step is logged
@@ -73,16 +74,17 @@ class AsyncSaver:
         process_group: A gloo group of the ranks that save, used by no other
             collective; None creates one over all ranks.
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
-        async_stager: How state is copied; None keeps one ``DefaultStager``
-            that copies before ``save`` returns (see the note).
+        async_stager: How state is copied; None keeps one
+            :class:`~pippy.checkpoint.staging.KeptBufferStager`, which
+            copies before ``save`` returns (see the note).
         plan_cache: If set, each save after the first of an unchanged layout
             reuses the previous save's plan
             (:class:`~pippy.checkpoint.plan_reuse.SavePlanCache`, its
             ``save`` in place of ``dcp.save``).
-        timeout: Seconds (or a ``timedelta``) ``save`` waits for every rank
-            to start saving, as :func:`~pippy.checkpoint.api.take_state`;
-            None waits without a deadline. The background write has no
-            deadline of its own.
+        timeout: Seconds (or a ``timedelta``) the background save waits for
+            every rank to start saving, as
+            :func:`~pippy.checkpoint.api.take_state`; None waits without a
+            deadline. The write itself has no deadline of its own.
 
     Raises:
         ValueError: ``timeout`` is not a positive number.
@@ -91,8 +93,9 @@ class AsyncSaver:
         The default stager copies the state into CPU buffers that are
         allocated at the first save and kept for the next ones, so a rank
         holds a second copy of its state for as long as the saver lives:
-        budget the state's size again per rank. Keeping them shortens the
-        training loop's wait (``bench/README.md`` measures it). DCP's plan
+        budget the state's size again per rank. Keeping them makes the
+        training loop's wait that of a bare copy (``bench/README.md``
+        measures it). DCP's plan
         caching (``enable_plan_caching``) is not used: torch 2.13 compares
         plans without dtypes, so after a dtype change it writes the old dtype
         into ``.metadata`` and loads convert silently.
@@ -120,20 +123,14 @@ class AsyncSaver:
         self.process_group = process_group
         # (upload future, staging future or None, step) of the save in flight.
         self._pending: tuple[Future, Future | None, int] | None = None
+        self._told: Future | None = None  # a failed save save() raised itself
         # The one thread that writes and publishes, one save after the other.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
         # poll() agrees on progress over a gloo group of its own, made at the
         # first poll: the save's background thread uses process_group.
         self._poll_group: dist.ProcessGroup | None = None
         self._started = 0.0  # when the save in flight was called
-        self._stager = async_stager or DefaultStager(
-            StagingOptions(
-                use_pinned_memory=torch.cuda.is_available(),
-                use_shared_memory=False,
-                use_async_staging=False,  # staged before save() returns
-                use_non_blocking_copy=False,
-            )
-        )
+        self._stager = async_stager or KeptBufferStager()
 
     @gc_paused()
     def save(
@@ -141,13 +138,15 @@ class AsyncSaver:
     ) -> Any:
         """Waits for the previous save, then starts saving ``state``.
 
-        At the call: the state is taken and checked as in
-        :func:`~pippy.checkpoint.save_stage` (its step, and its keys across
-        ranks), and copied by the stager. The rest runs in the background:
-        the step's staging folder, the write, and the publishing (see the
-        class). Python's garbage collector is paused until it returns, as
-        in :func:`~pippy.checkpoint.save_stage`; the background write is not.
-        Call it on every rank at once.
+        At the call, on each rank alone: the state is taken (its step
+        checked) and copied by the stager. The rest runs in the background
+        (see the class): first the checks that need every rank, as in
+        :func:`~pippy.checkpoint.save_stage` (the keys across ranks, and
+        whether taking the state failed anywhere); a refusal there is raised
+        on every rank by the next :meth:`poll`, :meth:`wait` or ``save``, and
+        nothing is written. Python's garbage collector is paused until it
+        returns, as in :func:`~pippy.checkpoint.save_stage`; the background
+        is not. Call it on every rank at once.
 
         Args:
             state: The stage's ``StageState``, or a nested state_dict (e.g.
@@ -159,39 +158,55 @@ class AsyncSaver:
             The step folder it will be published as.
 
         Raises:
-            CheckpointError, CheckpointDirError: The previous save failed (see
-                :meth:`wait`).
-            ValueError, KeyCollisionError: As
-                :func:`~pippy.checkpoint.api.take_state`; nothing is written.
-            CheckpointTimeout: Some rank did not start saving within the
-                timeout; nothing is written.
+            ValueError: This rank's state holds another step, or a plain
+                state_dict came without one; nothing is written (the other
+                ranks raise a ``CheckpointError`` naming it, by their next
+                :meth:`poll`, :meth:`wait` or ``save``).
+            CheckpointError, KeyCollisionError, CheckpointDirError,
+                CheckpointTimeout: The previous save failed or was refused
+                (see :meth:`wait`).
         """
         self.wait()
         self._started = time.perf_counter()
-        state_dict, step = take_state(
-            state,
-            step=step,
-            process_group=self.process_group,
-            mesh=self.mesh,
-            timeout=self.timeout,
-        )
-        staged = self._stager.stage(state_dict)
+        if step is None:
+            step = getattr(state, "step", None)
+        try:
+            state_dict, step = state_to_save(state, step)
+            taken: Any = self._stager.stage(state_dict)
+        except Exception as e:  # the others learn of it in the background
+            taken = e
+        if isinstance(taken, Exception):
+            # The others' saves stop in the background, and learn of it by
+            # their next poll(); this rank's poll() keeps them company, its
+            # wait() says nothing more (its error is this one).
+            failed = self._executor.submit(self._write, taken, step)
+            wait([failed])
+            self._pending, self._told = (failed, None, step or 0), failed
+            raise taken
+        assert step is not None  # state_to_save returned it
         if (
-            not isinstance(staged, Future)
+            not isinstance(taken, Future)
             and self._stager.should_synchronize_after_execute
         ):
             self._stager.synchronize_staging()
+        upload = self._executor.submit(self._write, taken, step)
         # A stager that stages in the background gives a Future of the copy.
-        staging = staged if isinstance(staged, Future) else None
-        upload = self._executor.submit(self._write, staged, step)
-        self._pending = (upload, staging, step)
+        self._pending = (upload, taken if isinstance(taken, Future) else None, step)
         return step_dir(self.checkpoint_dir, step)
 
-    def _write(self, staged: Any, step: int) -> Any:
-        """In the background: the staging folder, the write, then publishing."""
+    def _write(self, taken: Any, step: int | None) -> Any:
+        """In the background: the checks, the staging folder, the write, publishing."""
         group = self.process_group
-        with fail_together(f"staging step-{step}", group):
-            copy = staged.result() if isinstance(staged, Future) else staged
+        # As take_state, on the copy: every rank waits for the others, learns
+        # whether taking the state failed anywhere, and its keys are checked.
+        stall.start(f"saving step-{step}", timeout=self.timeout, process_group=group)
+        with fail_together("saving", group, keep_own_error=True) as sent:
+            if isinstance(taken, Exception):
+                raise taken
+            copy = taken.result() if isinstance(taken, Future) else taken
+            sent.value = offer_keys(copy, process_group=group, mesh=self.mesh)
+        refuse_losses(sent.everyone, process_group=group)
+        assert step is not None  # taking the state succeeded everywhere
         folder = prepare_step(self.checkpoint_dir, step, group)
         try:
             writer = ManifestWriter(folder.staging, step=step)
@@ -227,8 +242,8 @@ class AsyncSaver:
             with explain_failures(f"staging step-{step}"):
                 staging.result()
         except BaseException:
-            self._pending = None
-            wait([upload])  # it stops at staging, its group free again
+            wait([upload])  # it stops at staging on every rank (see save)
+            self._pending, self._told = (upload, None, step), upload
             raise
         self._pending = (upload, None, step)
 
@@ -239,16 +254,23 @@ class AsyncSaver:
             The published step folder, or None if no save was in flight.
 
         Raises:
+            KeyCollisionError: As :func:`~pippy.checkpoint.api.take_state`
+                (also ``DivergedReplicasError`` and ``NestedStateError``), on
+                every rank; nothing is written.
             CheckpointError: The background save failed, on some rank; the
                 step is not published and earlier steps are untouched.
             CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`
                 (the step exists, the folder cannot be written), on every rank.
+            CheckpointTimeout: Some rank did not start saving within the
+                timeout; nothing is written.
         """
         self.wait_for_staging()
         if self._pending is None:
             return None
         upload, _, step = self._pending
         self._pending = None
+        if upload is self._told:  # raised by save() already
+            return None
         with explain_failures(f"saving step-{step} in the background"):
             return upload.result()
 
