@@ -26,7 +26,6 @@ from harness import (
     tensors_of,
 )
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from writers import (
     Crc32Writer,
     CrcWhileWritingWriter,
@@ -40,15 +39,6 @@ from pippy import checkpoint
 from pippy.checkpoint import plan_reuse
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.steps import step_dir
-
-# DCP's default staging on CPU: a new stager per save, or one kept by the tuned.
-CPU_STAGING = StagingOptions(
-    use_pinned_memory=False,
-    use_shared_memory=False,
-    use_async_staging=False,
-    use_non_blocking_copy=False,
-)
-
 
 # --------------------------------------------------------------------------
 # pippy's saves
@@ -165,11 +155,7 @@ def async_method(ctx: Ctx, name: str, *, tuned: bool) -> Method:
     """``AsyncSaver`` on the async group; ``tuned``: one kept, else one per save."""
 
     def new_saver() -> checkpoint.AsyncSaver:
-        return checkpoint.AsyncSaver(
-            ctx.work / name,
-            process_group=ctx.async_group,
-            async_stager=DefaultStager(CPU_STAGING),
-        )
+        return checkpoint.AsyncSaver(ctx.work / name, process_group=ctx.async_group)
 
     kept = new_saver() if tuned else None
 

@@ -11,6 +11,8 @@ runs, in the same processes and in turns:
 * ``sync``: ``checkpoint.save_stage`` after every step;
 * ``async``: ``checkpoint.AsyncSaver.save`` after every step (``poll()`` each
   step; a save waits for the previous one), the last one waited for in time;
+* ``async+plan``: the same with ``plan_cache=SavePlanCache()``: the saves
+  after the first reuse its plan;
 * ``copy``: a bare copy of every tensor into buffers allocated beforehand,
   the floor of what a save must block for.
 
@@ -38,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 from pippy import checkpoint
+from pippy.checkpoint import plan_reuse
 
-MODES = ("none", "sync", "async", "copy")
+MODES = ("none", "sync", "async", "async+plan", "copy")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,19 +82,19 @@ def run_mode(mode, state, compute, steps, work, saver, buffers) -> tuple[list, l
         saving = time.perf_counter()
         if mode == "sync":
             checkpoint.save_stage(state, work / "sync", keep_last=1)
-        elif mode == "async":
-            saver.save(state)
+        elif mode.startswith("async"):
+            saver[mode].save(state)
         elif mode == "copy":
             for src, dst in zip(tensors(state.state_dict()), buffers, strict=True):
                 dst.copy_(src)
         if mode != "none":
             blocked.append(time.perf_counter() - saving)
-        if mode == "async":
-            saver.poll()
+        if mode.startswith("async"):
+            saver[mode].poll()
         step_times.append(time.perf_counter() - start)
-    if mode == "async":  # the last save's wait counts in the mode's time
+    if mode.startswith("async"):  # the last save's wait counts in the mode's time
         start = time.perf_counter()
-        saver.wait()
+        saver[mode].wait()
         step_times[-1] += time.perf_counter() - start
     return step_times, blocked
 
@@ -103,11 +106,17 @@ def rank_main(opts) -> None:
     state = build(opts.mb_per_rank, rank)
     buffers = [torch.empty_like(t) for t in tensors(state.state_dict())]
     work = Path(opts.work_dir)
-    saver = checkpoint.AsyncSaver(work / "async", keep_last=1)
+    saver = {
+        "async": checkpoint.AsyncSaver(work / "async", keep_last=1),
+        "async+plan": checkpoint.AsyncSaver(
+            work / "async-plan", keep_last=1, plan_cache=plan_reuse.SavePlanCache()
+        ),
+    }
     results = {}
     for compute in opts.compute:
         run_mode("sync", state, 0.0, 1, work, saver, buffers)  # warm-up saves
         run_mode("async", state, 0.0, 1, work, saver, buffers)
+        run_mode("async+plan", state, 0.0, 1, work, saver, buffers)
         for mode in MODES:
             times, blocked = run_mode(
                 mode, state, compute, opts.steps, work, saver, buffers
@@ -117,7 +126,8 @@ def rank_main(opts) -> None:
             results[f"{compute}/{mode}"] = everyone
             if rank == 0:
                 print(f"compute {compute} s, {mode}: {sum(times):.2f} s")
-    saver.close()
+    for each in saver.values():
+        each.close()
     nbytes = sum(t.numel() * t.element_size() for t in buffers)
     if rank == 0:
         out = {"ranks": world, "bytes_per_rank": nbytes, "results": results}
@@ -135,14 +145,16 @@ def _slowest(run: dict, compute: float, mode: str, part: int) -> float:
 
 def table(run: dict) -> str:
     """Mean step time per mode (x none) and async blocking / bare copy."""
-    lines = ["| compute s | none s | sync | async | copy | async blocks / copy |"]
-    lines.append("|---|---|---|---|---|---|")
+    saving = [m for m in MODES if m != "none"]
+    asyncs = [m for m in saving if m.startswith("async")]
+    head = ["compute s", "none s", *saving, *(f"{m} blocks / copy" for m in asyncs)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for compute in run["compute"]:
-        step = {m: _slowest(run, compute, m, 0) for m in MODES}
+        step = {m: _slowest(run, compute, m, 0) for m in ("none", *saving)}
         cells = [f"{compute:g}", f"{step['none']:.3f}"]
-        cells += [f"{step[m] / step['none']:.3f}x" for m in ("sync", "async", "copy")]
-        blocked = _slowest(run, compute, "async", 1) / _slowest(run, compute, "copy", 1)
-        cells.append(f"{blocked:.2f}x")
+        cells += [f"{step[m] / step['none']:.3f}x" for m in saving]
+        copy = _slowest(run, compute, "copy", 1)
+        cells += [f"{_slowest(run, compute, m, 1) / copy:.2f}x" for m in asyncs]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -125,7 +125,8 @@ def test_the_overlap_benchmark_runs_every_mode(tmp_path):
         "none",
         "sync",
         "async",
+        "async+plan",
         "copy",
     }
     row = (tmp_path / "results.md").read_text().splitlines()[-1]
-    assert row.startswith("| 0.05 |") and row.count("x") == 4
+    assert row.startswith("| 0.05 |") and row.count("x") == 6
