@@ -22,7 +22,7 @@ import gc
 import logging
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,6 +65,7 @@ __all__ = [
     "save_stage",
     "state_to_save",
     "take_state",
+    "take_together",
 ]
 
 logger = logging.getLogger(__name__)
@@ -122,12 +123,41 @@ def take_state(
         CheckpointTimeout: Some rank did not start within ``timeout``.
     """
     shown = step if step is not None else getattr(state, "step", "?")
-    stall.start(f"saving step-{shown}", timeout=timeout, process_group=process_group)
+    return take_together(
+        lambda: state_to_save(state, step),
+        action=f"saving step-{shown}",
+        process_group=process_group,
+        mesh=mesh,
+        timeout=timeout,
+    )
+
+
+def take_together(
+    take: Callable[[], tuple[dict[str, Any], int]],
+    *,
+    action: str,
+    process_group: dist.ProcessGroup | None,
+    mesh: DeviceMesh | None,
+    timeout: Timeout,
+) -> tuple[dict[str, Any], int]:
+    """:func:`take_state` for a state taken by ``take``, on every rank at once.
+
+    Each rank waits for the others (:func:`~pippy.checkpoint.stall.start`),
+    then runs ``take``; one gather tells every rank whether it failed
+    anywhere and brings the key check's offers
+    (:func:`~pippy.checkpoint.collisions.offer_keys`), which are then judged.
+    ``AsyncSaver`` calls it in the background on the copy it took.
+
+    Raises:
+        CheckpointError, KeyCollisionError, CheckpointTimeout: As
+            :func:`take_state`; ``take``'s own exception on the rank where it
+            failed.
+    """
+    stall.start(action, timeout=timeout, process_group=process_group)
     # Taking the state runs on each rank alone: a refusal on one rank (its
-    # parts' LR schedulers differ) stops all, not only the one. The key
-    # check's offers travel in the same gather.
+    # parts' LR schedulers differ) stops all, not only the one.
     with fail_together("saving", process_group, keep_own_error=True) as sent:
-        state_dict, step = state_to_save(state, step)
+        state_dict, step = take()
         sent.value = offer_keys(state_dict, process_group=process_group, mesh=mesh)
     refuse_losses(sent.everyone, process_group=process_group)
     return state_dict, step

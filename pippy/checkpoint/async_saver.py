@@ -24,10 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
 
-from pippy.checkpoint import stall
-from pippy.checkpoint.api import gc_paused, state_to_save
-from pippy.checkpoint.collisions import offer_keys, refuse_losses
-from pippy.checkpoint.errors import explain_failures, fail_together
+from pippy.checkpoint.api import gc_paused, state_to_save, take_together
+from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import discard, prepare_step, publish
@@ -197,16 +195,20 @@ class AsyncSaver:
     def _write(self, taken: Any, step: int | None) -> Any:
         """In the background: the checks, the staging folder, the write, publishing."""
         group = self.process_group
-        # As take_state, on the copy: every rank waits for the others, learns
-        # whether taking the state failed anywhere, and its keys are checked.
-        stall.start(f"saving step-{step}", timeout=self.timeout, process_group=group)
-        with fail_together("saving", group, keep_own_error=True) as sent:
+
+        def copied() -> tuple[dict[str, Any], int]:  # what save() took, or its error
             if isinstance(taken, Exception):
                 raise taken
-            copy = taken.result() if isinstance(taken, Future) else taken
-            sent.value = offer_keys(copy, process_group=group, mesh=self.mesh)
-        refuse_losses(sent.everyone, process_group=group)
-        assert step is not None  # taking the state succeeded everywhere
+            assert step is not None  # state_to_save returned it
+            return (taken.result() if isinstance(taken, Future) else taken), step
+
+        copy, step = take_together(
+            copied,
+            action=f"saving step-{step}",
+            process_group=group,
+            mesh=self.mesh,
+            timeout=self.timeout,
+        )
         folder = prepare_step(self.checkpoint_dir, step, group)
         try:
             writer = ManifestWriter(folder.staging, step=step)
