@@ -268,6 +268,12 @@ def measure(method: Method) -> dict[str, float]:
         "extra_rss_mb": max(r[3] - r[2] for r in ranks) * 1024 / MB,
         # the parts of the slowest rank's time, if the method reports them
         **{f"{k}_s": v for k, v in slowest[4].get("parts", {}).items()},
+        # the step's files each rank saw (the coordinator wrote them)
+        **{
+            f"{name}_bytes": max(r[4].get("sizes", {}).get(name, 0) for r in ranks)
+            for name in (".metadata", "manifest.json")
+            if any("sizes" in r[4] for r in ranks)
+        },
     }
 
 

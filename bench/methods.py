@@ -101,9 +101,18 @@ def sync_method(ctx: Ctx, name: str, *, cached: bool = False, **variant: Any) ->
     planner = DefaultSavePlanner(enable_plan_caching=True) if cached else None
 
     def run() -> dict:
-        return {"parts": sync_save(ctx.state, ctx.work / name, planner, **variant)}
+        parts = sync_save(ctx.state, ctx.work / name, planner, **variant)
+        return {"parts": parts, "sizes": step_sizes(ctx.work / name / f"step-{STEP}")}
 
     return Method(run=run, cleanup=ctx.remover(name))
+
+
+def step_sizes(folder: Path) -> dict[str, int]:
+    """Bytes of a step's ``.metadata`` and ``manifest.json`` (0 where absent)."""
+    return {
+        name: (folder / name).stat().st_size if (folder / name).exists() else 0
+        for name in (".metadata", "manifest.json")
+    }
 
 
 def repeat_method(ctx: Ctx, name: str) -> Method:
@@ -136,8 +145,9 @@ def dcp_save(ctx: Ctx, name: str) -> Method:
     """
     folder = ctx.work / name / f"step-{STEP}"
 
-    def run() -> None:
+    def run() -> dict:
         dcp.save(ctx.state.state_dict(), storage_writer=FileSystemWriter(folder))
+        return {"sizes": step_sizes(folder)}
 
     return Method(run=run, cleanup=ctx.remover(name))
 

@@ -42,6 +42,8 @@ SYNC_VARIANTS = (
 )
 # The parts of a sync save's time that methods.sync_save reports, in order.
 PARTS = ("pippy_s", "dcp_plan_s", "dcp_write_s", "dcp_finish_s")
+# The step's files a save recorded, bytes (the same at every repeat).
+FILE_BYTES = (".metadata_bytes", "manifest.json_bytes")
 
 
 def key_of(s: dict) -> tuple:
@@ -81,6 +83,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "extra_rss_mb": statistics.median(r["extra_rss_mb"] for r in group),
                 "extra_rss_max_mb": max(r["extra_rss_mb"] for r in group),
                 "stager_held_mb": group[0].get("stager_held_mb"),
+                **{k: group[0][k] for k in FILE_BYTES if k in group[0]},
                 **{
                     k: v
                     for part in PARTS
@@ -377,6 +380,45 @@ def fixed_cost_table(summary: list[dict]) -> str:
     return markdown(head, rows)
 
 
+def per_item_table(summary: list[dict]) -> str:
+    """What one more item costs at the same bytes: the case with more keys
+    against its base case, for pippy's save and plain ``dcp.save``.
+
+    Seconds and ``.metadata`` bytes per added item (``manifest.json`` for
+    pippy besides); items are counted on all ranks (items/rank x P).
+    """
+    index = {key_of(s): s for s in summary}
+    head = ["P", "cases", "method", "items (all ranks)", "s", "ms per item"]
+    head += [".metadata B per item", "manifest.json B per item"]
+    rows = []
+    for more in summary:
+        base_case = more["case"].split("-x")[0]
+        if more["case"] == base_case or more["method"] not in (
+            "pippy_sync",
+            "dcp_save",
+        ):
+            continue
+        base = index.get((more["phase"], more["ranks"], base_case, more["method"]))
+        if base is None or ".metadata_bytes" not in more:
+            continue
+        added = (more["items_per_rank"] - base["items_per_rank"]) * more["ranks"]
+        per = {k: (more.get(k, 0) - base.get(k, 0)) / added for k in FILE_BYTES}
+        rows.append(
+            [
+                str(more["ranks"]),
+                f"{base_case} -> {more['case']}",
+                more["method"],
+                f"{base['items_per_rank'] * more['ranks']} -> "
+                f"{more['items_per_rank'] * more['ranks']}",
+                f"{base['wall_s']:.3f} -> {more['wall_s']:.3f}",
+                f"{(more['wall_s'] - base['wall_s']) / added * 1e3:.3f}",
+                f"{per['.metadata_bytes']:.0f}",
+                f"{per['manifest.json_bytes']:.0f}",
+            ]
+        )
+    return markdown(head, sorted(rows, key=lambda r: (int(r[0]), r[1], r[2])))
+
+
 def blocked_cell(m: dict[str, dict], name: str) -> str:
     """An async save's blocked time, and its ratios to the copy and the sync save."""
     blocked = m[name]["blocked_s"]
@@ -425,6 +467,8 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
         f"## Saves\n\n{headline_table(summary)}\n\n"
         "## Fixed cost per save: pippy and a repeat save against plain dcp.save\n\n"
         f"{fixed_cost_table(summary)}\n\n"
+        "## Per item, at equal bytes: pippy's save and plain dcp.save\n\n"
+        f"{per_item_table(summary)}\n\n"
         "## Where a sync save's time goes (median seconds of the slowest rank)\n\n"
         f"{parts_table(summary)}\n\n"
         "## Extra RSS per rank, MB (highest over ranks and repeats)\n\n"

@@ -79,6 +79,10 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(tmp_path):
     assert (
         "## Fixed cost per save: pippy and a repeat save against plain dcp.save" in text
     )
+    # Per item at equal bytes, for pippy and plain DCP: both measured.
+    per_item = text.split("## Per item, at equal bytes")[1].split("##")[0]
+    assert "| 2 | 2MB -> 2MB-x2keys | pippy_sync |" in per_item
+    assert "| 2 | 2MB -> 2MB-x2keys | dcp_save |" in per_item
     # The packed optimizer layout: fewer DCP items than the flattened one.
     sync = next(s for s in result["summary"] if s["method"] == "pippy_sync")
     assert sync["items_per_rank"] < sync["flat_items_per_rank"] / 3
