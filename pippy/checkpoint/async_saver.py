@@ -1,7 +1,7 @@
 """``AsyncSaver``: saves in the background, one save in flight at a time.
 
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
-the call, what :func:`~pippy.checkpoint.api.take_state` does on each rank
+the call, what :func:`~pippy.checkpoint.taking.take_state` does on each rank
 alone, and the stager's copy; in a background thread, the rest of
 ``take_state`` (its checks across ranks), then the three parts
 :func:`~pippy.checkpoint.publishing.publish_step` is made of
@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
 
-from pippy.checkpoint.api import gc_paused, state_to_save, take_together
+from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.plan_reuse import SavePlanCache
@@ -34,6 +34,7 @@ from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
+from pippy.checkpoint.taking import state_to_save, take_together
 
 __all__ = ["AsyncSaver"]
 
@@ -81,7 +82,7 @@ class AsyncSaver:
             ``save`` in place of ``dcp.save``).
         timeout: Seconds (or a ``timedelta``) the background save waits for
             every rank to start saving, as
-            :func:`~pippy.checkpoint.api.take_state`; None waits without a
+            :func:`~pippy.checkpoint.taking.take_state`; None waits without a
             deadline. The write itself has no deadline of its own.
 
     Raises:
@@ -256,7 +257,7 @@ class AsyncSaver:
             The published step folder, or None if no save was in flight.
 
         Raises:
-            KeyCollisionError: As :func:`~pippy.checkpoint.api.take_state`
+            KeyCollisionError: As :func:`~pippy.checkpoint.taking.take_state`
                 (also ``DivergedReplicasError`` and ``NestedStateError``), on
                 every rank; nothing is written.
             CheckpointError: The background save failed, on some rank; the

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pippy.checkpoint.api import take_state
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.layouts import PIPPY, TORCHTITAN, to_torchtitan
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.publishing import StepFolder, discard, publish
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
+from pippy.checkpoint.taking import take_state
 from pippy.checkpoint.unsplit import read_checkpoint
 
 __all__ = ["convert_layout", "export_hf", "parse_size"]
