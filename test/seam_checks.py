@@ -125,7 +125,7 @@ def check_async_checks(out: Path, rank: int, world_size: int) -> dict:
         lambda: saver.save(state.state_dict(), state.step + 4 * rank)
     )
     result["polled"] = []
-    for _ in range(50):
+    for _ in range(100):
         result["polled"].append(_error(saver.poll))
         time.sleep(0.02)
     result["polled"] = [p for p in result["polled"] if p is not None]
