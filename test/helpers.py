@@ -472,43 +472,6 @@ def s3_bucket(tmp_path_factory):
             _ENV.pop(k, None) if v is None else _ENV.__setitem__(k, v)
 
 
-# Plain DCP, no pippy: every item of each step (a folder or a URL), into a file.
-_PLAIN_READ = """
-import sys, torch, torch.distributed.checkpoint as dcp
-try:  # public from torch 2.15
-    from torch.distributed.checkpoint import FsspecReader
-except ImportError:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-*steps, out = sys.argv[1:]
-read = []
-for step in steps:
-    reader = FsspecReader(step) if "://" in step else dcp.FileSystemReader(step)
-    items = reader.read_metadata().state_dict_metadata
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
-        for k, m in items.items()
-    }
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    read.append(sd)
-torch.save(read, out)
-"""
-
-
-def plain_read_elsewhere(steps, scratch):
-    """Every item of each step, read with plain DCP in one other process (no
-    pippy): a URL with DCP's FsspecReader, a folder with its FileSystemReader.
-    Returns one state_dict per step."""
-    out = Path(scratch) / f"plain-{time.monotonic_ns()}.pt"
-    subprocess.run(
-        [sys.executable, "-c", _PLAIN_READ, *map(str, steps), str(out)],
-        env=_ENV,
-        check=True,
-        timeout=180,
-        capture_output=True,
-    )
-    return torch.load(out, weights_only=False)  # written by the line above
-
-
 # Plain DCP, no pippy: every item of each step (a folder or a URL), into a file,
 # for each request read from stdin.
 _PLAIN_READER = """
