@@ -21,6 +21,15 @@ DIST_CHECKS = Path(__file__).with_name("dist_checks.py")
 
 #: The example's flags for a model of a few hundred KB.
 TINY_FLAGS = ["--n-layers", "4", "--dim", "32", "--seq-len", "32"]
+#: The example on 4 ranks (one stage each, the default split and schedule,
+#: said explicitly), 6 steps saved at 3 and 6: test_example's and
+#: test_topology's reference, and the run they stop at step 3 and resume
+#: (conftest.py runs each once).
+FOUR_RANK_FLAGS = ["--steps", "6", "--save-every", "3", "--split", "manual"]
+FOUR_RANK_FLAGS += ["--schedule", "gpipe"]
+#: The example on 2 ranks, tiny, 6 steps saved at 3 and 6: a run several
+#: modules read or resume from a copy of (conftest.py runs it once).
+TINY_RUN_FLAGS = [*TINY_FLAGS, "--steps", "6", "--save-every", "3"]
 
 
 def tiny_gpt(n_layers=4, dim=32, max_seq_len=32, seed=0):
@@ -157,6 +166,25 @@ def torchrun(nproc, script, *args, timeout=240, expect_ok=True):
             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def torchrun_together(*launches, timeout=240, expect_ok=True):
+    """Runs independent launches at once, each ``(nproc, script, *args)`` as
+    torchrun takes them (with expect_ok, one for all or one per launch, a
+    non-zero exit fails the test); their processes, in order. A launch leaves
+    a core idle while torchrun alone imports torch and while ranks wait on
+    each other; two at once fill those gaps. Only for runs that nothing times
+    or signals: they share the cores."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if isinstance(expect_ok, bool):
+        expect_ok = [expect_ok] * len(launches)
+    with ThreadPoolExecutor(max_workers=len(launches)) as pool:
+        futures = [
+            pool.submit(torchrun, *launch, timeout=timeout, expect_ok=ok)
+            for launch, ok in zip(launches, expect_ok, strict=True)
+        ]
+        return [future.result() for future in futures]
 
 
 def loss_lines(stdout):
@@ -444,41 +472,79 @@ def s3_bucket(tmp_path_factory):
             _ENV.pop(k, None) if v is None else _ENV.__setitem__(k, v)
 
 
-# Plain DCP, no pippy: every item of each step (a folder or a URL), into a file.
-_PLAIN_READ = """
+# Plain DCP, no pippy: every item of each step (a folder or a URL), into a file,
+# for each request read from stdin.
+_PLAIN_READER = """
 import sys, torch, torch.distributed.checkpoint as dcp
 try:  # public from torch 2.15
     from torch.distributed.checkpoint import FsspecReader
 except ImportError:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-*steps, out = sys.argv[1:]
-read = []
-for step in steps:
-    reader = FsspecReader(step) if "://" in step else dcp.FileSystemReader(step)
-    items = reader.read_metadata().state_dict_metadata
-    sd = {
-        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
-        for k, m in items.items()
-    }
-    dcp.load(sd, storage_reader=reader, no_dist=True)
-    read.append(sd)
-torch.save(read, out)
+for line in sys.stdin:  # one request a line: STEP<TAB>...<TAB>OUT
+    *steps, out = line.rstrip("\\n").split("\\t")
+    try:  # a new client each time: no listing cached from an earlier read
+        import s3fs
+        s3fs.S3FileSystem.clear_instance_cache()
+    except ImportError:
+        pass
+    read = []
+    for step in steps:
+        reader = FsspecReader(step) if "://" in step else dcp.FileSystemReader(step)
+        items = reader.read_metadata().state_dict_metadata
+        sd = {
+            k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
+            for k, m in items.items()
+        }
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+        read.append(sd)
+    torch.save(read, out)
+    print(out, flush=True)
 """
 
 
-def plain_read_elsewhere(steps, scratch):
-    """Every item of each step, read with plain DCP in one other process (no
-    pippy): a URL with DCP's FsspecReader, a folder with its FileSystemReader.
-    Returns one state_dict per step."""
-    out = Path(scratch) / f"plain-{time.monotonic_ns()}.pt"
-    subprocess.run(
-        [sys.executable, "-c", _PLAIN_READ, *map(str, steps), str(out)],
-        env=_ENV,
-        check=True,
-        timeout=180,
-        capture_output=True,
-    )
-    return torch.load(out, weights_only=False)  # written by the line above
+class PlainReader:
+    """Steps read in one other process, kept for a module (it imports torch
+    once, not once a read), with plain DCP only (no pippy): a URL with DCP's
+    FsspecReader, a folder with its FileSystemReader. Started at the first
+    read, with the environment _ENV has then (a bucket's settings)."""
+
+    def __init__(self, scratch, timeout=180):
+        self.scratch, self.timeout, self.proc = Path(scratch), timeout, None
+
+    def read(self, steps):
+        """Every item of each step: one state_dict per step."""
+        import select
+
+        if self.proc is None:
+            self.stderr = self.scratch / "plain-reader.log"
+            with open(self.stderr, "wb") as err:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-c", _PLAIN_READER],
+                    env=dict(_ENV),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+        out = self.scratch / f"plain-{time.monotonic_ns()}.pt"
+        self.proc.stdin.write("\t".join(map(str, [*steps, out])) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        answer = self.proc.stdout.readline().strip() if ready else ""
+        assert answer == str(out), f"the plain read failed:\n{self._log()}"
+        return torch.load(out, weights_only=False)  # written by that process
+
+    def _log(self):
+        return self.stderr.read_text(errors="replace")[-3000:]
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
 
 
 def rank_results(out, check, ranks=2):

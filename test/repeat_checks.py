@@ -260,7 +260,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     return {"saves": saves}
 
 
+CHECKS = {"sequence": check_sequence, "failure": check_failure, "async": check_async}
+
 if __name__ == "__main__":
-    run_checks(
-        {"sequence": check_sequence, "failure": check_failure, "async": check_async}
-    )
+    run_checks(CHECKS)

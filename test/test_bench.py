@@ -8,8 +8,12 @@ otherwise), and that it reports every target.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+
+import pytest
 
 from helpers import ROOT
 
@@ -35,24 +39,80 @@ SAVE_METHODS = {
 }
 
 
-def test_the_benchmark_runs_every_method_and_reports_every_target(tmp_path):
-    out = tmp_path / "out"
-    cmd = [
-        sys.executable,
-        "bench/bench_checkpoint.py",
-        *("--sizes-mb", "2", "--stages", "2", "--keys-x", "2", "--repeats", "1"),
-        *("--out-dir", out, "--work-dir", tmp_path / "work", "--timeout", "300"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        list(map(str, cmd)),
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+class Command:
+    """A command started in the background, its output into files."""
+
+    def __init__(self, folder, cmd, timeout):
+        self.deadline = time.monotonic() + timeout
+        self.stdout, self.stderr = folder / "stdout.txt", folder / "stderr.txt"
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.proc = subprocess.Popen(
+                list(map(str, cmd)),
+                cwd=ROOT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=out,
+                stderr=err,
+                start_new_session=True,  # its own group: cleaned up by its id
+            )
+
+    def finish(self):
+        """Waits for it (until its deadline); its exit status and stdout."""
+        self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        stdout, stderr = self.stdout.read_text(), self.stderr.read_text()
+        assert self.proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        return stdout
+
+    def kill(self):
+        """Ends it and what it started, if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """The three commands below, started at once: none of them keeps both
+    cores busy all the time (the benchmark fsyncs and drops caches, the
+    overlap loop sleeps, launches wait on each other), and each test waits
+    for its own. Their figures are not judged, so sharing the cores is fine."""
+    folders = {n: tmp_path_factory.mktemp(n) for n in ("bench", "gpu", "overlap")}
+    bench = folders["bench"]
+    commands = {
+        "bench": (
+            [
+                sys.executable,
+                "bench/bench_checkpoint.py",
+                *("--sizes-mb", "2", "--stages", "2", "--keys-x", "2"),
+                *("--repeats", "1", "--out-dir", bench / "out"),
+                *("--work-dir", bench / "work", "--timeout", "300"),
+            ],
+            600,
+        ),
+        "gpu": (["bash", "bench/gpu_check.sh", "--dry"], 400),
+        "overlap": (
+            [
+                sys.executable,
+                "bench/overlap.py",
+                *("--out-dir", folders["overlap"] / "out", "--mb-per-rank", "1"),
+                *("--compute", "0.05", "--steps", "2"),
+            ],
+            300,
+        ),
+    }
+    running = {}
+    try:
+        for name, (cmd, timeout) in commands.items():
+            running[name] = Command(folders[name], cmd, timeout)
+        yield {name: (folders[name], command) for name, command in running.items()}
+    finally:
+        for command in running.values():
+            command.kill()
+
+
+def test_the_benchmark_runs_every_method_and_reports_every_target(started):
+    folder, command = started["bench"]
+    command.finish()
+    out = folder / "out"
     result = json.loads((out / "results.json").read_text())
     ran = {(s["phase"], s["case"], s["method"]) for s in result["summary"]}
     for case in ("2MB", "2MB-x2keys"):
@@ -94,20 +154,13 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(tmp_path):
             assert sum(row[p] for p in parts) <= row["wall_s"] * 1.01, row
 
 
-def test_the_gpu_check_runs_dry_on_the_cpu():
+def test_the_gpu_check_runs_dry_on_the_cpu(started):
     """bench/gpu_check.sh --dry: the GPU check's three rows, on gloo and the CPU."""
-    proc = subprocess.run(
-        ["bash", "bench/gpu_check.sh", "--dry"],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, command = started["gpu"]
+    stdout = command.finish()
     rows = dict(
         tuple(cell.strip() for cell in line.split("|"))
-        for line in proc.stdout.splitlines()
+        for line in stdout.splitlines()
         if line.count("|") == 1
     )
     assert rows["example, 2 ranks (gloo, CPU)"].startswith("ok, verified bitwise")
@@ -115,16 +168,12 @@ def test_the_gpu_check_runs_dry_on_the_cpu():
     assert rows["async blocking / bare copy"].endswith("x")
 
 
-def test_the_overlap_benchmark_runs_every_mode(tmp_path):
+def test_the_overlap_benchmark_runs_every_mode(started):
     """bench/overlap.py on a tiny stage: its one row, every mode's ratio."""
-    cmd = [sys.executable, "bench/overlap.py", "--out-dir", str(tmp_path)]
-    cmd += ["--mb-per-rank", "1", "--compute", "0.05", "--steps", "2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = json.loads((tmp_path / "results.json").read_text())
+    folder, command = started["overlap"]
+    command.finish()
+    out = folder / "out"
+    run = json.loads((out / "results.json").read_text())
     assert {k.split("/")[1] for k in run["results"]} == {
         "none",
         "sync",
@@ -132,5 +181,5 @@ def test_the_overlap_benchmark_runs_every_mode(tmp_path):
         "async+plan",
         "copy",
     }
-    row = (tmp_path / "results.md").read_text().splitlines()[-1]
+    row = (out / "results.md").read_text().splitlines()[-1]
     assert row.startswith("| 0.05 |") and row.count("x") == 6

@@ -9,6 +9,7 @@ write held with a lease.
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -16,7 +17,7 @@ from pippy import checkpoint
 from pippy.cli import main
 
 import helpers
-from helpers import EXAMPLE, TINY_FLAGS, loss_lines, torchrun
+from helpers import EXAMPLE, TINY_FLAGS, TINY_RUN_FLAGS, loss_lines, torchrun
 
 FLAGS = [*TINY_FLAGS, "--save-every", "2", "--keep-last", "2"]
 
@@ -30,7 +31,9 @@ def example(run, *flags, ok=True):
     return torchrun(2, EXAMPLE, *FLAGS, *flags, "--checkpoint-dir", run, expect_ok=ok)
 
 
-def test_the_example_trains_saves_and_resumes_in_a_bucket(bucket, tmp_path, capsys):
+def test_the_example_trains_saves_and_resumes_in_a_bucket(
+    bucket, tiny_run, tmp_path, capsys
+):
     fs, root = bucket
     run = f"{root}/resume"
     example(run, "--steps", "6", "--stop-after", "4")  # as if interrupted at 4
@@ -42,15 +45,28 @@ def test_the_example_trains_saves_and_resumes_in_a_bucket(bucket, tmp_path, caps
     assert f"resuming from {run}/step-4" in second.stdout
     assert f"verified: {run}/step-6 loaded into fresh stages" in second.stdout
     assert "[rank 0] removed step-2 (keeping the newest 2)" in second.stdout
-    straight = example(tmp_path / "local", "--steps", "6")
-    assert loss_lines(second.stdout) == loss_lines(straight.stdout)[4:]
+    # The same 6 steps on a local disk (saved at 3 and 6; what is saved and
+    # kept changes no arithmetic): a run shared with other modules.
+    local, straight = tiny_run
+    assert TINY_RUN_FLAGS == [*TINY_FLAGS, "--steps", "6", "--save-every", "3"]
+    assert loss_lines(second.stdout) == loss_lines(straight)[4:]
     ours = checkpoint.read_checkpoint(f"{run}/step-6")
     assert (
-        checkpoint.diff_state_dicts(
-            ours, checkpoint.read_checkpoint(tmp_path / "local" / "step-6")
-        )
+        checkpoint.diff_state_dicts(ours, checkpoint.read_checkpoint(local / "step-6"))
         == []
     )
+    # --init-from a step in the bucket: a new run starts from its weights. It
+    # reads step-6 only, so it runs while this process reads the bucket below.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        init_from = ("--steps", "2", "--init-from", f"{run}/step-6")
+        started = pool.submit(example, tmp_path / "init", *init_from)
+        check_the_command_line_and_load_model(root, run, ours, tmp_path, capsys)
+        started = started.result()
+    assert f"starting from the weights of {run}/step-6" in started.stdout
+
+
+def check_the_command_line_and_load_model(root, run, ours, tmp_path, capsys):
+    """What the command line and load_model do with the step in the bucket."""
     # The command line reads the bucket, and exports from it.
     assert main(["inspect", run, "--verify"]) == 0
     assert f"verified: {run}/step-6: " in capsys.readouterr().out
@@ -67,15 +83,32 @@ def test_the_example_trains_saves_and_resumes_in_a_bucket(bucket, tmp_path, caps
     checkpoint.load_model(f"{run}/step-6", model)
     weights = {k[len("model.") :]: v for k, v in ours.items() if k.startswith("model.")}
     assert checkpoint.diff_state_dicts(model.state_dict(), weights) == []
-    # --init-from a step in the bucket: a new run starts from its weights
-    started = example(tmp_path / "init", "--steps", "2", "--init-from", f"{run}/step-6")
-    assert f"starting from the weights of {run}/step-6" in started.stdout
 
 
-def test_a_step_without_its_commit_record_is_never_taken(bucket):
+@pytest.fixture(scope="module")
+def four_steps(bucket):
+    """A run of 4 steps in the bucket, saved at 2 and 4: the tests below each
+    start from a copy of its objects (one launch for them all)."""
+    fs, root = bucket
+    run = f"{root}/four-steps"
+    example(run, "--steps", "4")
+    fs.invalidate_cache()
+    steps = sorted({p.split("/")[2] for p in fs.find(run[5:])})
+    assert steps == ["step-2", "step-4"]  # the owner record is released
+    return run
+
+
+def copy_run(fs, source, run):
+    """Every object of `source` copied under `run`, byte for byte."""
+    fs.invalidate_cache()
+    for path in fs.find(source[5:]):
+        fs.pipe_file(run[5:] + path[len(source) - 5 :], fs.cat_file(path))
+
+
+def test_a_step_without_its_commit_record_is_never_taken(bucket, four_steps):
     fs, root = bucket
     run = f"{root}/uncommitted"
-    example(run, "--steps", "4")
+    copy_run(fs, four_steps, run)  # the run saved step-2 and step-4
     # A save killed before its last PUT: the data and .metadata are there,
     # its manifest.json (the commit record) is not.
     fs.rm(f"{run[5:]}/step-4/manifest.json")
@@ -115,15 +148,16 @@ def test_one_job_per_bucket_folder_and_an_expired_lease_is_taken_over(bucket):
     assert not fs.exists(f"{run[5:]}/.owner.json")  # released at the end
 
 
-def test_a_damaged_object_is_refused_and_nothing_is_lost(bucket):
+def test_a_damaged_object_is_refused_and_nothing_is_lost(bucket, four_steps):
     fs, root = bucket
     run = f"{root}/damaged"
-    example(run, "--steps", "2")
-    path = f"{run[5:]}/step-2/__1_0.distcp"
+    copy_run(fs, four_steps, run)  # the run saved step-2 and step-4
+    path = f"{run[5:]}/step-4/__1_0.distcp"  # of the newest step
     data = bytearray(fs.cat_file(path))
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(path, bytes(data))
+    fs.invalidate_cache()
     before = {p: fs.cat_file(p) for p in fs.find(run[5:])}
-    refused = example(run, "--steps", "4", ok=False)
+    refused = example(run, "--steps", "6", ok=False)
     assert "is damaged: its bytes do not match their checksum" in refused.stdout
     assert {p: fs.cat_file(p) for p in fs.find(run[5:])} == before

@@ -22,7 +22,7 @@ from pippy.checkpoint.lease import LEASE_ENV
 from pippy.checkpoint.steps import is_complete
 
 import helpers
-from helpers import EXAMPLE, Job, loss_lines, plain_read_elsewhere, torchrun
+from helpers import EXAMPLE, Job, PlainReader, loss_lines, torchrun
 
 #: Stages of 2 layers and 1 (~19 and ~10 MB): rank 1 is done writing well
 #: before rank 0, and a save can be caught between the two. Steps stay quick.
@@ -76,10 +76,18 @@ def committed(fs, key, step):
     return fs.exists(f"{key}/step-{step}/manifest.json")
 
 
-def assert_same(pairs, scratch):
+@pytest.fixture(scope="module")
+def plain(bucket, tmp_path_factory):
+    """The other process that reads steps with plain DCP, for the module."""
+    reader = PlainReader(tmp_path_factory.mktemp("plain"))
+    yield reader
+    reader.close()
+
+
+def assert_same(pairs, plain):
     """Each (step, reference step), read by plain DCP in another process, agree
     bit for bit."""
-    read = plain_read_elsewhere([s for pair in pairs for s in pair], scratch)
+    read = plain.read([s for pair in pairs for s in pair])
     for (step, _), got, expected in zip(pairs, read[::2], read[1::2], strict=True):
         assert checkpoint.diff_state_dicts(got, expected) == [], step
 
@@ -119,7 +127,7 @@ def keep_last_2(complete, saves):
 
 
 def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
-    bucket, reference, tmp_path
+    bucket, reference, plain
 ):
     """SIGKILL of the whole job while step N is written: N is never taken,
     loaded or counted by --keep-last; N-1 reads back bitwise with plain DCP;
@@ -141,7 +149,7 @@ def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
     assert checkpoint.find_latest_step(run) == f"{run}/step-{good}"
     with pytest.raises(checkpoint.CheckpointNotFoundError):
         checkpoint.read_checkpoint(f"{run}/step-{step}")
-    assert_same([(f"{run}/step-{good}", saved(good))], tmp_path)
+    assert_same([(f"{run}/step-{good}", saved(good))], plain)
     assert all(by_step(first)[n] == losses[n] for n in by_step(first))
     before = [n for n in range(1, 9) if committed(fs, key, n)]
     assert before == [good - 1, good]
@@ -162,7 +170,7 @@ def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
     assert removed == [", ".join(f"step-{n}" for n in r) for r in expected]
     assert f"verified: {run}/step-8 loaded into fresh stages" in again.stdout
     assert by_step(again.stdout) == {n: losses[n] for n in range(step, 9)}
-    assert_same([(f"{run}/step-8", saved(8))], tmp_path)
+    assert_same([(f"{run}/step-8", saved(8))], plain)
     # Nothing looks complete that is not: the dead save is still uncommitted,
     # and without a .metadata plain DCP cannot take it for a step either.
     kept = [*before, *saves][-2:]
@@ -173,7 +181,7 @@ def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
 
 
 def test_async_saves_and_a_sigterm_end_with_loadable_steps_in_a_bucket(
-    bucket, reference, tmp_path
+    bucket, reference, plain
 ):
     """--async-save publishes step-3 from the background (its commit record
     written last); a SIGTERM to torchrun at step 4 waits for any save in
@@ -204,11 +212,11 @@ def test_async_saves_and_a_sigterm_end_with_loadable_steps_in_a_bucket(
     steps = sorted({n for n in (3, 6) if n <= stop} | {stop})
     assert [n for n in range(1, 9) if committed(fs, key, n)] == steps
     assert by_step(out) == {n: losses[n] for n in range(1, stop + 1)}
-    assert_same([(f"{run}/step-{n}", saved(n)) for n in steps], tmp_path)
+    assert_same([(f"{run}/step-{n}", saved(n)) for n in steps], plain)
 
 
 def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
-    bucket, reference, tmp_path
+    bucket, reference, plain
 ):
     """Job A (a 2 s lease) is frozen with SIGSTOP; job B takes the folder
     over, saves step-3 and is frozen in turn; A wakes, and its next save is
@@ -259,7 +267,7 @@ def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
     assert f"resuming from {run}/step-2" in b_out
     assert f"verified: {run}/step-8 loaded into fresh stages" in b_out
     assert by_step(b_out) == {n: losses[n] for n in range(3, 9)}
-    assert_same([(f"{run}/step-8", saved(8))], tmp_path)
+    assert_same([(f"{run}/step-8", saved(8))], plain)
     assert [committed(fs, key, n) for n in range(1, 9)] == [
         n in (2, 3, 6, 8) for n in range(1, 9)
     ]

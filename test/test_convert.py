@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from gpt import GPT, ModelArgs
-from helpers import EXAMPLE, ROOT, TINY_FLAGS, loss_lines, plain_read, torchrun
+from helpers import (
+    EXAMPLE,
+    ROOT,
+    TINY_FLAGS,
+    TINY_RUN_FLAGS,
+    loss_lines,
+    plain_read,
+    torchrun_together,
+)
 
 RUN = [*TINY_FLAGS, "--save-every", "2"]
 
@@ -38,12 +46,13 @@ def assert_bitwise(got, expected):
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """The example's step-2 (2 ranks), converted to torchtitan's layout and back."""
+def converted(tmp_path_factory, tiny_run):
+    """The example's step-6 (2 ranks, 6 steps: a run shared with other modules,
+    conftest.py), converted to torchtitan's layout and back."""
     root = tmp_path_factory.mktemp("convert")
-    torchrun(2, EXAMPLE, *RUN, "--steps", "2", "--checkpoint-dir", root / "run")
-    step = root / "run" / "step-2"
-    titan, back = root / "titan" / "step-2", root / "back" / "step-2"
+    assert TINY_RUN_FLAGS[: len(TINY_FLAGS)] == TINY_FLAGS
+    step = tiny_run[0] / "step-6"
+    titan, back = root / "titan" / "step-6", root / "back" / "step-6"
     pippy_cli("convert", step, "--to", "torchtitan", "--out", titan)
     pippy_cli("convert", titan, "--to", "pippy", "--out", back)
     return step, titan, back
@@ -66,7 +75,7 @@ def test_the_torchtitan_step_holds_the_model_at_its_root_and_the_rest_in_section
     )
     # The data sampler's state is where torchtitan keeps its data loader's.
     assert saved["dataloader.data.rng_state"].dtype == torch.uint8
-    assert saved["train_state.step"] == 2 and saved["train_state.ntokens_seen"] == 0
+    assert saved["train_state.step"] == 6 and saved["train_state.ntokens_seen"] == 0
     out = tmp_path / "gpt.pt"
     printed = pippy_cli("export", titan, "--out", out)
     assert f"{len(model.state_dict())} tensors" in printed
@@ -75,12 +84,18 @@ def test_the_torchtitan_step_holds_the_model_at_its_root_and_the_rest_in_section
 
 def test_the_example_resumes_from_the_round_tripped_step(converted, tmp_path):
     step, _, back = converted
-    runs = {}
-    for name, source in (("original", step), ("round-tripped", back)):
-        shutil.copytree(source, tmp_path / name / "step-2")
-        args = ["--steps", "4", "--checkpoint-dir", tmp_path / name]
-        runs[name] = torchrun(2, EXAMPLE, *RUN, *args).stdout
-        assert f"resuming from {tmp_path / name / 'step-2'}" in runs[name]
+    names = ("original", "round-tripped")
+    for name, source in zip(names, (step, back), strict=True):
+        shutil.copytree(source, tmp_path / name / "step-6")
+    launched = torchrun_together(  # independent: at once
+        *[
+            (2, EXAMPLE, *RUN, "--steps", 8, "--checkpoint-dir", tmp_path / n)
+            for n in names
+        ]
+    )
+    runs = {name: run.stdout for name, run in zip(names, launched, strict=True)}
+    for name in names:
+        assert f"resuming from {tmp_path / name / 'step-6'}" in runs[name]
     losses = loss_lines(runs["round-tripped"])
-    assert [line.split("|")[0].strip() for line in losses] == ["step   3", "step   4"]
+    assert [line.split("|")[0].strip() for line in losses] == ["step   7", "step   8"]
     assert losses == loss_lines(runs["original"])

@@ -30,7 +30,6 @@ from pippy.checkpoint.steps import list_steps
 
 import helpers
 from helpers import (
-    DIST_CHECKS,
     EXAMPLE,
     TINY_FLAGS,
     TwoHeads,
@@ -96,11 +95,10 @@ def test_a_flipped_bit_in_the_step_is_refused(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One launch of 2 ranks: equal-size rank files, and an async poll."""
-    out = tmp_path_factory.mktemp("edges")
-    torchrun(2, DIST_CHECKS, "twins,one_fails", out)
-    return out
+def two_ranks(two_rank_checks):
+    """The launch of 2 ranks that ran twins (equal-size rank files, and an
+    async poll) and one_fails, with other modules' checks (conftest.py)."""
+    return two_rank_checks["dist_checks"]
 
 
 def test_swapped_rank_files_of_equal_size_mix_silently_in_dcp_and_are_refused(
@@ -527,13 +525,13 @@ def _workers(pid):
 
 
 def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
-    flags = ["--steps", "300", "--save-every", "100"]
+    flags = ["--steps", "60", "--save-every", "20"]
     first = launch(*flags, "--checkpoint-dir", tmp_path / "shared")
     paused = []
     try:
         wait_for(tmp_path / "shared" / ".owner.json", first)
         # The first job holds still while the second starts: on 2 busy cores
-        # it could otherwise finish its 300 steps first.
+        # it could otherwise finish its 60 steps first.
         paused = _workers(first.pid)
         for pid in paused:
             os.kill(pid, signal.SIGSTOP)
@@ -563,7 +561,7 @@ def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
         )
     assert "step   1 |" not in second.stdout
     torchrun(2, EXAMPLE, *TINY_FLAGS, *flags, "--checkpoint-dir", tmp_path / "alone")
-    for step in (100, 200, 300):  # the first job's steps are its own, bit for bit
+    for step in (20, 40, 60):  # the first job's steps are its own, bit for bit
         shared = checkpoint.read_checkpoint(tmp_path / "shared" / f"step-{step}")
         alone = checkpoint.read_checkpoint(tmp_path / "alone" / f"step-{step}")
         assert checkpoint.diff_state_dicts(shared, alone) == []

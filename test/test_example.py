@@ -1,5 +1,8 @@
 """The reference example, run the way users run it: torchrun, twice."""
 
+import shutil
+import subprocess
+
 import pytest
 
 from pippy import checkpoint
@@ -8,7 +11,15 @@ from pippy.checkpoint.safe_load import read_metadata
 
 import pippy_dcp
 from gpt import GPT, ModelArgs
-from helpers import EXAMPLE, loss_lines, torchrun
+from helpers import (
+    EXAMPLE,
+    FOUR_RANK_FLAGS,
+    TINY_FLAGS,
+    TINY_RUN_FLAGS,
+    loss_lines,
+    torchrun,
+    torchrun_together,
+)
 
 STEPS = ["--steps", "6", "--save-every", "3"]
 
@@ -23,14 +34,34 @@ def load_whole(step_folder):
     "world_size, split, schedule", [(4, "manual", "gpipe"), (2, "trace", "1f1b")]
 )
 def test_stopped_and_resumed_run_equals_uninterrupted_run(
-    tmp_path, world_size, split, schedule
+    request, tmp_path, world_size, split, schedule
 ):
     flags = [*STEPS, "--split", split, "--schedule", schedule]
+    if world_size == 2:  # a tiny model: the same property, less to compute
+        flags = [*TINY_FLAGS, *flags]
     resumed, straight = tmp_path / "resumed", tmp_path / "straight"
 
-    first = torchrun(
-        world_size, EXAMPLE, *flags, "--checkpoint-dir", resumed, "--stop-after", "3"
-    )
+    if world_size == 4:  # these two runs are test_topology's too: conftest.py
+        assert FOUR_RANK_FLAGS == flags
+        stopped, out = request.getfixturevalue("four_rank_stopped")
+        assert sorted(p.name for p in stopped.iterdir()) == ["step-3"]
+        shutil.copytree(stopped, resumed)
+        first = subprocess.CompletedProcess([], 0, stdout=out)
+        straight, out = request.getfixturevalue("four_rank_run")
+        third = subprocess.CompletedProcess([], 0, stdout=out)
+    else:  # independent: at once
+        first, third = torchrun_together(
+            (
+                world_size,
+                EXAMPLE,
+                *flags,
+                "--checkpoint-dir",
+                resumed,
+                "--stop-after",
+                3,
+            ),
+            (world_size, EXAMPLE, *flags, "--checkpoint-dir", straight),
+        )
     assert "stopping after step 3 (--stop-after)" in first.stdout
     assert "resuming" not in first.stdout
     for rank in range(world_size):
@@ -42,7 +73,6 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
     assert "step   3 |" not in second.stdout and "step   4 |" in second.stdout
     assert f"verified: {resumed / 'step-6'} loaded into fresh stages" in second.stdout
 
-    third = torchrun(world_size, EXAMPLE, *flags, "--checkpoint-dir", straight)
     assert "verified:" in third.stdout
     # Same losses, printed by the last stage, for the steps both runs trained.
     assert loss_lines(second.stdout) == loss_lines(third.stdout)[3:]
@@ -54,10 +84,11 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
     assert a["step"] == 6
 
 
-def test_checkpoint_layout_one_file_per_rank_and_original_fqns(tmp_path):
+def test_checkpoint_layout_one_file_per_rank_and_original_fqns(four_rank_run):
+    # A step of the example on 4 ranks, the default model (conftest.py).
     world_size = 4
-    torchrun(world_size, EXAMPLE, "--steps", "1", "--checkpoint-dir", tmp_path)
-    folder = tmp_path / "step-1"
+    assert "--n-layers" not in FOUR_RANK_FLAGS and "--dim" not in FOUR_RANK_FLAGS
+    folder = four_rank_run[0] / "step-6"
     files = sorted(p.name for p in folder.iterdir())
     assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)] + [
         "manifest.json"
@@ -88,11 +119,20 @@ def test_checkpoint_layout_one_file_per_rank_and_original_fqns(tmp_path):
 def test_the_example_says_what_happened(tmp_path):
     import re
 
-    from helpers import TINY_FLAGS
-
     ckpt = tmp_path / "ckpt"
     flags = [*TINY_FLAGS, "--steps", "4", "--save-every", "2", "--keep-last", "1"]
-    run = torchrun(2, EXAMPLE, *flags, "--async-save", "--checkpoint-dir", ckpt)
+    nowhere = (
+        "--init-from",
+        tmp_path / "nowhere",
+        "--checkpoint-dir",
+        tmp_path / "new",
+    )
+    run, sync, failed = torchrun_together(  # independent: at once
+        (2, EXAMPLE, *flags, "--async-save", "--checkpoint-dir", ckpt),
+        (2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "sync"),
+        (2, EXAMPLE, *flags, *nowhere),
+        expect_ok=[True, True, False],
+    )
     out = run.stdout
     # A background save says when it is published, and how long it took.
     for step in (2, 4):
@@ -107,7 +147,7 @@ def test_the_example_says_what_happened(tmp_path):
         sorted(p.name for p in ckpt.iterdir()) == ["step-4"]
     )
     # Saved and loaded lines count a rank's tensors alike: what it holds.
-    sync = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "sync").stdout
+    sync = sync.stdout
     held = dict(
         re.findall(r"^\[rank (\d)\] stage \d: saved \d+ of its (\d+) ", sync, re.M)
     )
@@ -116,16 +156,6 @@ def test_the_example_says_what_happened(tmp_path):
     )
     assert held == loaded and len(held) == 2
     # A run whose --init-from fails leaves no checkpoint folder behind.
-    failed = torchrun(
-        2,
-        EXAMPLE,
-        *flags,
-        "--init-from",
-        tmp_path / "nowhere",
-        "--checkpoint-dir",
-        tmp_path / "new",
-        expect_ok=False,
-    )
     assert failed.returncode != 0
     assert (
         f"error: no checkpoint folder at {str(tmp_path / 'nowhere')!r}" in failed.stdout
@@ -133,11 +163,11 @@ def test_the_example_says_what_happened(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_a_raised_steps_resumes_onto_the_new_schedule(tmp_path):
-    from helpers import TINY_FLAGS
-
+def test_a_raised_steps_resumes_onto_the_new_schedule(tmp_path, tiny_run):
+    # 6 steps, saved at 3 and 6 (a run shared with other modules), then 10.
+    assert TINY_RUN_FLAGS == [*TINY_FLAGS, "--steps", "6", "--save-every", "3"]
+    shutil.copytree(tiny_run[0], tmp_path, dirs_exist_ok=True)
     flags = [*TINY_FLAGS, "--save-every", "3", "--checkpoint-dir", tmp_path]
-    torchrun(2, EXAMPLE, *flags, "--steps", "6")
     lines = loss_lines(torchrun(2, EXAMPLE, *flags, "--steps", "10").stdout)
     printed = [line.split("| lr ")[1].split()[0] for line in lines]
     lr = pippy_dcp.parse_args(["--steps", "10"]).lr

@@ -6,6 +6,7 @@ data quietly, the test shows that first.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -25,7 +26,15 @@ from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.steps import is_complete, list_steps, step_dir
 
-from helpers import DIST_CHECKS, EXAMPLE, TwoHeads, launch, linear_state, torchrun
+from helpers import (
+    EXAMPLE,
+    TINY_RUN_FLAGS,
+    TwoHeads,
+    launch,
+    linear_state,
+    torchrun,
+    torchrun_together,
+)
 
 TINY = [
     "--n-layers",
@@ -216,11 +225,10 @@ def test_keep_last_removes_old_steps_only_after_a_newer_one_is_published(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One launch of 2 ranks for the checks below (starting ranks is slow)."""
-    out = tmp_path_factory.mktemp("two-ranks")
-    torchrun(2, DIST_CHECKS, "async,refusal", out)
-    return out
+def two_ranks(two_rank_checks):
+    """The launch of 2 ranks that ran the checks below, async and refusal,
+    with other modules' (conftest.py: starting ranks is slow)."""
+    return two_rank_checks["dist_checks"]
 
 
 def test_async_save_keeps_the_values_of_the_call_and_reports_failures(two_ranks):
@@ -260,65 +268,90 @@ def example(nproc, *flags, ok=True):
     return run
 
 
-def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path):
+def failing_examples(*launches):
+    """Runs of the example that must fail, each ``(nproc, *flags)``, at once
+    (none writes what another reads); each fails without a traceback."""
+    runs = torchrun_together(
+        *[(nproc, EXAMPLE, *flags) for nproc, *flags in launches], expect_ok=False
+    )
+    for run in runs:
+        assert run.returncode != 0
+        assert "Traceback" not in run.stdout
+    return runs
+
+
+def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")
-    run = example(2, *TINY, "--checkpoint-dir", a_file, ok=False)
-    assert f"[rank 0] error: checkpoint dir {str(a_file)!r} is a file" in run.stdout
-    assert a_file.read_text() == "not a folder"
-
-    run = example(2, *TINY, "--checkpoint-dir", a_file / "sub", ok=False)
-    assert "[rank 1] error: cannot write to" in run.stdout
-    assert "(--checkpoint-dir)" in run.stdout  # the flag to change
-    assert "step   1 |" not in run.stdout  # refused before any training
-
+    # A run of the same tiny model (TINY's flags), 6 steps saved at 3 and 6,
+    # shared with other modules: its folder copied, resumed with --steps 7.
+    # Two copies: one job per folder, and two of the runs below go at once.
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    assert TINY_RUN_FLAGS == [*TINY[:6], "--steps", "6", "--save-every", "3"]
+    for folder in (ckpt, other):
+        shutil.copytree(tiny_run[0], folder)
+    before = {p.name: p.read_bytes() for p in (ckpt / "step-6").iterdir()}
     # Flags that cannot work are argparse errors, printed once (by rank 0),
     # each naming its flag.
-    for flags, message in [
+    bad_flags = [
         (["--n-layers", "2"], "argument --n-layers: 2 layers cannot fill 4 stages"),
         (
             ["--schedule", "1f1b", "--microbatches", "2"],
             "argument --microbatches: 1f1b needs at least one per stage (4)",
         ),
-    ]:
-        run = example(4, *TINY, *flags, "--checkpoint-dir", tmp_path / "x", ok=False)
-        assert run.stderr.count(f"pippy_dcp.py: error: {message}\n") == 1
-        assert not (tmp_path / "x").exists()
-
-    ckpt = tmp_path / "ckpt"
-    example(2, *TINY, "--checkpoint-dir", ckpt)
-    before = {p.name: p.read_bytes() for p in (ckpt / "step-2").iterdir()}
-
-    run = example(
-        2, *TINY, "--steps", "3", "--dim", "64", "--checkpoint-dir", ckpt, ok=False
+    ]
+    # These runs read what they are given and change nothing: all at once.
+    file_run, sub_run, *flag_runs, dim_run, layers_run = failing_examples(
+        (2, *TINY, "--checkpoint-dir", a_file),
+        (2, *TINY, "--checkpoint-dir", a_file / "sub"),
+        *[
+            (4, *TINY, *flags, "--checkpoint-dir", tmp_path / "x")
+            for flags, _ in bad_flags
+        ],
+        (2, *TINY, "--steps", "7", "--dim", "64", "--checkpoint-dir", ckpt),
+        (2, *TINY, "--steps", "7", "--n-layers", "2", "--checkpoint-dir", other),
     )
+
+    assert (
+        f"[rank 0] error: checkpoint dir {str(a_file)!r} is a file" in file_run.stdout
+    )
+    assert a_file.read_text() == "not a folder"
+
+    assert "[rank 1] error: cannot write to" in sub_run.stdout
+    assert "(--checkpoint-dir)" in sub_run.stdout  # the flag to change
+    assert "step   1 |" not in sub_run.stdout  # refused before any training
+
+    for (_, message), run in zip(bad_flags, flag_runs, strict=True):
+        assert run.stderr.count(f"pippy_dcp.py: error: {message}\n") == 1
+    assert not (tmp_path / "x").exists()
+
     # The example names the flag the checkpoint was saved with.
     assert (
-        f"error: {ckpt / 'step-2'} was saved with --dim 32, this run has 64: pass "
-        "--dim 32, or another --checkpoint-dir" in run.stdout
-    )
-
-    run = example(
-        2, *TINY, "--steps", "3", "--n-layers", "2", "--checkpoint-dir", ckpt, ok=False
+        f"error: {ckpt / 'step-6'} was saved with --dim 32, this run has 64: pass "
+        "--dim 32, or another --checkpoint-dir" in dim_run.stdout
     )
     assert (
-        "was saved with --n-layers 4, this run has 2: pass --n-layers 4" in run.stdout
+        "was saved with --n-layers 4, this run has 2: pass --n-layers 4"
+        in layers_run.stdout
     )
 
-    data = ckpt / "step-2" / "__1_0.distcp"
+    data = ckpt / "step-6" / "__1_0.distcp"
     data.write_bytes(before["__1_0.distcp"][:1000])  # truncated
-    run = example(2, *TINY, "--steps", "3", "--checkpoint-dir", ckpt, ok=False)
+    run = example(2, *TINY, "--steps", "7", "--checkpoint-dir", ckpt, ok=False)
     for rank in (0, 1):  # every rank stops with the same line, before loading
         assert f"[rank {rank}] error: " in run.stdout
-    assert "step-2' is damaged: __1_0.distcp has 1000 bytes" in run.stdout
+    assert "step-6' is damaged: __1_0.distcp has 1000 bytes" in run.stdout
     assert "to resume from an earlier step" in run.stdout
     data.unlink()  # missing
-    run = example(2, *TINY, "--steps", "3", "--checkpoint-dir", ckpt, ok=False)
+    run = example(2, *TINY, "--steps", "7", "--checkpoint-dir", ckpt, ok=False)
     assert "is damaged: __1_0.distcp is missing" in run.stdout
     data.write_bytes(before["__1_0.distcp"])
     # Nothing that was saved before was lost or changed by the failed runs.
-    assert {p.name: p.read_bytes() for p in (ckpt / "step-2").iterdir()} == before
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-1", "step-2"]
+    for folder in (ckpt, other):
+        assert {p.name: p.read_bytes() for p in (folder / "step-6").iterdir()} == (
+            before
+        )
+        assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
 
 
 def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):

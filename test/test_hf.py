@@ -13,12 +13,10 @@ import pippy
 from pippy import checkpoint
 
 from helpers import (
-    DIST_CHECKS,
     ROOT,
     hf_config,
     hf_model_class,
     hf_stage,
-    torchrun,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -26,10 +24,10 @@ MODELS = ("llama", "gpt2")
 
 
 @pytest.fixture(scope="module")
-def hf_run(tmp_path_factory):
-    """Both models trained on 2 ranks: step-3 and step-6 of each, and results."""
-    out = tmp_path_factory.mktemp("hf")
-    torchrun(2, DIST_CHECKS, "hf", out)
+def hf_run(two_rank_checks):
+    """Both models trained on 2 ranks: step-3 and step-6 of each, and results
+    (the hf check, in a launch shared with other modules' checks: conftest.py)."""
+    out = two_rank_checks["dist_checks"]
     ranks = [json.loads((out / f"hf-rank{r}.json").read_text()) for r in range(2)]
     return out, ranks
 

@@ -12,9 +12,7 @@ from pippy import checkpoint
 from pippy.checkpoint.manifest import read_manifest
 from pippy.checkpoint.parts import merge_parts
 
-from helpers import ROOT, plain_read, tiny_gpt, torchrun
-
-LAYOUT_CHECKS = ROOT / "test" / "layout_checks.py"
+from helpers import plain_read, tiny_gpt
 
 
 def results(out, check, ranks):
@@ -24,11 +22,10 @@ def results(out, check, ranks):
 
 
 @pytest.fixture(scope="module")
-def mesh_run(tmp_path_factory):
+def mesh_run(four_rank_checks):
     """4 ranks as 2 pipelines x 2 stages (mesh ("dp", "pp")), DDP then FSDP2;
     then as one HSDP stage, in the same launch."""
-    out = tmp_path_factory.mktemp("mesh")
-    torchrun(4, LAYOUT_CHECKS, "mesh,hsdp", out, timeout=400)
+    out = four_rank_checks["layout_checks"]  # one launch with other checks
     return out, results(out, "mesh", 4)
 
 
@@ -136,19 +133,19 @@ def test_hsdp_saves_reloads_and_refuses_diverged_replicate_groups(mesh_run):
         )
 
 
-def test_several_stages_per_rank_save_reload_and_load_unsplit(tmp_path):
-    torchrun(2, LAYOUT_CHECKS, "parts", tmp_path, timeout=300)
-    found = results(tmp_path, "parts", 2)
+def test_several_stages_per_rank_save_reload_and_load_unsplit(two_rank_checks):
+    out = two_rank_checks["layout_checks"]  # one launch with other checks
+    found = results(out, "parts", 2)
     # One AdamW over both parts saved; one AdamW per part loaded: bitwise.
     assert all(r["reload_differ"] == [] for r in found)
-    step = tmp_path / "parts" / "step-1"
+    step = out / "parts" / "step-1"
     saved = plain_read(step)
     full = tiny_gpt()
     assert {k for k in saved if k.startswith("model.")} == {
         f"model.{k}" for k in full.state_dict()
     }
     for rank in range(2):
-        for key, value in live(tmp_path, "parts", rank).items():
+        for key, value in live(out, "parts", rank).items():
             assert torch.equal(saved[key], value), (rank, key)
     # The same checkpoint into the un-split model, in this process.
     assert checkpoint.load_model(step, full) == 1

@@ -23,7 +23,13 @@ from pippy.checkpoint.safe_load import read_metadata
 import flags
 import pippy_dcp
 from gpt import GPT, ModelArgs
-from helpers import EXAMPLE, TINY_FLAGS, loss_lines, plain_read, torchrun
+from helpers import (
+    EXAMPLE,
+    TINY_FLAGS,
+    loss_lines,
+    plain_read,
+    torchrun_together,
+)
 
 FLAGS = [*TINY_FLAGS, "--steps", "6", "--save-every", "3"]
 LAYOUTS = {  # name: (ranks, flags)
@@ -47,21 +53,42 @@ SAVED = re.compile(
 )
 
 
-def example(layout, folder, *flags):
+def launch(layout, folder, *flags):
+    """The example on `layout`, as torchrun's arguments."""
     ranks, layout_flags = LAYOUTS[layout]
-    return torchrun(
-        ranks, EXAMPLE, *FLAGS, *layout_flags, "--checkpoint-dir", folder, *flags
-    )
+    return (ranks, EXAMPLE, *FLAGS, *layout_flags, "--checkpoint-dir", folder, *flags)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def from_scratch(tmp_path_factory):
+    """Every run of this module that starts from nothing, launched at once
+    (none reads what another writes): 6 steps with and without data
+    parallelism, the references; and each tested layout stopped after step 3.
+    {"dp" | "pp" | layout: (folder, stdout)}."""
+    runs = {"dp": ("ddp", ()), "pp": ("one rank", ())}
+    for layout in ("ddp", "fsdp", "interleaved"):
+        runs[layout] = (layout, ("--stop-after", "3"))
+    folders = {name: tmp_path_factory.mktemp("run") for name in runs}
+    launched = torchrun_together(
+        *[
+            launch(layout, folders[name], *flags)
+            for name, (layout, flags) in runs.items()
+        ]
+    )
+    return {
+        name: (folders[name], run.stdout)
+        for name, run in zip(runs, launched, strict=True)
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(from_scratch):
     """6 steps with and without data parallelism: the references."""
-    runs = {}
-    for name, layout in [("dp", "ddp"), ("pp", "one rank")]:
-        folder = tmp_path_factory.mktemp(name)
-        runs[name] = folder, loss_lines(example(layout, folder).stdout)
-    return runs
+    return {
+        name: (folder, loss_lines(stdout))
+        for name, (folder, stdout) in from_scratch.items()
+        if name in ("dp", "pp")
+    }
 
 
 def losses(lines):
@@ -89,13 +116,14 @@ def assert_close(actual, expected, rtol):
     ],
 )
 def test_stopped_resumed_and_resumed_on_another_layout(
-    tmp_path, uninterrupted, layout, reference, other, other_reference
+    tmp_path, from_scratch, uninterrupted, layout, reference, other, other_reference
 ):
     here, there = tmp_path / "here", tmp_path / "there"
-    first = example(layout, here, "--stop-after", "3")
+    stopped, first = from_scratch[layout]  # stopped after step 3
+    shutil.copytree(stopped, here)
     # Every rank names its stages and writes its share: with DDP each
     # replicated item is written by one replica, with FSDP2 each rank its shards.
-    saved = sorted(SAVED.findall(first.stdout))
+    saved = sorted(SAVED.findall(first))
     assert [label for _, label, _ in saved] == LABELS[layout]
     metadata = read_metadata(here / "step-3")
     chunks = [i for i in metadata.storage_data if i.offset is not None]
@@ -103,8 +131,9 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     assert all(int(n) > 0 for _, _, n in saved)
     shutil.copytree(here, there)
 
-    # The same command again resumes; the arithmetic is the same: bitwise.
-    second = example(layout, here)
+    # Two resumes, each of its own copy, at once. The same command again
+    # resumes; the arithmetic is the same: bitwise.
+    second, moved = torchrun_together(launch(layout, here), launch(other, there))
     assert f"resuming from {here / 'step-3'}" in second.stdout
     assert "verified:" in second.stdout
     folder, reference_losses = uninterrupted[reference]
@@ -118,7 +147,6 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     )
 
     # Resumed on another layout: another dp degree, so within the tolerance.
-    moved = example(other, there)
     assert f"resuming from {there / 'step-3'}" in moved.stdout
     assert "verified:" in moved.stdout
     folder, other_losses = uninterrupted[other_reference]

@@ -9,8 +9,6 @@ rank. Here, in another process, plain DCP (FileSystemReader,
 no pippy) reads every step back, bitwise equal to what each rank saved.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,10 +17,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from pippy import checkpoint
 from pippy.checkpoint import plan_reuse
 
-from helpers import plain_read, rank_results, torchrun
+from helpers import plain_read, rank_results
 from repeat_checks import SEQUENCE, flat, stage
-
-CHECKS = Path(__file__).with_name("repeat_checks.py")
 
 #: Each step's expected outcome, on every rank that saved it.
 EXPECTED = {step: outcome for step, _, _, outcome in SEQUENCE} | {
@@ -39,11 +35,11 @@ NO_MANIFEST = {50, 51}  # DCP's own FileSystemWriter
 
 
 @pytest.fixture(scope="module")
-def repeat_ranks(tmp_path_factory):
-    """One launch of 2 ranks for the checks below (starting ranks is slow)."""
-    out = tmp_path_factory.mktemp("repeat")
-    torchrun(2, CHECKS, "sequence,failure,async", out)
-    return out
+def repeat_ranks(two_rank_checks):
+    """The checks below (repeat_checks.py's sequence, failure, async) ran in
+    one launch of 2 ranks with other modules' checks (conftest.py: starting
+    ranks is slow); their folder."""
+    return two_rank_checks["repeat_checks"]
 
 
 def _expected(out, folder, step):

@@ -4,6 +4,8 @@ Each attack is shown to work against plain DCP first, so that the tests of
 pippy's refusal can fail.
 """
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -11,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from pippy import checkpoint
 from pippy.checkpoint.safe_load import read_metadata
 
-from helpers import EXAMPLE, Payload, poison_metadata, torchrun
+from helpers import EXAMPLE, TINY_FLAGS, Payload, poison_metadata, torchrun
 
 
 def save_step(root, step=1, **extra):
@@ -110,17 +112,18 @@ def test_what_pippy_writes_loads_under_the_restricted_rules(tmp_path):
     assert state["lr_scheduler.n"] == 3 and state["step"] == 1
 
 
-def test_example_refuses_to_resume_from_a_poisoned_checkpoint(tmp_path):
+def test_example_refuses_to_resume_from_a_poisoned_checkpoint(tmp_path, tiny_run):
+    # The example's own step-6 (a tiny run shared with other modules, copied).
     ckpt, marker = tmp_path / "ckpt", tmp_path / "pwned"
-    flags = ["--checkpoint-dir", ckpt, "--n-layers", "2", "--dim", "32"]
-    torchrun(2, EXAMPLE, *flags, "--steps", "1")
-    poison_metadata(ckpt / "step-1", marker)
-    run = torchrun(2, EXAMPLE, *flags, "--steps", "2", expect_ok=False)
+    shutil.copytree(tiny_run[0], ckpt)
+    flags = ["--checkpoint-dir", ckpt, *TINY_FLAGS]
+    poison_metadata(ckpt / "step-6", marker)
+    run = torchrun(2, EXAMPLE, *flags, "--steps", "7", expect_ok=False)
     assert run.returncode != 0
     assert not marker.exists()
     for rank in range(2):
         assert (
-            f"[rank {rank}] error: refused to load {ckpt / 'step-1' / '.metadata'}"
+            f"[rank {rank}] error: refused to load {ckpt / 'step-6' / '.metadata'}"
             in run.stdout
         )
-    assert not (ckpt / "step-2").exists()
+    assert not (ckpt / "step-7").exists()

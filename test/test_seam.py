@@ -9,7 +9,6 @@ load write and read what save_stage and load_stage do.
 
 import importlib.util
 import shutil
-from pathlib import Path
 
 import fsspec
 import google_crc32c
@@ -28,9 +27,7 @@ from pippy.checkpoint.storage import (
 )
 from pippy.cli import main
 
-from helpers import linear_state, plain_read, rank_results, torchrun
-
-CHECKS = Path(__file__).with_name("seam_checks.py")
+from helpers import linear_state, plain_read, rank_results
 
 
 @pytest.fixture
@@ -188,11 +185,11 @@ def test_convert_writes_through_the_save_sequence(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def seam_ranks(tmp_path_factory):
-    """One launch of 2 ranks for the checks below (starting ranks is slow)."""
-    out = tmp_path_factory.mktemp("seam")
-    torchrun(2, CHECKS, "same,async_checks,async_staging", out)
-    return out
+def seam_ranks(two_rank_checks):
+    """The checks below (seam_checks.py's same, async_checks, async_staging)
+    ran in one launch of 2 ranks with other modules' checks (conftest.py:
+    starting ranks is slow); their folder."""
+    return two_rank_checks["seam_checks"]
 
 
 def test_the_examples_save_and_save_stage_write_the_same_step(seam_ranks):

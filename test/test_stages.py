@@ -28,10 +28,20 @@ def optim_fqn(key):
     return rest if section == "scalars" else rest.rsplit(".", 1)[0]
 
 
+def launched(request, tmp_path, check, world_size):
+    """The folder of a launch that ran `check` on `world_size` ranks: 2 and 4
+    ranks share a launch with other checks (conftest.py), 1 rank runs alone."""
+    if world_size == 1:
+        torchrun(1, DIST_CHECKS, check, tmp_path)
+        return tmp_path
+    shared = {2: "two_rank_checks", 4: "four_rank_checks"}[world_size]
+    return request.getfixturevalue(shared)["dist_checks"]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_stage_keys_are_disjoint_and_cover_the_model(tmp_path, world_size):
-    torchrun(world_size, DIST_CHECKS, "keys", tmp_path)
-    ranks = results(tmp_path, "keys", world_size)
+def test_stage_keys_are_disjoint_and_cover_the_model(request, tmp_path, world_size):
+    out = launched(request, tmp_path, "keys", world_size)
+    ranks = results(out, "keys", world_size)
     expected = full_model_keys()
     assert "rope" not in expected  # non-persistent in the un-split model
     for split in ("manual", "trace"):
@@ -63,9 +73,9 @@ def test_stage_keys_are_disjoint_and_cover_the_model(tmp_path, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_round_trip_and_exact_resume(tmp_path, world_size):
-    torchrun(world_size, DIST_CHECKS, "train", tmp_path)
-    ranks = results(tmp_path, "train", world_size)
+def test_round_trip_and_exact_resume(request, tmp_path, world_size):
+    out = launched(request, tmp_path, "train", world_size)
+    ranks = results(out, "train", world_size)
     for schedule in ("gpipe", "1f1b"):
         for rank, r in enumerate(ranks):
             r = r[schedule]

@@ -2,6 +2,7 @@
 un-split model, FSDP2, weights-only starts, several nodes, per-stage memory."""
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,23 +17,30 @@ from pippy.checkpoint.checks import named_leaves
 import parallel
 import pippy_dcp
 from gpt import GPT, ModelArgs
-from helpers import DIST_CHECKS, EXAMPLE, ROOT, loss_lines, torchrun
+from helpers import DIST_CHECKS, EXAMPLE, ROOT, TINY_FLAGS, loss_lines, torchrun
 
 FLAGS = ["--steps", "6", "--save-every", "3"]
 TINY = ModelArgs(4, 32, max_seq_len=32)
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """An uninterrupted 4-rank run of the example: the reference."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    run = torchrun(4, EXAMPLE, *FLAGS, "--checkpoint-dir", folder)
-    return folder, loss_lines(run.stdout)
+def uninterrupted(four_rank_run):
+    """An uninterrupted 4-rank run of the example (FLAGS, the default split and
+    schedule): the reference, shared with test_example (conftest.py)."""
+    folder, stdout = four_rank_run
+    return folder, loss_lines(stdout)
 
 
 @pytest.mark.parametrize("before, after", [(4, 2), (2, 4)])
-def test_resume_on_another_number_of_stages(tmp_path, uninterrupted, before, after):
-    torchrun(before, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path, "--stop-after", "3")
+def test_resume_on_another_number_of_stages(
+    request, tmp_path, uninterrupted, before, after
+):
+    if before == 4:  # stopped after step 3 on 4 ranks: shared with test_example
+        stopped = request.getfixturevalue("four_rank_stopped")[0]
+        shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
+    else:
+        stop = ["--checkpoint-dir", tmp_path, "--stop-after", "3"]
+        torchrun(before, EXAMPLE, *FLAGS, *stop)
     run = torchrun(after, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / 'step-3'}" in run.stdout
     assert "verified:" in run.stdout
@@ -74,11 +82,10 @@ def test_init_from_takes_the_weights_and_nothing_else(tmp_path, uninterrupted):
 
 
 @pytest.fixture(scope="module")
-def pipeline_outputs(tmp_path_factory):
-    """A 4-stage run that saved step-2, its stage tensors and its logits."""
-    out = tmp_path_factory.mktemp("pipeline")
-    torchrun(4, DIST_CHECKS, "logits", out)
-    return out
+def pipeline_outputs(four_rank_checks):
+    """A 4-stage run that saved step-2, its stage tensors and its logits (the
+    logits check, in a launch shared with test_stages' checks: conftest.py)."""
+    return four_rank_checks["dist_checks"]
 
 
 def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
@@ -147,10 +154,10 @@ def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(pipeline_outputs):
     assert ranks[0]["losses"] == pytest.approx(losses, rel=1e-5)
 
 
-def test_each_rank_allocates_only_its_own_stage(tmp_path):
-    torchrun(4, DIST_CHECKS, "memory", tmp_path)
-    for rank in range(4):
-        r = json.loads((tmp_path / f"memory-rank{rank}.json").read_text())
+def test_each_rank_allocates_only_its_own_stage(four_rank_checks):
+    out = four_rank_checks["dist_checks"]
+    for rank in range(4):  # the memory check ran first in its launch
+        r = json.loads((out / f"memory-rank{rank}.json").read_text())
         assert r["layers"] == list(pippy_dcp.stage_layers(rank, 4, 16))
         assert r["stage_bytes"] < 0.3 * r["full_bytes"]
         # Peak memory while building the stage stays far below the whole
@@ -166,13 +173,14 @@ def free_port():
 
 
 def test_two_nodes_write_one_checkpoint_then_one_node_resumes(tmp_path):
-    """Two torchrun launchers on localhost stand in for two nodes of 2 ranks."""
+    """Two torchrun launchers on localhost stand in for two nodes of 2 ranks
+    (a tiny model: what is tested is who writes and who resumes)."""
     endpoint = f"127.0.0.1:{free_port()}"
     launch = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
         "--nproc-per-node", "2", "--rdzv-backend", "c10d",
         "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", str(EXAMPLE),
-        *FLAGS, "--checkpoint-dir", str(tmp_path), "--stop-after", "3",
+        *TINY_FLAGS, *FLAGS, "--checkpoint-dir", str(tmp_path), "--stop-after", "3",
     ]  # fmt: skip
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     nodes = [
@@ -200,6 +208,6 @@ def test_two_nodes_write_one_checkpoint_then_one_node_resumes(tmp_path):
         "manifest.json"
     ]
 
-    run = torchrun(4, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path)
+    run = torchrun(4, EXAMPLE, *TINY_FLAGS, *FLAGS, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / 'step-3'}" in run.stdout
     assert "verified:" in run.stdout
