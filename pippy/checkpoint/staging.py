@@ -4,11 +4,10 @@ A background save must hold the values of the moment it was called while
 training changes the tensors in place, so it first copies them (stages
 them). DCP's ``DefaultStager`` keeps its CPU copies between saves too, but
 goes through a generic deep copy that costs, per tensor, a new tensor, a
-storage lookup and a check of the tensor's attributes: on a stage of ~300
-tensors it took about 1.5x a bare copy of the same bytes into buffers
-allocated beforehand (``bench/README.md``). :class:`KeptBufferStager` copies
-each tensor of the state_dict into a buffer kept under its path, with
-``Tensor.copy_``: what a bare copy costs.
+storage lookup and a check of the tensor's attributes: more than a bare copy
+of the same bytes (``bench/README.md`` measures both).
+:class:`KeptBufferStager` copies each tensor of the state_dict into a buffer
+kept under its path, with ``Tensor.copy_``: what a bare copy costs.
 """
 
 from __future__ import annotations
