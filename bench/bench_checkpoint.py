@@ -9,8 +9,7 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
   in ``manifest.json``) noting when its writes start and end.
 * The options tried, each ``pippy_sync`` with one change (``writers.py``):
   ``pippy_sync_crc32``: ``torch.save``'s CRC-32 left on (pippy before);
-  ``pippy_sync_crcwrite``: the CRC-32C taken from the bytes as they are
-  written, not read back; ``pippy_sync_threads2``: ``thread_count=2``;
+  ``pippy_sync_threads2``: ``thread_count=2``;
   ``pippy_sync_cached``: ``DefaultSavePlanner(enable_plan_caching=True)``;
   ``pippy_sync_nomanifest``: DCP's own ``FileSystemWriter`` (no checksums);
   ``pippy_sync_repeat``: one ``plan_reuse.SavePlanCache`` kept across saves,
@@ -135,7 +134,7 @@ def verify_tuned(ctx: Ctx, methods: dict[str, Method]) -> float:
     """
     reset_peak_memory()
     before = memory_kb("VmRSS")
-    for name in ("pippy_sync_cached", "pippy_sync_crcwrite", "pippy_async_tuned"):
+    for name in ("pippy_sync_cached", "pippy_async_tuned"):
         methods[name].run()
         path = step_dir(ctx.work / name, STEP)
         verify_load(ctx.state, path, ctx.case, ctx.rank, ctx.world)

@@ -28,7 +28,6 @@ from harness import (
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from writers import (
     Crc32Writer,
-    CrcWhileWritingWriter,
     Marks,
     PlainTimedWriter,
     TimedWriter,
@@ -402,9 +401,6 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
     return {
         "pippy_sync": sync_method(ctx, "pippy_sync"),
         "pippy_sync_crc32": sync_method(ctx, "pippy_sync_crc32", writer=Crc32Writer),
-        "pippy_sync_crcwrite": sync_method(
-            ctx, "pippy_sync_crcwrite", writer=CrcWhileWritingWriter
-        ),
         "pippy_sync_threads2": sync_method(ctx, "pippy_sync_threads2", thread_count=2),
         "pippy_sync_cached": sync_method(ctx, "pippy_sync_cached", cached=True),
         "pippy_sync_nomanifest": sync_method(

@@ -34,7 +34,6 @@ REFERENCES = {
 # The options tried against pippy's sync save (writers.py, methods.py).
 SYNC_VARIANTS = (
     "pippy_sync_crc32",
-    "pippy_sync_crcwrite",
     "pippy_sync_threads2",
     "pippy_sync_cached",
     "pippy_sync_nomanifest",

@@ -6,8 +6,6 @@ are the options that were measured against pippy's ``ManifestWriter``
 (bench/README.md gives the figures and what was kept):
 
 * :class:`Crc32Writer`: ``torch.save``'s CRC-32 left on (pippy before);
-* :class:`CrcWhileWritingWriter`: the manifest's CRC-32C computed from the
-  bytes as they are written (a stream wrapper) instead of read back after;
 * :class:`PlainTimedWriter`: DCP's own writer, no manifest (CRC-32 off too, so
   that it differs from pippy's in the checksums alone).
 """
@@ -16,16 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
-import google_crc32c
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.storage import DurableFileSystem
@@ -67,86 +61,6 @@ class PlainTimedWriter(Marks, FileSystemWriter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fs = DurableFileSystem()
-
-
-class Crc32cStream:
-    """A file being written, with the CRC-32C of the bytes between two ``tell()``s.
-
-    DCP calls ``tell()`` before and after each item it writes, so each span
-    between two calls is one item: its ``(file, offset, length)`` is recorded
-    with its CRC-32C. The C extension of google-crc32c takes ``bytes`` only,
-    so every write (memoryviews from ``torch.save``) is copied once.
-    """
-
-    def __init__(self, raw: Any, name: str, record: dict) -> None:
-        self.raw, self.name, self.record = raw, name, record
-        self.start, self.crc = raw.tell(), 0
-
-    def write(self, data: Any) -> int:
-        self.crc = google_crc32c.extend(self.crc, bytes(data))
-        return self.raw.write(data)
-
-    def tell(self) -> int:
-        pos = self.raw.tell()
-        if pos != self.start:
-            self.record[self.name, self.start, pos - self.start] = self.crc
-            self.start, self.crc = pos, 0
-        return pos
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def close(self) -> None:
-        self.tell()
-        self.raw.close()
-
-
-class Crc32cFileSystem(DurableFileSystem):
-    """CRC-32 off, and every file written through a :class:`Crc32cStream`."""
-
-    def __init__(self) -> None:
-        self.record: dict[tuple[str, int, int], int] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as stream:
-            if "w" in mode:
-                stream = Crc32cStream(stream, os.path.basename(path), self.record)
-            yield stream
-
-
-class CrcWhileWritingWriter(TimedWriter):
-    """pippy's writer, its CRC-32C taken while writing instead of read back."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.fs = Crc32cFileSystem()
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        self.marks = {"write": time.perf_counter()}
-        self.fs.record.clear()
-        results = FileSystemWriter.write_data(self, plan, planner).wait()
-        checked = []
-        for r in results:
-            info = r.storage_data
-            crc = self.fs.record[info.relative_path, info.offset, info.length]
-            checked.append(
-                WriteResult(r.index, r.size_in_bytes, Checksummed(info, crc))
-            )
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(checked)
-        self.marks["written"] = time.perf_counter()
-        return future
-
-
-class Checksummed:
-    """What ``ManifestWriter.finish`` reads from each write result: info, crc32c."""
-
-    def __init__(self, info: Any, crc32c: int) -> None:
-        self.info, self.crc32c = info, crc32c
 
 
 class DcpSaveSpan(logging.Handler):

@@ -21,7 +21,6 @@ SAVE_METHODS = {
     "pippy_sync",
     "pippy_sync_cached",
     "pippy_sync_crc32",
-    "pippy_sync_crcwrite",
     "pippy_sync_threads2",
     "pippy_async_tuned",
     "torch_save_stage",
