@@ -74,15 +74,19 @@ from pippy.checkpoint.errors import (
     CheckpointDirInUseError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTimeout,
+    DivergedReplicasError,
     KeyCollisionError,
+    NestedStateError,
+    TiedParametersError,
     UnsafeCheckpointError,
 )
 from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.stage_state import StageState
-from pippy.checkpoint.steps import find_latest_step
 from pippy.checkpoint.unsplit import load_model, read_checkpoint
+from pippy.checkpoint.verified import find_latest_step
 
 __all__ = [
     "AsyncSaver",
@@ -90,10 +94,14 @@ __all__ = [
     "CheckpointDirInUseError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointTimeout",
+    "DivergedReplicasError",
     "FolderOwner",
     "KeyCollisionError",
+    "NestedStateError",
     "StageState",
     "StopSignal",
+    "TiedParametersError",
     "UnsafeCheckpointError",
     "convert_layout",
     "diff_state_dicts",

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pippy.checkpoint.errors import CheckpointError, on_coordinator
+from pippy.checkpoint.errors import on_coordinator
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.storage import Location
 
@@ -85,20 +85,14 @@ def open_reader(
         )
     made: list[SafeFileSystemReader] = []
 
-    def check() -> tuple[CheckpointError | None, Any]:  # on rank 0
-        try:
-            reader = SafeFileSystemReader(
-                path, trusted=trusted, check_files=check_files, verify=verify
-            )
-        except CheckpointError as e:  # raised as itself on every rank
-            return e, None
+    def check() -> Any:  # on rank 0; a CheckpointError reaches every rank as itself
+        reader = SafeFileSystemReader(
+            path, trusted=trusted, check_files=check_files, verify=verify
+        )
         made.append(reader)
-        return None, (reader.trusted, reader.metadata, reader.manifest)
+        return reader.trusted, reader.metadata, reader.manifest
 
-    where = os.fspath(path)
-    error, checked = on_coordinator(f"cannot read {where}", check, process_group)
-    if error is not None:
-        raise error
+    checked = on_coordinator(f"cannot read {os.fspath(path)}", check, process_group)
     if made:
         return made[0]
     trusted, metadata, manifest = checked

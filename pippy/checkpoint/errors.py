@@ -73,8 +73,12 @@ class CheckpointDirError(CheckpointError, NotADirectoryError):
     """The checkpoint folder is not a folder, or cannot be written."""
 
 
-class CheckpointDirInUseError(CheckpointDirError):
-    """Another job owns the checkpoint folder (see ``FolderOwner``)."""
+class CheckpointDirInUseError(CheckpointError):
+    """Another job owns the checkpoint folder, or took it over (a lost lease).
+
+    See ``FolderOwner``. The folder itself is fine, so this is no
+    ``NotADirectoryError``.
+    """
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -231,35 +235,52 @@ def on_coordinator(
     """Runs ``fn`` on rank 0 only and gives every rank its result or its error.
 
     A failure on rank 0 alone would leave the other ranks waiting in the next
-    collective; broadcasting it lets all of them stop with the same message.
+    collective; broadcasting it lets all of them stop with the same error.
 
     Args:
         action: What ``fn`` does, for the message (``"cannot write to X"``).
-        fn: The file operations; a ``CheckpointDirError`` it raises is raised
-            on every rank, any other ``Exception`` as a ``CheckpointDirError``.
+        fn: The folder questions. A ``CheckpointError`` it raises is raised as
+            itself on every rank; an ``OSError`` as a ``CheckpointDirError``
+            naming ``action`` and the file; any other exception (a bug) as
+            itself on rank 0, and as itself on the others where it pickles.
         process_group: The ranks; the default group if None.
 
     Returns:
         What ``fn`` returned on rank 0 (it must pickle).
 
     Raises:
-        CheckpointDirError: On every rank, if ``fn`` failed.
+        CheckpointError: On every rank, as ``fn`` raised it on rank 0.
+        CheckpointDirError: On every rank, if ``fn`` raised an ``OSError``.
     """
     rank0 = not dist.is_initialized() or dist.get_rank(process_group) == 0
     outcome: list[Any] = [None, None]  # error, result
+    own: Exception | None = None
     if rank0:
         try:
             outcome[1] = fn()
-        except CheckpointDirError as e:
-            outcome[0] = e
+        except CheckpointError as e:
+            outcome[0] = own = e
         except OSError as e:
             where = f" ({e.filename})" if e.filename else ""
             outcome[0] = CheckpointDirError(f"{action}: {e.strerror or e}{where}")
-        except Exception as e:  # any other failure: every rank stops with it
-            outcome[0] = CheckpointDirError(f"{action}: {type(e).__name__}: {e}")
+        except Exception as e:  # a bug: the same exception on every rank
+            own, outcome[0] = e, _portable(e, action)
     if dist.is_initialized():
         src = dist.get_global_rank(process_group, 0) if process_group else 0
         dist.broadcast_object_list(outcome, src=src, group=process_group)
+    if own is not None:
+        raise own
     if outcome[0] is not None:
         raise outcome[0]
     return outcome[1]
+
+
+def _portable(error: Exception, action: str) -> Exception:
+    """``error`` if it survives pickling, else a ``CheckpointError`` naming it."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+    except Exception:
+        return CheckpointError(
+            f"{action}: {type(error).__name__} on rank 0: {_message(error)}"
+        )
+    return copy

@@ -18,8 +18,9 @@ never taken as complete or newest, loaded, or counted by retention, which
 deletes the commit record first.
 
 The functions here ask the storage from the process that calls them; in a
-job, rank 0 asks and broadcasts the answer (:func:`find_latest_step` itself,
-publishing and ownership around the others; see
+job, rank 0 asks and broadcasts the answer
+(:func:`~pippy.checkpoint.find_latest_step` itself, publishing and ownership
+around the others; see
 :mod:`~pippy.checkpoint.coordinated`).
 """
 
@@ -30,19 +31,15 @@ import os
 import re
 from typing import Any
 
-import torch.distributed as dist
-
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
-    on_coordinator,
 )
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.storage import Location, glob, storage_for
 
 __all__ = [
     "METADATA_FILE",
-    "find_latest_step",
     "is_complete",
     "list_steps",
     "newest_complete_step",
@@ -142,11 +139,12 @@ def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
 
     Returns:
-        ``(folder or None, skipped)``: as :func:`find_latest_step`, with the
-        step folders newer than it that are incomplete or hold another step.
+        ``(folder or None, skipped)``: as
+        :func:`~pippy.checkpoint.find_latest_step`, with the step folders
+        newer than it that are incomplete or hold another step.
 
     Raises:
-        CheckpointDirError: As :func:`find_latest_step`.
+        CheckpointDirError: As :func:`~pippy.checkpoint.find_latest_step`.
     """
     skipped: list[str] = []
     for path in reversed(list_steps(checkpoint_dir).values()):
@@ -154,75 +152,6 @@ def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
             return path, skipped
         skipped.append(os.fspath(path))
     return None, skipped
-
-
-def find_latest_step(
-    checkpoint_dir: Location,
-    *,
-    verified: bool = False,
-    process_group: dist.ProcessGroup | None = None,
-) -> Any:
-    """Finds the newest complete step folder, to resume from.
-
-    Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
-    ``manifest.json`` names another step (copied or renamed) are never
-    chosen; a warning names those newer than the one returned. A complete
-    step damaged afterwards is returned, and loading it fails: in a restart
-    loop, every restart fails alike. ``verified=True`` goes past such steps
-    instead (:func:`~pippy.checkpoint.verified.newest_verified_step`); a
-    warning on rank 0 names each and why.
-
-    With a process group, rank 0 alone lists the folder and reads the
-    manifests, and broadcasts the answer: every rank resumes from the same
-    step, and no other rank lists the folder (on NFS, attribute caching can
-    make ranks disagree on what exists; many ranks listing a bucket at once
-    get throttled).
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
-        verified: Check the newest steps against their manifests and move
-            those that fail aside, as the folder's owner.
-        process_group: The ranks; the default group if None. Without an
-            initialized process group, this process answers alone.
-
-    Returns:
-        The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
-        URL), or None if there is none.
-
-    Raises:
-        CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
-            not a folder, cannot be listed, or is a URL whose storage client
-            is missing.
-        CheckpointError: With ``verified``, as ``newest_verified_step``.
-
-    Note:
-        Call it on every rank of ``process_group`` at once (it is a
-        collective), or in a process without a process group; called on
-        rank 0 alone, it waits for the others.
-    """
-    if verified:
-        from pippy.checkpoint.verified import newest_verified_step  # imports us
-
-        verified_step, reasons = newest_verified_step(
-            checkpoint_dir, process_group=process_group
-        )
-        if not dist.is_initialized() or dist.get_rank(process_group) == 0:
-            for name, why in reasons.items():
-                logger.warning("skipped %s: %s", name, why)
-        return verified_step
-    where = os.fspath(checkpoint_dir)
-    latest, skipped = on_coordinator(
-        f"cannot list {where}",
-        lambda: newest_complete_step(checkpoint_dir),
-        process_group,
-    )
-    if skipped and (not dist.is_initialized() or dist.get_rank(process_group) == 0):
-        logger.warning(
-            "skipping incomplete checkpoints (no .metadata, or a manifest naming "
-            "another step) %s",
-            skipped,
-        )
-    return latest
 
 
 def remove_old_steps(

@@ -1,8 +1,8 @@
-"""Resuming past damaged steps: the newest step that verifies, in a restart loop.
+"""The step to resume from: the newest complete one, or the newest that verifies.
 
 A step damaged after it was published (a file truncated by a copy, a bad
 disk block) is refused when it is loaded, and
-:func:`~pippy.checkpoint.steps.find_latest_step` picks it again on every
+:func:`find_latest_step` picks it again on every
 restart: a launcher that restarts the job (``torchrun --max-restarts``, a
 requeued Slurm job) then fails the same way each time.
 :func:`newest_verified_step` checks the newest steps against their
@@ -13,6 +13,7 @@ why. It is an opt-in: by default a damaged step is refused.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -30,11 +31,14 @@ from pippy.checkpoint.steps import (
     _holds_its_step,
     is_complete,
     list_steps,
+    newest_complete_step,
     parse_step,
 )
 from pippy.checkpoint.storage import Location, storage_for
 
-__all__ = ["newest_verified_step"]
+__all__ = ["find_latest_step", "newest_verified_step"]
+
+logger = logging.getLogger(__name__)
 
 
 def newest_verified_step(
@@ -69,7 +73,7 @@ def newest_verified_step(
         Verifying reads every byte of each step it checks, on rank 0.
     """
 
-    def decide() -> tuple[Any, dict[str, str], CheckpointError | None]:
+    def decide() -> tuple[Any, dict[str, str]]:  # on rank 0; errors reach every rank
         skipped: dict[str, str] = {}
         damaged: list[Any] = []
         for path in reversed(list_steps(checkpoint_dir).values()):
@@ -80,27 +84,21 @@ def newest_verified_step(
                     skipped[name] = (
                         f"moved aside to {_move_aside(old)}: {skipped[name]}"
                     )
-                return path, skipped, None
+                return path, skipped
             if isinstance(why, CheckpointError):
-                return None, skipped, why
+                raise why
             skipped[name] = why
             damaged += [path] if is_complete(path) and _holds_its_step(path) else []
         if not damaged:
-            return None, skipped, None
+            return None, skipped
         reasons = "; ".join(f"{n}: {w}" for n, w in skipped.items())
-        error = CheckpointError(
+        raise CheckpointError(
             f"no step of {os.fspath(checkpoint_dir)} verifies ({reasons}). "
             "Restore one, or move them all out of the folder to start afresh"
         )
-        return None, skipped, error
 
     where = os.fspath(checkpoint_dir)
-    latest, skipped, error = on_coordinator(
-        f"cannot check {where}", decide, process_group
-    )
-    if error is not None:
-        raise error
-    return latest, skipped
+    return on_coordinator(f"cannot check {where}", decide, process_group)
 
 
 def _why_not_verified(path: Any) -> str | CheckpointError | None:
@@ -131,3 +129,70 @@ def _move_aside(path: Any) -> str:
     )
     storage.publish(path, aside)
     return storage.name(aside)
+
+
+def find_latest_step(
+    checkpoint_dir: Location,
+    *,
+    verified: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> Any:
+    """Finds the newest complete step folder, to resume from.
+
+    Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
+    ``manifest.json`` names another step (copied or renamed) are never
+    chosen; a warning names those newer than the one returned. A complete
+    step damaged afterwards is returned, and loading it fails: in a restart
+    loop, every restart fails alike. ``verified=True`` goes past such steps
+    instead (:func:`newest_verified_step`); a
+    warning on rank 0 names each and why.
+
+    With a process group, rank 0 alone lists the folder and reads the
+    manifests, and broadcasts the answer: every rank resumes from the same
+    step, and no other rank lists the folder (on NFS, attribute caching can
+    make ranks disagree on what exists; many ranks listing a bucket at once
+    get throttled).
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
+        verified: Check the newest steps against their manifests and move
+            those that fail aside, as the folder's owner.
+        process_group: The ranks; the default group if None. Without an
+            initialized process group, this process answers alone.
+
+    Returns:
+        The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
+        URL), or None if there is none.
+
+    Raises:
+        CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
+            not a folder, cannot be listed, or is a URL whose storage client
+            is missing.
+        CheckpointError: With ``verified``, as ``newest_verified_step``.
+
+    Note:
+        Call it on every rank of ``process_group`` at once (it is a
+        collective), or in a process without a process group; called on
+        rank 0 alone, it waits for the others.
+    """
+    if verified:
+        verified_step, reasons = newest_verified_step(
+            checkpoint_dir, process_group=process_group
+        )
+        if not dist.is_initialized() or dist.get_rank(process_group) == 0:
+            for name, why in reasons.items():
+                logger.warning("skipped %s: %s", name, why)
+        return verified_step
+    where = os.fspath(checkpoint_dir)
+    latest, skipped = on_coordinator(
+        f"cannot list {where}",
+        lambda: newest_complete_step(checkpoint_dir),
+        process_group,
+    )
+    if skipped and (not dist.is_initialized() or dist.get_rank(process_group) == 0):
+        logger.warning(
+            "skipping incomplete checkpoints (no .metadata, or a manifest naming "
+            "another step) %s",
+            skipped,
+        )
+    return latest
