@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,8 @@ STEPS = ["--steps", "30", "--save-every", "10"]
 BIG = ["--n-layers", "4", "--dim", "512", "--seq-len", "32"]
 #: Each attempt of a torchrun restart gets a store of its own (see check_restarts).
 OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+#: Two ranks calling StopSignal.requested(), one late by a whole call.
+STOP_CHECKS = Path(__file__).with_name("stop_checks.py")
 
 
 def losses_by_step(out):
@@ -313,3 +316,19 @@ def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
     with pytest.raises(checkpoint.CheckpointError, match="no step of .* verifies"):
         newest_verified_step(tmp_path)
     assert sorted(list_steps(tmp_path)) == [1]  # nothing moved when none verifies
+
+
+# --------------------------------------------------------------------------
+# Agreeing on a stop holds up no step
+# --------------------------------------------------------------------------
+
+
+def test_ranks_agree_on_a_stop_without_waiting_for_each_other_each_step(tmp_path):
+    """Each call reads the agreement the previous call started: no rank waits
+    for the others in the call that starts it (the old per-step all_reduce
+    deadlocked here), and every rank stops at the same call."""
+    torchrun(2, STOP_CHECKS, tmp_path, timeout=120)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank-{rank}").read_text() == (
+            "[False, False, True, True] SIGUSR1 received by rank 1"
+        )

@@ -288,10 +288,10 @@ def skip_damaged(args, layout: parallel.Layout):
     return latest
 
 
-def stop_on_signals(args, device) -> checkpoint.StopSignal:
+def stop_on_signals(args) -> checkpoint.StopSignal:
     """--stop-signals end training with a save; rank 0 shows torchrun's deadline
     for it when one is set, and warns of restarts that would hang."""
-    stop = checkpoint.StopSignal(args.stop_signals, device=device)
+    stop = checkpoint.StopSignal(args.stop_signals)
     if dist.get_rank() == 0 and stop.deadline and stop.deadline.explicit:
         names = ", ".join(s.name for s in args.stop_signals)
         seconds, source = stop.deadline.seconds, stop.deadline.source
@@ -305,7 +305,7 @@ def main(args) -> None:
     # died stops at once; a SIGTERM or SIGUSR1 ends training with a save
     rank, device = parallel.setup_distributed()
     checkpoint.stop_with_launcher()
-    stop = stop_on_signals(args, device)
+    stop = stop_on_signals(args)
     owner = checkpoint.FolderOwner(args.checkpoint_dir)
     try:
         # lay the ranks out on a (dp, pp) mesh; build and split the model, the

@@ -304,9 +304,13 @@ class StopSignal:
     to its workers; a node preempted alone, or a signal to one process,
     reaches some ranks only. The handler only notes the signal;
     :meth:`requested`, called by every rank once per step, tells all of them
-    to stop at the same step (one ``all_reduce`` of one number; one more,
-    once, to learn who received what), so that they save that step together
-    and exit.
+    to stop at the same step, so that they save that step together and exit.
+
+    The ranks agree without holding up the training loop: each call starts
+    an asynchronous ``all_reduce`` on a gloo group of its own (on the CPU, so
+    nothing waits for a GPU's queue) of which signal each rank received, and
+    reads the one the previous call started, long finished by then. A
+    signal is thus acted on one or two calls after it arrives.
 
     Attributes:
         received: The signal this rank received, or None.
@@ -317,21 +321,20 @@ class StopSignal:
 
     Args:
         signals: The signals to catch.
-        device: Where the flag is reduced: the device of the default group's
-            backend (``cuda`` for nccl).
+
+    Note:
+        With an initialized process group, construct it on every rank at
+        once: it creates a gloo process group (a collective). Otherwise the
+        first call of :meth:`requested` does.
     """
 
-    def __init__(
-        self,
-        signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
-        *,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
         self.received: signal.Signals | None = None
         self.received_by: dict[int, signal.Signals] = {}
-        self.device = torch.device(device)
         self.deadline = launcher_deadline()
         self._warned = False
+        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
         for sig in signals:
             signal.signal(sig, self._note)
 
@@ -342,26 +345,35 @@ class StopSignal:
     def requested(self) -> bool:
         """Tells, on every rank alike, whether any rank has received a signal.
 
-        When it says yes, :attr:`received_by` and :attr:`reason` say which
-        ranks received which signal, on every rank.
+        Call it on every rank of the default group, once per step.
+
+        Returns:
+            True on every rank from the same call on: one call (or, for a
+            signal that arrives while a call runs, two) after the first rank
+            received a signal. :attr:`received_by` and :attr:`reason` then
+            say which ranks received which signal, on every rank.
         """
-        number = int(self.received or 0)
+        if self.received_by:
+            return True
         if not dist.is_initialized():
+            number = int(self.received or 0)
             self.received_by = {0: signal.Signals(number)} if number else {}
             return bool(number)
-        flag = torch.tensor([number], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return False
-        # Who received what: once, when stopping, so the step costs one number.
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        if self._pending is not None:  # started one call ago, on every rank
+            work, numbers = self._pending
+            work.wait()
+            self.received_by = {
+                r: signal.Signals(n) for r, n in enumerate(numbers.tolist()) if n
+            }
+            if self.received_by:
+                return True
         numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
-        numbers[dist.get_rank()] = int(self.received or 0)  # a late one counts too
-        numbers = numbers.to(self.device)
-        dist.all_reduce(numbers)
-        self.received_by = {
-            rank: signal.Signals(n) for rank, n in enumerate(numbers.tolist()) if n
-        }
-        return True
+        numbers[dist.get_rank()] = int(self.received or 0)
+        work = dist.all_reduce(numbers, group=self._group, async_op=True)
+        self._pending = (work, numbers)
+        return False
 
     @property
     def reason(self) -> str:
