@@ -6,9 +6,11 @@ data quietly, the test shows that first.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -25,10 +27,12 @@ from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.steps import is_complete, list_steps, step_dir
+from pippy.cli import main as pippy_cli
 
 from helpers import (
     EXAMPLE,
     TINY_RUN_FLAGS,
+    PlainReader,
     TwoHeads,
     launch,
     linear_state,
@@ -222,6 +226,92 @@ def test_keep_last_removes_old_steps_only_after_a_newer_one_is_published(tmp_pat
         with publish_step(tmp_path, 4, keep_last=1):
             raise RuntimeError("the save failed")
     assert list(list_steps(tmp_path)) == [2, 3]  # nothing removed
+
+
+# A job's rank 0 pruning with keep_last=1, SIGKILLed as it starts its
+# KILL_AT-th deletion (an audit hook: os.remove, os.rmdir, shutil.rmtree).
+_KILLED_WHILE_PRUNING = """
+import os, signal, sys
+from pippy import checkpoint
+from pippy.checkpoint.steps import remove_old_steps
+
+root, kill_at = sys.argv[1], int(sys.argv[2])
+checkpoint.FolderOwner(root).acquire()  # killed: a dead job's record is left
+deletions = 0
+
+def kill_at_a_deletion(event, args):
+    global deletions
+    if event in ("os.remove", "os.rmdir", "shutil.rmtree"):
+        deletions += 1
+        if deletions == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(kill_at_a_deletion)
+remove_old_steps(root, keep_last=1)
+"""
+
+
+def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, capsys):
+    """keep_last=1 over steps 1-3, SIGKILLed as it starts its 1st, 2nd or
+    4th deletion: right after step-1 is renamed aside, then with none and with
+    two of its files deleted (deleting in place: its manifest, then also a
+    data file, gone from step-1). Every folder named step-<N> is whole and
+    loads with plain DCP in another process; no scan, listing or inspect
+    shows the aside folder, and the folder's next owner deletes it."""
+    state = linear_state()
+    reader = PlainReader(tmp_path)
+    try:
+        for kill_at in (1, 2, 4):
+            root = tmp_path / f"run-{kill_at}"
+            for step in (1, 2, 3):
+                save(state, root, step=step)
+            before = reader.read([root / "step-2", root / "step-3"])
+            child = subprocess.run(
+                [sys.executable, "-c", _KILLED_WHILE_PRUNING, str(root), str(kill_at)],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            assert child.returncode == -signal.SIGKILL, child.stderr
+
+            names = sorted(p.name for p in root.iterdir())
+            steps = [n for n in names if re.fullmatch(r"step-[0-9]+", n)]
+            for name in steps:  # each whole: nothing half-deleted under its name
+                folder = root / name
+                assert sorted(p.name for p in folder.iterdir()) == [
+                    ".metadata",
+                    "__0_0.distcp",
+                    "manifest.json",
+                ], f"kill at deletion {kill_at}: {name} is partial"
+                assert checkpoint.verify_step(folder) == 9
+            assert steps == ["step-2", "step-3"]
+            assert re.fullmatch(r"\.step-1\.deleting-[0-9a-f]{12}", names[1])
+            assert names[0] == ".owner.json" and len(names) == 4
+            after = reader.read([root / name for name in steps])
+            assert [items["step"] for items in after] == [2, 3]
+            for old, new in zip(before, after, strict=True):  # as saved
+                assert old.keys() == new.keys()
+                for key, value in old.items():
+                    if isinstance(value, torch.Tensor):
+                        assert torch.equal(value, new[key]), key
+                    else:
+                        assert value == new[key], key
+
+            assert list(list_steps(root)) == [2, 3]
+            assert checkpoint.find_latest_step(root) == root / "step-3"
+            assert pippy_cli(["inspect", str(root)]) == 0
+            out = capsys.readouterr().out
+            assert f"{root}: 2 step(s)" in out and "deleting" not in out
+
+            with checkpoint.FolderOwner(root):  # the next job: takes over
+                assert sorted(p.name for p in root.iterdir()) == [
+                    ".owner.json",
+                    "step-2",
+                    "step-3",
+                ]
+    finally:
+        reader.close()
 
 
 @pytest.fixture(scope="module")

@@ -92,8 +92,9 @@ class FolderOwner:
     Without ``with``: :meth:`acquire`, then :meth:`release` in a ``finally``.
 
     A record whose process is gone (same host and boot, no process with that
-    pid and start time) is taken over with a warning, and the staging folders
-    that job left are removed. A record from another host is never taken
+    pid and start time) is taken over with a warning, and what that job left
+    is removed: its staging folders, and steps its retention had taken out of
+    view but not deleted. A record from another host is never taken
     over: it may belong to a job that still runs.
 
     On an object store (an fsspec URL), where there is no hard link and no
@@ -241,7 +242,7 @@ class FolderOwner:
         raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
 
     def _take_over_if_gone(self) -> None:
-        """Moves a dead owner's record aside (and its staging); refuses a live one."""
+        """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
         record = self._read()
         if record is None:
             return
@@ -269,7 +270,7 @@ class FolderOwner:
         logger.warning(
             "taking over %s from a job that is gone (%s)", self.root, _describe(record)
         )
-        # This job now owns the folder alone: staging folders are the dead one's.
+        # This job now owns the folder alone: leftovers are the dead one's.
         for name in remove_staging(self.root):
             logger.warning("removed %s, left by that job", name)
 

@@ -14,8 +14,14 @@ for that step. The file operations themselves go through
 An object store (an fsspec URL: ``s3://``, ``gs://``) has no rename: there a
 step is written in place under its final name, and its ``manifest.json``,
 written last in one PUT, is its commit record. A step folder without it is
-never taken as complete or newest, loaded, or counted by retention, which
-deletes the commit record first.
+never taken as complete or newest, loaded, or counted by retention.
+
+Retention never leaves part of a step under a step's name: on a POSIX file
+system it renames the step aside to ``.step-<N>.deleting-<token>`` (one
+atomic, fsynced rename) before deleting its files; a kill between the two
+leaves that folder, which no step scan lists and the folder's next owner
+deletes (:func:`remove_staging`). On an object store it deletes the commit
+record first: a kill leaves an uncommitted step.
 
 The functions here ask the storage from the process that calls them; in a
 job, rank 0 asks and broadcasts the answer
@@ -29,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import uuid
 from typing import Any
 
 from pippy.checkpoint.errors import (
@@ -55,6 +62,8 @@ logger = logging.getLogger(__name__)
 METADATA_FILE = ".metadata"
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
+#: A save's staging folder, and a step that retention has taken out of view.
+_LEFTOVERS = (".step-*.partial-*", ".step-*.deleting-*")
 
 
 def step_dir(checkpoint_dir: Location, step: int) -> Any:
@@ -162,8 +171,12 @@ def remove_old_steps(
     Steps are ranked by the step they hold (their manifest's), which is their
     name's: a folder whose manifest names another step (copied or renamed)
     is neither counted nor deleted. Incomplete folders are left alone (they
-    may be a save in progress). It runs in this process alone: in a job,
-    :func:`~pippy.checkpoint.publishing.publish` calls it on rank 0.
+    may be a save in progress). Each step is taken out of view in one
+    operation before its files are deleted (renamed aside on a POSIX file
+    system, its commit record deleted on an object store), so a kill
+    meanwhile never leaves part of a step under its name. It runs in this
+    process alone: in a job, :func:`~pippy.checkpoint.publishing.publish`
+    calls it on rank 0.
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -186,26 +199,45 @@ def remove_old_steps(
     ]
     old = [p for p in complete[:-keep_last] if p != keep]
     for path in old:
-        storage.remove(storage.join(path, MANIFEST_FILE))  # uncommitted first
-        storage.remove(path)
+        _remove_step(storage, path)
     if old:
         names = ", ".join(storage.name(p) for p in old)
         logger.info("removed %s (keeping the newest %d)", names, keep_last)
     return old
 
 
-def remove_staging(checkpoint_dir: Location) -> list[str]:
-    """Deletes every staging folder in ``checkpoint_dir`` (a dead job's).
+def _remove_step(storage: Any, path: Any) -> None:
+    """Takes a step out of view in one operation, then deletes its files."""
+    if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
+        aside = storage.join(
+            storage.parent(path),
+            f".{storage.name(path)}.deleting-{uuid.uuid4().hex[:12]}",
+        )
+        storage.publish(path, aside)
+        path = aside
+    else:  # no rename: uncommitted first, then never taken as a step
+        storage.remove(storage.join(path, MANIFEST_FILE))
+    storage.remove(path)
 
-    Only the folder's owner may call it (see :class:`~pippy.checkpoint.FolderOwner`,
-    which does, on rank 0).
+
+def remove_staging(checkpoint_dir: Location) -> list[str]:
+    """Deletes a dead job's leftovers in ``checkpoint_dir``.
+
+    They are its staging folders (``.step-<N>.partial-<token>``) and the
+    steps its retention had taken out of view but not yet deleted
+    (``.step-<N>.deleting-<token>``). Only the folder's owner may call it
+    (see :class:`~pippy.checkpoint.FolderOwner`, which does, on rank 0).
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder.
 
     Returns:
         The names removed.
     """
     storage = storage_for(checkpoint_dir)
     removed = []
-    for leftover in glob(storage, checkpoint_dir, ".step-*.partial-*"):
-        storage.remove(leftover)
-        removed.append(storage.name(leftover))
+    for pattern in _LEFTOVERS:
+        for leftover in glob(storage, checkpoint_dir, pattern):
+            storage.remove(leftover)
+            removed.append(storage.name(leftover))
     return removed
