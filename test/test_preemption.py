@@ -142,8 +142,8 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
         assert stop.requested() and stop.reason == "SIGUSR1 received by rank 0"
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    stop.received_by = dict.fromkeys([0, 1, 2, 3, 6], signal.SIGTERM)
-    stop.received_by[5] = signal.SIGUSR1
+    stop._received_by = dict.fromkeys([0, 1, 2, 3, 6], signal.SIGTERM)
+    stop._received_by[5] = signal.SIGUSR1
     assert stop.reason == (
         "SIGTERM received by ranks 0-3, 6, SIGUSR1 received by rank 5"
     )

@@ -311,7 +311,10 @@ class StopSignal:
     an asynchronous ``all_reduce`` on a gloo group of its own (on the CPU, so
     nothing waits for a GPU's queue) of which signal each rank received, and
     reads the one the previous call started, long finished by then. A
-    signal is thus acted on one or two calls after it arrives.
+    signal is thus acted on one or two calls after it arrives; the call
+    that says stop starts one more, which :attr:`received_by` reads, so
+    that it names every rank that had received a signal by that call (a
+    launcher's signal reaches its workers one after the other).
 
     Attributes:
         received: The signal this rank received, or None.
@@ -331,7 +334,7 @@ class StopSignal:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
         self.received: signal.Signals | None = None
-        self.received_by: dict[int, signal.Signals] = {}
+        self._received_by: dict[int, signal.Signals] = {}
         self.deadline = launcher_deadline()
         self._warned = False
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -354,27 +357,45 @@ class StopSignal:
             received a signal. :attr:`received_by` and :attr:`reason` then
             say which ranks received which signal, on every rank.
         """
-        if self.received_by:
+        if self._received_by:
             return True
         if not dist.is_initialized():
             number = int(self.received or 0)
-            self.received_by = {0: signal.Signals(number)} if number else {}
+            self._received_by = {0: signal.Signals(number)} if number else {}
             return bool(number)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         if self._pending is not None:  # started one call ago, on every rank
             work, numbers = self._pending
             work.wait()
-            self.received_by = {
-                r: signal.Signals(n) for r, n in enumerate(numbers.tolist()) if n
-            }
-            if self.received_by:
+            if numbers.any():  # a stop, on every rank at this call
+                self._received_by = _by_rank(numbers)
+                # Who has a signal by now, read when received_by is: a
+                # launcher's signal reaches its workers one after the other.
+                numbers = self._numbers()
+                work = dist.all_reduce(numbers, group=self._group, async_op=True)
+                self._pending = (work, numbers)
                 return True
-        numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
-        numbers[dist.get_rank()] = int(self.received or 0)
+        numbers = self._numbers()
         work = dist.all_reduce(numbers, group=self._group, async_op=True)
         self._pending = (work, numbers)
         return False
+
+    @property
+    def received_by(self) -> dict[int, signal.Signals]:
+        """Once :meth:`requested` said yes: each signalled rank's signal, by rank."""
+        if self._received_by and self._pending is not None:
+            work, numbers = self._pending
+            work.wait()  # started by the call that said stop, on every rank
+            self._received_by = {**_by_rank(numbers), **self._received_by}
+            self._pending = None
+        return self._received_by
+
+    def _numbers(self) -> torch.Tensor:
+        """Shape (world size,): this rank's signal number at its rank, 0 elsewhere."""
+        numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
+        numbers[dist.get_rank()] = int(self.received or 0)
+        return numbers
 
     @property
     def reason(self) -> str:
@@ -409,6 +430,11 @@ class StopSignal:
             deadline.seconds,
             deadline.source,
         )
+
+
+def _by_rank(numbers: torch.Tensor) -> dict[int, signal.Signals]:
+    """{rank: its signal} from a tensor of signal numbers by rank (0: none)."""
+    return {r: signal.Signals(n) for r, n in enumerate(numbers.tolist()) if n}
 
 
 def _ranks(ranks: list[int]) -> str:
