@@ -25,7 +25,7 @@ from pippy.checkpoint.steps import list_steps, step_dir
 import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
 from gpt import GPT, ModelArgs, rope_table  # noqa: E402
-from helpers import TINY_FLAGS, run_checks  # noqa: E402
+from helpers import TINY_FLAGS, CountedOps, run_checks  # noqa: E402
 from hf_checks import check_hf  # noqa: E402
 
 TINY = [*TINY_FLAGS, "--batch-size", "8"]
@@ -386,7 +386,27 @@ def check_one_fails(out: Path, rank: int, world_size: int) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
+def check_ops(out: Path, rank: int, world_size: int) -> dict:
+    """The collectives and store operations of a save and a load of one stage,
+    pippy's and plain DCP's, on the same state (counted on each rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    args = pippy_dcp.parse_args(TINY)
+    _, state = build(args, rank, world_size, seed=0)
+    ops = {}
+    with CountedOps() as ops["dcp.save"]:
+        dcp.save(state.state_dict(), checkpoint_id=out / "ops-plain")
+    with CountedOps() as ops["save_stage"]:
+        step = checkpoint.save_stage(state, out / "ops")
+    with CountedOps() as ops["dcp.load"]:
+        dcp.load(state.state_dict(), checkpoint_id=out / "ops-plain")
+    with CountedOps() as ops["load_stage"]:
+        checkpoint.load_stage(state, step)
+    return {name: dict(counted.counts) for name, counted in ops.items()}
+
+
 CHECKS = {
+    "ops": check_ops,
     "one_fails": check_one_fails,
     "twins": check_twins,
     "async": check_async,

@@ -552,3 +552,85 @@ def rank_results(out, check, ranks=2):
     return [
         json.loads((out / f"{check}-rank{r}.json").read_text()) for r in range(ranks)
     ]
+
+
+#: torch.distributed's collectives, as DCP and pippy call them.
+COLLECTIVES = (
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "barrier",
+    "reduce_scatter",
+    "gather",
+    "scatter",
+    "all_to_all",
+)
+
+
+class _CountingStore:
+    """The default store, counting each call made on it."""
+
+    def __init__(self, store, counts):
+        self._store, self._counts = store, counts
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self._counts[f"store.{name}"] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+class CountedOps:
+    """Counts, in this thread, the collectives called through torch.distributed
+    (the outermost: all_gather_object's own all_gather is not counted) and the
+    store operations of pippy's waits (stall.py's only store). A context manager;
+    ``counts`` is a Counter by name, ``total`` their sum."""
+
+    def __enter__(self):
+        from collections import Counter
+
+        import torch.distributed as dist
+
+        from pippy.checkpoint import stall
+
+        self.counts, self._saved, depth = Counter(), {}, threading.local()
+        for name in COLLECTIVES:
+            real = self._saved[name] = getattr(dist, name)
+
+            def counted(*args, _real=real, _name=name, **kwargs):
+                outer = getattr(depth, "n", 0) == 0
+                if outer and threading.current_thread() is self._thread:
+                    self.counts[_name] += 1
+                depth.n = getattr(depth, "n", 0) + 1
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    depth.n -= 1
+
+            setattr(dist, name, counted)
+        self._thread = threading.current_thread()
+        self._store = stall._get_default_store
+        stall._get_default_store = lambda: _CountingStore(self._store(), self.counts)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        from pippy.checkpoint import stall
+
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+        stall._get_default_store = self._store
+
+    @property
+    def total(self):
+        return sum(self.counts.values())

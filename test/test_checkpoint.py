@@ -32,6 +32,28 @@ def test_publish_step_writes_a_complete_step_folder(tmp_path):
     assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-5"
 
 
+def test_the_writer_publishes_the_step_inside_dcp_save(tmp_path):
+    """Publishing rides DCP's last step (the writer's finish on the coordinator):
+    when dcp.save returns, step-<N> is there, the staging folder gone."""
+    state = {"model": tiny_model().state_dict()}
+    with publish_step(tmp_path, 3, keep_last=1) as writer:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+        assert is_complete(tmp_path / "step-3")
+    with publish_step(tmp_path, 4, keep_last=1) as writer:
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]  # pruned
+
+
+def test_a_body_with_a_writer_of_its_own_is_published_after_it(tmp_path):
+    state = {"model": tiny_model().state_dict()}
+    with publish_step(tmp_path, 2) as writer:
+        own = dcp.FileSystemWriter(writer.path)
+        dcp.save(state, storage_writer=own, no_dist=True)
+        assert list_steps(tmp_path) == {}
+    assert is_complete(tmp_path / "step-2")
+
+
 def test_publish_step_never_overwrites_a_step(tmp_path):
     save_step(tmp_path, 5, tiny_model())
     before = (tmp_path / "step-5" / ".metadata").read_bytes()

@@ -121,3 +121,30 @@ def test_tied_weights_split_over_stages_are_refused_where_the_stage_is_built(nam
         lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT[name]
     )
     assert module.lm_head.weight is module.get_parameter(embedding[name])
+
+
+#: What pippy's save and load add, at most, to the operations of a plain
+#: dcp.save / dcp.load of the same state, counted on each rank (the collectives
+#: through torch.distributed, and the c10d store operations of its waits):
+#: the save's key check (an all_gather_object) and its staging folder's name
+#: (a broadcast), the load's newest-step answer (a broadcast) and its refusal
+#: check (an all_gather_object), and the two waits of each (4-6 store
+#: operations a wait). The goal is none on a save, one broadcast on a load.
+EXTRA_COLLECTIVES = {"save_stage": 2, "load_stage": 2}
+EXTRA_STORE_OPS = {"save_stage": 10, "load_stage": 14}
+
+
+def test_a_save_and_a_load_add_few_operations_to_plain_dcp(two_rank_checks):
+    ranks = results(two_rank_checks["dist_checks"], "ops", 2)
+    plain = {"save_stage": "dcp.save", "load_stage": "dcp.load"}
+    for rank, counted in enumerate(ranks):
+        for ours, theirs in plain.items():
+            collectives = {k: n for k, n in counted[ours].items() if "." not in k}
+            store = sum(n for k, n in counted[ours].items() if k.startswith("store."))
+            assert not any(k.startswith("store.") for k in counted[theirs])
+            extra = sum(collectives.values()) - sum(counted[theirs].values())
+            assert extra <= EXTRA_COLLECTIVES[ours], (rank, ours, counted)
+            assert store <= EXTRA_STORE_OPS[ours], (rank, ours, counted)
+            # DCP's own collectives all run, each as often as in plain DCP.
+            for name, n in counted[theirs].items():
+                assert collectives.get(name, 0) >= n, (rank, ours, name)

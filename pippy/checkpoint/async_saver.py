@@ -3,11 +3,11 @@
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
 the call, what :func:`~pippy.checkpoint.taking.take_state` does on each rank
 alone, and the stager's copy; in a background thread, the rest of
-``take_state`` (its checks across ranks), then the three parts
+``take_state`` (its checks across ranks), then the parts
 :func:`~pippy.checkpoint.publishing.publish_step` is made of
-(:func:`~pippy.checkpoint.publishing.prepare_step`, ``dcp.save`` through
-:class:`~pippy.checkpoint.manifest.ManifestWriter`, then
-:func:`~pippy.checkpoint.publishing.publish`, or ``discard`` on a failure).
+(:func:`~pippy.checkpoint.publishing.prepare_step`, then ``dcp.save``
+through :class:`~pippy.checkpoint.manifest.ManifestWriter`, whose ``finish``
+publishes the step, or ``discard`` on a failure).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.plan_reuse import SavePlanCache
-from pippy.checkpoint.publishing import discard, prepare_step, publish
+from pippy.checkpoint.publishing import discard, prepare_step, publisher
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
@@ -125,9 +125,14 @@ class AsyncSaver:
         self._told: Future | None = None  # a failed save save() raised itself
         # The one thread that writes and publishes, one save after the other.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
-        # poll() agrees on progress over a gloo group of its own, made at the
-        # first poll: the save's background thread uses process_group.
-        self._poll_group: dist.ProcessGroup | None = None
+        # poll() agrees on progress over a gloo group of its own (the save's
+        # background thread uses process_group), made here on every rank at
+        # once: made later, in poll(), its creation would wait on the store
+        # while the background thread waits there too, through the same
+        # client, and the two ranks would each wait for the other.
+        self._poll_group = (
+            dist.new_group(backend="gloo") if dist.is_initialized() else None
+        )
         self._started = 0.0  # when the save in flight was called
         self._stager = async_stager or KeptBufferStager()
 
@@ -212,7 +217,11 @@ class AsyncSaver:
         )
         folder = prepare_step(self.checkpoint_dir, step, group)
         try:
-            writer = ManifestWriter(folder.staging, step=step)
+            writer = ManifestWriter(
+                folder.staging,
+                step=step,
+                on_finish=publisher(folder, self.keep_last),
+            )
             if self.plan_cache is not None:
                 self.plan_cache.save(copy, storage_writer=writer, process_group=group)
             else:
@@ -220,7 +229,6 @@ class AsyncSaver:
         except BaseException:
             discard(folder, group)
             raise
-        publish(folder, keep_last=self.keep_last, process_group=group)
         if not dist.is_initialized() or dist.get_rank() == 0:
             seconds = time.perf_counter() - self._started
             logger.info(
@@ -282,7 +290,7 @@ class AsyncSaver:
 
         Call it on every rank once per training step: each rank says whether
         its save is done (one ``all_reduce`` of one number, on a gloo group
-        over all ranks made at the first call), so that all learn of it, or
+        over all ranks made with the saver), so that all learn of it, or
         of its failure, at the same step.
 
         Returns:
@@ -294,9 +302,7 @@ class AsyncSaver:
         if self._pending is None:
             return None
         done = torch.tensor([int(self._pending[0].done())])
-        if dist.is_initialized():
-            if self._poll_group is None:
-                self._poll_group = dist.new_group(backend="gloo")
+        if self._poll_group is not None:
             dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
         return self.wait() if done.item() else None
 

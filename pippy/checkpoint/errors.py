@@ -133,6 +133,8 @@ def explain_failures(action: str) -> Iterator[None]:
         CheckpointTimeout: Some rank gave up waiting for the others.
         CheckpointDirInUseError: Some rank found the folder another job's
             (the first message).
+        CheckpointDirError: Some rank could not write to or publish in the
+            checkpoint folder (the first message).
         CheckpointError: Any other failure: one line per failed rank with the
             exception's type and message.
     """
@@ -142,7 +144,11 @@ def explain_failures(action: str) -> Iterator[None]:
         failures = {rank: exc for rank, (exc, _trace) in sorted(e.failures.items())}
         for exc in failures.values():  # one line, as these say what to do
             if isinstance(
-                exc, UnsafeCheckpointError | CheckpointTimeout | CheckpointDirInUseError
+                exc,
+                UnsafeCheckpointError
+                | CheckpointTimeout
+                | CheckpointDirInUseError
+                | CheckpointDirError,
             ):
                 raise type(exc)(str(exc)) from None
         raise _failed_on(

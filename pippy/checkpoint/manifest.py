@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,6 +129,9 @@ class ManifestWriter(FileSystemWriter):
     Args:
         path: The folder to write (the ``checkpoint_id``).
         step: The step being saved, recorded in the manifest.
+        on_finish: Run on the coordinator once ``manifest.json`` is written,
+            inside DCP's last step (its exception reaches every rank as DCP's
+            ``CheckpointException``): what publishes the step.
         **kwargs: Passed to ``FileSystemWriter`` (``thread_count``, ...).
 
     Attributes:
@@ -136,6 +139,7 @@ class ManifestWriter(FileSystemWriter):
             as in its file (with each item's ``torch.save`` framing). With
             data-parallel replicas DCP writes each replicated item once, so a
             rank writes a share of its stage.
+        set_up: Whether ``dcp.save`` has used it on this rank.
 
     Note:
         The zip records of the items carry no CRC-32 (their fields are zero):
@@ -145,7 +149,14 @@ class ManifestWriter(FileSystemWriter):
         (:func:`~pippy.checkpoint.storage.no_crc32`).
     """
 
-    def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        step: int,
+        on_finish: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(path, **kwargs)
         if is_url(path):  # an object store: fsspec's streams, durable at close
             self.fs = storage_for(path).dcp_filesystem(path)  # type: ignore[assignment]
@@ -154,6 +165,8 @@ class ManifestWriter(FileSystemWriter):
         else:
             self.fs = DurableFileSystem()
         self.step = step
+        self.on_finish = on_finish
+        self.set_up = False
         self.written = (0, 0)
         self._coordinator_asks = (
             False  # set_up_storage_writer: rank 0 asks for this rank
@@ -164,6 +177,7 @@ class ManifestWriter(FileSystemWriter):
     ) -> None:
         """As DCP's; notes whether the coordinator asks for this rank."""
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.set_up = True
         self._coordinator_asks = not is_coordinator and kwargs.get(
             "use_collectives", True
         )
@@ -230,11 +244,12 @@ class ManifestWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` as DCP does, then ``manifest.json``.
+        """Writes ``.metadata`` as DCP does, then ``manifest.json``, then publishes.
 
-        First, on an object store, checks that this job still holds the
-        folder's lease (:func:`~pippy.checkpoint.lease.check_lease`): a job
-        that stalled and lost the folder commits nothing there.
+        Publishing is ``on_finish``'s. First, on an object store, checks that
+        this job still holds the folder's lease
+        (:func:`~pippy.checkpoint.lease.check_lease`): a job that stalled and
+        lost the folder commits nothing there.
         """
         storage = storage_for(self.path)
         check_lease(storage.parent(self.path))
@@ -271,6 +286,8 @@ class ManifestWriter(FileSystemWriter):
         # about 10x slower than the C one dumps uses.
         data = json.dumps(manifest, separators=(",", ":")).encode()
         storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
+        if self.on_finish is not None:
+            self.on_finish()
 
 
 def read_manifest(folder: Location) -> Manifest | None:

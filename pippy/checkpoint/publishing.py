@@ -1,9 +1,10 @@
 """Publishing a step: staged, then renamed whole, or committed by its record.
 
 Ranks write into a hidden staging folder, ``.step-<N>.partial-<token>``, that
-rank 0 renames to ``step-<N>`` once DCP's coordinator has written
-``.metadata`` (:func:`publish_step`, made of :func:`prepare_step`,
-:func:`publish` and :func:`discard`, which the async saver calls apart). On
+DCP's coordinator renames to ``step-<N>`` once it has written ``.metadata``
+and the manifest, in the writer's ``finish`` (:func:`publish_step`, made of
+:func:`prepare_step`, :func:`publisher` and :func:`discard`, which the async
+saver calls apart). On
 an object store the step is written in place and its manifest, written last,
 commits it (see :mod:`~pippy.checkpoint.steps`). A failed save is discarded:
 nothing is published.
@@ -15,7 +16,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,14 @@ from pippy.checkpoint.steps import (
 )
 from pippy.checkpoint.storage import Location, storage_for
 
-__all__ = ["StepFolder", "discard", "prepare_step", "publish", "publish_step"]
+__all__ = [
+    "StepFolder",
+    "discard",
+    "prepare_step",
+    "publish",
+    "publish_step",
+    "publisher",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +148,10 @@ def publish(
 ) -> list[str]:
     """Renames a step's staging folder to ``step-<N>``, then prunes old steps.
 
-    Call it on every rank once the save returned everywhere. The rename is
-    durable when this returns (:meth:`~pippy.checkpoint.storage.Storage.publish`).
-    The steps removed are logged (INFO) on rank 0.
+    Call it on every rank once the save returned everywhere, for a save
+    whose writer did not publish it (:func:`publisher` does so inside
+    ``dcp.save``). The rename is durable when this returns
+    (:meth:`~pippy.checkpoint.storage.Storage.publish`).
 
     Args:
         folder: The step folder from :func:`prepare_step`.
@@ -157,21 +166,56 @@ def publish(
         CheckpointDirInUseError: On every rank: this job lost the folder's
             lease to another job; nothing is pruned.
     """
-    storage = storage_for(folder.final)
-
-    def rename_and_prune() -> list[str]:
-        check_lease(storage.parent(folder.final))
-        if folder.staging != folder.final:  # on a store: committed by its record
-            storage.publish(folder.staging, folder.final)
-        if keep_last is None:
-            return []
-        parent = storage.parent(folder.final)
-        removed = remove_old_steps(parent, keep_last, keep=folder.final)
-        return [storage.name(p) for p in removed]
-
     return on_coordinator(
-        f"cannot publish {storage.name(folder.final)}", rename_and_prune, process_group
+        f"cannot publish {storage_for(folder.final).name(folder.final)}",
+        lambda: _rename_and_prune(folder, keep_last),
+        process_group,
     )
+
+
+def publisher(folder: StepFolder, keep_last: int | None = None) -> Callable[[], None]:
+    """What publishes ``folder`` from its writer's ``finish``, on the coordinator.
+
+    Give it to :class:`~pippy.checkpoint.manifest.ManifestWriter` as
+    ``on_finish``: the step is renamed to ``step-<N>`` (and old steps pruned)
+    inside DCP's last step, with no collective of its own; a failure reaches
+    every rank through DCP.
+
+    Args:
+        folder: The step folder from :func:`prepare_step`.
+        keep_last: If set, then keep only this many newest complete steps.
+
+    Returns:
+        The function to run; it raises ``CheckpointDirError`` if the rename or
+        pruning failed and ``CheckpointDirInUseError`` if the lease was lost.
+    """
+
+    def publish_here() -> None:
+        name = storage_for(folder.final).name(folder.final)
+        try:
+            removed = _rename_and_prune(folder, keep_last)
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename else ""
+            raise CheckpointDirError(
+                f"cannot publish {name}: {e.strerror or e}{where}"
+            ) from e
+        if removed:
+            logger.info("published %s, removed %s", name, ", ".join(removed))
+
+    return publish_here
+
+
+def _rename_and_prune(folder: StepFolder, keep_last: int | None) -> list[str]:
+    """On one rank: renames the staging folder to the step's, then prunes."""
+    storage = storage_for(folder.final)
+    check_lease(storage.parent(folder.final))
+    if folder.staging != folder.final:  # on a store: committed by its record
+        storage.publish(folder.staging, folder.final)
+    if keep_last is None:
+        return []
+    parent = storage.parent(folder.final)
+    removed = remove_old_steps(parent, keep_last, keep=folder.final)
+    return [storage.name(p) for p in removed]
 
 
 @contextmanager
@@ -190,10 +234,12 @@ def publish_step(
         with publish_step(checkpoint_dir, step) as writer:
             dcp.save(state_dict, storage_writer=writer)
 
-    The save goes into ``.step-<step>.partial-<token>``; once it returned on
-    every rank (so the coordinator has written ``.metadata``), rank 0 renames
-    the folder to ``step-<step>``, which is atomic on a POSIX file system, and
-    only then removes steps beyond ``keep_last``. A crash before that leaves
+    The save goes into ``.step-<step>.partial-<token>``; once every rank has
+    written, the coordinator writes ``.metadata`` and ``manifest.json`` and,
+    still inside ``dcp.save`` (the writer's ``finish``), renames the folder to
+    ``step-<step>``, which is atomic on a POSIX file system, and only then
+    removes steps beyond ``keep_last``. A body that saves through another
+    writer is published after it, with one broadcast. A crash before that leaves
     only the hidden staging folder, which :func:`find_latest_step` never
     picks. An existing step folder is never written into. If the body raises,
     nothing is published and rank 0 removes the staging folder; DCP's
@@ -231,13 +277,17 @@ def publish_step(
     stall.seconds(timeout)  # a bad timeout is refused before anything is made
     folder = prepare_step(checkpoint_dir, step, process_group)
     try:
+        writer = ManifestWriter(
+            folder.staging, step=step, on_finish=publisher(folder, keep_last)
+        )
         with stall.waiting(action, "write", timeout, process_group):
             with explain_failures(action):
-                yield ManifestWriter(folder.staging, step=step)
+                yield writer
     except BaseException:
         discard(folder, process_group)
         raise
-    publish(folder, keep_last=keep_last, process_group=process_group)
+    if not writer.set_up:  # the body saved through a writer of its own
+        publish(folder, keep_last=keep_last, process_group=process_group)
 
 
 def discard(folder: StepFolder, process_group: dist.ProcessGroup | None = None) -> None:
