@@ -336,13 +336,15 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     def take_over():  # the other job's record replaces ours
         fs.pipe_file(f"{key}/.owner.json", theirs)
 
-    def save(step, *, during=None, after=None, keep_last=None):
+    def save(step, *, during=None, committed=None, keep_last=None):
         state.step = step
         state_dict, _ = take_state(state)
         with publish_step(run, step, keep_last=keep_last) as writer:
             (during or (lambda: None))()
+            if committed is not None:  # once the commit record is written
+                publish = writer.on_finish  # then retention, inside dcp.save
+                writer.on_finish = lambda: (committed(), publish())
             dcp.save(state_dict, storage_writer=writer)
-            (after or (lambda: None))()
 
     # Before a save: refused before anything is written.
     with checkpoint.FolderOwner(run, lease_seconds=600):
@@ -371,7 +373,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     with checkpoint.FolderOwner(run, lease_seconds=600):
         save(4)
         with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
-            save(5, after=take_over, keep_last=1)
+            save(5, committed=take_over, keep_last=1)
     assert committed(fs, key, 4) and committed(fs, key, 5)
     assert fs.cat_file(f"{key}/.owner.json") == theirs  # left to its owner
 

@@ -335,7 +335,11 @@ def main(args) -> None:
         ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about
-        flag = " (--checkpoint-dir)" * isinstance(e, checkpoint.CheckpointDirError)
+        folder_errors = (
+            checkpoint.CheckpointDirError,
+            checkpoint.CheckpointDirInUseError,
+        )
+        flag = " (--checkpoint-dir)" * isinstance(e, folder_errors)
         log(f"[rank {rank}] error: {e}{flag}")
         ok = False
     finally:
