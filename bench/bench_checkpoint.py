@@ -11,9 +11,7 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
   ``pippy_sync_crc32``: ``torch.save``'s CRC-32 left on (pippy before);
   ``pippy_sync_threads2``: ``thread_count=2``;
   ``pippy_sync_cached``: ``DefaultSavePlanner(enable_plan_caching=True)``;
-  ``pippy_sync_nomanifest``: DCP's own ``FileSystemWriter`` (no checksums);
-  ``pippy_sync_repeat``: one ``plan_reuse.SavePlanCache`` kept across saves,
-  its plan made by an untimed save first, so every timed save reuses it.
+  ``pippy_sync_nomanifest``: DCP's own ``FileSystemWriter`` (no checksums).
 * ``dcp_save``: plain ``dcp.save`` of the same ``state_dict()`` with DCP's own
   writer and planner: what target 1's fixed costs are judged against.
 * ``pippy_async_tuned``: the example's async save, ``state_dict()`` and

@@ -35,7 +35,6 @@ from writers import (
 )
 
 from pippy import checkpoint
-from pippy.checkpoint import plan_reuse
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.steps import step_dir
 
@@ -50,15 +49,12 @@ def sync_save(
     planner: DefaultSavePlanner | None = None,
     *,
     writer: type[Marks] = TimedWriter,
-    plan_cache: plan_reuse.SavePlanCache | None = None,
     **writer_kwargs: Any,
 ) -> dict[str, float]:
     """``checkpoint.save_stage`` into ``folder``, its time split into parts.
 
     ``writer``: the storage writer (pippy's, or a variant of ``writers.py``),
-    built with ``writer_kwargs`` (``thread_count``, ...); ``plan_cache``: a
-    kept ``SavePlanCache`` (then *dcp_plan* is the local plan and its
-    comparison, *dcp_finish* the one gather, ``.metadata`` and the broadcast).
+    built with ``writer_kwargs`` (``thread_count``, ...).
 
     Returns:
         Seconds of each part: ``pippy`` (``state_dict()``, the key check and
@@ -80,7 +76,6 @@ def sync_save(
             step=STEP,
             storage_writer=storage,
             planner=planner,
-            plan_cache=plan_cache,
         )
         end = time.perf_counter()
     if listener.span is None:
@@ -112,28 +107,6 @@ def step_sizes(folder: Path) -> dict[str, int]:
         name: (folder / name).stat().st_size if (folder / name).exists() else 0
         for name in (".metadata", "manifest.json")
     }
-
-
-def repeat_method(ctx: Ctx, name: str) -> Method:
-    """:func:`sync_save` with one ``SavePlanCache`` kept across repeats.
-
-    Its plan is made once, by an untimed save before the first repeat, so
-    every timed save is a repeat save of an unchanged layout.
-    """
-    cache = plan_reuse.SavePlanCache()
-
-    def prepare() -> None:
-        if cache.plans_made == 0:
-            sync_save(ctx.state, ctx.work / f"{name}-plan", plan_cache=cache)
-            ctx.remover(f"{name}-plan")()
-
-    def run() -> dict:
-        parts = sync_save(ctx.state, ctx.work / name, plan_cache=cache)
-        if cache.plans_made != 1:  # a timed save that planned: not a repeat
-            raise RuntimeError(f"{name}: the kept plan was not reused")
-        return {"parts": parts}
-
-    return Method(run=run, prepare=prepare, cleanup=ctx.remover(name))
 
 
 def dcp_save(ctx: Ctx, name: str) -> Method:
@@ -406,7 +379,6 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "pippy_sync_nomanifest": sync_method(
             ctx, "pippy_sync_nomanifest", writer=PlainTimedWriter
         ),
-        "pippy_sync_repeat": repeat_method(ctx, "pippy_sync_repeat"),
         "dcp_save": dcp_save(ctx, "dcp_save"),
         "pippy_async_tuned": async_method(ctx, "pippy_async_tuned", tuned=True),
         "torch_save_stage": torch_save_stage(ctx, "torch_save_stage"),

@@ -11,8 +11,6 @@ runs, in the same processes and in turns:
 * ``sync``: ``checkpoint.save_stage`` after every step;
 * ``async``: ``checkpoint.AsyncSaver.save`` after every step (``poll()`` each
   step; a save waits for the previous one), the last one waited for in time;
-* ``async+plan``: the same with ``plan_cache=SavePlanCache()``: the saves
-  after the first reuse its plan;
 * ``copy``: a bare copy of every tensor into buffers allocated beforehand,
   the floor of what a save must block for.
 
@@ -40,9 +38,8 @@ import torch
 import torch.distributed as dist
 
 from pippy import checkpoint
-from pippy.checkpoint import plan_reuse
 
-MODES = ("none", "sync", "async", "async+plan", "copy")
+MODES = ("none", "sync", "async", "copy")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -108,15 +105,11 @@ def rank_main(opts) -> None:
     work = Path(opts.work_dir)
     saver = {
         "async": checkpoint.AsyncSaver(work / "async", keep_last=1),
-        "async+plan": checkpoint.AsyncSaver(
-            work / "async-plan", keep_last=1, plan_cache=plan_reuse.SavePlanCache()
-        ),
     }
     results = {}
     for compute in opts.compute:
         run_mode("sync", state, 0.0, 1, work, saver, buffers)  # warm-up saves
         run_mode("async", state, 0.0, 1, work, saver, buffers)
-        run_mode("async+plan", state, 0.0, 1, work, saver, buffers)
         for mode in MODES:
             times, blocked = run_mode(
                 mode, state, compute, opts.steps, work, saver, buffers

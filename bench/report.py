@@ -37,7 +37,6 @@ SYNC_VARIANTS = (
     "pippy_sync_threads2",
     "pippy_sync_cached",
     "pippy_sync_nomanifest",
-    "pippy_sync_repeat",
 )
 # The parts of a sync save's time that methods.sync_save reports, in order.
 PARTS = ("pippy_s", "dcp_plan_s", "dcp_write_s", "dcp_finish_s")
@@ -160,9 +159,8 @@ def save_checks(summary: list[dict]) -> list[dict]:
         wanted += [("pippy_sync / raw_write", 1.3)] if mb >= 400 else []
         wanted += [("pippy part / raw_write", 0.1)] if mb >= 100 else []
         wanted = [] if "keys" in sync["case"] else wanted
-        if mb < 1:  # fixed costs: pippy's save, and a repeat with the kept plan
+        if mb < 1:  # fixed costs: pippy's save
             wanted += [("pippy_sync / dcp_save", 1.1)]
-            wanted += [("pippy_sync_repeat / dcp_save", 0.5)]
         wanted += [
             ("pippy_sync / pippy_sync_nomanifest", 1.1),  # computing checksums
             ("load_same / load_same_unverified", 1.1),  # verifying them
@@ -333,7 +331,7 @@ def parts_table(summary: list[dict]) -> str:
     rows = []
     for m in save_cases(summary):
         raw = m["raw_write"]["wall_s"]
-        for name in ("pippy_sync", *SYNC_VARIANTS[:3], "pippy_sync_repeat"):
+        for name in ("pippy_sync", *SYNC_VARIANTS[:3]):
             s = m[name]
             fixed = sum(s[part] for part in PARTS if part != "dcp_write_s")
             items = s["items_per_rank"]
@@ -353,26 +351,23 @@ def parts_table(summary: list[dict]) -> str:
 
 
 def fixed_cost_table(summary: list[dict]) -> str:
-    """Per degree and size: pippy's save and a repeat save against ``dcp.save``.
+    """Per degree and size: pippy's save against ``dcp.save``.
 
-    A repeat save reuses the plan ``plan_reuse.SavePlanCache`` kept; at small
-    stages the time is the fixed cost per save, and the rows by P show how it
-    grows with the number of ranks.
+    At small stages the time is the fixed cost per save, and the rows by P
+    show how it grows with the number of ranks.
     """
     head = ["P", "case", "MB/rank", "items/rank", "dcp_save s"]
-    head += ["pippy_sync s (x dcp_save)", "pippy_sync_repeat s (x dcp_save)"]
-    head += ["repeat: dcp_plan + dcp_finish s"]
+    head += ["pippy_sync s (x dcp_save)", "pippy_sync: dcp_plan + dcp_finish s"]
     rows = []
     for m in save_cases(summary):
-        dcp, sync, repeat = m["dcp_save"], m["pippy_sync"], m["pippy_sync_repeat"]
-        fixed = repeat["dcp_plan_s"] + repeat["dcp_finish_s"]
+        dcp, sync = m["dcp_save"], m["pippy_sync"]
+        fixed = sync["dcp_plan_s"] + sync["dcp_finish_s"]
         rows.append(
             [
                 *case_cells(sync),
                 str(sync["items_per_rank"]),
                 f"{dcp['wall_s']:.3f}",
                 f"{sync['wall_s']:.3f} ({sync['x_dcp_save']:.2f})",
-                f"{repeat['wall_s']:.3f} ({repeat['x_dcp_save']:.2f})",
                 f"{fixed:.3f}",
             ]
         )

@@ -29,12 +29,11 @@ SHARED_CHECKS = Path(__file__).with_name("shared_checks.py")
 #: The checks of test/*_checks.py that run on 2 ranks, by script, in one
 #: launch (shared_checks.py): dist_checks.py's for test_stages (keys, train, ops),
 #: test_failures (async, refusal), test_edges (twins, one_fails) and test_hf
-#: (hf, where transformers is installed); repeat_checks.py's for
-#: test_repeat_save, seam_checks.py's for test_seam, layout_checks.py's for
-#: test_parallel. Each script's checks write into a folder of its own.
+#: (hf, where transformers is installed); seam_checks.py's for test_seam,
+#: layout_checks.py's for test_parallel. Each script's checks write into a
+#: folder of its own.
 TWO_RANK_CHECKS = {
     "dist_checks": ["keys", "train", "async", "refusal", "twins", "one_fails", "ops"],
-    "repeat_checks": ["sequence", "failure", "async"],
     "seam_checks": ["same", "async_checks", "async_staging"],
     "layout_checks": ["parts"],
 }

@@ -22,9 +22,6 @@ their modules, one idea per module:
   :func:`~.api.publish_step`, :func:`~.api.open_step`,
   :func:`~.api.load_into`), which a script that spells ``dcp.save`` and
   ``dcp.load`` out composes.
-* :mod:`~pippy.checkpoint.plan_reuse`: ``SavePlanCache``, a repeat save of
-  an unchanged layout with the previous save's plan (``save_stage(...,
-  plan_cache=)``, ``AsyncSaver(plan_cache=)``), a fresh plan on any change.
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its

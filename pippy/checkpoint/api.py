@@ -43,7 +43,6 @@ from pippy.checkpoint.layouts import (
     to_torchtitan,
 )
 from pippy.checkpoint.load_planner import SafeLoadPlanner
-from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import SafeFileSystemReader
 from pippy.checkpoint.stage_state import StageState
@@ -97,7 +96,6 @@ def save_stage(
     mesh: DeviceMesh | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
-    plan_cache: SavePlanCache | None = None,
     timeout: Timeout = None,
 ) -> Any:
     """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
@@ -122,10 +120,6 @@ def save_stage(
             ``publish_step`` gives (loads verify it by default). Its path is
             set to the staging folder.
         planner: DCP's save planner; None uses ``DefaultSavePlanner``.
-        plan_cache: Kept across saves (the same object at every save, on
-            every rank): a repeat save of an unchanged layout reuses the
-            previous save's plan
-            (:class:`~pippy.checkpoint.plan_reuse.SavePlanCache`).
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
             the start of the save and once it has written its items; None
             (the default): no deadline. Late ranks are logged either way.
@@ -135,36 +129,23 @@ def save_stage(
 
     Raises:
         ValueError, KeyCollisionError: As :func:`take_state`; nothing is
-            written. Also: both ``planner`` and ``plan_cache`` given.
+            written.
         CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
         CheckpointTimeout: As :func:`~pippy.checkpoint.publishing.publish_step`.
     """
-    if planner is not None and plan_cache is not None:
-        raise ValueError(
-            "save_stage: pass planner or plan_cache, not both (a kept plan is "
-            "DefaultSavePlanner's); drop planner to reuse plans"
-        )
     ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
     state_dict, step = take_state(state, step=step, mesh=mesh, **ranks)
     with publish_step(checkpoint_dir, step, keep_last=keep_last, **ranks) as writer:
         start = time.perf_counter()
-        if plan_cache is None:
-            dcp.save(
-                state_dict,
-                checkpoint_id=writer.path,
-                storage_writer=storage_writer or writer,
-                planner=planner,
-                process_group=process_group,
-            )
-        else:  # the previous save's plan, if the layout did not change
-            plan_cache.save(
-                state_dict,
-                checkpoint_id=writer.path,
-                storage_writer=storage_writer or writer,
-                process_group=process_group,
-            )
+        dcp.save(
+            state_dict,
+            checkpoint_id=writer.path,
+            storage_writer=storage_writer or writer,
+            planner=planner,
+            process_group=process_group,
+        )
         end = time.perf_counter()
         logger.debug(
             "dcp.save of step-%d took %.3f s",

@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
-from pippy.checkpoint.plan_reuse import SavePlanCache
 from pippy.checkpoint.publishing import discard, prepare_step, publisher
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.staging import KeptBufferStager
@@ -76,10 +75,6 @@ class AsyncSaver:
         async_stager: How state is copied; None keeps one
             :class:`~pippy.checkpoint.staging.KeptBufferStager`, which
             copies before ``save`` returns (see the note).
-        plan_cache: If set, each save after the first of an unchanged layout
-            reuses the previous save's plan
-            (:class:`~pippy.checkpoint.plan_reuse.SavePlanCache`, its
-            ``save`` in place of ``dcp.save``).
         timeout: Seconds (or a ``timedelta``) the background save waits for
             every rank to start saving, as
             :func:`~pippy.checkpoint.taking.take_state`; None waits without a
@@ -108,11 +103,9 @@ class AsyncSaver:
         process_group: dist.ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
         async_stager: AsyncStager | None = None,
-        plan_cache: SavePlanCache | None = None,
         timeout: Timeout = None,
     ):
         self.checkpoint_dir = checkpoint_dir
-        self.plan_cache = plan_cache
         self.keep_last = keep_last
         self.mesh = mesh
         self.timeout = seconds(timeout)
@@ -222,10 +215,7 @@ class AsyncSaver:
                 step=step,
                 on_finish=publisher(folder, self.keep_last),
             )
-            if self.plan_cache is not None:
-                self.plan_cache.save(copy, storage_writer=writer, process_group=group)
-            else:
-                dcp.save(copy, storage_writer=writer, process_group=group)
+            dcp.save(copy, storage_writer=writer, process_group=group)
         except BaseException:
             discard(folder, group)
             raise
