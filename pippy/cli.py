@@ -140,6 +140,8 @@ def _inspect(args: argparse.Namespace) -> None:
         try:
             verified = checkpoint.verify_step(folder, trusted=args.trusted)
             print(f"verified: {folder}: {verified} items match its {MANIFEST_FILE}")
+        except checkpoint.UnsafeCheckpointError:
+            raise  # not damage: refused, in one line
         except checkpoint.CheckpointError as e:
             damage = [str(e)]
     for problem in damage:

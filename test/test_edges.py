@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -26,7 +27,8 @@ from pippy.checkpoint.job import OWNER_FILE
 from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.safe_load import SafeFileSystemReader, read_metadata
-from pippy.checkpoint.steps import list_steps
+from pippy.checkpoint.steps import list_steps, remove_old_steps
+from pippy.cli import main
 
 import helpers
 from helpers import (
@@ -35,6 +37,7 @@ from helpers import (
     TwoHeads,
     linear_state,
     torchrun,
+    torchrun_together,
 )
 
 # --------------------------------------------------------------------------
@@ -267,11 +270,92 @@ def test_data_files_outside_the_step_folder_are_refused(tmp_path, read, where):
         craft(folder, repoint(lambda _: name))
         plain = {"model": {"weight": torch.empty(4, 4), "bias": torch.empty(4)}}
         dcp.load(plain, checkpoint_id=folder)  # DCP reads the file out there
-    with pytest.raises(
-        checkpoint.UnsafeCheckpointError,
-        match="not a plain file name inside the step folder",
-    ):
+    data = folder / "__0_0.distcp"
+    refused = (
+        f"refused to read {str(data)!r}: it is a link to {str(outside)!r}"
+        if where == "symlink"
+        else "not a plain file name inside the step folder"
+    )
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match=re.escape(refused)):
         read(folder)
+
+
+def link_out(folder, name, outside):
+    """Moves a step's file `name` to `outside`, leaving a link to it in its place."""
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(folder / name, outside)
+    (folder / name).symlink_to(outside)
+    return f"refused to read {str(folder / name)!r}: it is a link to {str(outside)!r}"
+
+
+LINKED_READS = {  # each (step folder, an output folder that does not exist)
+    "load_stage": lambda f, out: checkpoint.load_stage(linear_state(), f),
+    "load_model": lambda f, out: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
+    "inspect --verify": lambda f, out: main(["inspect", str(f), "--verify"]),
+    "export": lambda f, out: main(["export", str(f), "--out", str(out)]),
+    "convert": lambda f, out: main(
+        ["convert", str(f), "--to", "torchtitan", "--out", str(out)]
+    ),
+}
+
+
+@pytest.mark.parametrize("read", LINKED_READS.values(), ids=LINKED_READS.keys())
+@pytest.mark.parametrize("name", [".metadata", MANIFEST_FILE])
+def test_a_step_file_linked_out_of_the_step_folder_is_refused(
+    tmp_path, capsys, read, name
+):
+    _, folder = saved_linear(tmp_path / "ckpt")
+    refused = link_out(folder, name, tmp_path / "elsewhere" / name)
+    if name == ".metadata":  # DCP reads it wherever the link leads
+        plain = {"model": {"weight": torch.empty(4, 4), "bias": torch.empty(4)}}
+        dcp.load(plain, checkpoint_id=folder)
+    out = tmp_path / "out"
+    try:
+        status = read(folder, out)
+    except checkpoint.UnsafeCheckpointError as e:
+        assert str(e).startswith(refused)
+    else:  # the command line: one error line, exit status 2
+        assert status == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: {refused}")
+    assert not out.exists()
+
+
+def test_a_step_whose_manifest_links_out_is_refused_as_the_one_to_resume(tmp_path):
+    for step in (1, 2):
+        saved_linear(tmp_path / "ckpt", step)
+    ckpt = tmp_path / "ckpt"
+    refused = link_out(ckpt / "step-2", MANIFEST_FILE, tmp_path / MANIFEST_FILE)
+    for verified in (False, True):  # not passed over as damage: refused
+        with pytest.raises(checkpoint.UnsafeCheckpointError, match=re.escape(refused)):
+            checkpoint.find_latest_step(ckpt, verified=verified)
+    assert main(["inspect", str(ckpt)]) == 2  # the step it would detail
+    # Retention neither counts nor deletes it.
+    assert remove_old_steps(ckpt, 1) == []
+    assert sorted(list_steps(ckpt)) == [1, 2]
+
+
+def test_the_example_refuses_to_resume_from_a_step_file_linked_out(tmp_path, tiny_run):
+    # The example's own step-6 (a tiny run shared with other modules, copied).
+    names = (".metadata", MANIFEST_FILE)
+    refused = {}
+    for name in names:
+        shutil.copytree(tiny_run[0], tmp_path / name / "ckpt")
+        step = tmp_path / name / "ckpt" / "step-6"
+        refused[name] = link_out(step, name, tmp_path / name / "elsewhere" / name)
+    runs = torchrun_together(
+        *[
+            (2, EXAMPLE, *TINY_FLAGS, "--steps", "7")
+            + ("--checkpoint-dir", tmp_path / name / "ckpt")
+            for name in names
+        ],
+        expect_ok=False,
+    )
+    for name, run in zip(names, runs, strict=True):
+        assert run.returncode != 0, run.stdout
+        for rank in range(2):
+            assert f"[rank {rank}] error: {refused[name]}" in run.stdout
+        assert not (tmp_path / name / "ckpt" / "step-7").exists()
 
 
 def test_a_tensor_larger_than_its_place_is_refused_before_allocation(tmp_path):

@@ -94,7 +94,7 @@ class CheckpointTimeout(CheckpointError, TimeoutError):
 
 
 class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
-    """A checkpoint holds a pickled object that could run code when loaded."""
+    """A checkpoint holds a pickle that could run code, or a link out of its step."""
 
 
 def _message(error: BaseException) -> str:

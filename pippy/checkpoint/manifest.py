@@ -46,7 +46,13 @@ from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.lease import check_lease
 from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
-from pippy.checkpoint.storage import DurableFileSystem, Location, is_url, storage_for
+from pippy.checkpoint.storage import (
+    DurableFileSystem,
+    Location,
+    is_url,
+    step_file,
+    storage_for,
+)
 from pippy.checkpoint.versions import written_by
 
 __all__ = [
@@ -301,10 +307,12 @@ def read_manifest(folder: Location) -> Manifest | None:
         pippy's :class:`ManifestWriter`).
 
     Raises:
+        UnsafeCheckpointError: ``manifest.json`` is a link leading out of the
+            step folder.
         CheckpointError: The manifest is not valid JSON of this format.
     """
     storage = storage_for(folder)
-    path = storage.join(folder, MANIFEST_FILE)
+    path = step_file(storage, folder, MANIFEST_FILE)
     if storage.size(path) is None:
         return None
     try:
@@ -344,6 +352,7 @@ def check_manifest(
         The manifest.
 
     Raises:
+        UnsafeCheckpointError: As :func:`read_manifest`.
         CheckpointError: There is no manifest; it names another step or an
             optimizer layout this pippy does not read; a data file's size
             differs from its record; or it lists other items than

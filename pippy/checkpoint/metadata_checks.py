@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from pippy.checkpoint.steps import METADATA_FILE
-from pippy.checkpoint.storage import Location, Storage, storage_for
+from pippy.checkpoint.storage import Location, Storage, step_file, storage_for
 
 __all__ = ["check_structure", "data_file", "find_damage", "storage_ranges"]
 
@@ -65,25 +65,23 @@ def data_file(storage: Storage, folder: Location, name: Any) -> Any:
     """The data file ``name`` inside ``folder``; refused if it could be elsewhere.
 
     Raises:
-        UnsafeCheckpointError: ``name`` is not a plain file name inside the
-            step folder (a path, or a link leading out of it).
+        UnsafeCheckpointError: ``name`` is not a plain file name (a path), or
+            is a link leading out of the step folder
+            (:func:`~pippy.checkpoint.storage.step_file`).
     """
     plain = (
         isinstance(name, str)
         and name not in ("", ".", "..")
         and not any(c in name for c in "/\\\0")
     )
-    path = storage.join(folder, name) if plain else None
-    if path is None or storage.parent(storage.same_place(path)) != storage.same_place(
-        folder
-    ):
+    if not plain:
         raise UnsafeCheckpointError(
             f"refused to load {str(folder)!r}: its {METADATA_FILE} names the data "
             f"file {name!r}, which is not a plain file name inside the step folder "
-            "(a path, or a link leading out of it). DCP would open it wherever it "
-            "points; no checkpoint written by DCP or pippy does that"
+            "(a path). DCP would open it wherever it points; no checkpoint written "
+            "by DCP or pippy does that"
         )
-    return path
+    return step_file(storage, folder, name)
 
 
 def check_structure(folder: Location, metadata: Metadata) -> None:

@@ -47,7 +47,7 @@ from pippy.checkpoint.metadata_checks import (
     storage_ranges,
 )
 from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
-from pippy.checkpoint.storage import Location, is_url, storage_for
+from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
 from pippy.checkpoint.versions import CompatTensorProperties, newer_torch_refusal
 
 __all__ = [
@@ -148,16 +148,17 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_metadata_file(path: Location, trusted: bool) -> Metadata:
-    """Unpickles ``path`` (allow-listed unless trusted) into DCP's ``Metadata``."""
-    storage = storage_for(path)
+def _read_metadata_file(folder: Location, trusted: bool) -> Metadata:
+    """A step's ``.metadata``, unpickled (allow-listed unless trusted)."""
+    storage = storage_for(folder)
+    path = step_file(storage, folder, METADATA_FILE)
     try:
         with storage.open_read(path) as metadata_file:
             metadata = _MetadataUnpickler(metadata_file, str(path), trusted).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
-        manifest = _manifest_or_none(storage.parent(path))
+        manifest = _manifest_or_none(folder)
         writer = manifest.written_by.get("torch") if manifest else None
         newer = newer_torch_refusal(str(path), writer, e)
         if newer is not None:
@@ -211,7 +212,8 @@ class SafeFileSystemReader(FileSystemReader):
             ``.metadata`` (its save did not finish).
         UnsafeCheckpointError: ``.metadata`` holds a refused global (the
             message names the file and the global), or names a data file
-            outside the step folder.
+            outside the step folder; or a file of the step is a link leading
+            out of it (with ``verify``, ``manifest.json`` too).
         CheckpointError: ``.metadata`` is truncated or not DCP's, an item is
             larger than its place in the file, a data file it names is missing
             or shorter than the items it should hold; with ``verify``, the
@@ -244,9 +246,7 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
                 "its save did not finish); use an earlier step"
             )
-        self.metadata = _read_metadata_file(
-            storage.join(folder, METADATA_FILE), self.trusted
-        )
+        self.metadata = _read_metadata_file(folder, self.trusted)
         check_structure(folder, self.metadata)
         if not check_files:
             return
@@ -361,7 +361,8 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a complete checkpoint.
-        UnsafeCheckpointError: ``.metadata`` holds a refused global.
+        UnsafeCheckpointError: ``.metadata`` holds a refused global, or it or
+            a data file it names leads out of the step folder.
     """
     reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
     return reader.read_metadata()

@@ -41,6 +41,7 @@ from typing import Any
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
+    UnsafeCheckpointError,
 )
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.storage import Location, glob, storage_for
@@ -133,9 +134,11 @@ def list_steps(checkpoint_dir: Location) -> dict[int, Any]:
 
 
 def _holds_its_step(path: Location) -> bool:
-    """False if the step's manifest names another step (or cannot be read)."""
+    """False if its manifest names another step or is damaged; raises if unsafe."""
     try:
         manifest = read_manifest(path)
+    except UnsafeCheckpointError:
+        raise  # a link out of the folder: refused, not passed over as damage
     except CheckpointError:
         return False
     return manifest is None or manifest.step == parse_step(path)
@@ -154,6 +157,8 @@ def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
 
     Raises:
         CheckpointDirError: As :func:`~pippy.checkpoint.find_latest_step`.
+        UnsafeCheckpointError: The manifest of a step it reaches is a link
+            leading out of the step folder.
     """
     skipped: list[str] = []
     for path in reversed(list_steps(checkpoint_dir).values()):
@@ -169,14 +174,14 @@ def remove_old_steps(
     """Deletes all but the newest ``keep_last`` complete step folders.
 
     Steps are ranked by the step they hold (their manifest's), which is their
-    name's: a folder whose manifest names another step (copied or renamed)
-    is neither counted nor deleted. Incomplete folders are left alone (they
-    may be a save in progress). Each step is taken out of view in one
-    operation before its files are deleted (renamed aside on a POSIX file
-    system, its commit record deleted on an object store), so a kill
-    meanwhile never leaves part of a step under its name. It runs in this
-    process alone: in a job, :func:`~pippy.checkpoint.publishing.publish`
-    calls it on rank 0.
+    name's: a folder whose manifest names another step (copied or renamed),
+    or is a link leading out of it, is neither counted nor deleted.
+    Incomplete folders are left alone (they may be a save in progress). Each
+    step is taken out of view in one operation before its files are deleted
+    (renamed aside on a POSIX file system, its commit record deleted on an
+    object store), so a kill meanwhile never leaves part of a step under its
+    name. It runs in this process alone: in a job,
+    :func:`~pippy.checkpoint.publishing.publish` calls it on rank 0.
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -192,11 +197,7 @@ def remove_old_steps(
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}")
     storage = storage_for(checkpoint_dir)
-    complete = [
-        p
-        for p in list_steps(checkpoint_dir).values()
-        if is_complete(p) and _holds_its_step(p)
-    ]
+    complete = [p for p in list_steps(checkpoint_dir).values() if _counted(p)]
     old = [p for p in complete[:-keep_last] if p != keep]
     for path in old:
         _remove_step(storage, path)
@@ -204,6 +205,14 @@ def remove_old_steps(
         names = ", ".join(storage.name(p) for p in old)
         logger.info("removed %s (keeping the newest %d)", names, keep_last)
     return old
+
+
+def _counted(path: Location) -> bool:
+    """Whether retention counts a step; one whose manifest links out is left alone."""
+    try:
+        return is_complete(path) and _holds_its_step(path)
+    except UnsafeCheckpointError:
+        return False
 
 
 def _remove_step(storage: Any, path: Any) -> None:

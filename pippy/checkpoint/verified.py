@@ -65,7 +65,8 @@ def newest_verified_step(
         CheckpointError: On every rank: no complete step verifies (nothing is
             moved), or one to verify has no manifest.
         UnsafeCheckpointError: On every rank: a step holds a pickle that
-            would run code (not damage: nothing is skipped for it).
+            would run code, or a file that is a link leading out of its
+            folder (not damage: nothing is skipped for it).
         CheckpointDirError: On every rank: the folder cannot be listed, or a
             step cannot be moved.
 
@@ -168,6 +169,9 @@ def find_latest_step(
         CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
             not a folder, cannot be listed, or is a URL whose storage client
             is missing.
+        UnsafeCheckpointError: On every rank: the manifest of a step it
+            reaches is a link leading out of the step folder; with
+            ``verified``, as ``newest_verified_step``.
         CheckpointError: With ``verified``, as ``newest_verified_step``.
 
     Note:

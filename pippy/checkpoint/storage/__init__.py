@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.serialization import get_crc32_options, set_crc32_options
 from torch.torch_version import TorchVersion
 
-from pippy.checkpoint.errors import CheckpointDirError
+from pippy.checkpoint.errors import CheckpointDirError, UnsafeCheckpointError
 
 __all__ = [
     "DurableFileSystem",
@@ -50,6 +50,7 @@ __all__ = [
     "check_publishable",
     "checksummed",
     "is_url",
+    "step_file",
     "storage_for",
 ]
 
@@ -305,6 +306,39 @@ def check_publishable(location: Location) -> Storage:
             "could see half of it). Write it to a local or mounted folder"
         )
     return storage
+
+
+def step_file(storage: Storage, folder: Location, name: str) -> Any:
+    """The file ``name`` of the step ``folder``; refused if it links out of it.
+
+    Every file of a step that pippy reads (``.metadata``, ``manifest.json``,
+    the data files) is taken through it. A link inside the step folder to a
+    file elsewhere would otherwise be read wherever it points; no checkpoint
+    written by DCP or pippy holds one. Object stores have no links; an
+    fsspec URL (``file://`` too) is taken as it is.
+
+    Args:
+        storage: The storage of ``folder``.
+        folder: A step folder.
+        name: A plain file name in it.
+
+    Returns:
+        ``folder/name``, of the storage's kind (the link's name, not its target).
+
+    Raises:
+        UnsafeCheckpointError: ``folder/name`` is a link leading out of
+            ``folder``; the message names the file and where it points.
+    """
+    path = storage.join(folder, name)
+    target = storage.same_place(path)
+    if storage.parent(target) != storage.same_place(folder):
+        raise UnsafeCheckpointError(
+            f"refused to read {os.fspath(path)!r}: it is a link to "
+            f"{os.fspath(target)!r}, outside its step folder, which no checkpoint "
+            "written by DCP or pippy holds. Put the file itself in the step "
+            "folder in place of the link"
+        )
+    return path
 
 
 # After the protocol: the implementations import it.
