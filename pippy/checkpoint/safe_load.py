@@ -328,6 +328,12 @@ class SafeFileSystemReader(FileSystemReader):
                 not match its checksum, or the ``step`` read is not the
                 manifest's.
             CheckpointTimeout: Some rank did not finish reading in time.
+
+        Note:
+            An item is checked as it is read, so the tensors of the items
+            before a damaged one already hold the step's values (DCP loads in
+            place): after the error, load another step into the stage, or
+            build it anew, before using it.
         """
         waits = stall.active()
         if waits is None:
