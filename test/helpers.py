@@ -3,6 +3,8 @@
 import json
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -637,3 +639,44 @@ class CountedOps:
     @property
     def total(self):
         return sum(self.counts.values())
+
+
+#: strace, for the tests that read a run's system calls (the README's setup
+#: installs it).
+STRACE = shutil.which("strace")
+#: One call of ``strace -f`` output: ``PID CALL(ARGS) = RET``.
+STRACE_LINE = re.compile(
+    r"^(?P<pid>\d+)\s+(?P<call>\w+)\((?P<args>.*)\)\s+=\s+(?P<ret>-?\d+)"
+)
+#: The file of a call's first argument, as ``strace -y`` writes it: ``3</path>``.
+STRACE_FD = re.compile(r"^\d+<(?P<path>[^>]*)>")
+#: A quoted argument (a path, or data).
+STRACE_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+
+def require_strace():
+    """Skips the test where strace is missing; fails it in CI, which must have it."""
+    if STRACE is None:
+        if os.environ.get("CI"):  # the README's setup installs it: CI must have it
+            pytest.fail("strace is not installed; the README's setup installs it")
+        pytest.skip("strace is not installed (apt-get install strace)")
+
+
+def strace_command(syscalls, trace, strings=4096):
+    """The start of a command line run under ``strace -f -y``, into `trace`,
+    quoting up to `strings` characters of each string (a path, data)."""
+    command = [STRACE, "-f", "-y", "-qq", "-s", str(strings)]
+    return [*command, "-e", f"trace={syscalls}", "-o", str(trace)]
+
+
+def strace_joined(lines):
+    """strace -f lines with each '<unfinished ...>' call joined to its resumption."""
+    pending = {}
+    for line in lines:
+        pid = line.split(maxsplit=1)[0]
+        if line.endswith("<unfinished ...>"):
+            pending[pid] = line[: -len("<unfinished ...>")]
+        elif " resumed>" in line and pid in pending:
+            yield pending.pop(pid) + line.split(" resumed>", 1)[1]
+        else:
+            yield line

@@ -10,45 +10,29 @@ written, and no folder is fsynced after a rename.
 """
 
 import os
-import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import _torchrun_command
+from helpers import (
+    STRACE_FD,
+    STRACE_LINE,
+    STRACE_QUOTED,
+    _torchrun_command,
+    require_strace,
+    strace_command,
+    strace_joined,
+)
 
 CHECKS = Path(__file__).with_name("seam_checks.py")
-STRACE = shutil.which("strace")
 SYSCALLS = "openat,write,pwrite64,writev,fsync,fdatasync,rename,renameat,renameat2"
-_LINE = re.compile(
-    r"^(?P<pid>\d+)\s+(?P<call>\w+)\((?P<args>.*)\)\s+=\s+(?P<ret>-?\d+)"
-)
-_FD = re.compile(r"^\d+<(?P<path>[^>]*)>")
-_QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
 @pytest.fixture(autouse=True)
 def _need_strace():
-    if STRACE is None:
-        if os.environ.get("CI"):  # the README's setup installs it: CI must have it
-            pytest.fail("strace is not installed; the README's setup installs it")
-        pytest.skip("strace is not installed (apt-get install strace)")
-
-
-def _joined(lines):
-    """strace -f lines with each '<unfinished ...>' call joined to its resumption."""
-    pending = {}
-    for line in lines:
-        pid = line.split(maxsplit=1)[0]
-        if line.endswith("<unfinished ...>"):
-            pending[pid] = line[: -len("<unfinished ...>")]
-        elif " resumed>" in line and pid in pending:
-            yield pending.pop(pid) + line.split(" resumed>", 1)[1]
-        else:
-            yield line
+    require_strace()
 
 
 def durability_holes(trace: str, root: Path) -> list[str]:
@@ -60,21 +44,21 @@ def durability_holes(trace: str, root: Path) -> list[str]:
     """
     root_text = str(root)
     last_write, last_fsync, renames, holes = {}, {}, [], []
-    for i, line in enumerate(_joined(trace.splitlines())):
-        m = _LINE.match(line)
+    for i, line in enumerate(strace_joined(trace.splitlines())):
+        m = STRACE_LINE.match(line)
         if m is None or root_text not in line or int(m["ret"]) < 0:
             continue
         call, args = m["call"], m["args"]
-        fd = _FD.match(args)
+        fd = STRACE_FD.match(args)
         if call in ("write", "pwrite64", "writev") and fd:
             last_write[fd["path"]] = i
         elif call in ("fsync", "fdatasync") and fd:
             last_fsync[fd["path"]] = i
         elif call == "openat" and "O_CREAT" in args:
-            path = _QUOTED.findall(args)[0]
+            path = STRACE_QUOTED.findall(args)[0]
             last_write[str(Path(path).parent)] = i  # a new name in the folder
         elif call.startswith("rename"):
-            src, dst = _QUOTED.findall(args)[:2]
+            src, dst = STRACE_QUOTED.findall(args)[:2]
             for path, written in list(last_write.items()):  # src and all inside it
                 if path == src or path.startswith(src + "/"):
                     if last_fsync.get(path, -1) < written:
@@ -94,8 +78,8 @@ def durability_holes(trace: str, root: Path) -> list[str]:
 def traced_save(check: str, out: Path) -> str:
     """Runs a check of seam_checks.py on 2 ranks under strace; its trace."""
     trace = out / "strace.txt"
-    command = [STRACE, "-f", "-y", "-qq", "-s", "4096", "-e", f"trace={SYSCALLS}"]
-    command += ["-o", str(trace), *_torchrun_command(2, CHECKS, [check, out])]
+    command = strace_command(SYSCALLS, trace)
+    command += _torchrun_command(2, CHECKS, [check, out])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=300, env=env, check=False

@@ -354,7 +354,9 @@ def load_stage(
         UnsafeCheckpointError: It holds a pickle that could run code.
         CheckpointError: It is damaged or does not match the stage (keys,
             shapes, dtypes, optimizer or param groups): on every rank, one
-            line per rank that refused.
+            line per rank that refused. Damage found in an item leaves the
+            tensors read before it loaded (see
+            :meth:`~pippy.checkpoint.safe_load.SafeFileSystemReader.read_data`).
         CheckpointTimeout: As :func:`load_into`.
     """
 

@@ -418,19 +418,50 @@ def verify_ranges(
         CheckpointError: A range the manifest lacks, or whose bytes do not
             match their checksum, naming the key and file.
     """
-    for (name, offset, length), key in ranges.items():
-        if (name, offset, length) not in manifest.items:
-            raise CheckpointError(
-                f"item {key!r} of {name} (bytes {offset}-{offset + length}) is not "
-                f"in {MANIFEST_FILE}: .metadata and the manifest disagree, so the "
-                "step is damaged or was edited; load an earlier step"
-            )
+    for place, key in ranges.items():
+        _check_listed(manifest, place, key)
     crcs = _crc32c_of(folder, ranges)
-    for (name, offset, length), key in ranges.items():
-        if crcs[name, offset, length] != manifest.items[name, offset, length][1]:
-            raise CheckpointError(
-                f"item {key!r} of {name} is damaged: its bytes do not match their "
-                f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
-                "by another). Restore the file, or move the folder out of the "
-                "checkpoint folder to resume from an earlier step"
-            )
+    for place, key in ranges.items():
+        if crcs[place] != manifest.items[place][1]:
+            raise _mismatch(key, place[0])
+
+
+def verify_item(
+    manifest: Manifest, place: tuple[str, int, int], key: str, data: bytes
+) -> None:
+    """Checks one item's bytes, as read, against its manifest checksum.
+
+    Args:
+        manifest: The step's manifest.
+        place: ``(file, offset, length)`` the bytes were read from.
+        key: The key stored there, for the message.
+        data: The bytes read.
+
+    Raises:
+        CheckpointError: The manifest lacks the item, or its bytes do not
+            match their checksum, naming the key and file.
+    """
+    _check_listed(manifest, place, key)
+    if google_crc32c.value(data) != manifest.items[place][1]:
+        raise _mismatch(key, place[0])
+
+
+def _check_listed(manifest: Manifest, place: tuple[str, int, int], key: str) -> None:
+    """Raises if the manifest has no item at ``place``."""
+    if place not in manifest.items:
+        name, offset, length = place
+        raise CheckpointError(
+            f"item {key!r} of {name} (bytes {offset}-{offset + length}) is not "
+            f"in {MANIFEST_FILE}: .metadata and the manifest disagree, so the "
+            "step is damaged or was edited; load an earlier step"
+        )
+
+
+def _mismatch(key: str, name: str) -> CheckpointError:
+    """The error for an item whose bytes do not match their checksum."""
+    return CheckpointError(
+        f"item {key!r} of {name} is damaged: its bytes do not match their "
+        f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
+        "by another). Restore the file, or move the folder out of the "
+        "checkpoint folder to resume from an earlier step"
+    )

@@ -23,9 +23,15 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     Metadata,
+    MetadataIndex,
     StorageMeta,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 from torch.futures import Future
 
 from pippy.checkpoint import stall
@@ -39,6 +45,7 @@ from pippy.checkpoint.manifest import (
     Manifest,
     check_manifest,
     read_manifest,
+    verify_item,
     verify_ranges,
 )
 from pippy.checkpoint.metadata_checks import (
@@ -301,48 +308,112 @@ class SafeFileSystemReader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Checks the planned items against their checksums, then reads them.
+        """Reads each planned item once, checks it, then hands it to ``planner``.
+
+        As DCP's ``FileSystemReader.read_data`` (requests grouped by file, in
+        plan order; each item's stream transformed as written, a tensor
+        narrowed to the request and copied into the planner's tensor), but
+        each stored item is read once, into memory, however many requests
+        share it. Before its bytes are unpickled or copied anywhere, they
+        must be all of the item and, with ``verify``, match the item's
+        CRC-32C in ``manifest.json``; the stored ``step`` must be the
+        manifest's.
 
         Inside :func:`~pippy.checkpoint.api.load_into`, the items read so far
         are recorded as they go, and the rank then waits for the others
         (:mod:`~pippy.checkpoint.stall`) before DCP's next collective.
 
         Raises:
-            CheckpointError: An item does not match its checksum, or the
-                ``step`` read is not the manifest's.
+            CheckpointError: A data file ends inside an item, an item does
+                not match its checksum, or the ``step`` read is not the
+                manifest's.
             CheckpointTimeout: Some rank did not finish reading in time.
+
+        Note:
+            An item is checked as it is read, so the tensors of the items
+            before a damaged one already hold the step's values (DCP loads in
+            place): after the error, load another step into the stage, or
+            build it anew, before using it.
         """
         waits = stall.active()
         if waits is None:
-            return self._read_verified(plan, planner)
+            return self._read_once(plan, planner)
         sizes = {
             i.storage_index: self.storage_data[i.storage_index].length
             for i in plan.items
         }
         with waits.inside_dcp():
-            return self._read_verified(plan, waits.counting(planner, sizes))
+            return self._read_once(plan, waits.counting(planner, sizes))
 
-    def _read_verified(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Checks the items against the manifest, then reads them as DCP does."""
+    def _read_once(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's ``read_data``, reading each item once and checking it first."""
+        per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
+        for req in plan.items:
+            name = self.storage_data[req.storage_index].relative_path
+            per_file.setdefault(name, {}).setdefault(req.storage_index, []).append(req)
+        for name, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+                for index, reqs in items.items():
+                    info = self.storage_data[index]
+                    data = self._slice_file(f, info).read(-1)
+                    self._check_item(index.fqn, info, data)
+                    for req in reqs:
+                        self._hand_over(req, info, data, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _check_item(self, key: str, info: Any, data: bytes) -> None:
+        """Raises unless ``data`` is all of the item and what the manifest holds."""
+        name, offset, length = info.relative_path, info.offset, info.length
+        if len(data) != length:
+            raise CheckpointError(
+                f"{str(self.folder)!r} is damaged: {name} ends at byte "
+                f"{offset + len(data)}, inside item {key!r}. Restore the file, or "
+                "move the folder out of the checkpoint folder to resume from an "
+                "earlier step"
+            )
         if self.manifest is None:
-            return super().read_data(plan, planner)
-        indices = [item.storage_index for item in plan.items]
-        ranges = storage_ranges(self.metadata, indices)
-        verify_ranges(self.folder, self.manifest, ranges)
-        for (name, offset, length), key in ranges.items():
-            if key == "step":  # the stored step, the name and the manifest agree
-                storage = storage_for(self.folder)
-                with storage.open_read(storage.join(self.folder, name)) as f:
-                    f.seek(offset)
-                    step = torch.load(io.BytesIO(f.read(length)), weights_only=True)
-                if step != self.manifest.step:
-                    raise CheckpointError(
-                        f"{str(self.folder)!r} holds step {step!r}, its "
-                        f"{MANIFEST_FILE} says {self.manifest.step}: the manifest "
-                        "was edited or belongs to another step. Move the folder "
-                        "out of the checkpoint folder"
-                    )
-        return super().read_data(plan, planner)
+            return
+        verify_item(self.manifest, (name, offset, length), key, data)
+        if key == "step":  # the stored step, the name and the manifest agree
+            step = torch.load(io.BytesIO(data), weights_only=True)
+            if step != self.manifest.step:
+                raise CheckpointError(
+                    f"{str(self.folder)!r} holds step {step!r}, its "
+                    f"{MANIFEST_FILE} says {self.manifest.step}: the manifest "
+                    "was edited or belongs to another step. Move the folder "
+                    "out of the checkpoint folder"
+                )
+
+    def _hand_over(
+        self, req: ReadItem, info: Any, data: bytes, planner: LoadPlanner
+    ) -> None:
+        """Gives ``planner`` the item one request reads, as DCP's reader does."""
+        descriptors = getattr(info, "transform_descriptors", None) or ()
+        stream = self.transforms.transform_load_stream(
+            req, descriptors, io.BytesIO(data)
+        )
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            return
+        if not stream.seekable():  # torch.load seeks
+            stream = io.BytesIO(stream.read(-1))
+        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        for dim, (offset, size) in enumerate(
+            zip(req.storage_offsets, req.lengths, strict=True)
+        ):
+            if size < tensor.size(dim):
+                tensor = tensor.narrow(dim, offset, size)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(
+                f"{str(self.folder)!r} is damaged: item {req.storage_index.fqn!r} "
+                f"of {info.relative_path} holds {list(tensor.size())} where "
+                f"{list(target.size())} is read. Load an earlier step"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
 
 
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
