@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from pippy import checkpoint
+
 from helpers import ROOT
 
 PAGES = ["README.md", "examples/checkpoint/README.md"]
@@ -28,21 +30,57 @@ def test_the_pages_have_snippets():
     assert snippets("README.md")
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_snippets_run_as_written(tmp_path, page):
+def run_snippet(code, folder, name="snippet.py"):
+    """Runs a snippet in `folder` as the page says: python, or torchrun on N ranks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env["HF_HUB_OFFLINE"] = "1"
+    script = folder / name
+    script.write_text(code)
+    match = _TORCHRUN.match(code)
+    cmd = [sys.executable, str(script)]
+    if match:
+        launch = ["-m", "torch.distributed.run", "--standalone"]
+        cmd[1:1] = [*launch, f"--nproc-per-node={match.group(1)}"]
+    return subprocess.run(
+        cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_snippets_run_as_written(tmp_path, page):
     for i, code in enumerate(snippets(page)):
-        script = tmp_path / f"snippet_{i}.py"
-        script.write_text(code)
-        match = _TORCHRUN.match(code)
-        cmd = [sys.executable, str(script)]
-        if match:
-            launch = ["-m", "torch.distributed.run", "--standalone"]
-            cmd[1:1] = [*launch, f"--nproc-per-node={match.group(1)}"]
-        proc = subprocess.run(
-            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
-        )
+        proc = run_snippet(code, tmp_path, f"snippet_{i}.py")
         assert proc.returncode == 0, (
             f"{page} snippet {i}:\n{code}\n{proc.stderr[-3000:]}"
         )
+
+
+def test_the_readme_training_script_resumes_bit_for_bit(tmp_path):
+    """README's "Your own training script": stopped after step 3 (its step-6
+    taken away), it resumes there and ends as the uninterrupted run did."""
+    [code] = [
+        c
+        for c in snippets("README.md")
+        if c.startswith("# torchrun --nproc-per-node 2 train.py")
+    ]
+    first = run_snippet(code, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "resumed" not in first.stdout
+    folder = tmp_path / "my-checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
+    (folder / "step-6").rename(tmp_path / "uninterrupted-step-6")
+
+    second = run_snippet(code, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    for rank in (0, 1):
+        line = f"[rank {rank}] resumed from my-checkpoints/step-3 at step 3"
+        assert line in second.stdout
+
+    def losses(run):
+        return [x for x in run.stdout.splitlines() if x.startswith("step ")]
+
+    assert len(losses(first)) == 6 and losses(second) == losses(first)[3:]
+    resumed = checkpoint.read_checkpoint(folder / "step-6")
+    whole = checkpoint.read_checkpoint(tmp_path / "uninterrupted-step-6")
+    assert resumed.keys() == whole.keys() and resumed["step"] == 6
+    assert checkpoint.diff_state_dicts(resumed, whole) == []
