@@ -6,7 +6,9 @@ one whose first line is ``# torchrun --nproc-per-node N ...`` runs on N ranks.
 """
 
 import os
+import platform
 import re
+import shlex
 import subprocess
 import sys
 
@@ -14,11 +16,18 @@ import pytest
 
 from pippy import checkpoint
 
-from helpers import ROOT
+from helpers import _ENV, ROOT
 
 PAGES = ["README.md", "examples/checkpoint/README.md"]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 _TORCHRUN = re.compile(r"^# torchrun --nproc-per-node (\d+)")
+#: README's "Run the example": its command, then the output it shows.
+_EXAMPLE_RUN = re.compile(
+    r"^## Run the example\n\n```bash\n(.*?)\n```\n.*?^```\n(.*?)^```", re.S | re.M
+)
+#: The Python whose standard library (the text the example trains on) gave
+#: the losses README.md shows; another one's gives other losses.
+SAMPLE_PYTHON = "3.11.7"
 
 
 def snippets(page):
@@ -84,3 +93,43 @@ def test_the_readme_training_script_resumes_bit_for_bit(tmp_path):
     whole = checkpoint.read_checkpoint(tmp_path / "uninterrupted-step-6")
     assert resumed.keys() == whole.keys() and resumed["step"] == 6
     assert checkpoint.diff_state_dicts(resumed, whole) == []
+
+
+def test_the_readme_shows_what_the_example_prints(tmp_path):
+    """README's sample output is a real run's of the command above it: every
+    line it shows, timings aside (and losses, on another Python)."""
+    command, sample = _EXAMPLE_RUN.search((ROOT / "README.md").read_text()).groups()
+    torchrun, flag, nproc, script, *args = shlex.split(command)
+    assert (torchrun, flag, script) == (
+        "torchrun",
+        "--nproc-per-node",
+        "examples/checkpoint/pippy_dcp.py",
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(ROOT / script),
+            *args,
+        ],
+        cwd=tmp_path,  # checkpoints/, as in the README
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    def same(line):
+        line = re.sub(r" \d+\.\d\d s$", " <seconds> s", line)
+        if platform.python_version() != SAMPLE_PYTHON:
+            line = re.sub(r"\| loss \d+\.\d{4} \|", "| loss <x> |", line)
+        return line
+
+    shown = [same(line) for line in sample.splitlines() if line != "..."]
+    printed = {same(line) for line in run.stdout.splitlines()}
+    assert len(shown) == 8 and [x for x in shown if x not in printed] == []
+    assert f"python {SAMPLE_PYTHON}" in (ROOT / "README.md").read_text().lower()
