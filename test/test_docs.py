@@ -55,6 +55,20 @@ def run_snippet(code, folder, name="snippet.py"):
     )
 
 
+def test_ci_reads_the_readmes_setup_and_test_commands():
+    """.ci/run's own `block` function finds both commands in README.md."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    block = re.search(r"^block\(\) \{.*?^\}$", ci, re.S | re.M).group(0)
+    found = {}
+    for name in ("setup", "test"):
+        cmd = ["bash", "-c", f"{block}\nblock {name}"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        found[name] = done.stdout
+    assert 'pip install -e ".[dev]" -c constraints.txt\n' in found["setup"]
+    assert found["setup"].startswith("python3 -m venv .venv")
+    assert found["test"] == "pytest\n"
+
+
 @pytest.mark.parametrize("page", PAGES)
 def test_snippets_run_as_written(tmp_path, page):
     for i, code in enumerate(snippets(page)):
