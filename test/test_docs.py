@@ -15,11 +15,13 @@ import sys
 import pytest
 
 from pippy import checkpoint
+from pippy.cli import _parser
 
 from helpers import _ENV, ROOT
 
 PAGES = ["README.md", "examples/checkpoint/README.md"]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_BASH = re.compile(r"^```bash\n(.*?)^```", re.DOTALL | re.MULTILINE)
 _TORCHRUN = re.compile(r"^# torchrun --nproc-per-node (\d+)")
 #: README's "Run the example": its command, then the output it shows.
 _EXAMPLE_RUN = re.compile(
@@ -67,6 +69,20 @@ def test_ci_reads_the_readmes_setup_and_test_commands():
     assert 'pip install -e ".[dev]" -c constraints.txt\n' in found["setup"]
     assert found["setup"].startswith("python3 -m venv .venv")
     assert found["test"] == "pytest\n"
+
+
+def test_the_pages_command_lines_of_python_m_pippy_parse():
+    """Every `python -m pippy` line in the pages' bash blocks, flags included."""
+    lines = [
+        line
+        for page in [*PAGES, "RELEASING.md"]
+        for block in _BASH.findall((ROOT / page).read_text())
+        for line in block.splitlines()
+        if line.startswith("python -m pippy ")
+    ]
+    assert len(lines) >= 6
+    for line in lines:
+        _parser().parse_args(shlex.split(line, comments=True)[3:])  # exits 2 if not
 
 
 @pytest.mark.parametrize("page", PAGES)
