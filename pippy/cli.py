@@ -132,7 +132,7 @@ def _completeness(folder: Any, args: argparse.Namespace) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    """``inspect``: the run's steps, then one step's keys and files."""
+    """``inspect``: the run's steps, then one step's files (and keys, with --keys)."""
     steps, folder = _resolve(args.path, args.step)
     metadata = read_metadata(folder, trusted=args.trusted)
     damage = find_damage(folder, metadata)
@@ -147,7 +147,7 @@ def _inspect(args: argparse.Namespace) -> None:
     for problem in damage:
         print(f"damaged: {problem}; this step cannot be loaded")
     items = metadata.state_dict_metadata
-    patterns = args.keys or ["*"]
+    patterns = args.keys or ["*"]  # --keys alone: every key
     keys = [k for k in items if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
     if not keys:
         raise ValueError(f"no key of {str(folder)!r} matches --keys {patterns}")
@@ -160,9 +160,12 @@ def _inspect(args: argparse.Namespace) -> None:
         print()
     rows, per_file = _key_rows(metadata, keys)
     layout = detect_layout(items)
-    print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
-    _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
-    print()
+    if args.keys is None:  # the files alone
+        print(f"{folder}: {len(items)} keys ({layout} layout); --keys lists them")
+    else:
+        print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
+        _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
+        print()
     _print_files(folder, per_file, len(keys))
     if damage:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
@@ -233,7 +236,7 @@ def _export_hf(args: argparse.Namespace, folder: Any) -> None:
         dtype=dtype,
         force=args.force,
         trusted=args.trusted,
-        verify=not args.no_verify,
+        verify=not args.allow_no_manifest,
     )
     names = ", ".join(f.name for f in files)
     print(f"{folder} -> {args.out}: {names} (Hugging Face)")
@@ -254,7 +257,10 @@ def _export(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
     _, folder = _resolve(args.path, None)
     state = checkpoint.read_checkpoint(
-        folder, prefix="model.", trusted=args.trusted, verify=not args.no_verify
+        folder,
+        prefix="model.",
+        trusted=args.trusted,
+        verify=not args.allow_no_manifest,
     )
     weights = {}
     for key, value in state.items():
@@ -278,7 +284,7 @@ def _export(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     """``convert``: a step rewritten in the other layout."""
     _, folder = _resolve(args.path, None)
-    verify = not args.no_verify
+    verify = not args.allow_no_manifest
     count = convert_layout(
         folder, args.out, to=args.to, trusted=args.trusted, verify=verify
     )
@@ -294,12 +300,6 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="read a step that has no manifest.json (plain DCP's, torchtitan's) "
-        "without checking its items against checksums",
-    )
-    common.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="load any pickle the checkpoint holds, as plain DCP does; it can "
@@ -308,11 +308,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser(
         "inspect",
         parents=[common],
-        help="list a run's steps and a step's keys",
-        description="List a run's steps, then each key of one step: shape, "
-        "dtype, bytes (tensor data; for objects, their pickled size) and the "
-        "rank's file that holds it; then each file with the keys shown and their "
-        "bytes in it (a shard's share), totalled over the keys and files shown.",
+        help="list a run's steps and a step's files (and keys)",
+        description="List a run's steps, then one step's files: each with its "
+        "rank, its keys and their bytes (a shard's share), totalled. With "
+        "--keys, first each key (or each matching key): shape, dtype, bytes "
+        "(tensor data; for objects, their pickled size) and the rank's file that "
+        "holds it; the file totals then count the keys shown.",
     )
     inspect.add_argument(
         "path",
@@ -327,10 +328,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument(
         "--keys",
-        nargs="+",
+        nargs="*",
         action="extend",
         metavar="PATTERN",
-        help="show only keys matching these fnmatch patterns, e.g. 'model.layers.0.*'",
+        help="list each key; with patterns, only the keys matching them "
+        "(fnmatch), e.g. 'model.layers.0.*'",
     )
     inspect.add_argument(
         "--verify",
@@ -338,9 +340,16 @@ def _parser() -> argparse.ArgumentParser:
         help="read every item and check it against the step's manifest.json",
     )
     inspect.set_defaults(run=_inspect)
+    unverified = argparse.ArgumentParser(add_help=False)
+    unverified.add_argument(
+        "--allow-no-manifest",
+        action="store_true",
+        help="read a step that has no manifest.json (plain DCP's, torchtitan's), "
+        "its items unchecked against checksums",
+    )
     export = commands.add_parser(
         "export",
-        parents=[common],
+        parents=[common, unverified],
         help="write a step's model weights to one file",
         description="Write a step's model weights (keys under 'model.', prefix "
         "removed: the un-split model's state_dict, no optimizer state) to one file.",
@@ -384,7 +393,7 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(run=_export)
     convert = commands.add_parser(
         "convert",
-        parents=[common],
+        parents=[common, unverified],
         help="rewrite a step in pippy's or torchtitan's layout",
         description="Rewrite a step (every key: model, optimizer, scheduler, "
         "step, extra state) in the other layout: torchtitan keeps model keys at "
@@ -432,7 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except _ERRORS as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+        text = " ".join(str(message).split())
+        if "allow_no_manifest" in args:  # export, convert: name their flag
+            text = text.replace("load it with verify=False", "pass --allow-no-manifest")
+        print(f"error: {text}", file=sys.stderr)
         return 2
     return 0
 

@@ -466,7 +466,7 @@ def s3_bucket(tmp_path_factory):
     try:
         yield fs, "s3://pippy-test"
     finally:
-        proc.kill()  # weed takes 5 s to stop on SIGTERM; nothing here to keep
+        proc.kill()  # weed takes ~25 s to stop on SIGTERM; nothing here to keep
         proc.wait(timeout=30)
         s3fs.S3FileSystem.clear_instance_cache()
         for k, v in saved.items():

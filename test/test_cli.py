@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
-from pippy.checkpoint.safe_load import TRUST_ENV
+from pippy.checkpoint.safe_load import TRUST_ENV, read_metadata
 from pippy.cli import main
 
 from gpt import GPT, ModelArgs
@@ -62,8 +62,9 @@ def table_rows(out, first_column):
 def test_help_lists_the_commands_and_flags(capsys):
     for argv, words in [
         ([], ["inspect", "export"]),
-        (["inspect"], ["--step", "--keys", "--trust-checkpoint"]),
-        (["export"], ["--out", "--format", "--dtype", "--force"]),
+        (["inspect"], ["--step", "--keys", "--verify", "--trust-checkpoint"]),
+        (["export"], ["--out", "--format", "--dtype", "--allow-no-manifest"]),
+        (["convert"], ["--to", "--out", "--allow-no-manifest"]),
     ]:
         with pytest.raises(SystemExit) as exit_:
             main([*argv, "--help"])
@@ -72,13 +73,24 @@ def test_help_lists_the_commands_and_flags(capsys):
         assert all(word in out for word in words), out
 
 
-def test_inspect_lists_steps_keys_and_files(run, capsys):
+def test_inspect_lists_steps_and_files_and_with_keys_each_key(run, capsys):
     root, saved = run
     assert main(["inspect", str(root)]) == 0
     out = capsys.readouterr().out
     steps = table_rows(out, ("3", "9"))
     assert steps["3"][0] == "yes" and steps["9"][0].startswith("no")
-    assert f"{root / 'step-3'}: " in out  # the newest complete step, detailed
+    # The newest complete step, detailed by its files; no key unless asked.
+    count = len(read_metadata(root / "step-3").state_dict_metadata)
+    assert f"{root / 'step-3'}: {count} keys (pippy layout); --keys lists" in out
+    assert table_rows(out, ("model.", "optim.", "step")) == {}
+    files = table_rows(out, ("__0_0.distcp", "total"))
+    assert files["__0_0.distcp"][:2] == ["0", str(count)]
+    assert files["total"][0] == str(count)
+    assert len(out.splitlines()) < 12
+
+    assert main(["inspect", str(root), "--keys"]) == 0
+    out = capsys.readouterr().out
+    assert f"{root / 'step-3'}: {count} of {count} keys" in out
     keys = table_rows(out, ("model.", "optim.", "step"))
     for key, tensor in saved.items():
         shape, dtype, size, file = keys[f"model.{key}"]
@@ -95,9 +107,8 @@ def test_inspect_lists_steps_keys_and_files(run, capsys):
         "float32",
     ]
     assert keys["step"][1] == "object" and keys["step"][3] == "__0_0.distcp"
-    files = table_rows(out, ("__0_0.distcp", "total"))
-    assert files["__0_0.distcp"][:2] == ["0", str(len(keys))]
-    assert files["total"][0] == str(len(keys))
+    assert len(keys) == count
+    assert table_rows(out, ("total",))["total"][0] == str(count)
 
 
 def test_inspect_a_step_folder_with_key_patterns(run, capsys):
@@ -346,4 +357,4 @@ def test_inspect_shows_a_damaged_step_and_says_it_cannot_be_loaded(
     first = out.splitlines()[0]  # said first, not after ~350 lines
     assert first.startswith(f"damaged: {data.name} has 1000 bytes, its items need")
     assert err.startswith(f"error: {root / 'step-3'} is damaged: {data.name}")
-    assert "model.tok_embeddings.weight" in out  # the keys are still listed
+    assert "__0_0.distcp" in out  # the files are still listed

@@ -6,17 +6,30 @@ one whose first line is ``# torchrun --nproc-per-node N ...`` runs on N ranks.
 """
 
 import os
+import platform
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from helpers import ROOT
+from pippy import checkpoint
+from pippy.cli import _parser
+
+from helpers import _ENV, ROOT
 
 PAGES = ["README.md", "examples/checkpoint/README.md"]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_BASH = re.compile(r"^```bash\n(.*?)^```", re.DOTALL | re.MULTILINE)
 _TORCHRUN = re.compile(r"^# torchrun --nproc-per-node (\d+)")
+#: README's "Run the example": its command, then the output it shows.
+_EXAMPLE_RUN = re.compile(
+    r"^## Run the example\n\n```bash\n(.*?)\n```\n.*?^```\n(.*?)^```", re.S | re.M
+)
+#: The Python whose standard library (the text the example trains on) gave
+#: the losses README.md shows; another one's gives other losses.
+SAMPLE_PYTHON = "3.11.7"
 
 
 def snippets(page):
@@ -28,21 +41,125 @@ def test_the_pages_have_snippets():
     assert snippets("README.md")
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_snippets_run_as_written(tmp_path, page):
+def run_snippet(code, folder, name="snippet.py"):
+    """Runs a snippet in `folder` as the page says: python, or torchrun on N ranks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env["HF_HUB_OFFLINE"] = "1"
+    script = folder / name
+    script.write_text(code)
+    match = _TORCHRUN.match(code)
+    cmd = [sys.executable, str(script)]
+    if match:
+        launch = ["-m", "torch.distributed.run", "--standalone"]
+        cmd[1:1] = [*launch, f"--nproc-per-node={match.group(1)}"]
+    return subprocess.run(
+        cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_ci_reads_the_readmes_setup_and_test_commands():
+    """.ci/run's own `block` function finds both commands in README.md."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    block = re.search(r"^block\(\) \{.*?^\}$", ci, re.S | re.M).group(0)
+    found = {}
+    for name in ("setup", "test"):
+        cmd = ["bash", "-c", f"{block}\nblock {name}"]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        found[name] = done.stdout
+    assert 'pip install -e ".[dev]" -c constraints.txt\n' in found["setup"]
+    assert found["setup"].startswith("python3 -m venv .venv")
+    assert found["test"] == "pytest\n"
+
+
+def test_the_pages_command_lines_of_python_m_pippy_parse():
+    """Every `python -m pippy` line in the pages' bash blocks, flags included."""
+    lines = [
+        line
+        for page in [*PAGES, "RELEASING.md"]
+        for block in _BASH.findall((ROOT / page).read_text())
+        for line in block.splitlines()
+        if line.startswith("python -m pippy ")
+    ]
+    assert len(lines) >= 6
+    for line in lines:
+        _parser().parse_args(shlex.split(line, comments=True)[3:])  # exits 2 if not
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_snippets_run_as_written(tmp_path, page):
     for i, code in enumerate(snippets(page)):
-        script = tmp_path / f"snippet_{i}.py"
-        script.write_text(code)
-        match = _TORCHRUN.match(code)
-        cmd = [sys.executable, str(script)]
-        if match:
-            launch = ["-m", "torch.distributed.run", "--standalone"]
-            cmd[1:1] = [*launch, f"--nproc-per-node={match.group(1)}"]
-        proc = subprocess.run(
-            cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
-        )
+        proc = run_snippet(code, tmp_path, f"snippet_{i}.py")
         assert proc.returncode == 0, (
             f"{page} snippet {i}:\n{code}\n{proc.stderr[-3000:]}"
         )
+
+
+def test_the_readme_training_script_resumes_bit_for_bit(tmp_path):
+    """README's "Your own training script": stopped after step 3 (its step-6
+    taken away), it resumes there and ends as the uninterrupted run did."""
+    [code] = [
+        c
+        for c in snippets("README.md")
+        if c.startswith("# torchrun --nproc-per-node 2 train.py")
+    ]
+    first = run_snippet(code, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "resumed" not in first.stdout
+    folder = tmp_path / "my-checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
+    (folder / "step-6").rename(tmp_path / "uninterrupted-step-6")
+
+    second = run_snippet(code, tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    for rank in (0, 1):
+        line = f"[rank {rank}] resumed from my-checkpoints/step-3 at step 3"
+        assert line in second.stdout
+
+    def losses(run):
+        return [x for x in run.stdout.splitlines() if x.startswith("step ")]
+
+    assert len(losses(first)) == 6 and losses(second) == losses(first)[3:]
+    resumed = checkpoint.read_checkpoint(folder / "step-6")
+    whole = checkpoint.read_checkpoint(tmp_path / "uninterrupted-step-6")
+    assert resumed.keys() == whole.keys() and resumed["step"] == 6
+    assert checkpoint.diff_state_dicts(resumed, whole) == []
+
+
+def test_the_readme_shows_what_the_example_prints(tmp_path):
+    """README's sample output is a real run's of the command above it: every
+    line it shows, timings aside (and losses, on another Python)."""
+    command, sample = _EXAMPLE_RUN.search((ROOT / "README.md").read_text()).groups()
+    torchrun, flag, nproc, script, *args = shlex.split(command)
+    assert (torchrun, flag, script) == (
+        "torchrun",
+        "--nproc-per-node",
+        "examples/checkpoint/pippy_dcp.py",
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(ROOT / script),
+            *args,
+        ],
+        cwd=tmp_path,  # checkpoints/, as in the README
+        env=_ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    def same(line):
+        line = re.sub(r" \d+\.\d\d s$", " <seconds> s", line)
+        if platform.python_version() != SAMPLE_PYTHON:
+            line = re.sub(r"\| loss \d+\.\d{4} \|", "| loss <x> |", line)
+        return line
+
+    shown = [same(line) for line in sample.splitlines() if line != "..."]
+    printed = {same(line) for line in run.stdout.splitlines()}
+    assert len(shown) == 8 and [x for x in shown if x not in printed] == []
+    assert f"python {SAMPLE_PYTHON}" in (ROOT / "README.md").read_text().lower()

@@ -65,7 +65,9 @@ def test_torchtitan_layout_read_loaded_inspected_exported(tmp_path, capsys):
     assert main(["inspect", str(step)]) == 0
     assert "(torchtitan layout)" in capsys.readouterr().out
     out = str(tmp_path / "m.safetensors")
-    assert main(["export", str(step), "--no-verify", "--out", out]) == 0
+    assert main(["export", str(step), "--out", out]) == 2  # names the opt-out
+    assert "pass --allow-no-manifest" in capsys.readouterr().err
+    assert main(["export", str(step), "--allow-no-manifest", "--out", out]) == 0
     exported = load_file(tmp_path / "m.safetensors")
     assert checkpoint.diff_state_dicts(exported, state.module.state_dict()) == []
     # torchtitan -> pippy: a resume with load_stage, every entry bitwise.
@@ -74,7 +76,7 @@ def test_torchtitan_layout_read_loaded_inspected_exported(tmp_path, capsys):
             [
                 "convert",
                 str(step),
-                "--no-verify",
+                "--allow-no-manifest",
                 "--to",
                 "pippy",
                 "--out",

@@ -196,6 +196,11 @@ def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
             2,
             "argument --schedule: --stages-per-rank > 1 needs interleaved-1f1b|",
         ),
+        (  # the schedule first: 1f1b's own need of microbatches is moot
+            ["--stages-per-rank", "2", "--schedule", "1f1b", "--microbatches", "2"],
+            2,
+            "argument --schedule: --stages-per-rank > 1 needs interleaved-1f1b|",
+        ),
         (
             ["--dp", "2", "--split", "trace"],
             4,

@@ -104,8 +104,13 @@ def check_saved_shape(args, items: dict, path) -> None:
 
 
 def _problems(args, world_size: int):
-    """(flag, what is wrong with it) for each flag that cannot work with the others."""
+    """(flag, what is wrong with it) for each flag that cannot work with the others,
+    the schedule and split first: what the microbatches must be depends on them."""
     stages = world_size // args.dp * args.stages_per_rank
+    if args.stages_per_rank > 1 and args.schedule not in LOOPED:
+        yield "--schedule", f"--stages-per-rank > 1 needs {'|'.join(LOOPED)}"
+    if args.split == "trace" and (args.dp > 1 or args.stages_per_rank > 1):
+        yield "--split", "trace builds one stage per rank, without --dp"
     if world_size % args.dp:
         yield "--dp", f"must divide the {world_size} ranks, not {args.dp}"
     elif args.n_layers < stages:
@@ -119,7 +124,3 @@ def _problems(args, world_size: int):
         yield "--microbatches", f"1f1b needs at least one per stage ({stages})"
     if args.dim % N_HEADS:
         yield "--dim", f"must be a multiple of {N_HEADS} (the heads), not {args.dim}"
-    if args.stages_per_rank > 1 and args.schedule not in LOOPED:
-        yield "--schedule", f"--stages-per-rank > 1 needs {'|'.join(LOOPED)}"
-    if args.split == "trace" and (args.dp > 1 or args.stages_per_rank > 1):
-        yield "--split", "trace builds one stage per rank, without --dp"

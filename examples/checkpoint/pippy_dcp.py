@@ -225,8 +225,9 @@ def save_now(state, args, layout: parallel.Layout, saver) -> float:
     return time.perf_counter() - start
 
 
-def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
-    """Trains up to --steps (or --stop-after, or a stop signal), saving as it goes."""
+def train(args, state, stages, schedule, device, layout, saver, stop) -> bool:
+    """Trains up to --steps (or --stop-after, or a stop signal), saving as it goes.
+    Returns True if a stop signal ended it."""
     rank, dp_group = dist.get_rank(), layout.mesh.get_group("dp")
     last = min(args.steps, args.stop_after or args.steps)
     if state.step >= last and rank == 0:
@@ -253,9 +254,10 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> None:
                 step, seconds = state.step, seconds + time.perf_counter() - start
                 saved = f"step-{step} saved in {seconds:.2f} s"
                 log(f"stopping after step {step}: {stop.reason}, {saved}")
-            return
+            return True
     if state.step < args.steps and rank == 0:
         log(f"stopping after step {state.step} (--stop-after), as if interrupted")
+    return False
 
 
 def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
@@ -326,13 +328,19 @@ def main(args) -> None:
         if args.async_save:
             folder, keep = args.checkpoint_dir, args.keep_last
             saver = checkpoint.AsyncSaver(folder, keep_last=keep, mesh=layout.mesh)
-        train(args, state, stages, schedule, device, layout, saver, stop)
+        stopped = train(args, state, stages, schedule, device, layout, saver, stop)
         if saver is not None:
             saver.close()  # waits for the last save, then publishes it
-        # verify: load the final checkpoint into fresh stages, compare bit for bit
+        # verify: load the final checkpoint into fresh stages, compare bit for
+        # bit; not after a stop signal, whose grace period a load would spend
         final = step_dir(args.checkpoint_dir, state.step)
-        saved = checkpoint.find_latest_step(args.checkpoint_dir) == final
-        ok = not saved or verify(args, state, final, layout, device)
+        if stopped:
+            ok = True
+            if rank == 0:
+                log(f"not verifying {final}: stopped by a signal, exiting now")
+        else:
+            saved = checkpoint.find_latest_step(args.checkpoint_dir) == final
+            ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about
         folder_errors = (
