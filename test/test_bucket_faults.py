@@ -338,10 +338,10 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
 
     def save(step, *, during=None, after=None, keep_last=None):
         state.step = step
-        state_dict, _ = take_state(state)
+        state_dict, _, planner = take_state(state)
         with publish_step(run, step, keep_last=keep_last) as writer:
             (during or (lambda: None))()
-            dcp.save(state_dict, storage_writer=writer)
+            dcp.save(state_dict, storage_writer=writer, planner=planner)
             (after or (lambda: None))()
 
     # Before a save: refused before anything is written.
