@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -66,7 +67,10 @@ def dump(state, out, name, rank):
 
 
 def listing(folder):
-    """What a folder holds, or None if there is no folder."""
+    """What a folder holds, or None if there is no folder, once every rank is
+    here (rank 0 discards a refused save's staging folder; the others may
+    return before it has)."""
+    dist.barrier()
     return sorted(os.listdir(folder)) if folder.exists() else None
 
 

@@ -338,13 +338,13 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
 
     def save(step, *, during=None, committed=None, keep_last=None):
         state.step = step
-        state_dict, _ = take_state(state)
+        state_dict, _, planner = take_state(state)
         with publish_step(run, step, keep_last=keep_last) as writer:
             (during or (lambda: None))()
             if committed is not None:  # once the commit record is written
                 publish = writer.on_finish  # then retention, inside dcp.save
                 writer.on_finish = lambda: (committed(), publish())
-            dcp.save(state_dict, storage_writer=writer)
+            dcp.save(state_dict, storage_writer=writer, planner=planner)
 
     # Before a save: refused before anything is written.
     with checkpoint.FolderOwner(run, lease_seconds=600):

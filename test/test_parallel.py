@@ -96,7 +96,7 @@ def test_diverged_replicas_mix_in_plain_dcp_and_are_refused(mesh_run):
             "DivergedReplicasError: the data-parallel replicas differ"
         )
         assert "'model.layers.0.qkv.weight' (ranks [0, 2])" in error
-        assert result["diverged_left"] is None
+        assert result["diverged_left"] == []  # the folder, and nothing in it
         # A slice of the mesh would compare nothing: refused.
         assert result["slice"].startswith("ValueError: the mesh spans 2 ranks and 4")
         # A key that one replica lacks (stage 1's norm on dp rank 1).
@@ -155,11 +155,11 @@ def test_several_stages_per_rank_save_reload_and_load_unsplit(two_rank_checks):
     for result in found:
         assert result["nested"].startswith("NestedStateError: model or optimizer")
         assert "'stage1' (ranks [1])" in result["nested"]
-        assert result["nested_left"] is None
+        assert result["nested_left"] == []  # the folder, and nothing in it
     # One rank refuses to take its state: both stop, each with one line.
     assert found[0]["one_refuses"].startswith("CheckpointError: the LR schedulers")
     assert found[1]["one_refuses"] == (
-        "CheckpointError: saving failed on 1 rank(s):\n  rank 0: CheckpointError: "
+        "CheckpointError: saving step-1 failed on 1 rank(s):\n  rank 0: CheckpointError: "
         + found[0]["one_refuses"].removeprefix("CheckpointError: ")
     )
 

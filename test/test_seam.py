@@ -219,8 +219,9 @@ def test_the_async_saver_checks_step_and_keys_as_save_stage(seam_ranks):
     assert rank1["one_wrong"] == f"ValueError: {wrong}"
     assert rank1["polled"] == []  # said once, by save()
     assert rank0["one_wrong"] is None  # its own state was right
-    assert rank0["polled"] == [
-        f"CheckpointError: saving failed on 1 rank(s):\n  rank 1: ValueError: {wrong}"
+    assert rank0["polled"] == [  # rank 0 saved its own step, 1
+        "CheckpointError: saving step-1 in the background failed on 1 rank(s):\n"
+        f"  rank 1: ValueError: {wrong}"
     ]
     for r in (rank0, rank1):
         assert r["collision"].startswith("KeyCollisionError: ")

@@ -102,10 +102,11 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
     Returns (tensors, bytes) this rank wrote."""
     # DCP takes equal keys on two ranks for replicas and keeps one: a collision
     # would lose a stage without a word, and diverged dp replicas would mix key
-    # by key. take_state checks first: keys disjoint across the pipeline dim,
-    # replicas equal across the dp dim, and the stored step is the one saved.
+    # by key. take_state checks the stored step, and gives the planner that has
+    # DCP's own planning refuse, before any write, keys on two pipeline stages
+    # and dp replicas that differ (no collective of its own).
     wait = args.checkpoint_timeout  # for a late rank; then all fail, naming it
-    state_dict, step = take_state(state, mesh=mesh, timeout=wait)
+    state_dict, step, planner = take_state(state, mesh=mesh, timeout=wait)
     # One checkpoint_id for all ranks: each writes its own file, rank 0 writes
     # .metadata (every key's file and offset). publish_step stages the files in
     # a hidden folder, fsynced, renamed to step-<N> once every rank is done; its
@@ -113,7 +114,7 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
     with publish_step(
         args.checkpoint_dir, step, keep_last=args.keep_last, timeout=wait
     ) as writer:
-        dcp.save(state_dict, storage_writer=writer)
+        dcp.save(state_dict, storage_writer=writer, planner=planner)
     return writer.written
 
 

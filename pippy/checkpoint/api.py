@@ -2,9 +2,9 @@
 
 Saving a stage, on every rank at once::
 
-    state_dict, step = take_state(state)  # its step and keys checked
+    state_dict, step, planner = take_state(state)  # checked in DCP's planning
     with publish_step(checkpoint_dir, step) as writer:  # published once complete
-        dcp.save(state_dict, storage_writer=writer)
+        dcp.save(state_dict, storage_writer=writer, planner=planner)
 
 Loading, after building the stage (DCP loads in place)::
 
@@ -119,7 +119,8 @@ def save_stage(
             :class:`~pippy.checkpoint.manifest.ManifestWriter` that
             ``publish_step`` gives (loads verify it by default). Its path is
             set to the staging folder.
-        planner: DCP's save planner; None uses ``DefaultSavePlanner``.
+        planner: DCP's save planner, wrapped by :func:`take_state`'s; None
+            uses ``DefaultSavePlanner``.
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
             the start of the save and once it has written its items; None
             (the default): no deadline. Late ranks are logged either way.
@@ -129,21 +130,23 @@ def save_stage(
 
     Raises:
         ValueError, KeyCollisionError: As :func:`take_state`; nothing is
-            written.
+            written (the checkpoint folder may be created).
         CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
         CheckpointTimeout: As :func:`~pippy.checkpoint.publishing.publish_step`.
     """
     ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
-    state_dict, step = take_state(state, step=step, mesh=mesh, **ranks)
+    state_dict, step, checked = take_state(
+        state, step=step, mesh=mesh, planner=planner, **ranks
+    )
     with publish_step(checkpoint_dir, step, keep_last=keep_last, **ranks) as writer:
         start = time.perf_counter()
         dcp.save(
             state_dict,
             checkpoint_id=writer.path,
             storage_writer=storage_writer or writer,
-            planner=planner,
+            planner=checked,
             process_group=process_group,
         )
         end = time.perf_counter()

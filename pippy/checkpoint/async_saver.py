@@ -3,7 +3,8 @@
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
 the call, what :func:`~pippy.checkpoint.taking.take_state` does on each rank
 alone, and the stager's copy; in a background thread, the rest of
-``take_state`` (its checks across ranks), then the parts
+``take_state`` (the wait for every rank, and the planner that checks across
+ranks in DCP's planning), then the parts
 :func:`~pippy.checkpoint.publishing.publish_step` is made of
 (:func:`~pippy.checkpoint.publishing.prepare_step`, then ``dcp.save``
 through :class:`~pippy.checkpoint.manifest.ManifestWriter`, whose ``finish``
@@ -33,7 +34,7 @@ from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
-from pippy.checkpoint.taking import state_to_save, take_together
+from pippy.checkpoint.taking import state_to_save, step_of, take_together
 
 __all__ = ["AsyncSaver"]
 
@@ -155,18 +156,17 @@ class AsyncSaver:
             The step folder it will be published as.
 
         Raises:
-            ValueError: This rank's state holds another step, or a plain
-                state_dict came without one; nothing is written (the other
-                ranks raise a ``CheckpointError`` naming it, by their next
-                :meth:`poll`, :meth:`wait` or ``save``).
+            ValueError: This rank's state holds another step; nothing is
+                written (the other ranks raise a ``CheckpointError`` naming
+                it, by their next :meth:`poll`, :meth:`wait` or ``save``).
+                A plain state_dict came without a step (on every rank alike).
             CheckpointError, KeyCollisionError, CheckpointDirError,
                 CheckpointTimeout: The previous save failed or was refused
                 (see :meth:`wait`).
         """
         self.wait()
         self._started = time.perf_counter()
-        if step is None:
-            step = getattr(state, "step", None)
+        step = step_of(state, step)
         try:
             state_dict, step = state_to_save(state, step)
             taken: Any = self._stager.stage(state_dict)
@@ -178,9 +178,8 @@ class AsyncSaver:
             # wait() says nothing more (its error is this one).
             failed = self._executor.submit(self._write, taken, step)
             wait([failed])
-            self._pending, self._told = (failed, None, step or 0), failed
+            self._pending, self._told = (failed, None, step), failed
             raise taken
-        assert step is not None  # state_to_save returned it
         if (
             not isinstance(taken, Future)
             and self._stager.should_synchronize_after_execute
@@ -191,17 +190,16 @@ class AsyncSaver:
         self._pending = (upload, taken if isinstance(taken, Future) else None, step)
         return step_dir(self.checkpoint_dir, step)
 
-    def _write(self, taken: Any, step: int | None) -> Any:
-        """In the background: the checks, the staging folder, the write, publishing."""
+    def _write(self, taken: Any, step: int) -> Any:
+        """In the background: the wait, the staging folder, the write, publishing."""
         group = self.process_group
 
-        def copied() -> tuple[dict[str, Any], int]:  # what save() took, or its error
+        def copied() -> dict[str, Any]:  # what save() took, or its error
             if isinstance(taken, Exception):
                 raise taken
-            assert step is not None  # state_to_save returned it
-            return (taken.result() if isinstance(taken, Future) else taken), step
+            return taken.result() if isinstance(taken, Future) else taken
 
-        copy, step = take_together(
+        copy, planner = take_together(
             copied,
             action=f"saving step-{step}",
             process_group=group,
@@ -215,7 +213,7 @@ class AsyncSaver:
                 step=step,
                 on_finish=publisher(folder, self.keep_last),
             )
-            dcp.save(copy, storage_writer=writer, process_group=group)
+            dcp.save(copy, storage_writer=writer, planner=planner, process_group=group)
         except BaseException:
             discard(folder, group)
             raise

@@ -34,6 +34,7 @@ __all__ = [
     "explain_failures",
     "fail_together",
     "on_coordinator",
+    "own_error",
 ]
 
 
@@ -111,6 +112,45 @@ def _message(error: BaseException) -> str:
     return text
 
 
+class _OwnError(CheckpointError):
+    """A rank's own error sent through DCP, which :func:`explain_failures` raises."""
+
+    def __init__(self, rank: int, error: Exception) -> None:
+        super().__init__(rank, error)
+        self.rank, self.error = rank, error
+
+    def __str__(self) -> str:
+        return _line(self.error)
+
+
+def _line(error: BaseException) -> str:
+    """``type: message`` of an error; of a rank's own error, what it carries."""
+    if isinstance(error, _OwnError):
+        error = error.error
+    return f"{type(error).__name__}: {_message(error)}"
+
+
+def own_error(error: Exception) -> CheckpointError:
+    """``error``, to raise inside DCP: this rank raises it, the others name it.
+
+    For a failure on one rank that DCP gathers (a save planner's
+    ``create_local_plan``): :func:`explain_failures` raises it as itself on
+    this rank, and a ``CheckpointError`` naming it on the others.
+
+    Args:
+        error: This rank's error; one that does not pickle travels as a
+            ``CheckpointError`` with its type and message.
+
+    Returns:
+        What to raise.
+    """
+    try:
+        pickle.dumps(error)
+    except Exception:
+        error = CheckpointError(_line(error))
+    return _OwnError(dist.get_rank() if dist.is_initialized() else 0, error)
+
+
 def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
     """One error for failures on several ranks: a line per rank, by rank."""
     lines = "\n".join(f"  rank {rank}: {failures[rank]}" for rank in sorted(failures))
@@ -129,6 +169,9 @@ def explain_failures(action: str) -> Iterator[None]:
         action: What was attempted, for the message (``"loading step-20"``).
 
     Raises:
+        Exception: This rank's own error, sent as :func:`own_error`.
+        KeyCollisionError, NestedStateError: The save's key check refused
+            (``DivergedReplicasError`` too), on every rank.
         UnsafeCheckpointError: Some rank refused a pickle (the first message).
         CheckpointTimeout: Some rank gave up waiting for the others.
         CheckpointDirInUseError: Some rank found the folder another job's
@@ -142,18 +185,24 @@ def explain_failures(action: str) -> Iterator[None]:
         yield
     except CheckpointException as e:
         failures = {rank: exc for rank, (exc, _trace) in sorted(e.failures.items())}
+        here = dist.get_rank() if dist.is_initialized() else 0
+        for exc in failures.values():
+            if isinstance(exc, _OwnError) and exc.rank == here:
+                raise exc.error from None
         for exc in failures.values():  # one line, as these say what to do
             if isinstance(
                 exc,
                 UnsafeCheckpointError
                 | CheckpointTimeout
                 | CheckpointDirInUseError
-                | CheckpointDirError,
+                | CheckpointDirError
+                | KeyCollisionError
+                | NestedStateError,
             ):
                 raise type(exc)(str(exc)) from None
         raise _failed_on(
             action,
-            {r: f"{type(x).__name__}: {_message(x)}" for r, x in failures.items()},
+            {r: _line(x) for r, x in failures.items()},
         ) from None
 
 

@@ -239,7 +239,7 @@ def convert_layout(
     # The save sequence, in one process: take and check the state, write it
     # through DCP into a staging folder, publish it as out (or discard it).
     step = int(flat.get("step", flat.get("train_state.step", 0)))
-    flat, step = take_state(flat, step=step)
+    flat, step, planner = take_state(flat, step=step)
     # On an object store, written in place and committed by its manifest.
     staging = _sibling(storage, out) if storage.atomic_rename else out
     folder = StepFolder(step, out, staging)
@@ -249,7 +249,7 @@ def convert_layout(
             # One process, writing alone, by design.
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             writer = ManifestWriter(folder.staging, step=step)  # loads verify it
-            dcp.save(flat, storage_writer=writer, no_dist=True)
+            dcp.save(flat, storage_writer=writer, planner=planner, no_dist=True)
     except BaseException:
         discard(folder)
         raise

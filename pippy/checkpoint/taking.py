@@ -1,29 +1,126 @@
-"""Taking the state to save: on each rank alone, then checked across ranks.
+"""The state to save, taken on each rank, and checked across ranks in DCP's planning.
 
 :func:`take_state` is the first piece of the save sequence
 (:mod:`~pippy.checkpoint.api`): each rank takes its state_dict and checks
-its step (:func:`state_to_save`), then one gather tells every rank whether
-that failed anywhere and brings the key check's offers, which are judged on
-every rank (:func:`take_together`) before anything is written.
-``AsyncSaver`` takes the state at the call and runs :func:`take_together`
-on its copy in the background.
+its step (:func:`state_to_save`), and gets the :class:`CheckedSavePlanner`
+to pass to ``dcp.save``. The checks across ranks run inside DCP's own
+planning, with no collective of pippy's: each rank's local plan carries its
+failure, if taking the state failed, or its key check's offer
+(:func:`~pippy.checkpoint.collisions.offer_keys`), and the coordinator
+judges the offers before it plans a write. ``AsyncSaver`` takes the state at
+the call and plans its save in the background (:func:`take_together`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.device_mesh import DeviceMesh
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.collisions import offer_keys, refuse_losses
-from pippy.checkpoint.errors import fail_together
+from pippy.checkpoint.errors import own_error
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.stall import Timeout
 
-__all__ = ["state_to_save", "take_state", "take_together"]
+__all__ = [
+    "CheckedSavePlanner",
+    "state_to_save",
+    "step_of",
+    "take_state",
+    "take_together",
+]
+
+
+class CheckedSavePlanner(SavePlanner):
+    """DCP's save planner, refusing in DCP's own planning what DCP would lose.
+
+    Each rank's local plan carries its key check's offer
+    (:func:`~pippy.checkpoint.collisions.offer_keys`); the coordinator judges
+    every rank's offer (:func:`~pippy.checkpoint.collisions.refuse_losses`)
+    before it plans the write, inside DCP's first gather. A rank whose state
+    could not be taken still plans: it raises its ``failure`` there, so that
+    no rank waits for it alone. Everything else is ``planner``'s. Pass it to
+    ``dcp.save`` inside :func:`~pippy.checkpoint.publishing.publish_step`,
+    whose :func:`~pippy.checkpoint.errors.explain_failures` raises what it
+    refused as one line.
+
+    Args:
+        planner: The planner that plans the save; ``DefaultSavePlanner`` if
+            None.
+        mesh: As :func:`take_state`.
+        process_group: The ranks that save (``dcp.save``'s); the default
+            group if None.
+        failure: This rank's failure taking its state, raised by
+            :meth:`create_local_plan`.
+
+    Raises:
+        KeyCollisionError, DivergedReplicasError, NestedStateError: From
+            ``dcp.save``, as :func:`~pippy.checkpoint.collisions.check_keys`,
+            on every rank, before anything is written.
+        CheckpointError: From ``dcp.save``: taking the state failed on some
+            rank, naming it (that rank raises its own ``failure``).
+    """
+
+    def __init__(
+        self,
+        planner: SavePlanner | None = None,
+        *,
+        mesh: DeviceMesh | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        failure: Exception | None = None,
+    ) -> None:
+        self.planner = planner or DefaultSavePlanner()
+        self.mesh, self.process_group, self.failure = mesh, process_group, failure
+        self._state_dict: dict[str, Any] = {}
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """As ``planner``'s; keeps the state_dict (nested) for the key check."""
+        self._state_dict = state_dict
+        self.planner.set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def create_local_plan(self) -> SavePlan:
+        """``planner``'s plan, carrying this rank's offer; raises its failure."""
+        try:
+            if self.failure is not None:
+                raise self.failure
+            offer = offer_keys(
+                self._state_dict, process_group=self.process_group, mesh=self.mesh
+            )
+        except Exception as e:
+            raise own_error(e) from e
+        plan = self.planner.create_local_plan()
+        return dataclasses.replace(plan, planner_data=(offer, plan.planner_data))
+
+    def create_global_plan(
+        self, all_plans: list[SavePlan]
+    ) -> tuple[list[SavePlan], Metadata]:
+        """Judges every rank's offer, then ``planner``'s global plan."""
+        refuse_losses(
+            [p.planner_data[0] for p in all_plans], process_group=self.process_group
+        )
+        return self.planner.create_global_plan(
+            [dataclasses.replace(p, planner_data=p.planner_data[1]) for p in all_plans]
+        )
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """As ``planner``'s."""
+        return self.planner.finish_plan(new_plan)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """As ``planner``'s."""
+        return self.planner.resolve_data(write_item)
 
 
 def take_state(
@@ -32,9 +129,17 @@ def take_state(
     step: int | None = None,
     process_group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
+    planner: SavePlanner | None = None,
     timeout: Timeout = None,
-) -> tuple[dict[str, Any], int]:
-    """Takes the state to save and checks it, on every rank at once.
+) -> tuple[dict[str, Any], int, CheckedSavePlanner]:
+    """Takes the state to save, and the planner that checks it across ranks.
+
+    Call it on every rank at once; then, on every rank, even one whose state
+    could not be taken, ``dcp.save`` with what it returns::
+
+        state_dict, step, planner = take_state(state)
+        with publish_step(checkpoint_dir, step) as writer:
+            dcp.save(state_dict, storage_writer=writer, planner=planner)
 
     Args:
         state: The stage's :class:`StageState`, or a nested state_dict.
@@ -45,60 +150,78 @@ def take_state(
             dims, for :func:`~pippy.checkpoint.collisions.check_keys`: stages
             replicated over data-parallel ranks are compared, not taken for
             collisions.
+        planner: DCP's save planner, wrapped; ``DefaultSavePlanner`` if None.
         timeout: Seconds (or a ``timedelta``) a rank waits for the others to
             start saving (:mod:`~pippy.checkpoint.stall`); None: no deadline.
 
     Returns:
-        ``(state_dict, step)``: what to pass to ``dcp.save``, and its step.
+        ``(state_dict, step, planner)``: what to pass to ``dcp.save`` (an
+        empty state_dict where taking the state failed), its step, and the
+        :class:`CheckedSavePlanner` that carries the checks.
 
     Raises:
-        ValueError: No ``step`` for a plain state_dict, or the state's own
-            ``step`` entry is another (on the rank that has it; the others
-            raise ``CheckpointError``).
-        CheckpointError: Taking the state failed on another rank.
-        KeyCollisionError: As ``check_keys`` (also ``DivergedReplicasError``
-            and ``NestedStateError``), on every rank.
+        ValueError: No ``step`` for a plain state_dict, at once. The state's
+            own ``step`` entry is another: from ``dcp.save``, on the rank
+            that has it (the others raise ``CheckpointError`` naming it),
+            at once without a process group.
+        KeyCollisionError: From ``dcp.save``, as ``check_keys`` (also
+            ``DivergedReplicasError`` and ``NestedStateError``), on every rank.
         CheckpointTimeout: Some rank did not start within ``timeout``.
     """
-    shown = step if step is not None else getattr(state, "step", "?")
-    return take_together(
-        lambda: state_to_save(state, step),
-        action=f"saving step-{shown}",
+    step = step_of(state, step)
+    state_dict, checked = take_together(
+        lambda: state_to_save(state, step)[0],
+        action=f"saving step-{step}",
         process_group=process_group,
         mesh=mesh,
+        planner=planner,
         timeout=timeout,
     )
+    return state_dict, step, checked
 
 
 def take_together(
-    take: Callable[[], tuple[dict[str, Any], int]],
+    take: Callable[[], dict[str, Any]],
     *,
     action: str,
     process_group: dist.ProcessGroup | None,
     mesh: DeviceMesh | None,
+    planner: SavePlanner | None = None,
     timeout: Timeout,
-) -> tuple[dict[str, Any], int]:
-    """:func:`take_state` for a state taken by ``take``, on every rank at once.
+) -> tuple[dict[str, Any], CheckedSavePlanner]:
+    """:func:`take_state` for a state_dict taken by ``take``, on every rank at once.
 
     Each rank waits for the others (:func:`~pippy.checkpoint.stall.start`),
-    then runs ``take``; one gather tells every rank whether it failed
-    anywhere and brings the key check's offers
-    (:func:`~pippy.checkpoint.collisions.offer_keys`), which are then judged.
-    ``AsyncSaver`` calls it in the background on the copy it took.
+    then runs ``take``; a failure there goes into the planner, which raises
+    it inside ``dcp.save`` (at once without a process group). ``AsyncSaver``
+    calls it in the background on the copy it took.
 
     Raises:
-        CheckpointError, KeyCollisionError, CheckpointTimeout: As
-            :func:`take_state`; ``take``'s own exception on the rank where it
-            failed.
+        CheckpointTimeout: As :func:`take_state`; ``take``'s own exception
+            without a process group.
     """
     stall.start(action, timeout=timeout, process_group=process_group)
-    # Taking the state runs on each rank alone: a refusal on one rank (its
-    # parts' LR schedulers differ) stops all, not only the one.
-    with fail_together("saving", process_group, keep_own_error=True) as sent:
-        state_dict, step = take()
-        sent.value = offer_keys(state_dict, process_group=process_group, mesh=mesh)
-    refuse_losses(sent.everyone, process_group=process_group)
-    return state_dict, step
+    ranks: dict[str, Any] = {"process_group": process_group}
+    try:
+        state_dict = take()
+    except Exception as e:
+        if not dist.is_initialized():  # no rank waits for this one
+            raise
+        return {}, CheckedSavePlanner(planner, failure=e, **ranks)
+    return state_dict, CheckedSavePlanner(planner, mesh=mesh, **ranks)
+
+
+def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
+    """The step ``state`` is saved as: ``step``, else a :class:`StageState`'s own.
+
+    Raises:
+        ValueError: A plain state_dict without ``step`` (alike on every rank).
+    """
+    if step is None and isinstance(state, StageState):
+        return state.step
+    if step is None:
+        raise ValueError("saving a plain state_dict needs its step")
+    return step
 
 
 def state_to_save(
@@ -109,13 +232,8 @@ def state_to_save(
     Raises:
         ValueError: As :func:`take_state`, on this rank.
     """
-    if isinstance(state, StageState):
-        state_dict = state.state_dict()
-        step = state.step if step is None else step
-    elif step is None:
-        raise ValueError("saving a plain state_dict needs its step")
-    else:
-        state_dict = dict(state)
+    step = step_of(state, step)
+    state_dict = state.state_dict() if isinstance(state, StageState) else dict(state)
     stored = state_dict.get("step")
     if isinstance(stored, int) and stored != step:
         raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
