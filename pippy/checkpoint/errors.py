@@ -112,7 +112,7 @@ def _message(error: BaseException) -> str:
     return text
 
 
-class _OwnError(CheckpointError):
+class _OwnError(Exception):
     """A rank's own error sent through DCP, which :func:`explain_failures` raises."""
 
     def __init__(self, rank: int, error: Exception) -> None:
@@ -130,7 +130,7 @@ def _line(error: BaseException) -> str:
     return f"{type(error).__name__}: {_message(error)}"
 
 
-def own_error(error: Exception) -> CheckpointError:
+def own_error(error: Exception) -> Exception:
     """``error``, to raise inside DCP: this rank raises it, the others name it.
 
     For a failure on one rank that DCP gathers (a save planner's
