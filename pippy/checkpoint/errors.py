@@ -31,6 +31,7 @@ __all__ = [
     "SentAlong",
     "TiedParametersError",
     "UnsafeCheckpointError",
+    "dir_error",
     "explain_failures",
     "fail_together",
     "on_coordinator",
@@ -316,8 +317,7 @@ def on_coordinator(
         except CheckpointError as e:
             outcome[0] = own = e
         except OSError as e:
-            where = f" ({e.filename})" if e.filename else ""
-            outcome[0] = CheckpointDirError(f"{action}: {e.strerror or e}{where}")
+            outcome[0] = dir_error(action, e)
         except Exception as e:  # a bug: the same exception on every rank
             own, outcome[0] = e, _portable(e, action)
     if dist.is_initialized():
@@ -328,6 +328,12 @@ def on_coordinator(
     if outcome[0] is not None:
         raise outcome[0]
     return outcome[1]
+
+
+def dir_error(action: str, error: OSError) -> CheckpointDirError:
+    """``error`` as one line: ``<action>: <reason> (<file>)``."""
+    where = f" ({error.filename})" if error.filename else ""
+    return CheckpointDirError(f"{action}: {error.strerror or error}{where}")
 
 
 def _portable(error: Exception, action: str) -> Exception:

@@ -24,7 +24,12 @@ from typing import Any
 import torch.distributed as dist
 
 from pippy.checkpoint import stall
-from pippy.checkpoint.errors import CheckpointDirError, explain_failures, on_coordinator
+from pippy.checkpoint.errors import (
+    CheckpointDirError,
+    dir_error,
+    explain_failures,
+    on_coordinator,
+)
 from pippy.checkpoint.lease import check_lease, lease_lost
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.stall import Timeout
@@ -195,10 +200,7 @@ def publisher(folder: StepFolder, keep_last: int | None = None) -> Callable[[], 
         try:
             removed = _rename_and_prune(folder, keep_last)
         except OSError as e:
-            where = f" ({e.filename})" if e.filename else ""
-            raise CheckpointDirError(
-                f"cannot publish {name}: {e.strerror or e}{where}"
-            ) from e
+            raise dir_error(f"cannot publish {name}", e) from e
         if removed:
             logger.info("published %s, removed %s", name, ", ".join(removed))
 
