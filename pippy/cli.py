@@ -35,7 +35,7 @@ from pippy.checkpoint.steps import (
 )
 from pippy.checkpoint.storage import storage_for
 
-__all__ = ["main"]
+__all__ = ["main", "parser"]
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _DTYPES = {
@@ -291,8 +291,12 @@ def _convert(args: argparse.Namespace) -> None:
     print(f"{folder} -> {args.out}: {count} items ({args.to} layout)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m pippy``."""
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m pippy``.
+
+    Returns:
+        A new parser; ``parse_args`` exits 2 on an unknown command or flag.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m pippy",
         description="Inspect, export and convert pippy (DCP) checkpoints.",
@@ -430,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         on stderr as one ``error: <message>`` line (argparse exits 2 itself on
         bad arguments).
     """
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     args.trusted = resolve_trusted(args.trust_checkpoint or None)
     try:
         with warnings.catch_warnings():  # one process, reading alone, by design

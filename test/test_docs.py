@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from pippy import checkpoint
-from pippy.cli import _parser
+from pippy.cli import parser
 
 from helpers import _ENV, ROOT
 
@@ -82,7 +82,7 @@ def test_the_pages_command_lines_of_python_m_pippy_parse():
     ]
     assert len(lines) >= 6
     for line in lines:
-        _parser().parse_args(shlex.split(line, comments=True)[3:])  # exits 2 if not
+        parser().parse_args(shlex.split(line, comments=True)[3:])  # exits 2 if not
 
 
 @pytest.mark.parametrize("page", PAGES)
