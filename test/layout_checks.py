@@ -29,7 +29,7 @@ from pippy.checkpoint.checks import (
 )
 from pippy.checkpoint.collisions import check_keys
 
-from helpers import run_checks, tiny_gpt  # noqa: E402
+from helpers import CountedOps, run_checks, tiny_gpt  # noqa: E402
 
 N_STAGES = 4
 
@@ -107,7 +107,13 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
         sd = state.state_dict()
         result[f"{kind}_keys"] = sorted(sd["model"])
         result[f"{kind}_no_mesh"] = error_of(lambda sd=sd: check_keys(sd))
-        checkpoint.save_stage(state, out / kind, mesh=mesh)
+        with CountedOps() as counted:
+            checkpoint.save_stage(state, out / kind, mesh=mesh)
+        result[f"{kind}_ops"] = dict(counted.counts)
+        if kind == "ddp":  # plain DCP's operations, for the same state
+            with CountedOps() as counted:
+                dcp.save(state.state_dict(), checkpoint_id=out / "ops-plain")
+            result["dcp_ops"] = dict(counted.counts)
         if kind == "fsdp":  # the same step, from the async saver's staged copy
             saver = checkpoint.AsyncSaver(out / "fsdp-async", mesh=mesh)
             saver.save(state)

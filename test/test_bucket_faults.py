@@ -342,8 +342,8 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
         with publish_step(run, step, keep_last=keep_last) as writer:
             (during or (lambda: None))()
             if committed is not None:  # once the commit record is written
-                publish = writer.on_finish  # then retention, inside dcp.save
-                writer.on_finish = lambda: (committed(), publish())
+                publish = writer.publish  # then retention, inside dcp.save
+                writer.publish = lambda: (committed(), publish())
             dcp.save(state_dict, storage_writer=writer, planner=planner)
 
     # Before a save: refused before anything is written.

@@ -45,15 +45,6 @@ def test_the_writer_publishes_the_step_inside_dcp_save(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]  # pruned
 
 
-def test_a_body_with_a_writer_of_its_own_is_published_after_it(tmp_path):
-    state = {"model": tiny_model().state_dict()}
-    with publish_step(tmp_path, 2) as writer:
-        own = dcp.FileSystemWriter(writer.path)
-        dcp.save(state, storage_writer=own, no_dist=True)
-        assert list_steps(tmp_path) == {}
-    assert is_complete(tmp_path / "step-2")
-
-
 def test_publish_step_never_overwrites_a_step(tmp_path):
     save_step(tmp_path, 5, tiny_model())
     before = (tmp_path / "step-5" / ".metadata").read_bytes()

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.serialization import get_crc32_options
 
 from pippy import checkpoint
-from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import CRC32_PER_THREAD
 
@@ -71,8 +70,7 @@ def run_ranks(out: Path) -> None:
     finally:
         stop.set()
         watcher.join()
-    writer = ManifestWriter(out / "unused", step=2, thread_count=2)
-    checkpoint.save_stage(state, out / "ckpt", step=2, storage_writer=writer)
+    checkpoint.save_stage(state, out / "ckpt", step=2, thread_count=2)
     record = {"crc32_after": get_crc32_options(), "other_thread": sorted(seen)}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.destroy_process_group()

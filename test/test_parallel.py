@@ -57,6 +57,19 @@ def test_ddp_replicas_are_saved_once_and_reload_bitwise(mesh_run):
         assert 0.25 * stage_bytes[rank] < files[rank] < 0.75 * stage_bytes[rank], files
 
 
+def test_a_save_on_a_dp_mesh_runs_no_collective_beside_dcps(mesh_run):
+    """On 4 ranks, dp=2 x pp=2: save_stage runs no more collectives than a
+    plain dcp.save of the same state, on every rank (stall.py's store waits
+    aside), for DDP replicas and FSDP2 shards."""
+    _, found = mesh_run
+    for rank, result in enumerate(found):
+        plain = sum(result["dcp_ops"].values())
+        for kind in ("ddp", "fsdp"):
+            ours = {k: n for k, n in result[f"{kind}_ops"].items() if "." not in k}
+            ours.pop("progress", None)
+            assert sum(ours.values()) <= plain, (rank, kind, result[f"{kind}_ops"])
+
+
 def test_fsdp2_shards_are_saved_and_reload_bitwise(mesh_run):
     out, found = mesh_run
     assert all(r["fsdp_reload_differ"] == [] for r in found)
@@ -96,7 +109,7 @@ def test_diverged_replicas_mix_in_plain_dcp_and_are_refused(mesh_run):
             "DivergedReplicasError: the data-parallel replicas differ"
         )
         assert "'model.layers.0.qkv.weight' (ranks [0, 2])" in error
-        assert result["diverged_left"] == []  # the folder, and nothing in it
+        assert result["diverged_left"] is None  # refused in planning: no folder
         # A slice of the mesh would compare nothing: refused.
         assert result["slice"].startswith("ValueError: the mesh spans 2 ranks and 4")
         # A key that one replica lacks (stage 1's norm on dp rank 1).
@@ -155,7 +168,7 @@ def test_several_stages_per_rank_save_reload_and_load_unsplit(two_rank_checks):
     for result in found:
         assert result["nested"].startswith("NestedStateError: model or optimizer")
         assert "'stage1' (ranks [1])" in result["nested"]
-        assert result["nested_left"] == []  # the folder, and nothing in it
+        assert result["nested_left"] is None  # refused in planning: no folder
     # One rank refuses to take its state: both stop, each with one line.
     assert found[0]["one_refuses"].startswith("CheckpointError: the LR schedulers")
     assert found[1]["one_refuses"] == (

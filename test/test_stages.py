@@ -126,14 +126,13 @@ def test_tied_weights_split_over_stages_are_refused_where_the_stage_is_built(nam
 #: What pippy's save and load add, at most, to the operations of a plain
 #: dcp.save / dcp.load of the same state, counted on each rank (the collectives
 #: through torch.distributed, and the c10d store operations of its waits):
-#: the save's staging folder's name (a broadcast; its key check travels in
-#: DCP's own planning), the load's newest-step answer (a broadcast) and its
-#: refusal check (an all_gather_object), and the two waits of each (at most 8
-#: store operations a wait: set, add, compare_set, wait, get, and up to 3
-#: deletes of an older wait's keys; besides, a progress record at most every
-#: 0.1 s while writing or reading). The goal is none on a save, one broadcast
-#: on a load.
-EXTRA_COLLECTIVES = {"save_stage": 1, "load_stage": 2}
+#: none on a save (its key check and its staging folder travel in DCP's own
+#: planning), the load's newest-step answer (a broadcast) and its refusal check
+#: (an all_gather_object), and the two waits of each (at most 8 store
+#: operations a wait: set, add, compare_set, wait, get, and up to 3 deletes of
+#: an older wait's keys; besides, a progress record at most every 0.1 s while
+#: writing or reading). The goal is one broadcast on a load.
+EXTRA_COLLECTIVES = {"save_stage": 0, "load_stage": 2}
 EXTRA_STORE_OPS = {"save_stage": 16, "load_stage": 16}
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import SavePlanner, StorageWriter
+from torch.distributed.checkpoint import SavePlanner
 from torch.distributed.device_mesh import DeviceMesh
 
 from pippy.checkpoint import stall
@@ -94,7 +94,7 @@ def save_stage(
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
-    storage_writer: StorageWriter | None = None,
+    thread_count: int = 1,
     planner: SavePlanner | None = None,
     timeout: Timeout = None,
 ) -> Any:
@@ -114,11 +114,8 @@ def save_stage(
         process_group: The ranks that save; the default group if None.
         mesh: As :func:`take_state`. DCP writes each replicated item once,
             spread over the replicas.
-        storage_writer: DCP's storage writer; None writes files and a
-            manifest of their checksums with the
-            :class:`~pippy.checkpoint.manifest.ManifestWriter` that
-            ``publish_step`` gives (loads verify it by default). Its path is
-            set to the staging folder.
+        thread_count: Threads each rank writes its files with (DCP's
+            ``FileSystemWriter``'s).
         planner: DCP's save planner, wrapped by :func:`take_state`'s; None
             uses ``DefaultSavePlanner``.
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
@@ -140,12 +137,13 @@ def save_stage(
     state_dict, step, checked = take_state(
         state, step=step, mesh=mesh, planner=planner, **ranks
     )
-    with publish_step(checkpoint_dir, step, keep_last=keep_last, **ranks) as writer:
+    with publish_step(
+        checkpoint_dir, step, keep_last=keep_last, thread_count=thread_count, **ranks
+    ) as writer:
         start = time.perf_counter()
         dcp.save(
             state_dict,
-            checkpoint_id=writer.path,
-            storage_writer=storage_writer or writer,
+            storage_writer=writer,
             planner=checked,
             process_group=process_group,
         )

@@ -6,9 +6,10 @@ alone, and the stager's copy; in a background thread, the rest of
 ``take_state`` (the wait for every rank, and the planner that checks across
 ranks in DCP's planning), then the parts
 :func:`~pippy.checkpoint.publishing.publish_step` is made of
-(:func:`~pippy.checkpoint.publishing.prepare_step`, then ``dcp.save``
-through :class:`~pippy.checkpoint.manifest.ManifestWriter`, whose ``finish``
-publishes the step, or ``discard`` on a failure).
+(``dcp.save`` through its
+:class:`~pippy.checkpoint.publishing.StepWriter`, which stages the step in
+DCP's planning and publishes it in its ``finish``, or discards it on a
+failure).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
-from pippy.checkpoint.manifest import ManifestWriter
-from pippy.checkpoint.publishing import discard, prepare_step, publisher
+from pippy.checkpoint.publishing import StepWriter
 from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
@@ -206,23 +206,18 @@ class AsyncSaver:
             mesh=self.mesh,
             timeout=self.timeout,
         )
-        folder = prepare_step(self.checkpoint_dir, step, group)
+        writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
         try:
-            writer = ManifestWriter(
-                folder.staging,
-                step=step,
-                on_finish=publisher(folder, self.keep_last),
-            )
             dcp.save(copy, storage_writer=writer, planner=planner, process_group=group)
         except BaseException:
-            discard(folder, group)
+            writer.discard()
             raise
         if not dist.is_initialized() or dist.get_rank() == 0:
             seconds = time.perf_counter() - self._started
             logger.info(
                 "published step-%d, saved in the background in %.2f s", step, seconds
             )
-        return folder.final
+        return writer.final
 
     def wait_for_staging(self) -> None:
         """Waits until the state of the save in flight has been copied.

@@ -15,9 +15,9 @@ Is the folder a folder, is it free,    :class:`~pippy.checkpoint.FolderOwner`
 who owns it, take it over              (``acquire``; ``release`` on rank 0 alone)
 Which steps are complete, which is     :func:`~pippy.checkpoint.find_latest_step`
 newest (and which verify)              (``verified=True``: ``newest_verified_step``)
-Is the step new, what to move aside    :func:`~pippy.checkpoint.publishing.prepare_step`
-Publish it, what to delete             :func:`~pippy.checkpoint.publishing.publish`
-(``keep_last``)                        (``discard`` on rank 0 alone)
+Is the step new, what to move aside;   :class:`~pippy.checkpoint.publishing.StepWriter`,
+publish it, what to delete             in DCP's planning and ``finish`` (no
+(``keep_last``)                        broadcast: DCP's plans carry the answer)
 Is the step complete, its              :func:`open_reader`, which
 ``.metadata``, its files' sizes, its   :func:`~pippy.checkpoint.api.open_step` and
 manifest                               ``load_stage`` use

@@ -26,7 +26,6 @@ import torch.distributed.checkpoint as dcp
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.layouts import PIPPY, TORCHTITAN, to_torchtitan
 from pippy.checkpoint.manifest import ManifestWriter
-from pippy.checkpoint.publishing import StepFolder, discard, publish
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 from pippy.checkpoint.taking import take_state
 from pippy.checkpoint.unsplit import read_checkpoint
@@ -242,16 +241,16 @@ def convert_layout(
     flat, step, planner = take_state(flat, step=step)
     # On an object store, written in place and committed by its manifest.
     staging = _sibling(storage, out) if storage.atomic_rename else out
-    folder = StepFolder(step, out, staging)
-    storage.makedirs(folder.staging)
+    storage.makedirs(staging)
     try:
         with warnings.catch_warnings(), explain_failures(f"writing {out}"):
             # One process, writing alone, by design.
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            writer = ManifestWriter(folder.staging, step=step)  # loads verify it
+            writer = ManifestWriter(staging, step=step)  # loads verify it
             dcp.save(flat, storage_writer=writer, planner=planner, no_dist=True)
     except BaseException:
-        discard(folder)
+        storage.remove(staging)
         raise
-    publish(folder)
+    if staging != out:
+        storage.publish(staging, out)
     return len(flat)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,9 +135,6 @@ class ManifestWriter(FileSystemWriter):
     Args:
         path: The folder to write (the ``checkpoint_id``).
         step: The step being saved, recorded in the manifest.
-        on_finish: Run on the coordinator once ``manifest.json`` is written,
-            inside DCP's last step (its exception reaches every rank as DCP's
-            ``CheckpointException``): what publishes the step.
         **kwargs: Passed to ``FileSystemWriter`` (``thread_count``, ...).
 
     Attributes:
@@ -145,7 +142,6 @@ class ManifestWriter(FileSystemWriter):
             as in its file (with each item's ``torch.save`` framing). With
             data-parallel replicas DCP writes each replicated item once, so a
             rank writes a share of its stage.
-        set_up: Whether ``dcp.save`` has used it on this rank.
 
     Note:
         The zip records of the items carry no CRC-32 (their fields are zero):
@@ -160,7 +156,6 @@ class ManifestWriter(FileSystemWriter):
         path: str | os.PathLike,
         *,
         step: int,
-        on_finish: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(path, **kwargs)
@@ -171,37 +166,7 @@ class ManifestWriter(FileSystemWriter):
         else:
             self.fs = DurableFileSystem()
         self.step = step
-        self.on_finish = on_finish
-        self.set_up = False
         self.written = (0, 0)
-        self._coordinator_asks = (
-            False  # set_up_storage_writer: rank 0 asks for this rank
-        )
-
-    def set_up_storage_writer(
-        self, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        """As DCP's; notes whether the coordinator asks for this rank."""
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self.set_up = True
-        self._coordinator_asks = not is_coordinator and kwargs.get(
-            "use_collectives", True
-        )
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """As DCP's, but only the coordinator asks whether the step has a ``.metadata``.
-
-        DCP's writer asks it on every rank (a stat, on a bucket a HEAD and a
-        listing per rank); one rank decides every storage question, and
-        :func:`~pippy.checkpoint.publishing.prepare_step` made the staging
-        folder anew on the coordinator. The others only make sure the folder
-        they write into exists, as DCP's writer does first.
-        """
-        if not self._coordinator_asks:
-            return super().prepare_local_plan(plan)
-        if isinstance(self.fs, DurableFileSystem):  # a store has no folders to make
-            storage_for(self.path).makedirs(self.path)
-        return plan
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
@@ -250,9 +215,9 @@ class ManifestWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` as DCP does, then ``manifest.json``, then publishes.
+        """Writes ``.metadata`` as DCP does, then ``manifest.json``.
 
-        Publishing is ``on_finish``'s. First, on an object store, checks that
+        First, on an object store, checks that
         this job still holds the folder's lease
         (:func:`~pippy.checkpoint.lease.check_lease`): a job that stalled and
         lost the folder commits nothing there.
@@ -292,8 +257,6 @@ class ManifestWriter(FileSystemWriter):
         # about 10x slower than the C one dumps uses.
         data = json.dumps(manifest, separators=(",", ":")).encode()
         storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
-        if self.on_finish is not None:
-            self.on_finish()
 
 
 def read_manifest(folder: Location) -> Manifest | None:

@@ -1,35 +1,34 @@
 """Publishing a step: staged, then renamed whole, or committed by its record.
 
 Ranks write into a hidden staging folder, ``.step-<N>.partial-<token>``, that
-DCP's coordinator renames to ``step-<N>`` once it has written ``.metadata``
-and the manifest, in the writer's ``finish`` (:func:`publish_step`, made of
-:func:`prepare_step`, :func:`publisher` and :func:`discard`, which the async
-saver calls apart). On
-an object store the step is written in place and its manifest, written last,
-commits it (see :mod:`~pippy.checkpoint.steps`). A failed save is discarded:
-nothing is published.
+DCP's coordinator makes in its global planning and renames to ``step-<N>``
+once it has written ``.metadata`` and the manifest, in the writer's
+``finish`` (:class:`StepWriter`, which :func:`publish_step` gives): a save
+runs DCP's collectives and none of pippy's own. On an object store the step
+is written in place and its manifest, written last, commits it (see
+:mod:`~pippy.checkpoint.steps`). A failed save is discarded: nothing is
+published.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from pippy.checkpoint import stall
-from pippy.checkpoint.errors import (
-    CheckpointDirError,
-    dir_error,
-    explain_failures,
-    on_coordinator,
-)
+from pippy.checkpoint.errors import CheckpointDirError, dir_error, explain_failures
 from pippy.checkpoint.lease import check_lease, lease_lost
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.stall import Timeout
@@ -42,95 +41,108 @@ from pippy.checkpoint.steps import (
 )
 from pippy.checkpoint.storage import Location, storage_for
 
-__all__ = [
-    "StepFolder",
-    "discard",
-    "prepare_step",
-    "publish",
-    "publish_step",
-    "publisher",
-]
+__all__ = ["StepWriter", "publish_step"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepFolder:
-    """The two paths of one step's save: where it is written, where it is published.
+class _Staged:
+    """A rank's storage plan: its files' prefix (as DCP's) and the folder to write."""
 
-    Attributes:
-        step: The step being saved.
-        final: ``<checkpoint_dir>/step-<step>``, what readers see.
-        staging: ``<checkpoint_dir>/.step-<step>.partial-<token>``, what ranks
-            write into.
-    """
-
-    step: int
-    final: Any
+    prefix: str
     staging: Any
 
-    @classmethod
-    def of(cls, checkpoint_dir: Location, step: int, token: str) -> StepFolder:
-        """The step folder of ``step`` in ``checkpoint_dir``, staged under ``token``.
 
-        On an object store (no rename) the staging folder is the final one.
-        """
-        storage = storage_for(checkpoint_dir)
-        final = step_dir(checkpoint_dir, step)
-        if not storage.atomic_rename:
-            return cls(step, final, final)
-        staging = storage.join(checkpoint_dir, f".step-{step}.partial-{token}")
-        return cls(step, final, staging)
+class StepWriter(ManifestWriter):
+    """pippy's writer of one step: staged and published inside ``dcp.save``.
 
-
-def prepare_step(
-    checkpoint_dir: Location,
-    step: int,
-    process_group: dist.ProcessGroup | None = None,
-) -> StepFolder:
-    """Checks that ``step-<step>`` is new and makes its empty staging folder.
-
-    An incomplete ``step-<step>`` (not written by :func:`publish_step`), or
-    one whose manifest names another step (a copy), is moved aside. The
-    staging folder is new, named by a token rank 0 draws.
-    Call it on every rank of ``process_group``; rank 0 does the file
-    operations.
+    In DCP's global planning (after the save planner's checks, before any
+    rank writes), the coordinator checks that ``step-<step>`` is new and
+    makes its staging folder; the plans DCP scatters carry that folder to
+    every rank, which writes there. An incomplete ``step-<step>``, or one
+    whose manifest names another step (a copy), is moved aside first. In
+    ``finish``, after ``.metadata`` and ``manifest.json``, the coordinator
+    publishes the step (:meth:`publish`). A refusal reaches every rank as
+    DCP's ``CheckpointException``, which
+    :func:`~pippy.checkpoint.errors.explain_failures` turns into the refusal
+    itself.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing.
-        step: The step about to be saved.
-        process_group: The ranks that save; the default group if None.
+        step: The step being saved.
+        keep_last: If set, keep only this many newest complete steps.
+        **kwargs: Passed to :class:`~pippy.checkpoint.manifest.ManifestWriter`
+            (``thread_count``, ...).
 
-    Returns:
-        The step's folder, its staging folder empty and ready.
+    Attributes:
+        final: ``<checkpoint_dir>/step-<step>``, what readers see.
+        staging: The folder the coordinator made, on the coordinator once
+            made; None elsewhere. On an object store (no rename), ``final``.
 
     Raises:
-        CheckpointDirError: On every rank: the step exists, or the folder is a
-            file or cannot be written.
-        CheckpointDirInUseError: On every rank: this job lost the folder's
+        CheckpointDirError: In ``dcp.save``: the step exists, or the folder
+            is a file or cannot be written.
+        CheckpointDirInUseError: In ``dcp.save``: this job lost the folder's
             lease to another job (:func:`~pippy.checkpoint.lease.check_lease`).
     """
-    storage = storage_for(checkpoint_dir)
-    final = step_dir(checkpoint_dir, step)
 
-    def make_staging() -> StepFolder:  # on rank 0 alone: no other rank lists
-        check_lease(checkpoint_dir)  # a job that lost the folder writes nothing
-        list_steps(checkpoint_dir)  # a file where the folder should be: say so
+    def __init__(
+        self,
+        checkpoint_dir: Location,
+        step: int,
+        *,
+        keep_last: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.final = step_dir(checkpoint_dir, step)
+        super().__init__(self.final, step=step, **kwargs)
+        self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
+        self.staging: Any = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """The plan as is: the coordinator alone looks at the folder, and makes it."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's plans, each carrying the staging folder made here."""
+        storage = storage_for(self.checkpoint_dir)
+        pattern = storage.join(self.checkpoint_dir, f".step-{self.step}.partial-*")
+        try:
+            self.staging = self._make_staging()
+        except OSError as e:
+            raise dir_error(f"cannot create {pattern}", e) from e
+        return [
+            dataclasses.replace(
+                p, storage_data=_Staged(p.storage_data.prefix, self.staging)
+            )
+            for p in super().prepare_global_plan(plans)
+        ]
+
+    def _make_staging(self) -> Any:
+        """On the coordinator: checks that the step is new, makes its staging folder."""
+        storage, final = storage_for(self.checkpoint_dir), self.final
+        check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
+        list_steps(self.checkpoint_dir)  # a file where the folder should be: say so
         if is_complete(final) and _holds_its_step(final):
             raise CheckpointDirError(
                 f"{os.fspath(final)!r} already exists; checkpoints are never "
                 "overwritten. Resume from it, or save into another checkpoint "
                 "folder."
             )
-        folder = StepFolder.of(checkpoint_dir, step, uuid.uuid4().hex[:12])
-        if not storage.atomic_rename and storage.exists(final):
-            # Written in place and never committed (a save cut short): this
-            # job owns the folder, and no reader takes an uncommitted step.
-            storage.remove(final)
-            logger.warning("removed %s: a save of it never committed", final)
+        staging = storage.join(
+            self.checkpoint_dir, f".step-{self.step}.partial-{uuid.uuid4().hex[:12]}"
+        )
+        if not storage.atomic_rename:
+            staging = final
+            if storage.exists(final):
+                # Written in place and never committed (a save cut short): this
+                # job owns the folder, and no reader takes an uncommitted step.
+                storage.remove(final)
+                logger.warning("removed %s: a save of it never committed", final)
         elif storage.exists(final):  # incomplete, or another step's: keep it aside
             aside = storage.join(
-                checkpoint_dir, f".step-{step}.incomplete-{int(time.time())}"
+                self.checkpoint_dir, f".step-{self.step}.incomplete-{int(time.time())}"
             )
             storage.publish(final, aside)
             logger.warning(
@@ -138,86 +150,58 @@ def prepare_step(
                 final,
                 storage.name(aside),
             )
-        storage.makedirs(folder.staging)
-        return folder
+        storage.makedirs(staging)
+        return staging
 
-    staging = storage.join(checkpoint_dir, f".step-{step}.partial-*")
-    return on_coordinator(f"cannot create {staging}", make_staging, process_group)
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """Writes this rank's items, as the manifest writer, into the staging folder."""
+        self.path = self.fs.init_path(plan.storage_data.staging)
+        return super().write_data(plan, planner)
 
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        """Writes ``.metadata`` and ``manifest.json``, then publishes the step."""
+        super().finish(metadata, results)
+        self.publish()
 
-def publish(
-    folder: StepFolder,
-    *,
-    keep_last: int | None = None,
-    process_group: dist.ProcessGroup | None = None,
-) -> list[str]:
-    """Renames a step's staging folder to ``step-<N>``, then prunes old steps.
+    def publish(self) -> None:
+        """On the coordinator: renames the staging folder to ``step-<N>``, then prunes.
 
-    Call it on every rank once the save returned everywhere, for a save
-    whose writer did not publish it (:func:`publisher` does so inside
-    ``dcp.save``). The rename is durable when this returns
-    (:meth:`~pippy.checkpoint.storage.Storage.publish`).
+        The rename is durable when this returns
+        (:meth:`~pippy.checkpoint.storage.Storage.publish`); on an object
+        store the step was committed by its manifest.
 
-    Args:
-        folder: The step folder from :func:`prepare_step`.
-        keep_last: If set, then keep only this many newest complete steps.
-        process_group: The ranks that saved; the default group if None.
-
-    Returns:
-        The names of the step folders removed, on every rank.
-
-    Raises:
-        CheckpointDirError: On every rank, if the rename or pruning failed.
-        CheckpointDirInUseError: On every rank: this job lost the folder's
-            lease to another job; nothing is pruned.
-    """
-    return on_coordinator(
-        f"cannot publish {storage_for(folder.final).name(folder.final)}",
-        lambda: _rename_and_prune(folder, keep_last),
-        process_group,
-    )
-
-
-def publisher(folder: StepFolder, keep_last: int | None = None) -> Callable[[], None]:
-    """What publishes ``folder`` from its writer's ``finish``, on the coordinator.
-
-    Give it to :class:`~pippy.checkpoint.manifest.ManifestWriter` as
-    ``on_finish``: the step is renamed to ``step-<N>`` (and old steps pruned)
-    inside DCP's last step, with no collective of its own; a failure reaches
-    every rank through DCP.
-
-    Args:
-        folder: The step folder from :func:`prepare_step`.
-        keep_last: If set, then keep only this many newest complete steps.
-
-    Returns:
-        The function to run; it raises ``CheckpointDirError`` if the rename or
-        pruning failed and ``CheckpointDirInUseError`` if the lease was lost.
-    """
-
-    def publish_here() -> None:
-        name = storage_for(folder.final).name(folder.final)
+        Raises:
+            CheckpointDirError: The rename or pruning failed.
+            CheckpointDirInUseError: This job lost the folder's lease to
+                another job; nothing is renamed or pruned.
+        """
+        storage = storage_for(self.final)
+        name = storage.name(self.final)
         try:
-            removed = _rename_and_prune(folder, keep_last)
+            check_lease(self.checkpoint_dir)
+            if self.staging != self.final:  # on a store: committed by its record
+                storage.publish(self.staging, self.final)
+            if self.keep_last is None:
+                return
+            removed = remove_old_steps(
+                self.checkpoint_dir, self.keep_last, keep=self.final
+            )
         except OSError as e:
             raise dir_error(f"cannot publish {name}", e) from e
         if removed:
-            logger.info("published %s, removed %s", name, ", ".join(removed))
+            names = ", ".join(storage.name(p) for p in removed)
+            logger.info("published %s, removed %s", name, names)
 
-    return publish_here
+    def discard(self) -> None:
+        """Removes a failed save's staging folder, where made, without a collective.
 
-
-def _rename_and_prune(folder: StepFolder, keep_last: int | None) -> list[str]:
-    """On one rank: renames the staging folder to the step's, then prunes."""
-    storage = storage_for(folder.final)
-    check_lease(storage.parent(folder.final))
-    if folder.staging != folder.final:  # on a store: committed by its record
-        storage.publish(folder.staging, folder.final)
-    if keep_last is None:
-        return []
-    parent = storage.parent(folder.final)
-    removed = remove_old_steps(parent, keep_last, keep=folder.final)
-    return [storage.name(p) for p in removed]
+        A job that lost its lease removes nothing: on an object store the
+        step is written in place, and the folder may be the new owner's.
+        """
+        if self.staging is not None and not lease_lost(self.checkpoint_dir):
+            storage_for(self.staging).remove(self.staging)
 
 
 @contextmanager
@@ -228,25 +212,28 @@ def publish_step(
     keep_last: int | None = None,
     process_group: dist.ProcessGroup | None = None,
     timeout: Timeout = None,
-) -> Iterator[ManifestWriter]:
-    """Gives every rank a staging folder and publishes it as ``step-<step>``.
+    **writer_options: Any,
+) -> Iterator[StepWriter]:
+    """Gives every rank the writer of ``step-<step>``, which publishes it.
 
     Use it around ``dcp.save``, on every rank::
 
         with publish_step(checkpoint_dir, step) as writer:
             dcp.save(state_dict, storage_writer=writer)
 
-    The save goes into ``.step-<step>.partial-<token>``; once every rank has
-    written, the coordinator writes ``.metadata`` and ``manifest.json`` and,
-    still inside ``dcp.save`` (the writer's ``finish``), renames the folder to
-    ``step-<step>``, which is atomic on a POSIX file system, and only then
-    removes steps beyond ``keep_last``. A body that saves through another
-    writer is published after it, with one broadcast. A crash before that leaves
-    only the hidden staging folder, which :func:`find_latest_step` never
-    picks. An existing step folder is never written into. If the body raises,
-    nothing is published and rank 0 removes the staging folder; DCP's
-    ``CheckpointException`` (a ``BaseException``) is raised as a
-    ``CheckpointError`` with one line per failed rank.
+    In DCP's planning the coordinator checks that the step is new and makes
+    its staging folder, ``.step-<step>.partial-<token>``, where every rank
+    writes; once every rank has written, the coordinator writes
+    ``.metadata`` and ``manifest.json`` and, still inside ``dcp.save`` (the
+    writer's ``finish``), renames the folder to ``step-<step>``, which is
+    atomic on a POSIX file system, and only then removes steps beyond
+    ``keep_last`` (:class:`StepWriter`). No collective runs but DCP's. A
+    crash before that leaves only the hidden staging folder, which
+    :func:`find_latest_step` never picks. An existing step folder is never
+    written into. If the body raises, nothing is published and the
+    coordinator removes the staging folder; DCP's ``CheckpointException``
+    (a ``BaseException``) is raised as a ``CheckpointError`` with one line
+    per failed rank.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing. On
@@ -260,14 +247,17 @@ def publish_step(
             waits without a deadline. Either way, every
             :func:`~pippy.checkpoint.stall.log_every` seconds the ranks not
             done are logged with what they wrote so far.
+        **writer_options: Passed to the :class:`StepWriter` (DCP's
+            ``thread_count``, ...).
 
     Yields:
-        A :class:`~pippy.checkpoint.manifest.ManifestWriter` of the staging
-        folder (its ``path``), to pass to ``dcp.save`` as ``storage_writer``.
+        The :class:`StepWriter` to pass to ``dcp.save`` as ``storage_writer``.
 
     Raises:
         CheckpointDirError: On every rank: ``step-<step>`` exists, or
             ``checkpoint_dir`` is a file or cannot be written.
+        CheckpointDirInUseError: On every rank: this job lost the folder's
+            lease to another job.
         CheckpointError: ``dcp.save`` in the body failed on some rank.
         CheckpointTimeout: Some rank had not written its items within
             ``timeout``: on every rank that had, naming those that had not;
@@ -277,33 +267,11 @@ def publish_step(
     """
     action = f"saving step-{step}"
     stall.seconds(timeout)  # a bad timeout is refused before anything is made
-    folder = prepare_step(checkpoint_dir, step, process_group)
+    writer = StepWriter(checkpoint_dir, step, keep_last=keep_last, **writer_options)
     try:
-        writer = ManifestWriter(
-            folder.staging, step=step, on_finish=publisher(folder, keep_last)
-        )
         with stall.waiting(action, "write", timeout, process_group):
             with explain_failures(action):
                 yield writer
     except BaseException:
-        discard(folder, process_group)
+        writer.discard()
         raise
-    if not writer.set_up:  # the body saved through a writer of its own
-        publish(folder, keep_last=keep_last, process_group=process_group)
-
-
-def discard(folder: StepFolder, process_group: dist.ProcessGroup | None = None) -> None:
-    """Removes a failed save's staging folder, on rank 0, without a collective.
-
-    A job that lost its lease removes nothing: on an object store the step
-    is written in place, and the folder may be the new owner's.
-
-    Args:
-        folder: The step folder from :func:`prepare_step`.
-        process_group: The ranks that saved; rank 0 of it removes the folder.
-    """
-    storage = storage_for(folder.staging)
-    if lease_lost(storage.parent(folder.final)):
-        return
-    if not dist.is_initialized() or dist.get_rank(process_group) == 0:
-        storage.remove(folder.staging)
