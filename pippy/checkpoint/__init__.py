@@ -33,8 +33,7 @@ their modules, one idea per module:
   step folders (``<checkpoint_dir>/step-<N>``), staged and published once
   complete (renamed whole, or committed by their manifest on an object
   store); the newest complete step; retention.
-* :mod:`~pippy.checkpoint.stage_state`, :mod:`~pippy.checkpoint.parts` and
-  :mod:`~pippy.checkpoint.optim_layout`: a rank's stage(s) as one state_dict;
+* :mod:`~pippy.checkpoint.state`: a rank's stage(s) as one state_dict;
   the one owner of the optimizer-state key grammar.
 * :mod:`~pippy.checkpoint.collisions` and :mod:`~pippy.checkpoint.checks`:
   ``check_keys`` across ranks before a save (DCP would silently keep one copy
@@ -81,7 +80,7 @@ from pippy.checkpoint.errors import (
 from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
 from pippy.checkpoint.safe_load import verify_step
-from pippy.checkpoint.stage_state import StageState
+from pippy.checkpoint.state import StageState
 from pippy.checkpoint.unsplit import load_model, read_checkpoint
 from pippy.checkpoint.verified import find_latest_step
 

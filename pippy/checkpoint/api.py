@@ -45,8 +45,8 @@ from pippy.checkpoint.layouts import (
 from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import SafeFileSystemReader
-from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.stall import Timeout
+from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
 from pippy.checkpoint.taking import take_state

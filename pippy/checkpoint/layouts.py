@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pippy.checkpoint.optim_layout import (
+from pippy.checkpoint.state import (
     OptimKeys,
     pack_scalars,
     saved_groups,
@@ -97,7 +97,7 @@ def torchtitan_optim_keys(keys: Iterable[str]) -> OptimKeys:
             keys and ``optimizer.param_groups.<fqn>.<option>`` name the FQNs.
 
     Returns:
-        An :class:`~pippy.checkpoint.optim_layout.OptimKeys` for the keys
+        An :class:`~pippy.checkpoint.state.OptimKeys` for the keys
         without their ``optimizer.`` prefix.
     """
     keys = list(keys)

@@ -17,7 +17,7 @@ writes ``manifest.json`` beside ``.metadata``:
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
 
 ``optim_layout`` is the version of the optimizer state's packing
-(:data:`~pippy.checkpoint.optim_layout.LAYOUT_VERSION`; absent in manifests
+(:data:`~pippy.checkpoint.state.LAYOUT_VERSION`; absent in manifests
 written before it was recorded, which hold layout 1); ``written_by`` the torch
 and pippy that wrote the step (:mod:`~pippy.checkpoint.versions`). ``files``
 maps each data file to its size in bytes. The manifest is plain
@@ -45,7 +45,7 @@ from torch.futures import Future
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.lease import check_lease
-from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
+from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
     DurableFileSystem,
     Location,

@@ -26,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from pippy.checkpoint import stall
 from pippy.checkpoint.collisions import offer_keys, refuse_losses
 from pippy.checkpoint.errors import own_error
-from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.stall import Timeout
+from pippy.checkpoint.state import StageState
 
 __all__ = [
     "CheckedSavePlanner",

@@ -17,7 +17,7 @@ from pippy.checkpoint.api import load_stage, open_step, read_into
 from pippy.checkpoint.checks import tied_groups
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.layouts import PIPPY, detect_layout, from_torchtitan, pippy_name
-from pippy.checkpoint.stage_state import StageState
+from pippy.checkpoint.state import StageState
 from pippy.checkpoint.storage import Location
 
 __all__ = ["load_model", "read_checkpoint"]

@@ -22,7 +22,7 @@ test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
 2.14 and 2.15 (test/golden/version_matrix.py runs that file under each):
 
 * ``torch.distributed.checkpoint.state_dict._get_fqns`` (optimizer keys by
-  FQN, :mod:`~pippy.checkpoint.optim_layout`);
+  FQN, :mod:`~pippy.checkpoint.state`);
 * ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
   (a shard's place, for the replica check in
   :mod:`~pippy.checkpoint.collisions`);
