@@ -35,7 +35,7 @@ their modules, one idea per module:
   store); the newest complete step; retention.
 * :mod:`~pippy.checkpoint.state`: a rank's stage(s) as one state_dict;
   the one owner of the optimizer-state key grammar.
-* :mod:`~pippy.checkpoint.collisions` and :mod:`~pippy.checkpoint.checks`:
+* :mod:`~pippy.checkpoint.checks`:
   ``check_keys`` across ranks before a save (DCP would silently keep one copy
   of a colliding key, and mix diverged data-parallel replicas); tied
   weights, traced buffers, sizes.

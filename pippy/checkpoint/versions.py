@@ -25,7 +25,7 @@ test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
   FQN, :mod:`~pippy.checkpoint.state`);
 * ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
   (a shard's place, for the replica check in
-  :mod:`~pippy.checkpoint.collisions`);
+  :mod:`~pippy.checkpoint.checks`);
 * ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URL reads
   and writes, :mod:`~pippy.checkpoint.storage.url`);
 * in ``.metadata``, the globals the safe reader allows
