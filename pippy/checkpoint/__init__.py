@@ -43,8 +43,8 @@ their modules, one idea per module:
   :mod:`~pippy.checkpoint.metadata_checks` and
   :mod:`~pippy.checkpoint.load_planner`: checksums of every item written,
   and loading without running code a checkpoint's pickles could carry.
-* :mod:`~pippy.checkpoint.unsplit`, :mod:`~pippy.checkpoint.layouts` and
-  :mod:`~pippy.checkpoint.export`: a checkpoint in one process; torchtitan's
+* :mod:`~pippy.checkpoint.offline` and :mod:`~pippy.checkpoint.layouts`:
+  a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease`,
   :mod:`~pippy.checkpoint.launcher`, :mod:`~pippy.checkpoint.verified` and
@@ -77,11 +77,15 @@ from pippy.checkpoint.errors import (
     TiedParametersError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
+from pippy.checkpoint.offline import (
+    convert_layout,
+    export_hf,
+    load_model,
+    read_checkpoint,
+)
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.unsplit import load_model, read_checkpoint
 from pippy.checkpoint.verified import find_latest_step
 
 __all__ = [
