@@ -23,10 +23,10 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
-from pippy.checkpoint.layouts import detect_layout
 from pippy.checkpoint.manifest import MANIFEST_FILE
 from pippy.checkpoint.offline import convert_layout, export_hf, parse_size
 from pippy.checkpoint.safe_load import find_damage, read_metadata, resolve_trusted
+from pippy.checkpoint.state import detect_layout
 from pippy.checkpoint.steps import (
     is_complete,
     list_steps,

@@ -43,8 +43,7 @@ their modules, one idea per module:
   :mod:`~pippy.checkpoint.metadata_checks` and
   :mod:`~pippy.checkpoint.load_planner`: checksums of every item written,
   and loading without running code a checkpoint's pickles could carry.
-* :mod:`~pippy.checkpoint.offline` and :mod:`~pippy.checkpoint.layouts`:
-  a checkpoint in one process; torchtitan's
+* :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease`,
   :mod:`~pippy.checkpoint.launcher`, :mod:`~pippy.checkpoint.verified` and

@@ -29,17 +29,17 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from pippy.checkpoint.api import load_stage, open_step, read_into
 from pippy.checkpoint.checks import tied_groups
 from pippy.checkpoint.errors import CheckpointError, explain_failures
-from pippy.checkpoint.layouts import (
+from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.publishing import StepFolder, discard, publish
+from pippy.checkpoint.state import (
     PIPPY,
     TORCHTITAN,
+    StageState,
     detect_layout,
     from_torchtitan,
     pippy_name,
     to_torchtitan,
 )
-from pippy.checkpoint.manifest import ManifestWriter
-from pippy.checkpoint.publishing import StepFolder, discard, publish
-from pippy.checkpoint.state import StageState
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 from pippy.checkpoint.taking import take_state
 
@@ -62,7 +62,7 @@ def read_checkpoint(
     process group (reads every rank's file here) and inside one (this rank
     alone reads, with no collective). Reads through the safe reader and
     planner. A checkpoint in torchtitan's layout reads under pippy's names
-    (see :mod:`~pippy.checkpoint.layouts`): its root model keys as
+    (see :mod:`~pippy.checkpoint.state`): its root model keys as
     ``model.<fqn>``.
 
     Args:
@@ -344,7 +344,7 @@ def convert_layout(
     """Writes a checkpoint in the other layout: pippy's or torchtitan's.
 
     Reads every key (in one process) and saves it again with ``dcp.save``
-    under the other layout's names (see :mod:`~pippy.checkpoint.layouts`),
+    under the other layout's names (see :mod:`~pippy.checkpoint.state`),
     into a temporary folder renamed to ``out`` when complete. Written for
     torchtitan, ``train_state.ntokens_seen``, which its trainer requires and
     pippy does not keep, is 0; written for pippy, a count of 0 is left out
@@ -352,7 +352,7 @@ def convert_layout(
     and another count is kept as ``train_state.ntokens_seen``. Extra state
     (a data sampler's) is torchtitan's ``dataloader.<extra name>.<name>``,
     and the param group indices are kept (see
-    :mod:`~pippy.checkpoint.layouts`).
+    :mod:`~pippy.checkpoint.state`).
 
     Args:
         path: A ``step-<N>`` folder in either layout.
@@ -369,7 +369,7 @@ def convert_layout(
     Raises:
         FileExistsError: ``out`` exists.
         ValueError: ``to`` is not a layout, or a key has no place in
-            torchtitan's (see :func:`~pippy.checkpoint.layouts.to_torchtitan`).
+            torchtitan's (see :func:`~pippy.checkpoint.state.to_torchtitan`).
         CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):

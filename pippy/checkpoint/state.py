@@ -22,6 +22,25 @@ state into ``state.<fqn>.precond.L``), so a key is split where a known FQN
 ends, never at a dot: :class:`OptimKeys` owns that grammar.
 :data:`LAYOUT_VERSION` numbers this packing (a checkpoint that records none
 is layout 1); :func:`check_layout_version` refuses a layout it does not read.
+
+torchtitan's layout holds the same state under other names (pippy's; its):
+
+* model weights: ``model.<fqn>``; ``<fqn>``, at the root;
+* optimizer tensors: ``optim.state.<fqn>.<name>``; ``optimizer.state.<fqn>.<name>``;
+* options and 0-dim state: ``optim.scalars.<fqn>``;
+  ``optimizer.param_groups.<fqn>.<option>`` and ``optimizer.state.<fqn>.step``;
+* step: ``step``; ``train_state.step`` (with ``train_state.ntokens_seen``);
+* an extra (a data sampler): ``<extra name>.<name>``;
+  ``dataloader.<extra name>.<name>``, never at the root among the weights;
+* param group indices: in ``optim.scalars.<fqn>``; on request one
+  ``train_state.pippy_param_groups`` item, which torchtitan's loads ignore.
+
+torchtitan's own flat ``dataloader.dp_rank_<N>`` and other ``train_state.``
+keys read as themselves. :func:`from_torchtitan` and :func:`to_torchtitan`
+map flat dicts, each the other's inverse; :func:`to_torchtitan` refuses a key
+that would not read back as itself (a root key outside any section, a
+top-level module named like one of torchtitan's sections). Everything that
+reads sees a torchtitan checkpoint through pippy's names.
 """
 
 from __future__ import annotations
@@ -54,14 +73,17 @@ from pippy.checkpoint.errors import CheckpointError, KeyCollisionError
 __all__ = [
     "LAYOUT_VERSION",
     "OPTIONS",
+    "PIPPY",
+    "TORCHTITAN",
     "OptimKeys",
     "StageState",
     "check_layout_version",
+    "detect_layout",
+    "from_torchtitan",
     "merge_parts",
-    "pack_scalars",
-    "saved_groups",
+    "pippy_name",
     "stateless_keys",
-    "unpack_scalars",
+    "to_torchtitan",
 ]
 
 
@@ -243,7 +265,7 @@ class StageState(Stateful):
                 keys = OptimKeys.of_module(self.module)
                 sd = {
                     "model": model_sd,
-                    "optim": pack_scalars(optim_sd, self._groups(), keys),
+                    "optim": _pack_scalars(optim_sd, self._groups(), keys),
                 }
         sd["step"] = self.step
         if self.lr_schedulers:
@@ -319,7 +341,7 @@ class StageState(Stateful):
 
     def _load_with_optimizer(self, state_dict: dict[str, Any]) -> None:
         """Checks optimizer and scheduler state, then applies model and optimizer."""
-        optim_sd = unpack_scalars(state_dict["optim"])
+        optim_sd = _unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizers, options=OPTIONS)
         keys = OptimKeys.of_module(self.module)
         stateless = keys.state_fqns(wanted) - keys.state_fqns(optim_sd)
@@ -328,7 +350,7 @@ class StageState(Stateful):
         self._check_groups(optim_sd, fqn_of)
         if self.lr_schedulers:
             self._check_scheduler(state_dict["lr_scheduler"])
-            self._check_group_order(saved_groups(state_dict["optim"]), fqn_of)
+            self._check_group_order(_saved_groups(state_dict["optim"]), fqn_of)
         for param, fqn in fqn_of.items():
             if fqn in stateless:  # none was saved: none to fill
                 for optimizer in self.optimizers:
@@ -652,37 +674,14 @@ class OptimKeys:
         return {p[1] for p in map(self.parse, keys) if p and p[0] == "state"}
 
 
-def pack_scalars(
+def _pack_scalars(
     optim_sd: dict[str, Any],
     groups: dict[str, int] | None = None,
     keys: OptimKeys | None = None,
 ) -> dict[str, Any]:
-    """Puts all of a parameter's optimizer entries but its tensors in one item.
-
-    ``flatten_optimizer_state_dict`` gives one entry per parameter and name:
-    AdamW's 11 options (``param_groups.<fqn>.lr``, ``...betas``, ...) and its
-    0-dim ``state.<fqn>.step`` beside the moments. DCP writes each entry as an
-    item of its own, at a fixed CPU cost per item (a ``torch.save``, a plan
-    entry, a metadata entry). Packed: three items per parameter for AdamW
-    (two moments and this list) instead of fourteen, still keyed by FQN, so
-    any split of the model loads it. ``bench/README.md`` measures the gain.
-
-    Args:
-        optim_sd: A flattened optimizer state_dict (``get_state_dict`` with
-            ``flatten_optimizer_state_dict=True``).
-        groups: The index of each parameter's param group, by FQN.
-        keys: The parser of ``optim_sd``'s keys; by default
-            ``OptimKeys.of_keys(optim_sd)``.
-
-    Returns:
-        Tensors with elements under their keys; for each parameter,
-        ``scalars.<fqn>``: a list of ``[name, value]`` pairs as the module
-        docstring describes. DCP keeps such a list, with no tensor inside, as
-        one item.
-
-    Raises:
-        CheckpointError: A key names no parameter ``keys`` knows.
-    """
+    """Puts a parameter's non-tensor optimizer entries in one ``scalars.<fqn>`` item."""
+    # DCP writes each entry as an item at a fixed cost (a torch.save, a plan and
+    # a metadata entry): AdamW gets 3 items per parameter instead of 14.
     keys = OptimKeys.of_keys(optim_sd) if keys is None else keys
     packed: dict[str, Any] = {}
     scalars: dict[str, list[list[Any]]] = {}
@@ -708,20 +707,8 @@ def pack_scalars(
     return packed
 
 
-def unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`pack_scalars`: the flattened optimizer state_dict.
-
-    A 0-dim tensor comes back on the CPU with its saved dtype and value
-    (``.item()`` of a real dtype is exact); ``optimizer.load_state_dict``
-    moves ``step`` to the parameter's device where the optimizer wants it
-    there (``capturable``, ``fused``).
-
-    Args:
-        packed: An optimizer state_dict as :func:`pack_scalars` returns it.
-
-    Returns:
-        The flattened optimizer state_dict DCP's ``set_state_dict`` takes.
-    """
+def _unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`_pack_scalars` (0-dim tensors come back on the CPU)."""
     flat: dict[str, Any] = {}
     for key, value in packed.items():
         if not key.startswith("scalars."):
@@ -738,16 +725,8 @@ def unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def saved_groups(packed: dict[str, Any]) -> dict[str, int]:
-    """The index each parameter's param group had when saved, by FQN.
-
-    Args:
-        packed: An optimizer state_dict as :func:`pack_scalars` returns it.
-
-    Returns:
-        ``{fqn: group index}``; empty for checkpoints saved before pippy
-        recorded it.
-    """
+def _saved_groups(packed: dict[str, Any]) -> dict[str, int]:
+    """Each parameter's saved param group index, by FQN (empty if none recorded)."""
     return {
         key.removeprefix("scalars."): entry[1]
         for key, value in packed.items()
@@ -858,3 +837,160 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
         for i, group in zip(kept, optimizer.param_groups, strict=True):
             merged[i] = group
         optimizer.param_groups = merged
+
+
+PIPPY = "pippy"
+TORCHTITAN = "torchtitan"
+#: torchtitan's top-level sections that are not the model (its CheckpointManager).
+_TT_SECTIONS = ("optimizer.", "lr_scheduler.", "train_state.", "dataloader.")
+_DATALOADER = "dataloader."
+#: Each parameter's param group index, ``[[fqn, index], ...]``: pippy keeps it
+#: in ``optim.scalars.<fqn>`` (for its LR scheduler check); torchtitan's layout
+#: has no place for it, and torchtitan's loads read no key they do not name.
+_PARAM_GROUPS = "train_state.pippy_param_groups"
+
+
+def detect_layout(keys: Iterable[str]) -> str:
+    """Tells pippy's layout from torchtitan's by a checkpoint's keys.
+
+    Args:
+        keys: The checkpoint's keys (``state_dict_metadata``).
+
+    Returns:
+        :data:`PIPPY` if a key is ``step``; else :data:`TORCHTITAN` if a
+        key is under ``optimizer.`` or ``train_state.``, or if none is under
+        ``model.`` (a model-only torchtitan checkpoint); else :data:`PIPPY`.
+
+    Note:
+        A torchtitan checkpoint holding only model weights whose FQNs all
+        start with ``model.`` reads as pippy's layout; both then name the
+        same weights.
+    """
+    keys = list(keys)
+    if "step" in keys:  # torchtitan's step is train_state.step
+        return PIPPY
+    if any(k.startswith(("optimizer.", "train_state.")) for k in keys):
+        return TORCHTITAN
+    return PIPPY if any(k.startswith("model.") for k in keys) else TORCHTITAN
+
+
+def _torchtitan_optim_keys(keys: Iterable[str]) -> OptimKeys:
+    """The parser of a torchtitan checkpoint's optimizer keys, less ``optimizer.``."""
+    keys = list(keys)
+    return OptimKeys.of_keys(
+        (k.removeprefix("optimizer.") for k in keys if k.startswith("optimizer.")),
+        model_fqns=(k for k in keys if not k.startswith(_TT_SECTIONS)),
+    )
+
+
+def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
+    """Names a torchtitan key in pippy's layout.
+
+    Args:
+        key: A key of a torchtitan checkpoint.
+        keys: The parser of its optimizer keys
+            (:func:`_torchtitan_optim_keys` of the checkpoint's keys). Without
+            it, a param-group key names its own FQN, and ``state.<fqn>.step``
+            is taken for a parameter's own step.
+
+    Returns:
+        The pippy key its value goes into; a parameter's options and its
+        ``step`` all go into its ``optim.scalars.<fqn>``;
+        ``dataloader.<extra name>.<name>`` goes into ``<extra name>.<name>``.
+    """
+    if not key.startswith("optimizer."):
+        if key == "train_state.step":
+            return "step"
+        rest = key.removeprefix(_DATALOADER)
+        if rest != key and "." in rest:  # an extra's section, as pippy writes it
+            return rest
+        return key if key.startswith(_TT_SECTIONS) else "model." + key
+    rest = key.removeprefix("optimizer.")
+    if keys is None and rest.startswith("state.") and rest.endswith(".step"):
+        keys = OptimKeys([rest.removeprefix("state.").removesuffix(".step")])
+    elif keys is None:
+        keys = OptimKeys.of_keys([rest])
+    parsed = keys.parse(rest)
+    if parsed is not None and (parsed[0] == "param_groups" or parsed[2] == "step"):
+        return f"optim.scalars.{parsed[1]}"
+    return "optim." + rest
+
+
+def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Renames a flat torchtitan state_dict into pippy's layout.
+
+    Args:
+        flat: ``{torchtitan key: value}``, e.g. read from a torchtitan step.
+
+    Returns:
+        ``{pippy key: value}``; tensors are the same objects. A
+        ``train_state.pippy_param_groups`` item goes back into the
+        parameters' ``optim.scalars.<fqn>``.
+    """
+    out: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith("optimizer."):
+            optim[key.removeprefix("optimizer.")] = value
+        elif key == "train_state.step":
+            out["step"] = int(value)
+        elif key != _PARAM_GROUPS:
+            out[pippy_name(key)] = value
+    groups = {fqn: index for fqn, index in flat.get(_PARAM_GROUPS) or ()}
+    packed = _pack_scalars(optim, groups, keys=_torchtitan_optim_keys(flat))
+    out.update((f"optim.{k}", v) for k, v in packed.items())
+    return out
+
+
+def to_torchtitan(
+    flat: Mapping[str, Any], *, param_groups: bool = False
+) -> dict[str, Any]:
+    """Renames a flat pippy state_dict into torchtitan's layout.
+
+    Args:
+        flat: ``{pippy key: value}``, e.g. ``read_checkpoint(step)``.
+        param_groups: Also keep each parameter's param group index (in
+            ``optim.scalars.<fqn>``) as one ``train_state.pippy_param_groups``
+            item, which torchtitan's loads ignore: for writing a checkpoint,
+            not for naming the keys to read from one (torchtitan's own lack
+            it).
+
+    Returns:
+        ``{torchtitan key: value}``; tensors are the same objects, 0-dim
+        optimizer state (``step``) a new tensor of the saved dtype. With
+        ``param_groups``, :func:`from_torchtitan` of it gives ``flat`` back.
+
+    Raises:
+        ValueError: A key would not read back as itself (see the module
+            docstring), naming it.
+    """
+    out: dict[str, Any] = {}
+    optim = {
+        k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")
+    }
+    for key, value in flat.items():
+        if key == "step":
+            out["train_state.step"] = int(value)
+        elif not key.startswith("optim."):
+            out[_torchtitan_name(key)] = value
+    out.update((f"optimizer.{k}", v) for k, v in _unpack_scalars(optim).items())
+    if param_groups and (groups := _saved_groups(optim)):
+        out[_PARAM_GROUPS] = [[fqn, index] for fqn, index in groups.items()]
+    return out
+
+
+def _torchtitan_name(key: str) -> str:
+    """A pippy key's torchtitan name (outside ``optim.``), if it reads back."""
+    if key.startswith("model."):
+        name = key.removeprefix("model.")
+    else:  # extra state goes into the data loader's section, never the root
+        name = key if pippy_name(key) == key else _DATALOADER + key
+    if pippy_name(name) != key:
+        raise ValueError(
+            f"{key!r} has no place in torchtitan's layout: written as {name!r}, it "
+            f"would read back as {pippy_name(name)!r}. Keep other state in a "
+            "section (<name>.<entry>) and the model's top-level modules out of "
+            "torchtitan's section names (optimizer, lr_scheduler, train_state, "
+            "dataloader)"
+        )
+    return name
