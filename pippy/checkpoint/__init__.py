@@ -46,7 +46,7 @@ their modules, one idea per module:
 * :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease`,
-  :mod:`~pippy.checkpoint.launcher`, :mod:`~pippy.checkpoint.verified` and
+  :mod:`~pippy.checkpoint.verified` and
   :mod:`~pippy.checkpoint.async_saver` (with
   :mod:`~pippy.checkpoint.staging`): one writer per folder (on an object
   store, a lease), a last save on preemption within the launcher's deadline,
