@@ -40,7 +40,8 @@ their modules, one idea per module:
   of a colliding key, and mix diverged data-parallel replicas); tied
   weights, traced buffers, sizes.
 * :mod:`~pippy.checkpoint.manifest`, :mod:`~pippy.checkpoint.safe_load`,
-  :mod:`~pippy.checkpoint.metadata_checks` and
+  :mod:`~pippy.checkpoint.metadata` (also: which torch and pippy wrote a
+  step, and reading what another torch wrote) and
   :mod:`~pippy.checkpoint.load_planner`: checksums of every item written,
   and loading without running code a checkpoint's pickles could carry.
 * :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
@@ -55,8 +56,6 @@ their modules, one idea per module:
   the others wait for it in the c10d store, log how far it is, and with a
   ``timeout`` all raise :class:`~pippy.checkpoint.errors.CheckpointTimeout`
   (a ``CheckpointError`` and a ``TimeoutError``) naming it.
-* :mod:`~pippy.checkpoint.versions`: which torch and pippy wrote a step, and
-  reading what another torch wrote.
 * :mod:`~pippy.checkpoint.errors`: the error classes; ``explain_failures`` and
   ``fail_together``, one error per failure on any rank.
 """
