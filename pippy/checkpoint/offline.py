@@ -43,7 +43,14 @@ from pippy.checkpoint.state import (
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 from pippy.checkpoint.taking import take_state
 
-__all__ = ["convert_layout", "export_hf", "load_model", "parse_size", "read_checkpoint"]
+__all__ = [
+    "convert_layout",
+    "export_hf",
+    "load_model",
+    "model_weights",
+    "parse_size",
+    "read_checkpoint",
+]
 
 
 def read_checkpoint(
@@ -298,14 +305,7 @@ def export_hf(
         config = json.loads(storage_for(config).read_bytes(config))
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
-    weights = {}
-    state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"model.{key} in {str(path)!r} is not a tensor")
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        weights[key] = value.contiguous()
+    weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
     tmp = _sibling(storage, out)  # same file system
     storage.makedirs(tmp)
     try:
@@ -318,6 +318,39 @@ def export_hf(
     finally:
         storage.remove(tmp)
     return [storage.join(out, name) for name in names]
+
+
+def model_weights(
+    path: Location,
+    *,
+    dtype: torch.dtype | None = None,
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
+    """A step's model weights (keys under ``model.``, prefix removed), to write out.
+
+    Args:
+        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
+        dtype: If given, floating-point tensors are converted to it.
+        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
+        verify: See :func:`~pippy.checkpoint.load_stage`.
+
+    Returns:
+        ``{fqn: contiguous tensor}``, on the CPU.
+
+    Raises:
+        ValueError: A model entry is not a tensor.
+        CheckpointError: As :func:`read_checkpoint`.
+    """
+    weights = {}
+    state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model.{key} in {str(path)!r} is not a tensor")
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        weights[key] = value.contiguous()
+    return weights
 
 
 def _sibling(storage: Storage, out: Location) -> Any:
