@@ -39,7 +39,6 @@ __all__ = [
     "check_untied",
     "diff_state_dicts",
     "fingerprint",
-    "local",
     "named_leaves",
     "offer_keys",
     "refuse_losses",

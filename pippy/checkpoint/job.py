@@ -48,8 +48,6 @@ from pippy.checkpoint.steps import is_complete, list_steps, parse_step, remove_s
 from pippy.checkpoint.storage import Location, check_publishable, storage_for
 
 __all__ = [
-    "OWNER_FILE",
-    "Deadline",
     "FolderOwner",
     "StopSignal",
     "check_restarts",

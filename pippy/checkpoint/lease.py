@@ -42,7 +42,7 @@ from typing import Any
 from pippy.checkpoint.errors import CheckpointDirError, CheckpointDirInUseError
 from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
 
-__all__ = ["LEASE_ENV", "StoreLease", "check_lease", "lease_lost"]
+__all__ = ["StoreLease", "check_lease", "lease_lost"]
 
 logger = logging.getLogger(__name__)
 

@@ -72,7 +72,6 @@ from pippy.checkpoint.errors import CheckpointError, KeyCollisionError
 
 __all__ = [
     "LAYOUT_VERSION",
-    "OPTIONS",
     "PIPPY",
     "TORCHTITAN",
     "OptimKeys",
