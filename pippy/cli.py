@@ -23,10 +23,15 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
-from pippy.checkpoint.export import convert_layout, export_hf, parse_size
-from pippy.checkpoint.layouts import detect_layout
 from pippy.checkpoint.manifest import MANIFEST_FILE
+from pippy.checkpoint.offline import (
+    convert_layout,
+    export_hf,
+    model_weights,
+    parse_size,
+)
 from pippy.checkpoint.safe_load import find_damage, read_metadata, resolve_trusted
+from pippy.checkpoint.state import detect_layout
 from pippy.checkpoint.steps import (
     is_complete,
     list_steps,
@@ -38,11 +43,7 @@ from pippy.checkpoint.storage import storage_for
 __all__ = ["main", "parser"]
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
 # What bad paths and checkpoints raise (EOFError, UnpicklingError: a damaged
 # .metadata); main reports them in one line, never a traceback.
 _ERRORS = (
@@ -227,13 +228,12 @@ def _print_files(
 
 def _export_hf(args: argparse.Namespace, folder: Any) -> None:
     """``export --hf-config``: a folder ``from_pretrained`` opens."""
-    dtype = _DTYPES[args.dtype] if args.dtype else None
     files = export_hf(
         folder,
         args.out,
         config=args.hf_config,
         max_shard_size=parse_size(args.max_shard_size),
-        dtype=dtype,
+        dtype=_DTYPES[args.dtype] if args.dtype else None,
         force=args.force,
         trusted=args.trusted,
         verify=not args.allow_no_manifest,
@@ -256,19 +256,12 @@ def _export(args: argparse.Namespace) -> None:
         name = storage.name(out)
         raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
     _, folder = _resolve(args.path, None)
-    state = checkpoint.read_checkpoint(
+    weights = model_weights(
         folder,
-        prefix="model.",
+        dtype=_DTYPES[args.dtype] if args.dtype else None,
         trusted=args.trusted,
         verify=not args.allow_no_manifest,
     )
-    weights = {}
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"model.{key} in {str(folder)!r} is not a tensor")
-        if args.dtype and value.is_floating_point():
-            value = value.to(_DTYPES[args.dtype])
-        weights[key] = value.contiguous()
     # Atomic: a failed export leaves no partial file.
     with storage.open_atomic(out) as f:
         if fmt == "safetensors":
@@ -344,7 +337,12 @@ def parser() -> argparse.ArgumentParser:
         help="read every item and check it against the step's manifest.json",
     )
     inspect.set_defaults(run=_inspect)
-    unverified = argparse.ArgumentParser(add_help=False)
+    unverified = argparse.ArgumentParser(add_help=False)  # export, convert
+    unverified.add_argument(
+        "path",
+        metavar="STEP_FOLDER",
+        help="a step folder (or a run folder: its newest complete step)",
+    )
     unverified.add_argument(
         "--allow-no-manifest",
         action="store_true",
@@ -357,11 +355,6 @@ def parser() -> argparse.ArgumentParser:
         help="write a step's model weights to one file",
         description="Write a step's model weights (keys under 'model.', prefix "
         "removed: the un-split model's state_dict, no optimizer state) to one file.",
-    )
-    export.add_argument(
-        "path",
-        metavar="STEP_FOLDER",
-        help="a step folder (or a run folder: its newest complete step)",
     )
     export.add_argument(
         "--out", required=True, metavar="FILE", help="file (or folder) to write"
@@ -404,11 +397,6 @@ def parser() -> argparse.ArgumentParser:
         "the root, 'optimizer.*', 'train_state.*' and 'dataloader.*' (extra "
         "state such as a data sampler's); pippy 'model.*', 'optim.*', 'step' "
         "and each extra state under its name.",
-    )
-    convert.add_argument(
-        "path",
-        metavar="STEP_FOLDER",
-        help="a step folder (or a run folder: its newest complete step)",
     )
     convert.add_argument(
         "--to", required=True, choices=["pippy", "torchtitan"], help="layout to write"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
-from pippy.checkpoint import collisions
+from pippy.checkpoint import checks
 from pippy.checkpoint.checks import named_leaves, state_dict_size
 from pippy.checkpoint.errors import fail_together
 from pippy.checkpoint.steps import list_steps, step_dir
@@ -40,7 +40,7 @@ def build(args, rank, world_size, seed):
 
 def collision(state_dict):
     try:
-        collisions.check_keys(state_dict)
+        checks.check_keys(state_dict)
     except checkpoint.KeyCollisionError as e:
         return str(e)
     return None
@@ -66,7 +66,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         args = pippy_dcp.parse_args([*TINY, "--split", split])
         _, state = build(args, rank, world_size, seed=0)
         sd = state.state_dict()
-        collisions.check_keys(sd)  # must not raise on a correct split
+        checks.check_keys(sd)  # must not raise on a correct split
         result[split] = {
             "model": sorted(sd["model"]),
             "optim": sorted(k for k, _ in named_leaves(sd["optim"])),
@@ -76,7 +76,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
     _, state = build(args, rank, world_size, seed=0)
     state.extra["rng"] = PerRank(rank)
     try:
-        collisions.check_keys(state.state_dict())
+        checks.check_keys(state.state_dict())
         result["per_rank_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["per_rank_error"] = str(e)
@@ -102,7 +102,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
     renumbered = {str(i): layer for i, layer in enumerate(layers.values())}
     state.module.layers = torch.nn.ModuleDict(renumbered)
     try:
-        collisions.check_keys(state.state_dict())
+        checks.check_keys(state.state_dict())
         result["renumbered_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["renumbered_error"] = str(e)

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "check
 import pippy  # noqa: E402
 from pippy import checkpoint  # noqa: E402
 from pippy.checkpoint.checks import (
+    check_keys,
     local,  # noqa: E402
     named_leaves,
 )
-from pippy.checkpoint.collisions import check_keys
 
 from helpers import CountedOps, run_checks, tiny_gpt  # noqa: E402
 

@@ -10,14 +10,16 @@ from torch import nn
 
 from pippy import checkpoint
 from pippy.checkpoint.errors import explain_failures
-from pippy.checkpoint.layouts import from_torchtitan, pippy_name, to_torchtitan
 from pippy.checkpoint.load_planner import SafeLoadPlanner
-from pippy.checkpoint.optim_layout import (
+from pippy.checkpoint.safe_load import SafeFileSystemReader, read_metadata
+from pippy.checkpoint.state import (
     LAYOUT_VERSION,
     OptimKeys,
     check_layout_version,
+    from_torchtitan,
+    pippy_name,
+    to_torchtitan,
 )
-from pippy.checkpoint.safe_load import SafeFileSystemReader, read_metadata
 from pippy.checkpoint.steps import step_dir
 
 

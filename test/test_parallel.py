@@ -10,7 +10,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from pippy import checkpoint
 from pippy.checkpoint.manifest import read_manifest
-from pippy.checkpoint.parts import merge_parts
+from pippy.checkpoint.state import merge_parts
 
 from helpers import plain_read, tiny_gpt
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pippy import checkpoint
-from pippy.checkpoint import launcher
+from pippy.checkpoint.job import Deadline, check_restarts, launcher_deadline
 from pippy.checkpoint.steps import list_steps
 from pippy.checkpoint.verified import newest_verified_step
 
@@ -149,19 +149,17 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
     )
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert launcher.launcher_deadline() is None  # not under torchrun
+    assert launcher_deadline() is None  # not under torchrun
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
     monkeypatch.delenv("PET_SHUTDOWN_TIMEOUT", raising=False)
-    default = launcher.launcher_deadline()
-    assert default == launcher.Deadline(30.0, "torchrun's default")
+    default = launcher_deadline()
+    assert default == Deadline(30.0, "torchrun's default")
     assert not default.explicit
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
-    assert launcher.launcher_deadline() == launcher.Deadline(
-        120.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-    )
+    assert launcher_deadline() == Deadline(120.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
-    stop.deadline = launcher.Deadline(1.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    stop.deadline = Deadline(1.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.job"):
         for seconds in (0.5, 2.0, 3.0):
             stop.check_save_time(seconds)
@@ -170,11 +168,11 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("RANK", "0")
-    with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.launcher"):
-        assert launcher.check_restarts()
+    with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.job"):
+        assert check_restarts()
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert not launcher.check_restarts()
+    assert not check_restarts()
 
 
 # --------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from pippy.checkpoint import checks
 from pippy.checkpoint.api import load_into, open_step, publish_step, take_state
 from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import fail_together
-from pippy.checkpoint.launcher import check_restarts
+from pippy.checkpoint.job import check_restarts
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.verified import newest_verified_step
 

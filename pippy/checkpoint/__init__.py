@@ -33,22 +33,21 @@ their modules, one idea per module:
   step folders (``<checkpoint_dir>/step-<N>``), staged and published once
   complete (renamed whole, or committed by their manifest on an object
   store); the newest complete step; retention.
-* :mod:`~pippy.checkpoint.stage_state`, :mod:`~pippy.checkpoint.parts` and
-  :mod:`~pippy.checkpoint.optim_layout`: a rank's stage(s) as one state_dict;
+* :mod:`~pippy.checkpoint.state`: a rank's stage(s) as one state_dict;
   the one owner of the optimizer-state key grammar.
-* :mod:`~pippy.checkpoint.collisions` and :mod:`~pippy.checkpoint.checks`:
+* :mod:`~pippy.checkpoint.checks`:
   ``check_keys`` across ranks before a save (DCP would silently keep one copy
   of a colliding key, and mix diverged data-parallel replicas); tied
   weights, traced buffers, sizes.
 * :mod:`~pippy.checkpoint.manifest`, :mod:`~pippy.checkpoint.safe_load`,
-  :mod:`~pippy.checkpoint.metadata_checks` and
+  :mod:`~pippy.checkpoint.metadata` (also: which torch and pippy wrote a
+  step, and reading what another torch wrote) and
   :mod:`~pippy.checkpoint.load_planner`: checksums of every item written,
   and loading without running code a checkpoint's pickles could carry.
-* :mod:`~pippy.checkpoint.unsplit`, :mod:`~pippy.checkpoint.layouts` and
-  :mod:`~pippy.checkpoint.export`: a checkpoint in one process; torchtitan's
+* :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease`,
-  :mod:`~pippy.checkpoint.launcher`, :mod:`~pippy.checkpoint.verified` and
+  :mod:`~pippy.checkpoint.verified` and
   :mod:`~pippy.checkpoint.async_saver` (with
   :mod:`~pippy.checkpoint.staging`): one writer per folder (on an object
   store, a lease), a last save on preemption within the launcher's deadline,
@@ -57,8 +56,6 @@ their modules, one idea per module:
   the others wait for it in the c10d store, log how far it is, and with a
   ``timeout`` all raise :class:`~pippy.checkpoint.errors.CheckpointTimeout`
   (a ``CheckpointError`` and a ``TimeoutError``) naming it.
-* :mod:`~pippy.checkpoint.versions`: which torch and pippy wrote a step, and
-  reading what another torch wrote.
 * :mod:`~pippy.checkpoint.errors`: the error classes; ``explain_failures`` and
   ``fail_together``, one error per failure on any rank.
 """
@@ -78,11 +75,15 @@ from pippy.checkpoint.errors import (
     TiedParametersError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.export import convert_layout, export_hf
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
+from pippy.checkpoint.offline import (
+    convert_layout,
+    export_hf,
+    load_model,
+    read_checkpoint,
+)
 from pippy.checkpoint.safe_load import verify_step
-from pippy.checkpoint.stage_state import StageState
-from pippy.checkpoint.unsplit import load_model, read_checkpoint
+from pippy.checkpoint.state import StageState
 from pippy.checkpoint.verified import find_latest_step
 
 __all__ = [

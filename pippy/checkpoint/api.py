@@ -35,18 +35,18 @@ from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import explain_failures, fail_together
-from pippy.checkpoint.layouts import (
+from pippy.checkpoint.load_planner import SafeLoadPlanner
+from pippy.checkpoint.publishing import publish_step
+from pippy.checkpoint.safe_load import SafeFileSystemReader
+from pippy.checkpoint.stall import Timeout
+from pippy.checkpoint.state import (
     PIPPY,
+    StageState,
     detect_layout,
     from_torchtitan,
     pippy_name,
     to_torchtitan,
 )
-from pippy.checkpoint.load_planner import SafeLoadPlanner
-from pippy.checkpoint.publishing import publish_step
-from pippy.checkpoint.safe_load import SafeFileSystemReader
-from pippy.checkpoint.stage_state import StageState
-from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
 from pippy.checkpoint.taking import take_state

@@ -29,9 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.publishing import StepWriter
-from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
+from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
 from pippy.checkpoint.taking import state_to_save, step_of, take_together

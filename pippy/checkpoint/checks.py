@@ -1,9 +1,12 @@
-"""Checks of a stage's state_dict and model: before a split, and after a load.
+"""Checks of a stage's state_dict: before a split, across ranks, after a load.
 
-DCP takes equal keys on different ranks for replicas and writes one of them
-without an error, so a stage's keys must be exactly the un-split model's FQNs
-of what it owns (:func:`~pippy.checkpoint.collisions.check_keys` proves that
-across ranks). :func:`check_untied` and :func:`restore_non_persistent_buffers`
+DCP takes equal keys on different ranks for replicas: its global planning
+(``dedup_save_plans``) writes each of them once, without comparing values.
+That is right for data-parallel replicas in sync, and silently wrong for two
+stages offering one key (one is dropped), replicas that diverged (the
+checkpoint mixes them key by key) and per-rank state under a shared key (one
+rank's value is kept). :func:`check_keys` tells these apart with one small
+all-gather; :func:`check_untied` and :func:`restore_non_persistent_buffers`
 remove two known causes of collisions; :func:`diff_state_dicts` compares bit
 for bit; :func:`named_leaves` and :func:`fingerprint` name and summarise the
 leaves of a nested state_dict.
@@ -16,23 +19,35 @@ import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import google_crc32c
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from pippy.checkpoint.errors import TiedParametersError
+from pippy.checkpoint.errors import (
+    DivergedReplicasError,
+    KeyCollisionError,
+    NestedStateError,
+    TiedParametersError,
+)
 
 __all__ = [
-    "fingerprint",
-    "local",
+    "check_keys",
     "check_untied",
     "diff_state_dicts",
+    "fingerprint",
     "named_leaves",
+    "offer_keys",
+    "refuse_losses",
     "renaming_hooks",
     "restore_non_persistent_buffers",
     "state_dict_size",
     "tied_groups",
 ]
+
 
 logger = logging.getLogger(__name__)
 
@@ -243,3 +258,305 @@ def diff_state_dicts(
         if not same:
             differ.add(key)
     return sorted(differ)
+
+
+def _with_ranks(items: dict[str, list[int]]) -> str:
+    """The first ten keys with their ranks, for an error message."""
+    text = ", ".join(f"{k!r} (ranks {r})" for k, r in sorted(items.items())[:10])
+    return text + (" ..." if len(items) > 10 else "")
+
+
+def _chunk(value: Any) -> tuple[int, ...] | None:
+    """Where a DTensor's local shard starts in the whole tensor; None otherwise."""
+    if isinstance(value, DTensor):
+        return tuple(
+            compute_local_shape_and_global_offset(
+                value.shape, value.device_mesh, value.placements
+            )[1]
+        )
+    return None
+
+
+def _digest(value: Any) -> str:
+    """A CRC-32C of a tensor's (local) bytes with dtype and shape; repr otherwise."""
+    if not isinstance(value, torch.Tensor):
+        return repr(value)
+    shard = local(value)
+    data = shard.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return f"{shard.dtype}{tuple(shard.shape)}:{google_crc32c.value(data.numpy()):08x}"
+
+
+def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
+    """Whether a leaf is the same on every data-parallel replica of its stage."""
+    if not isinstance(value, DTensor):
+        return True
+    names = value.device_mesh.mesh_dim_names or ()
+    sharded_on_all = all(p.is_shard() for p in value.placements)
+    return not (sharded_on_all and set(dp_dims) <= set(names))
+
+
+def _holds_state(value: Any, owned: tuple[str, ...]) -> bool:
+    """Whether a mapping holds an owned section or an optimizer's state_dict."""
+    if not isinstance(value, Mapping):
+        return False
+    if any(k in owned for k in value) or {"state", "param_groups"} <= value.keys():
+        return True
+    return any(_holds_state(v, owned) for v in value.values())
+
+
+def _nested(state_dict: Mapping[str, Any], owned: tuple[str, ...]) -> list[str]:
+    """Sections other than ``owned`` that hold model or optimizer state."""
+    return [
+        section
+        for section, value in state_dict.items()
+        if section not in owned and _holds_state(value, owned)
+    ]
+
+
+def _offer(
+    state_dict: Mapping[str, Any],
+    owned: tuple[str, ...],
+    mesh: DeviceMesh | None,
+    pp_dim: str,
+) -> dict[str, Any]:
+    """What this rank offers DCP: owned keys, shared values, replica digests."""
+    dp_dims: tuple[str, ...] = ()
+    stage = dist.get_rank()
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        if pp_dim not in names:
+            raise ValueError(f"the mesh has no {pp_dim!r} dim (it has {names})")
+        stage = mesh.get_local_rank(pp_dim)
+        dp_dims = tuple(
+            n for n in names if n != pp_dim and mesh.size(names.index(n)) > 1
+        )
+    leaves = [
+        (k, v)
+        for s in owned
+        if s in state_dict
+        for k, v in named_leaves(state_dict[s], f"{s}.")
+    ]
+    return {
+        "stage": stage,
+        "meshed": mesh is not None,
+        "owned": {k: _chunk(v) for k, v in leaves},
+        "digests": {
+            k: _digest(v) for k, v in leaves if dp_dims and _replicated(v, dp_dims)
+        },
+        "shared": {
+            k: fingerprint(v)
+            for s in state_dict
+            if s not in owned
+            for k, v in named_leaves({s: state_dict[s]})
+        },
+        "nested": _nested(state_dict, owned),
+    }
+
+
+def _refuse_nested(offers: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raises NestedStateError if some rank nests model or optimizer state."""
+    nested: dict[str, list[int]] = {}
+    for rank, offer in offers.items():
+        for section in offer["nested"]:
+            nested.setdefault(section, []).append(rank)
+    if nested:
+        raise NestedStateError(
+            f"model or optimizer state is nested under other sections: "
+            f"{_with_ranks(nested)}. Its keys would name this layout, and no other "
+            "layout could load them. Keep model and optimizer state under 'model' "
+            "and 'optim', keyed by the un-split model's FQNs: give StageState all "
+            "of a rank's stage modules and optimizers (StageState([stage0, "
+            "stage2], ...)) instead of nesting their state_dicts"
+        )
+
+
+def _refuse_collisions(offers: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raises KeyCollisionError for an owned key offered by two stages."""
+    stages: dict[str, dict[int, list[int]]] = {}
+    for rank, offer in offers.items():
+        for key in offer["owned"]:
+            stages.setdefault(key, {}).setdefault(offer["stage"], []).append(rank)
+    collisions = {
+        key: sorted(r for ranks in by_stage.values() for r in ranks)
+        for key, by_stage in stages.items()
+        if len(by_stage) > 1
+    }
+    if collisions:
+        meshed = all(offer["meshed"] for offer in offers.values())
+        raise KeyCollisionError(
+            f"{len(collisions)} checkpoint key(s) are offered by more than one "
+            f"pipeline stage: {_with_ranks(collisions)}. DCP would keep one copy and "
+            "drop the others. Give every stage the un-split model's FQNs (keep "
+            "layers in a ModuleDict keyed by the global layer index) and call "
+            "restore_non_persistent_buffers() on traced stages; "
+            + (
+                "data-parallel replicas must differ only in the mesh's other dims."
+                if meshed
+                else "pass the mesh if these ranks are data-parallel replicas."
+            )
+        )
+
+
+def _refuse_divergence(offers: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raises DivergedReplicasError if replicas of one entry hold different values."""
+    values: dict[tuple[str, Any, Any], dict[str, list[int]]] = {}
+    for rank, offer in offers.items():
+        for key, digest in offer["digests"].items():
+            replica = (key, offer["stage"], offer["owned"][key])
+            values.setdefault(replica, {}).setdefault(digest, []).append(rank)
+    members: dict[int, set[int]] = {}  # the ranks that hold each stage
+    for rank, offer in offers.items():
+        members.setdefault(offer["stage"], set()).add(rank)
+    differ: dict[str, list[int]] = {}
+    for (key, stage, chunk), by_value in values.items():
+        ranks = {r for ranks in by_value.values() for r in ranks}
+        # A whole tensor is on every replica of its stage; a shard, on some.
+        lacking = chunk is None and ranks != members[stage]
+        if len(by_value) > 1 or lacking:  # one key may have several chunks (HSDP)
+            differ[key] = sorted(ranks.union(differ.get(key, []), members[stage]))
+    if differ:
+        raise DivergedReplicasError(
+            f"the data-parallel replicas differ in {len(differ)} entr(ies) (in "
+            f"value, or held by some replicas only): {_with_ranks(differ)}. DCP "
+            "writes one replica's value of each key, so the checkpoint would mix "
+            "them. Keep the replicas in sync "
+            "(wrap each stage in DDP or FSDP2 over the data-parallel dim, and "
+            "step every replica's optimizer alike), then save."
+        )
+
+
+def _refuse_shared(offers: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raises KeyCollisionError for a shared entry that differs between ranks."""
+    fingerprints: dict[str, dict[str, list[int]]] = {}
+    for rank, offer in offers.items():
+        for key, print_ in offer["shared"].items():
+            fingerprints.setdefault(key, {}).setdefault(print_, []).append(rank)
+    differing = {
+        key: min(by_value.values(), key=len)  # the odd rank(s) out
+        for key, by_value in fingerprints.items()
+        if len(by_value) > 1
+    }
+    if differing:
+        raise KeyCollisionError(
+            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
+            f"{_with_ranks(differing)}. DCP would keep one rank's value. Keep "
+            "per-rank state under a key that names the stage, or make it equal "
+            "on all ranks."
+        )
+
+
+def check_keys(
+    state_dict: Mapping[str, Any],
+    *,
+    owned: tuple[str, ...] = ("model", "optim"),
+    process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    pp_dim: str = "pp",
+) -> None:
+    """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
+
+    Every key under ``owned`` (model and optimizer
+    state) must belong to one pipeline stage only; where a stage is
+    replicated over data-parallel ranks (DDP, or HSDP's replicate dim), the
+    replicas must hold equal values (compared by CRC-32C); and every other
+    entry (step, scheduler, data state) must hold the same value on every
+    rank. State nested under another section (``{"stage0": {"model": ...}}``)
+    is refused: its keys would name one layout. Plain tensors under another
+    section (an EMA copy of the weights) are not: pippy cannot tell them from
+    model state, so their keys must not name the layout either. Each rank sends its key
+    names, a SHA-1 of each shared entry and, with data-parallel replicas, a
+    CRC-32C of each replicated entry (a few KB); call it on every rank of
+    ``process_group``.
+
+    Args:
+        state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
+        owned: Top-level entries that each stage owns exclusively.
+        process_group: The ranks that save; the default group if None.
+        mesh: The ranks' ``DeviceMesh``, with a ``pp_dim`` dim and
+            data-parallel dims (for example ``("dp", "pp")``): ranks with the
+            same ``pp_dim`` coordinate hold the same stage(s), as replicas or
+            as FSDP2 shards (DTensor chunks at other offsets, not compared).
+            None: every rank holds its own stage(s).
+        pp_dim: The name of the mesh's pipeline dim.
+
+    Raises:
+        KeyCollisionError: On every rank, naming the keys and their ranks, if
+            an owned key appears on two stages or a shared entry differs
+            between ranks.
+        DivergedReplicasError: On every rank, naming keys and ranks, if the
+            data-parallel replicas of a stage hold different values, or an
+            entry (not a shard) that some replicas of its stage lack.
+        NestedStateError: On every rank, if a section other than ``owned``
+            holds a ``model`` or ``optim`` section or an optimizer's
+            state_dict (``state`` and ``param_groups``), at any depth.
+        ValueError: ``mesh`` has no ``pp_dim`` dim, or spans other ranks than
+            ``process_group`` (a slice such as ``mesh["pp"]`` would hide the
+            replicas from each other).
+
+    Note:
+        Known causes of collisions: layers renumbered per stage (``layers.0``
+        on every stage), a tied weight copied into two stages, non-persistent
+        buffers that tracing made persistent (see
+        :func:`restore_non_persistent_buffers`), and data-parallel replicas
+        checked without their ``mesh``. Per-rank state such as a stage's RNG
+        belongs under a key naming the stage (``rng.stage_3``).
+    """
+    if not dist.is_initialized():
+        return
+    offer = offer_keys(
+        state_dict, owned=owned, process_group=process_group, mesh=mesh, pp_dim=pp_dim
+    )
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, offer, group=process_group)
+    refuse_losses(gathered, process_group=process_group)
+
+
+def offer_keys(
+    state_dict: Mapping[str, Any],
+    *,
+    owned: tuple[str, ...] = ("model", "optim"),
+    process_group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+    pp_dim: str = "pp",
+) -> dict[str, Any] | None:
+    """:func:`check_keys`'s first half, on each rank alone: what it sends.
+
+    For a caller that gathers it along with something else; then
+    :func:`refuse_losses` on the gathered offers. Args as :func:`check_keys`.
+
+    Returns:
+        This rank's offer (it pickles), or None without a process group.
+
+    Raises:
+        ValueError: As :func:`check_keys`.
+    """
+    if not dist.is_initialized():
+        return None
+    world_size = dist.get_world_size(process_group)
+    if mesh is not None and mesh.size() != world_size:
+        raise ValueError(
+            f"the mesh spans {mesh.size()} ranks and {world_size} ranks save: pass "
+            "the whole mesh (for example its ('dp', 'pp') dims), not a slice of it"
+        )
+    return _offer(state_dict, owned, mesh, pp_dim)
+
+
+def refuse_losses(
+    gathered: list[Any], *, process_group: dist.ProcessGroup | None = None
+) -> None:
+    """:func:`check_keys`'s second half: every rank's offer, by group rank, judged.
+
+    Raises:
+        KeyCollisionError, DivergedReplicasError, NestedStateError: As
+            :func:`check_keys`.
+    """
+    if not dist.is_initialized():
+        return
+    offers = {
+        dist.get_global_rank(process_group, r) if process_group else r: offer
+        for r, offer in enumerate(gathered)
+    }
+    _refuse_nested(offers)
+    _refuse_collisions(offers)
+    _refuse_divergence(offers)
+    _refuse_shared(offers)

@@ -42,7 +42,7 @@ from typing import Any
 from pippy.checkpoint.errors import CheckpointDirError, CheckpointDirInUseError
 from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
 
-__all__ = ["LEASE_ENV", "LEASE_SECONDS", "StoreLease", "check_lease", "lease_lost"]
+__all__ = ["StoreLease", "check_lease", "lease_lost"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +56,8 @@ LEASE_ENV = "PIPPY_LEASE_SECONDS"
 _HELD: dict[str, StoreLease] = {}
 
 
-def resolve_lease_seconds(seconds: float | None) -> float:
-    """Decides the lease once: the argument, else the environment, else 60 s.
-
-    Args:
-        seconds: The lease in seconds; None reads ``PIPPY_LEASE_SECONDS``,
-            and 60 s (:data:`LEASE_SECONDS`) where it is unset.
-
-    Returns:
-        The lease, in seconds.
-
-    Raises:
-        ValueError: The lease (given, or set in the environment) is not a
-            number of seconds above 0.
-    """
+def _resolve_lease_seconds(seconds: float | None) -> float:
+    """The lease in seconds: the argument, else PIPPY_LEASE_SECONDS, else 60."""
     text = os.environ.get(LEASE_ENV) if seconds is None else str(seconds)
     if text is None:
         return LEASE_SECONDS
@@ -154,7 +142,7 @@ class StoreLease:
         self.storage = storage
         self._version: str | None = None  # of this job's record, as last written
         self.record = self.storage.join(self.root, record)
-        self.lease_seconds = resolve_lease_seconds(lease_seconds)
+        self.lease_seconds = _resolve_lease_seconds(lease_seconds)
         self.token = ""
         self.expires = 0.0  # of this job's record, as last written
         self.lost = threading.Event()

@@ -21,9 +21,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
-from pippy.checkpoint.layouts import TORCHTITAN, detect_layout, pippy_name
-from pippy.checkpoint.optim_layout import OptimKeys, stateless_keys
 from pippy.checkpoint.safe_load import refusal, resolve_trusted
+from pippy.checkpoint.state import (
+    TORCHTITAN,
+    OptimKeys,
+    detect_layout,
+    pippy_name,
+    stateless_keys,
+)
 
 __all__ = ["SafeLoadPlanner"]
 

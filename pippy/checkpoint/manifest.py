@@ -17,9 +17,9 @@ writes ``manifest.json`` beside ``.metadata``:
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
 
 ``optim_layout`` is the version of the optimizer state's packing
-(:data:`~pippy.checkpoint.optim_layout.LAYOUT_VERSION`; absent in manifests
+(:data:`~pippy.checkpoint.state.LAYOUT_VERSION`; absent in manifests
 written before it was recorded, which hold layout 1); ``written_by`` the torch
-and pippy that wrote the step (:mod:`~pippy.checkpoint.versions`). ``files``
+and pippy that wrote the step (:mod:`~pippy.checkpoint.metadata`). ``files``
 maps each data file to its size in bytes. The manifest is plain
 JSON: reading it runs no code. ``SafeFileSystemReader`` checks it against
 ``.metadata`` and the files before loading, and each item's checksum as it is
@@ -45,7 +45,8 @@ from torch.futures import Future
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.lease import check_lease
-from pippy.checkpoint.optim_layout import LAYOUT_VERSION, check_layout_version
+from pippy.checkpoint.metadata import written_by
+from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
     DurableFileSystem,
     Location,
@@ -53,7 +54,6 @@ from pippy.checkpoint.storage import (
     step_file,
     storage_for,
 )
-from pippy.checkpoint.versions import written_by
 
 __all__ = [
     "MANIFEST_FILE",

@@ -48,14 +48,15 @@ from pippy.checkpoint.manifest import (
     verify_item,
     verify_ranges,
 )
-from pippy.checkpoint.metadata_checks import (
+from pippy.checkpoint.metadata import (
+    CompatTensorProperties,
     check_structure,
     find_damage,
+    newer_torch_refusal,
     storage_ranges,
 )
 from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
 from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
-from pippy.checkpoint.versions import CompatTensorProperties, newer_torch_refusal
 
 __all__ = [
     "TRUST_ENV",
@@ -135,7 +136,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata, refusing every global but DCP's own classes.
 
     Trusted, it refuses nothing. Either way, a newer torch's longer
-    ``TensorProperties`` is read (see :mod:`~pippy.checkpoint.versions`).
+    ``TensorProperties`` is read (see :mod:`~pippy.checkpoint.metadata`).
     """
 
     def __init__(self, file: Any, name: str, trusted: bool = False) -> None:

@@ -32,7 +32,7 @@ timeout``), as torch's own store-based barrier does.
 Note:
     The store is ``torch.distributed.distributed_c10d._get_default_store``, a
     private name (torch exposes no public getter for the store
-    ``init_process_group`` made); :mod:`~pippy.checkpoint.versions` lists it.
+    ``init_process_group`` made); :mod:`~pippy.checkpoint.metadata` lists it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ its step (:func:`state_to_save`), and gets the :class:`CheckedSavePlanner`
 to pass to ``dcp.save``. The checks across ranks run inside DCP's own
 planning, with no collective of pippy's: each rank's local plan carries its
 failure, if taking the state failed, or its key check's offer
-(:func:`~pippy.checkpoint.collisions.offer_keys`), and the coordinator
+(:func:`~pippy.checkpoint.checks.offer_keys`), and the coordinator
 judges the offers before it plans a write. ``AsyncSaver`` takes the state at
 the call and plans its save in the background (:func:`take_together`).
 """
@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.device_mesh import DeviceMesh
 
 from pippy.checkpoint import stall
-from pippy.checkpoint.collisions import offer_keys, refuse_losses
+from pippy.checkpoint.checks import offer_keys, refuse_losses
 from pippy.checkpoint.errors import own_error
-from pippy.checkpoint.stage_state import StageState
 from pippy.checkpoint.stall import Timeout
+from pippy.checkpoint.state import StageState
 
 __all__ = [
     "CheckedSavePlanner",
@@ -42,8 +42,8 @@ class CheckedSavePlanner(SavePlanner):
     """DCP's save planner, refusing in DCP's own planning what DCP would lose.
 
     Each rank's local plan carries its key check's offer
-    (:func:`~pippy.checkpoint.collisions.offer_keys`); the coordinator judges
-    every rank's offer (:func:`~pippy.checkpoint.collisions.refuse_losses`)
+    (:func:`~pippy.checkpoint.checks.offer_keys`); the coordinator judges
+    every rank's offer (:func:`~pippy.checkpoint.checks.refuse_losses`)
     before it plans the write, inside DCP's first gather. A rank whose state
     could not be taken still plans: it raises its ``failure`` there, so that
     no rank waits for it alone. Everything else is ``planner``'s. Pass it to
@@ -62,7 +62,7 @@ class CheckedSavePlanner(SavePlanner):
 
     Raises:
         KeyCollisionError, DivergedReplicasError, NestedStateError: From
-            ``dcp.save``, as :func:`~pippy.checkpoint.collisions.check_keys`,
+            ``dcp.save``, as :func:`~pippy.checkpoint.checks.check_keys`,
             on every rank, before anything is written.
         CheckpointError: From ``dcp.save``: taking the state failed on some
             rank, naming it (that rank raises its own ``failure``).
@@ -147,7 +147,7 @@ def take_state(
             :class:`StageState` and is required otherwise.
         process_group: The ranks that save; the default group if None.
         mesh: The ranks' ``DeviceMesh`` with a ``"pp"`` dim and data-parallel
-            dims, for :func:`~pippy.checkpoint.collisions.check_keys`: stages
+            dims, for :func:`~pippy.checkpoint.checks.check_keys`: stages
             replicated over data-parallel ranks are compared, not taken for
             collisions.
         planner: DCP's save planner, wrapped; ``DefaultSavePlanner`` if None.

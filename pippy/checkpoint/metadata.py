@@ -1,30 +1,92 @@
-"""Checking a step's ``.metadata`` against its folder before anything is read.
+"""A step's ``.metadata``: checked against its folder, read from another torch.
 
 A ``.metadata`` names, for every item, a data file, an offset and a length:
 :func:`check_structure` refuses one whose files are not plain names inside
 the step folder, or whose items do not fit their places, and
 :func:`find_damage` lists the data files that are missing or short, before
 any read or allocation.
+
+Every manifest records the torch and pippy versions that wrote the step
+(:func:`written_by`). A checkpoint is read by a torch older or newer than the
+one that wrote it (inference boxes, evaluation jobs, a rollback), and
+``.metadata`` is a pickle of torch's own classes, whose fields change between
+releases:
+
+* torch 2.15 adds ``strides`` to ``TensorProperties``: its ``__getstate__``
+  gives 6 fields, and torch 2.10 to 2.14's ``__setstate__`` unpacks exactly 5
+  (``ValueError: too many values to unpack``). :class:`CompatTensorProperties`
+  takes the fields the running torch knows and drops the rest: the tensor's
+  bytes are a ``torch.save`` record of its own, strides included, and the
+  tensor they are loaded into is the caller's.
+
+A ``.metadata`` that still cannot be read is refused by
+:func:`newer_torch_refusal` with the versions named, where the manifest says
+a newer torch wrote it, instead of being called damaged.
+
+Private torch names pippy relies on, each with a test in
+test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
+2.14 and 2.15 (test/golden/version_matrix.py runs that file under each):
+
+* ``torch.distributed.checkpoint.state_dict._get_fqns`` (optimizer keys by
+  FQN, :mod:`~pippy.checkpoint.state`);
+* ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
+  (a shard's place, for the replica check in
+  :mod:`~pippy.checkpoint.checks`);
+* ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URL reads
+  and writes, :mod:`~pippy.checkpoint.storage.url`);
+* in ``.metadata``, the globals the safe reader allows
+  (:mod:`~pippy.checkpoint.safe_load`): ``filesystem._StorageInfo``,
+  ``metadata._MEM_FORMAT_ENCODING``, ``torch.serialization._get_layout``,
+  and no others than those listed there; ``_StorageInfo``'s
+  ``relative_path``, ``offset`` and ``length``, which the manifest reads;
+* ``FileSystemWriter`` and ``FileSystemReader``'s ``fs`` and ``path`` fields,
+  which pippy's writer and reader replace, and the writer's ``sync_files``;
+* the text of ``torch.load(weights_only=True)``'s refusal, ``GLOBAL
+  module.name``, which the load planner parses to name the global;
+* ``torch.serialization.set_crc32_options`` being per thread from torch
+  2.12 on (``storage.CRC32_PER_THREAD``; on 2.10 and 2.11 it is one setting
+  per process, so ``no_crc32`` leaves it on there);
+* ``torch.distributed.distributed_c10d._get_default_store`` (the default
+  group's key-value store, which :mod:`~pippy.checkpoint.stall` waits on:
+  there is no public getter);
+* an LR scheduler's ``_last_lr`` list in its state (compared per group);
+* ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules``,
+  ``_non_persistent_buffers_set``, ``_state_dict_hooks`` and
+  ``_state_dict_pre_hooks`` (stage merging, meta builds, buffer checks).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import os
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
+from torch.torch_version import TorchVersion
 
 from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
-from pippy.checkpoint.steps import METADATA_FILE
 from pippy.checkpoint.storage import Location, Storage, step_file, storage_for
 
-__all__ = ["check_structure", "data_file", "find_damage", "storage_ranges"]
+__all__ = [
+    "CompatTensorProperties",
+    "check_structure",
+    "find_damage",
+    "newer_torch_refusal",
+    "storage_ranges",
+    "written_by",
+]
+
+#: DCP's index of a step's items; steps.METADATA_FILE, not imported from there
+#: (steps imports the manifest, which imports this module).
+METADATA_FILE = ".metadata"
 
 
 def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
@@ -61,14 +123,8 @@ def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
     return problems
 
 
-def data_file(storage: Storage, folder: Location, name: Any) -> Any:
-    """The data file ``name`` inside ``folder``; refused if it could be elsewhere.
-
-    Raises:
-        UnsafeCheckpointError: ``name`` is not a plain file name (a path), or
-            is a link leading out of the step folder
-            (:func:`~pippy.checkpoint.storage.step_file`).
-    """
+def _data_file(storage: Storage, folder: Location, name: Any) -> Any:
+    """The data file ``name`` inside ``folder``; refused if it could be elsewhere."""
     plain = (
         isinstance(name, str)
         and name not in ("", ".", "..")
@@ -91,7 +147,7 @@ def check_structure(folder: Location, metadata: Metadata) -> None:
         CheckpointError: A table is malformed, an item has no valid place,
             a tensor's chunks do not fill its shape, or an item is larger
             than its place in the file.
-        UnsafeCheckpointError: As :func:`data_file`.
+        UnsafeCheckpointError: A data file is not a plain name inside ``folder``.
     """
     damaged = (
         f"{os.fspath(storage_for(folder).join(folder, METADATA_FILE))!r} is damaged"
@@ -113,7 +169,7 @@ def _check_tables(folder: Location, metadata: Metadata, damaged: str) -> None:
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
         if not (isinstance(name, str) and name in contained):
-            data_file(files, folder, name)
+            _data_file(files, folder, name)
             contained.add(str(name))  # a plain name: data_file refuses others
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not all(type(n) is int and n >= 0 for n in (offset, length)):
@@ -170,3 +226,55 @@ def storage_ranges(metadata: Metadata, indices: Any = None) -> dict:
         (storage[i].relative_path, storage[i].offset, storage[i].length): i.fqn
         for i in indices
     }
+
+
+# How many fields this torch's TensorProperties pickles.
+_FIELDS = len(TensorProperties().__getstate__())
+
+
+class CompatTensorProperties(TensorProperties):
+    """DCP's ``TensorProperties``, also read from a newer torch's longer state."""
+
+    def __setstate__(self, state: Any) -> None:
+        """Takes the fields this torch knows; drops those a newer torch added."""
+        if isinstance(state, tuple) and len(state) > _FIELDS:
+            state = state[:_FIELDS]
+        super().__setstate__(state)
+
+
+def written_by() -> dict[str, str]:
+    """The versions that write a step now: ``{"torch": ..., "pippy": ...}``."""
+    try:
+        pippy = importlib.metadata.version("pippy")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        pippy = "unknown"
+    return {"torch": str(torch.__version__), "pippy": pippy}
+
+
+def newer_torch_refusal(
+    metadata_file: str, writer: object, error: Exception
+) -> CheckpointError | None:
+    """The error for a ``.metadata`` a newer torch wrote and this one cannot read.
+
+    Args:
+        metadata_file: The file, for the message.
+        writer: The torch version the step's manifest records (None if none).
+        error: What unpickling raised.
+
+    Returns:
+        The error naming both versions and the fix, or None when the manifest
+        does not say a newer torch wrote it (then the file is damaged).
+    """
+    if not isinstance(writer, str):
+        return None
+    try:
+        newer = TorchVersion(writer) > TorchVersion(str(torch.__version__))
+    except Exception:  # not a version: the manifest is no help here
+        return None
+    if not newer:
+        return None
+    return CheckpointError(
+        f"{metadata_file} was written by torch {writer}, this is torch "
+        f"{torch.__version__}, which cannot read it ({type(error).__name__}: "
+        f"{error}). Read it with torch {writer} or newer"
+    )

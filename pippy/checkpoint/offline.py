@@ -1,13 +1,14 @@
-"""Writing a checkpoint for other tools: a Hugging Face folder, torchtitan's layout.
+"""A checkpoint in one process: read whole, loaded into the un-split model, exported.
 
-``from_pretrained`` opens a folder holding ``config.json`` and
-``model.safetensors``, or, above the shard size, ``model-0000i-of-0000n``
-shards and ``model.safetensors.index.json`` mapping each key to its shard.
-The weights are read with :func:`~pippy.checkpoint.read_checkpoint` (any
-layout it reads) and written with ``safetensors`` directly: DCP's own
-Hugging Face consolidation mishandles integer and bool tensors in torch 2.13
-(pytorch/pytorch#192485). :func:`convert_layout` rewrites a checkpoint in
-pippy's or torchtitan's layout as the other.
+The stages' keys are the un-split model's FQNs, so their union is the whole
+model: no process group and no pipeline are needed to read it
+(:func:`read_checkpoint`, :func:`load_model`). :func:`export_hf` writes a
+folder ``from_pretrained`` opens: ``config.json`` and ``model.safetensors``,
+or, above the shard size, ``model-0000i-of-0000n`` shards and
+``model.safetensors.index.json``, written with ``safetensors`` directly (DCP's
+own Hugging Face consolidation mishandles integer and bool tensors in torch
+2.13, pytorch/pytorch#192485). :func:`convert_layout` rewrites a checkpoint
+in pippy's or torchtitan's layout as the other.
 """
 
 from __future__ import annotations
@@ -17,20 +18,174 @@ import os
 import re
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from pippy.checkpoint.errors import explain_failures
-from pippy.checkpoint.layouts import PIPPY, TORCHTITAN, to_torchtitan
+from pippy.checkpoint.api import load_stage, open_step, read_into
+from pippy.checkpoint.checks import tied_groups
+from pippy.checkpoint.errors import CheckpointError, explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.state import (
+    PIPPY,
+    TORCHTITAN,
+    StageState,
+    detect_layout,
+    from_torchtitan,
+    pippy_name,
+    to_torchtitan,
+)
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 from pippy.checkpoint.taking import take_state
-from pippy.checkpoint.unsplit import read_checkpoint
 
-__all__ = ["convert_layout", "export_hf", "parse_size"]
+__all__ = [
+    "convert_layout",
+    "export_hf",
+    "load_model",
+    "model_weights",
+    "parse_size",
+    "read_checkpoint",
+]
+
+
+def read_checkpoint(
+    path: Location,
+    *,
+    prefix: str = "",
+    keys: Collection[str] | None = None,
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Reads a whole checkpoint, or the keys under a prefix, in this process.
+
+    The keys come back flat, as DCP names them, with ``prefix`` removed: with
+    ``prefix="model."`` the result is the un-split model's ``state_dict``,
+    ready for ``model.load_state_dict(..., strict=True)``. Works without a
+    process group (reads every rank's file here) and inside one (this rank
+    alone reads, with no collective). Reads through the safe reader and
+    planner. A checkpoint in torchtitan's layout reads under pippy's names
+    (see :mod:`~pippy.checkpoint.state`): its root model keys as
+    ``model.<fqn>``.
+
+    Args:
+        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
+        prefix: Only keys starting with this are read.
+        keys: If given, only these keys (without ``prefix``) are read; those
+            not in the checkpoint are left out of the result.
+        trusted: See :class:`SafeFileSystemReader`.
+        verify: As :func:`load_stage`.
+
+    Returns:
+        ``{key: tensor or value}``; tensors on the CPU, in their saved dtype.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
+        KeyError: No key starts with ``prefix``.
+        CheckpointError: A data file is missing or damaged.
+    """
+    reader, planner = open_step(path, trusted=trusted, verify=verify, no_dist=True)
+    saved = reader.read_metadata().state_dict_metadata
+    name = (lambda k: k) if detect_layout(saved) == PIPPY else pippy_name
+    state_dict: dict[str, Any] = {}
+    for key, item in saved.items():
+        if name(key).startswith(prefix) and (
+            keys is None or name(key)[len(prefix) :] in keys
+        ):
+            if isinstance(item, TensorStorageMetadata):
+                state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
+            else:
+                state_dict[key] = None  # replaced by the loaded value
+    if not state_dict:
+        raise KeyError(f"no key in {str(path)!r} starts with {prefix!r}")
+    planner.must_read = tuple(state_dict)
+    read_into(state_dict, reader, planner, no_dist=True)
+    if name is pippy_name:
+        state_dict = from_torchtitan(state_dict)
+    return {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def _check_ties(
+    path: Location, model: nn.Module, trusted: bool | None, verify: bool
+) -> None:
+    """Refuses a checkpoint whose keys tied in ``model`` hold different values."""
+    groups = tied_groups(model)
+    if not groups:
+        return
+    wanted = {fqn for group in groups for fqn in group}
+    try:
+        saved = read_checkpoint(
+            path, prefix="model.", keys=wanted, trusted=trusted, verify=verify
+        )
+    except KeyError:  # none of them is in the checkpoint: the load names them
+        return
+    for group in groups:
+        present = [fqn for fqn in group if fqn in saved]
+        first = present[0] if present else ""
+        differ = [f for f in present[1:] if not torch.equal(saved[f], saved[first])]
+        if differ:
+            raise CheckpointError(
+                f"{', '.join(map(repr, [first, *differ]))} are one tied parameter in "
+                f"this model but hold different values in {str(path)!r}: loading "
+                "would keep one and silently lose the other. Load into a model "
+                "with them untied (for Hugging Face, tie_word_embeddings=False)"
+            )
+
+
+def load_model(
+    path: Location,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> int:
+    """Loads a pipeline checkpoint into the un-split model, in one process.
+
+    For example::
+
+        model = GPT(ModelArgs())
+        step = pippy.checkpoint.load_model("checkpoints/step-20", model)
+
+    The same call loads into a model sharded with FSDP2 (``fully_shard``),
+    on every rank of its group: DCP reads each rank's shards.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        model: The un-split model; every parameter and persistent buffer must
+            be in the checkpoint (strict), and every model key of the
+            checkpoint must be in the model.
+        optimizer: If given, its state (AdamW moments, step, options) is loaded
+            too; build it over ``model.parameters()`` first. Option entries
+            it lacks (an LR scheduler's ``initial_lr``) are not required.
+        trusted: See :class:`SafeFileSystemReader`.
+        verify: As :func:`load_stage`.
+
+    Returns:
+        The step the checkpoint was saved at.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
+        CheckpointError: Keys missing on either side, or shapes that differ;
+            or parameters tied in ``model`` (an output head sharing the
+            embedding's weight) hold different values in the checkpoint.
+
+    Note:
+        Into a model with tied parameters, loading each tied key writes the
+        same tensor, and the last one read would win. The tied keys are
+        therefore compared first, and the load refused unless they agree.
+    """
+    _check_ties(path, model, trusted, verify)
+    state = StageState(model, optimizer)
+    # Every weight and every optimizer moment must land somewhere; per-group
+    # options the new optimizer lacks (a scheduler's initial_lr) may not.
+    must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
+    load_stage(state, path, must_read=must_read, trusted=trusted, verify=verify)
+    return state.step
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -149,14 +304,7 @@ def export_hf(
         config = json.loads(storage_for(config).read_bytes(config))
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
-    weights = {}
-    state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"model.{key} in {str(path)!r} is not a tensor")
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
-        weights[key] = value.contiguous()
+    weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
     tmp = _sibling(storage, out)  # same file system
     storage.makedirs(tmp)
     try:
@@ -169,6 +317,39 @@ def export_hf(
     finally:
         storage.remove(tmp)
     return [storage.join(out, name) for name in names]
+
+
+def model_weights(
+    path: Location,
+    *,
+    dtype: torch.dtype | None = None,
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
+    """A step's model weights (keys under ``model.``, prefix removed), to write out.
+
+    Args:
+        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
+        dtype: If given, floating-point tensors are converted to it.
+        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
+        verify: See :func:`~pippy.checkpoint.load_stage`.
+
+    Returns:
+        ``{fqn: contiguous tensor}``, on the CPU.
+
+    Raises:
+        ValueError: A model entry is not a tensor.
+        CheckpointError: As :func:`read_checkpoint`.
+    """
+    weights = {}
+    state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model.{key} in {str(path)!r} is not a tensor")
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        weights[key] = value.contiguous()
+    return weights
 
 
 def _sibling(storage: Storage, out: Location) -> Any:
@@ -195,7 +376,7 @@ def convert_layout(
     """Writes a checkpoint in the other layout: pippy's or torchtitan's.
 
     Reads every key (in one process) and saves it again with ``dcp.save``
-    under the other layout's names (see :mod:`~pippy.checkpoint.layouts`),
+    under the other layout's names (see :mod:`~pippy.checkpoint.state`),
     into a temporary folder renamed to ``out`` when complete. Written for
     torchtitan, ``train_state.ntokens_seen``, which its trainer requires and
     pippy does not keep, is 0; written for pippy, a count of 0 is left out
@@ -203,7 +384,7 @@ def convert_layout(
     and another count is kept as ``train_state.ntokens_seen``. Extra state
     (a data sampler's) is torchtitan's ``dataloader.<extra name>.<name>``,
     and the param group indices are kept (see
-    :mod:`~pippy.checkpoint.layouts`).
+    :mod:`~pippy.checkpoint.state`).
 
     Args:
         path: A ``step-<N>`` folder in either layout.
@@ -220,7 +401,7 @@ def convert_layout(
     Raises:
         FileExistsError: ``out`` exists.
         ValueError: ``to`` is not a layout, or a key has no place in
-            torchtitan's (see :func:`~pippy.checkpoint.layouts.to_torchtitan`).
+            torchtitan's (see :func:`~pippy.checkpoint.state.to_torchtitan`).
         CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):

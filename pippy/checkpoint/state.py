@@ -1,0 +1,995 @@
+"""What a rank's pipeline stage(s) checkpoint, and how optimizer state is keyed.
+
+:class:`StageState` is a rank's model, optimizer, scheduler, step and extra
+state as one state_dict. A rank may hold several stages (interleaved
+schedules); :func:`merge_parts` makes them one module whose ``state_dict`` is
+the union of theirs, keyed as in the un-split model.
+
+Optimizer state is keyed by parameter FQN (``state.layers.3.w.exp_avg``), not
+by index into ``param_groups``: indices restart at 0 on every stage, so
+indexed keys would collide across ranks. Under a stage's ``optim.`` section:
+
+* ``state.<fqn>.<name>``: a tensor with elements (AdamW's ``exp_avg``);
+* ``scalars.<fqn>``: ``[[name, value], ...]``, the rest of that parameter's
+  entry in one item, ``name`` being ``param_groups.<option>`` or
+  ``state.<name>``; a 0-dim tensor is stored as ``[name, number, dtype
+  name]``; ``["group", index]`` is the position of its param group (an LR
+  scheduler's per-group lists are positional).
+
+A parameter whose gradient stayed None has ``scalars.<fqn>`` but no
+``state.<fqn>.*``. FQNs and names may both hold dots (DCP flattens nested
+state into ``state.<fqn>.precond.L``), so a key is split where a known FQN
+ends, never at a dot: :class:`OptimKeys` owns that grammar.
+:data:`LAYOUT_VERSION` numbers this packing (a checkpoint that records none
+is layout 1); :func:`check_layout_version` refuses a layout it does not read.
+
+torchtitan's layout holds the same state under other names (pippy's; its):
+
+* model weights: ``model.<fqn>``; ``<fqn>``, at the root;
+* optimizer tensors: ``optim.state.<fqn>.<name>``; ``optimizer.state.<fqn>.<name>``;
+* options and 0-dim state: ``optim.scalars.<fqn>``;
+  ``optimizer.param_groups.<fqn>.<option>`` and ``optimizer.state.<fqn>.step``;
+* step: ``step``; ``train_state.step`` (with ``train_state.ntokens_seen``);
+* an extra (a data sampler): ``<extra name>.<name>``;
+  ``dataloader.<extra name>.<name>``, never at the root among the weights;
+* param group indices: in ``optim.scalars.<fqn>``; on request one
+  ``train_state.pippy_param_groups`` item, which torchtitan's loads ignore.
+
+torchtitan's own flat ``dataloader.dp_rank_<N>`` and other ``train_state.``
+keys read as themselves. :func:`from_torchtitan` and :func:`to_torchtitan`
+map flat dicts, each the other's inverse; :func:`to_torchtitan` refuses a key
+that would not read back as itself (a root key outside any section, a
+top-level module named like one of torchtitan's sections). Everything that
+reads sees a torchtitan checkpoint through pippy's names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+# _get_fqns: the FQNs DCP's state_dict helpers give a parameter (no wrapper prefixes).
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _get_fqns,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from pippy.checkpoint.checks import fingerprint, named_leaves, renaming_hooks
+from pippy.checkpoint.errors import CheckpointError, KeyCollisionError
+
+__all__ = [
+    "LAYOUT_VERSION",
+    "PIPPY",
+    "TORCHTITAN",
+    "OptimKeys",
+    "StageState",
+    "check_layout_version",
+    "detect_layout",
+    "from_torchtitan",
+    "merge_parts",
+    "pippy_name",
+    "stateless_keys",
+    "to_torchtitan",
+]
+
+
+# How a step is computed, not what it computes: param groups need not agree.
+_IMPLEMENTATION_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
+#: Optimizer state keyed by parameter FQN, as DCP's state_dict helpers give it.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+#: The optimizer layout this pippy writes (see the module docstring).
+LAYOUT_VERSION = 1
+
+_SECTIONS = ("state", "param_groups", "scalars")
+# Where a key's optimizer section starts: after ``optim.`` at a segment start.
+_OPTIM_SECTION = re.compile(r"(?:^|(?<=\.))optim\.(?=(?:state|param_groups|scalars)\.)")
+# What DCP's flattening stores as a leaf of optimizer state (dicts nest them).
+_STORABLE = (torch.Tensor, int, float)
+
+_Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+_Schedulers = (
+    torch.optim.lr_scheduler.LRScheduler
+    | Sequence[torch.optim.lr_scheduler.LRScheduler]
+    | None
+)
+
+
+def _as_list(value: Any) -> list[Any]:
+    """None as [], one object as [it], a sequence as a list."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, Sequence) else [value]
+
+
+def _listed(keys: list[str]) -> str:
+    """The first five keys, quoted, and how many more."""
+    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+    return ", ".join(repr(k) for k in keys[:5]) + more
+
+
+@contextmanager
+def _named_renames(module: nn.Module) -> Iterator[None]:
+    """Turns DCP's AttributeError on a key renamed by a hook into a CheckpointError."""
+    try:
+        yield
+    except AttributeError as e:
+        found = renaming_hooks(module)
+        if not found:
+            raise
+        raise CheckpointError(
+            f"{'; '.join(found)}: DCP's state_dict helpers map each key back to "
+            "the parameter of that name and fail on it. Checkpoint the "
+            "parameters under their own names (remove the hook from the stage "
+            "and convert keys when exporting)"
+        ) from e
+
+
+class StageState(Stateful):
+    """The checkpointable state of the pipeline stage(s) a rank holds.
+
+    ``state_dict()`` returns a nested dict whose leaves DCP writes as
+    ``model.<fqn>``, ``optim.state.<fqn>.<name>`` (the optimizer's tensors
+    with elements, e.g. AdamW's ``exp_avg``), ``optim.scalars.<fqn>`` (all
+    else of that parameter's optimizer entry in one item: its param group's
+    options and 0-dim state such as AdamW's ``step``; see the module
+    docstring), ``lr_scheduler.<name>``, ``step``
+    and ``<extra name>.<name>``. Model and optimizer keys are the un-split
+    model's FQNs of the parameters this rank's stages own, so the ranks' keys
+    are disjoint (or, across data-parallel replicas, equal) and together
+    form the whole model, whatever the layout; the scheduler, step and extra
+    state are the same on every rank and DCP stores them once.
+
+    Args:
+        module: The stage's module, keeping the un-split model's FQNs (for
+            example ``layers.5.mlp.w1.weight``, never renumbered); or a list
+            of the stage modules this rank holds (interleaved schedules),
+            merged with :func:`merge_parts`. A DDP or
+            FSDP2 module is fine: keys have no wrapper prefix.
+        optimizer: The optimizer over the modules' parameters, or a list with
+            one optimizer per module (each over its module's parameters);
+            None for the weights alone (no ``optim`` section).
+        lr_scheduler: Optional LR scheduler of the optimizer, or a list with
+            one per optimizer. A list must hold equal state (the same
+            schedule); one copy is saved and loaded into each.
+        step: Number of optimizer steps taken so far.
+        extra: Further ``Stateful`` objects saved under their names (for
+            example a data sampler). Their state must be the same on every
+            rank: DCP keeps one copy of equal keys.
+
+    Attributes:
+        module: The one module (the parts merged) whose state is saved.
+        modules: The stage modules as given, as a list.
+        optimizer, lr_scheduler: As given; they may be replaced later.
+        optimizers, lr_schedulers: The same, as lists (maybe empty).
+
+    Raises:
+        ValueError: An ``extra`` name is reserved or holds a module or an
+            optimizer, a scheduler is given without an optimizer, or the
+            lists' lengths do not match.
+        KeyCollisionError: Two modules hold different parameters under one
+            FQN.
+
+    Note:
+        DCP loads in place. Build the stage and its optimizer first, take
+        ``sd = state.state_dict()`` (this creates the empty optimizer state to
+        load into), ``dcp.load(sd, ...)``, then ``state.load_state_dict(sd)``;
+        :func:`pippy.checkpoint.load_stage` does all three.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | Sequence[nn.Module],
+        optimizer: _Optimizers = None,
+        lr_scheduler: _Schedulers = None,
+        *,
+        step: int = 0,
+        extra: Mapping[str, Stateful] | None = None,
+    ) -> None:
+        self.modules = _as_list(module)
+        self.module = module if isinstance(module, nn.Module) else merge_parts(module)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.step = step
+        self.extra = dict(extra or {})
+        reserved = {"model", "optim", "lr_scheduler", "step"} & self.extra.keys()
+        if reserved:
+            raise ValueError(f"extra state may not use the reserved names {reserved}")
+        held = [
+            n for n, o in self.extra.items() if isinstance(o, nn.Module | Optimizer)
+        ]
+        if held:
+            raise ValueError(
+                f"extra state {held} is a module or optimizer: its keys would name "
+                "this layout. Pass all stage modules (and optimizers) as the "
+                "first arguments"
+            )
+        if self.lr_schedulers and not self.optimizers:
+            raise ValueError("an LR scheduler needs the optimizer it schedules")
+        if len(self.optimizers) > 1 and len(self.optimizers) != len(self.modules):
+            raise ValueError("give one optimizer, or one per module")
+        if len(self.lr_schedulers) > 1 and len(self.lr_schedulers) != len(
+            self.optimizers
+        ):
+            raise ValueError("give one LR scheduler, or one per optimizer")
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer(s), as a list (empty without one)."""
+        return _as_list(self.optimizer)
+
+    @property
+    def lr_schedulers(self) -> list[torch.optim.lr_scheduler.LRScheduler]:
+        """The LR scheduler(s), as a list (empty without one)."""
+        return _as_list(self.lr_scheduler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
+
+        Returns:
+            ``{"model": ..., "optim": ..., "step": int}``, plus
+            ``"lr_scheduler"`` when there is one and one entry per ``extra``;
+            no ``"optim"`` without an optimizer. Tensors are the live ones
+            (no copies).
+
+        Raises:
+            CheckpointError: A submodule's state_dict hook renames its keys
+                (a fused QKV weight saved as ``wq``, ``wk``, ``wv``), naming
+                the module and the hook; or the LR schedulers of a list hold
+                different state; or an optimizer's state holds an entry DCP
+                cannot store (a ``str``), naming the parameter, the entry and
+                its type.
+        """
+        with _named_renames(self.module):
+            if not self.optimizers:
+                sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
+            else:
+                _check_storable(self.optimizers, _param_fqns(self.module))
+                model_sd, optim_sd = get_state_dict(
+                    self.module, self.optimizers, options=OPTIONS
+                )
+                keys = OptimKeys.of_module(self.module)
+                sd = {
+                    "model": model_sd,
+                    "optim": _pack_scalars(optim_sd, self._groups(), keys),
+                }
+        sd["step"] = self.step
+        if self.lr_schedulers:
+            sd["lr_scheduler"] = self._scheduler_state()
+        for name, obj in self.extra.items():
+            sd[name] = obj.state_dict()
+        return sd
+
+    def _groups(self) -> dict[str, int]:
+        """Each parameter's param group index within its own optimizer, by FQN."""
+        fqn_of = _param_fqns(self.module)
+        return {
+            fqn_of[p]: i
+            for optimizer in self.optimizers
+            for i, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+            if p in fqn_of
+        }
+
+    def _scheduler_state(self) -> dict[str, Any]:
+        """The LR schedulers' one state; refuses schedulers that differ."""
+        states = [s.state_dict() for s in self.lr_schedulers]
+        if any(fingerprint(s) != fingerprint(states[0]) for s in states[1:]):
+            raise CheckpointError(
+                "the LR schedulers of this rank's parts hold different state; "
+                "one copy is saved for all of them. Give every part the same "
+                "schedule, stepped together"
+            )
+        return states[0]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Applies a state_dict from :meth:`state_dict` (after ``dcp.load``).
+
+        Its checks all run before anything is applied (``dcp.load`` has
+        filled the tensors in place already). A parameter none of whose
+        ``optim.state.`` entries are in ``state_dict`` (it had no optimizer
+        state when saved, so ``SafeLoadPlanner`` read none) ends with no
+        optimizer state, as saved, so that its next step starts its state
+        afresh, as the saved run would.
+
+        Args:
+            state_dict: The dict that ``dcp.load`` filled in place.
+
+        Raises:
+            CheckpointError: As :meth:`state_dict`.
+            RuntimeError: A model key is missing or unexpected
+                (``set_state_dict`` is strict).
+            KeyError: A section (``model``, ``optim``, ...) is missing.
+            CheckpointError: An ``optim.scalars.<fqn>`` item lacks an entry
+                this optimizer has, or has one it lacks (saved by another
+                optimizer class, or without the LR scheduler that adds
+                ``initial_lr``; an ``initial_lr`` this optimizer lacks is
+                allowed). DCP cannot see inside the item, and
+                ``set_state_dict`` would load an empty dict for a missing
+                state entry such as ``step`` and ignore extra ones. Also:
+                some of a parameter's state is missing while the rest is
+                there (a damaged or edited checkpoint).
+            CheckpointError: A param group here joins parameters saved with
+                different options (``set_state_dict`` would give them all the
+                first one's), or the LR scheduler was saved for another number
+                of param groups.
+        """
+        with _named_renames(self.module):
+            if not self.optimizers:
+                set_model_state_dict(self.module, state_dict["model"])
+            else:
+                self._load_with_optimizer(state_dict)
+        for scheduler in self.lr_schedulers:
+            scheduler.load_state_dict(state_dict["lr_scheduler"])
+        self.step = int(state_dict["step"])
+        for name, obj in self.extra.items():
+            obj.load_state_dict(state_dict[name])
+
+    def _load_with_optimizer(self, state_dict: dict[str, Any]) -> None:
+        """Checks optimizer and scheduler state, then applies model and optimizer."""
+        optim_sd = _unpack_scalars(state_dict["optim"])
+        wanted = get_optimizer_state_dict(self.module, self.optimizers, options=OPTIONS)
+        keys = OptimKeys.of_module(self.module)
+        stateless = keys.state_fqns(wanted) - keys.state_fqns(optim_sd)
+        self._check_entries(wanted, optim_sd, stateless, keys)
+        fqn_of = _param_fqns(self.module)
+        self._check_groups(optim_sd, fqn_of)
+        if self.lr_schedulers:
+            self._check_scheduler(state_dict["lr_scheduler"])
+            self._check_group_order(_saved_groups(state_dict["optim"]), fqn_of)
+        for param, fqn in fqn_of.items():
+            if fqn in stateless:  # none was saved: none to fill
+                for optimizer in self.optimizers:
+                    optimizer.state.pop(param, None)
+        with ExitStack() as stack:
+            for optimizer in self.optimizers:
+                stack.enter_context(_without_empty_groups(optimizer))
+            set_state_dict(
+                self.module,
+                self.optimizers,
+                model_state_dict=state_dict["model"],
+                optim_state_dict=optim_sd,
+                options=OPTIONS,
+            )
+        # No state, as saved: set_state_dict makes an empty entry for each
+        # parameter without state (all of them for SGD without momentum).
+        for param in fqn_of:
+            for optimizer in self.optimizers:
+                if not optimizer.state.get(param, True):
+                    optimizer.state.pop(param, None)
+
+    @staticmethod
+    def _check_entries(
+        wanted: Mapping[str, Any],
+        loaded: Mapping[str, Any],
+        stateless: set[str],
+        optim_keys: OptimKeys,
+    ) -> None:
+        """Refuses loaded optimizer entries other than the wanted ones."""
+        missing = sorted(
+            k
+            for k in wanted.keys() - loaded.keys()
+            if not optim_keys.state_fqns([k]) & stateless
+        )
+        # An LR scheduler's initial_lr may stay behind when loading into an
+        # optimizer without one; any other entry is another optimizer's.
+        extra = sorted(
+            k
+            for k in loaded.keys() - wanted.keys()
+            if (p := optim_keys.parse(k)) is None
+            or (p[0], p[2]) != ("param_groups", "initial_lr")
+        )
+        lost = [k for k in missing if k.startswith("state.")]
+        if lost:  # a parameter with none of its state is taken as stateless
+            raise CheckpointError(
+                f"the checkpoint's optimizer state has no {_listed(lost)}, though it "
+                "has other state of the same parameters: the checkpoint is "
+                "damaged or was edited; load an earlier step"
+            )
+        for what, keys in (("has no", missing), ("has entries this one lacks:", extra)):
+            if keys:
+                raise CheckpointError(
+                    f"the checkpoint's optimizer state {what} {_listed(keys)}: it was "
+                    "saved by another optimizer class or with other param-group "
+                    "options (an LR scheduler adds 'initial_lr'); build the "
+                    "optimizer (and scheduler) as the run that saved it did"
+                )
+
+    def _all_groups(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """Each param group with its index within its own optimizer."""
+        for optimizer in self.optimizers:
+            yield from enumerate(optimizer.param_groups)
+
+    def _check_groups(
+        self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
+    ) -> None:
+        """Refuses a param group here whose parameters were saved with other options."""
+        # set_state_dict gives a param group the saved options of its first
+        # parameter, so a group joining parameters saved with different options
+        # would silently give them all the first one's learning rate.
+
+        def comparable(value: Any) -> str:  # (0.9, 0.999) and [0.9, 0.999] agree
+            return fingerprint(list(value) if isinstance(value, tuple) else value)
+
+        for index, group in self._all_groups():
+            fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
+            differ: dict[str, tuple[str, Any, Any]] = {}
+            options = sorted(group.keys() - _IMPLEMENTATION_OPTIONS, key="lr".__ne__)
+            for option in options:
+                values = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
+                for fqn, value in zip(fqns[1:], values[1:], strict=True):
+                    if comparable(value) != comparable(values[0]):
+                        differ[option] = (fqn, values[0], value)
+                        break
+            if differ:
+                option, (fqn, first, other) = next(iter(differ.items()))
+                raise CheckpointError(
+                    f"param group {index} here holds parameters saved with different "
+                    f"{', '.join(map(repr, differ))}: {option} {first!r} for "
+                    f"{fqns[0]!r}, {other!r} for {fqn!r}; one group would silently "
+                    "get the first one's. Build the param groups as the run that "
+                    "saved it did"
+                )
+
+    def _check_group_order(
+        self, saved: Mapping[str, int], fqn_of: Mapping[nn.Parameter, str]
+    ) -> None:
+        """Refuses param groups built in another order than saved (with a scheduler)."""
+        for index, group in self._all_groups():
+            for param in group["params"]:
+                was = saved.get(fqn_of.get(param, ""), index)
+                if was != index:
+                    raise CheckpointError(
+                        f"param group {index} here holds {fqn_of[param]!r}, which "
+                        f"was in group {was} when saved: the LR scheduler's "
+                        "per-group lists (base_lrs, ...) are by position, so two "
+                        "groups would swap schedules. Build the param groups in "
+                        "the order of the run that saved it"
+                    )
+
+    def _check_scheduler(self, saved: Mapping[str, Any]) -> None:
+        """Refuses an LR scheduler saved for another number of param groups."""
+        # A scheduler keeps per-group lists (base_lrs, _last_lr, min_lrs); loaded
+        # for another number of groups, LambdaLR, CosineAnnealingLR and
+        # SequentialLR fail at their first step, others run on misaligned. They
+        # are compared with this scheduler's own lists: a group added to the
+        # optimizer after the scheduler was built is in neither.
+        for key in ("base_lrs", "min_lrs", "_last_lr"):
+            for scheduler in self.lr_schedulers:
+                ours, theirs = scheduler.state_dict().get(key), saved.get(key)
+                if not (isinstance(ours, list) and isinstance(theirs, list)):
+                    continue
+                if len(ours) != len(theirs):
+                    raise CheckpointError(
+                        f"the LR scheduler was saved for {len(theirs)} param "
+                        f"group(s) (its {key!r}), this one has {len(ours)}: its "
+                        "per-group schedule would not line up. Build the param "
+                        "groups as the run that saved it did"
+                    )
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """The module a DDP wrapper holds (its keys have no ``module.`` prefix)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _check_one(held: Any, new: Any, fqn: str) -> None:
+    """Refuses two different tensors saved under one FQN."""
+    if held is not None and held is not new:
+        raise KeyCollisionError(
+            f"two parts of this rank hold different tensors named {fqn!r}: DCP "
+            "would save one of them. Each part must hold what it owns, under the "
+            "un-split model's FQN"
+        )
+
+
+def _merge(modules: list[nn.Module], path: str) -> nn.Module:
+    """One container holding the union of the modules' entries under ``path``."""
+    if len(modules) == 1:
+        return modules[0]
+    merged = nn.Module()
+    for module in modules:
+        for name, param in module._parameters.items():
+            if param is not None:
+                _check_one(merged._parameters.get(name), param, path + name)
+                merged.register_parameter(name, param)
+        for name, buffer in module._buffers.items():
+            if buffer is None:
+                continue
+            persistent = name not in module._non_persistent_buffers_set
+            if persistent:  # a copy that is not saved (RoPE tables) may differ
+                _check_one(merged._buffers.get(name), buffer, path + name)
+            merged.register_buffer(name, buffer, persistent=persistent)
+    names = dict.fromkeys(n for m in modules for n, c in m._modules.items() if c)
+    for name in names:
+        children = [m._modules[name] for m in modules if m._modules.get(name)]
+        unique = list({id(c): c for c in children if c is not None}.values())
+        merged.add_module(name, _merge(unique, f"{path}{name}."))
+    return merged
+
+
+def merge_parts(parts: Sequence[nn.Module]) -> nn.Module:
+    """One module whose state_dict is the union of the parts' state_dicts.
+
+    The parts are a rank's stage modules, each keeping the un-split model's
+    FQNs (``layers.1.*`` in one, ``layers.3.*`` in another). Modules that
+    only one part has are kept as they are (hooks and all); modules that
+    several parts have (the root, a ``layers`` ModuleDict or ModuleList) are
+    merged into plain ``nn.Module`` containers holding the union of their
+    parameters, persistent and non-persistent buffers, and children. A DDP
+    wrapper around a part is looked through. Nothing is copied: the merged
+    module's parameters are the parts' own.
+
+    Args:
+        parts: The stage modules, in any order; one part is returned as is.
+
+    Returns:
+        The merged module, for ``StageState`` and DCP's state_dict helpers;
+        it is not meant to run a forward pass.
+
+    Raises:
+        ValueError: ``parts`` is empty.
+        KeyCollisionError: Two parts hold different parameters, or different
+            persistent buffers, under one FQN.
+    """
+    if not parts:
+        raise ValueError("merge_parts needs at least one stage module")
+    return _merge([_unwrapped(p) for p in parts], "")
+
+
+def _naming_section(key: str) -> tuple[str, str] | None:
+    """The section and rest of a ``scalars.`` or ``param_groups.`` key, at any root."""
+    for start in (0, *(m.end() for m in _OPTIM_SECTION.finditer(key))):
+        section, _, rest = key[start:].partition(".")
+        if section in ("scalars", "param_groups") and rest:
+            return section, rest
+    return None
+
+
+class OptimKeys:
+    """The grammar of optimizer keys, parsed against the parameters' FQNs.
+
+    A key is ``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>`` or
+    ``scalars.<fqn>`` (section-relative), or any of them after a root and
+    ``optim.`` (``app.optim.state.<fqn>.<name>``, a whole checkpoint's key).
+    It is split where the longest known FQN ends, so nested state
+    (``precond.L``) and dotted FQNs both parse.
+
+    Args:
+        fqns: The FQNs of the parameters whose keys are parsed.
+
+    Attributes:
+        fqns: The known FQNs, as a frozenset.
+    """
+
+    def __init__(self, fqns: Iterable[str]) -> None:
+        self.fqns = frozenset(fqns)
+
+    @classmethod
+    def of_module(cls, module: nn.Module) -> OptimKeys:
+        """The parser for a module's parameters, each under every name it has.
+
+        Args:
+            module: A stage's module, possibly wrapped (DDP, FSDP2, compile).
+
+        Returns:
+            An :class:`OptimKeys` knowing every FQN DCP may give a parameter
+            (a shared one's too).
+        """
+        return cls(
+            fqn
+            for name, _ in module.named_parameters(remove_duplicate=False)
+            for fqn in _get_fqns(module, name)
+        )
+
+    @classmethod
+    def of_keys(cls, keys: Iterable[str], model_fqns: Iterable[str] = ()) -> OptimKeys:
+        """The parser for the FQNs a set of keys names.
+
+        Each ``scalars.<fqn>`` item names its FQN whole. A
+        ``param_groups.<fqn>.<option>`` entry that no FQN known so far parses
+        (torchtitan's layout, which has no ``scalars`` items) names the key but
+        its last segment: a param-group option is a keyword of the optimizer,
+        an identifier. State keys name no FQN on their own.
+
+        Args:
+            keys: Keys, section-relative or under ``<root>optim.``.
+            model_fqns: Further known FQNs (a torchtitan checkpoint's model keys).
+
+        Returns:
+            An :class:`OptimKeys` knowing those FQNs.
+        """
+        named = [pair for pair in map(_naming_section, keys) if pair is not None]
+        known = cls([*model_fqns, *(rest for s, rest in named if s == "scalars")])
+        derived = {  # the option: after the last dot
+            rest.rpartition(".")[0]
+            for section, rest in named
+            if section == "param_groups" and not known.parse(f"{section}.{rest}")
+        }
+        return cls(known.fqns | (derived - {""}))
+
+    def parse(self, key: str) -> tuple[str, str, str] | None:
+        """Splits a section-relative key into section, FQN and name.
+
+        Args:
+            key: ``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>`` or
+                ``scalars.<fqn>``.
+
+        Returns:
+            ``(section, fqn, name)``, name ``""`` for a ``scalars`` item; None
+            for a key of another section or of no known FQN.
+        """
+        section, _, rest = key.partition(".")
+        if section not in _SECTIONS:
+            return None
+        if section == "scalars":
+            return (section, rest, "") if rest in self.fqns else None
+        end = len(rest)
+        while (end := rest.rfind(".", 0, end)) > 0:  # the longest FQN first
+            if rest[:end] in self.fqns and end + 1 < len(rest):
+                return section, rest[:end], rest[end + 1 :]
+        return None
+
+    def split(self, key: str) -> tuple[str, str, str, str] | None:
+        """Splits a dotted checkpoint key into root, section, FQN and name.
+
+        Args:
+            key: A key such as ``app.optim.state.layers.0.w.precond.L``.
+
+        Returns:
+            ``("app.", "state", "layers.0.w", "precond.L")`` for that key: the
+            root is what stands before ``optim.`` (empty when
+            ``StageState``'s state_dict is the whole state_dict); None for a
+            key that is no optimizer entry of a known FQN.
+        """
+        for match in _OPTIM_SECTION.finditer(key):
+            parsed = self.parse(key[match.end() :])
+            if parsed is not None:
+                return key[: match.start()], *parsed
+        return None
+
+    def state_fqns(self, keys: Iterable[str]) -> set[str]:
+        """The FQNs that have state among section-relative keys.
+
+        Args:
+            keys: Keys of a flattened optimizer state_dict.
+
+        Returns:
+            The FQN of every ``state.`` key that :meth:`parse` parses.
+        """
+        return {p[1] for p in map(self.parse, keys) if p and p[0] == "state"}
+
+
+def _pack_scalars(
+    optim_sd: dict[str, Any],
+    groups: dict[str, int] | None = None,
+    keys: OptimKeys | None = None,
+) -> dict[str, Any]:
+    """Puts a parameter's non-tensor optimizer entries in one ``scalars.<fqn>`` item."""
+    # DCP writes each entry as an item at a fixed cost (a torch.save, a plan and
+    # a metadata entry): AdamW gets 3 items per parameter instead of 14.
+    keys = OptimKeys.of_keys(optim_sd) if keys is None else keys
+    packed: dict[str, Any] = {}
+    scalars: dict[str, list[list[Any]]] = {}
+    for key, value in optim_sd.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            packed[key] = value
+            continue
+        parsed = keys.parse(key)
+        if parsed is None:
+            raise CheckpointError(
+                f"the optimizer key {key!r} names no parameter known here: the "
+                "optimizer holds a parameter that the module does not"
+            )
+        section, fqn, name = parsed
+        entry = [f"{section}.{name}", value]
+        if isinstance(value, torch.Tensor):
+            entry = [entry[0], value.item(), str(value.dtype).removeprefix("torch.")]
+        scalars.setdefault(fqn, []).append(entry)
+    for fqn, index in (groups or {}).items():
+        if fqn in scalars:
+            scalars[fqn].append(["group", index])
+    packed.update((f"scalars.{fqn}", entries) for fqn, entries in scalars.items())
+    return packed
+
+
+def _unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`_pack_scalars` (0-dim tensors come back on the CPU)."""
+    flat: dict[str, Any] = {}
+    for key, value in packed.items():
+        if not key.startswith("scalars."):
+            flat[key] = value
+            continue
+        fqn = key.removeprefix("scalars.")
+        for name, item, *dtype in value:
+            if name == "group":
+                continue
+            section, name = name.split(".", 1)
+            if dtype:
+                item = torch.tensor(item, dtype=getattr(torch, dtype[0]))
+            flat[f"{section}.{fqn}.{name}"] = item
+    return flat
+
+
+def _saved_groups(packed: dict[str, Any]) -> dict[str, int]:
+    """Each parameter's saved param group index, by FQN (empty if none recorded)."""
+    return {
+        key.removeprefix("scalars."): entry[1]
+        for key, value in packed.items()
+        if key.startswith("scalars.")
+        for entry in value
+        if entry[0] == "group"
+    }
+
+
+def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's FQN in DCP's state_dicts (no wrapper prefixes)."""
+    return {
+        param: next(iter(_get_fqns(module, name)))
+        for name, param in module.named_parameters()
+    }
+
+
+def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
+    """Keys of optimizer state to skip: their parameter had none when saved.
+
+    A parameter that requires grad but whose gradient stayed None gets no
+    state from ``optimizer.step()``, so its checkpoint has its
+    ``optim.scalars.<fqn>`` but no ``optim.state.<fqn>.*``. A fresh optimizer
+    to load into has state for every such parameter (DCP's ``get_state_dict``
+    creates it), so those keys are wanted but cannot be read. The keys are
+    parsed against the FQNs of the ``scalars`` items of both.
+
+    Args:
+        wanted: The dotted keys of the state_dict to load into.
+        saved: The checkpoint's keys.
+
+    Returns:
+        The keys of ``wanted`` whose parameter had no state in the checkpoint.
+    """
+    saved, wanted = set(saved), list(wanted)
+    keys = OptimKeys.of_keys([*wanted, *saved])
+
+    def state_of(key: str) -> tuple[str, str] | None:  # its (root, fqn)
+        parsed = keys.split(key)
+        return (parsed[0], parsed[2]) if parsed and parsed[1] == "state" else None
+
+    had_state = set(map(state_of, saved))
+    return {
+        key
+        for key in wanted
+        if (param := state_of(key))
+        and param not in had_state
+        and f"{param[0]}optim.scalars.{param[1]}" in saved
+    }
+
+
+def _check_storable(
+    optimizers: Sequence[torch.optim.Optimizer], fqn_of: Mapping[Any, str]
+) -> None:
+    """Names optimizer state DCP's flattening would refuse with a bare error."""
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            for name, value in named_leaves(state):
+                if isinstance(value, _STORABLE):
+                    continue
+                fqn = fqn_of.get(param, "<not in the stage's module>")
+                raise CheckpointError(
+                    f"optimizer state {name!r} of parameter {fqn!r} is a "
+                    f"{type(value).__name__}; DCP stores only tensors, ints, "
+                    "floats and dicts of them in optimizer state. Keep it as a "
+                    "number or a tensor (an enum as its int), or as a param-group "
+                    "option, which may hold any picklable value"
+                )
+
+
+def check_layout_version(version: object, where: str) -> None:
+    """Refuses a checkpoint whose optimizer layout this pippy does not read.
+
+    Args:
+        version: The layout recorded with the checkpoint; None for one that
+            records none (written before the field existed: layout 1).
+        where: The checkpoint, for the message (``"step-20"``).
+
+    Raises:
+        CheckpointError: ``version`` is neither None nor
+            :data:`LAYOUT_VERSION`: one line naming both, and the fix.
+    """
+    if version is None or (type(version) is int and version == LAYOUT_VERSION):
+        return
+    newer = type(version) is int and version > LAYOUT_VERSION
+    raise CheckpointError(
+        f"{where} was written with optimizer layout {version!r}; this pippy "
+        f"reads layout {LAYOUT_VERSION}; "
+        + ("upgrade pippy" if newer else "no pippy writes it: the record is damaged")
+    )
+
+
+@contextmanager
+def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Hides param groups without parameters from DCP's ``set_state_dict``."""
+    # Such a group has no keyed entries (a stage with no biases of a no-decay
+    # group), and torch 2.13's _unflatten_optim_state_dict reads its first one.
+    groups = optimizer.param_groups
+    kept = [i for i, group in enumerate(groups) if group["params"]]
+    if len(kept) == len(groups):
+        yield
+        return
+    optimizer.param_groups = [groups[i] for i in kept]
+    try:
+        yield
+    finally:  # loading replaced the kept groups' dicts: put those back in place
+        merged = list(groups)
+        for i, group in zip(kept, optimizer.param_groups, strict=True):
+            merged[i] = group
+        optimizer.param_groups = merged
+
+
+PIPPY = "pippy"
+TORCHTITAN = "torchtitan"
+#: torchtitan's top-level sections that are not the model (its CheckpointManager).
+_TT_SECTIONS = ("optimizer.", "lr_scheduler.", "train_state.", "dataloader.")
+_DATALOADER = "dataloader."
+#: Each parameter's param group index, ``[[fqn, index], ...]``: pippy keeps it
+#: in ``optim.scalars.<fqn>`` (for its LR scheduler check); torchtitan's layout
+#: has no place for it, and torchtitan's loads read no key they do not name.
+_PARAM_GROUPS = "train_state.pippy_param_groups"
+
+
+def detect_layout(keys: Iterable[str]) -> str:
+    """Tells pippy's layout from torchtitan's by a checkpoint's keys.
+
+    Args:
+        keys: The checkpoint's keys (``state_dict_metadata``).
+
+    Returns:
+        :data:`PIPPY` if a key is ``step``; else :data:`TORCHTITAN` if a
+        key is under ``optimizer.`` or ``train_state.``, or if none is under
+        ``model.`` (a model-only torchtitan checkpoint); else :data:`PIPPY`.
+
+    Note:
+        A torchtitan checkpoint holding only model weights whose FQNs all
+        start with ``model.`` reads as pippy's layout; both then name the
+        same weights.
+    """
+    keys = list(keys)
+    if "step" in keys:  # torchtitan's step is train_state.step
+        return PIPPY
+    if any(k.startswith(("optimizer.", "train_state.")) for k in keys):
+        return TORCHTITAN
+    return PIPPY if any(k.startswith("model.") for k in keys) else TORCHTITAN
+
+
+def _torchtitan_optim_keys(keys: Iterable[str]) -> OptimKeys:
+    """The parser of a torchtitan checkpoint's optimizer keys, less ``optimizer.``."""
+    keys = list(keys)
+    return OptimKeys.of_keys(
+        (k.removeprefix("optimizer.") for k in keys if k.startswith("optimizer.")),
+        model_fqns=(k for k in keys if not k.startswith(_TT_SECTIONS)),
+    )
+
+
+def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
+    """Names a torchtitan key in pippy's layout.
+
+    Args:
+        key: A key of a torchtitan checkpoint.
+        keys: The parser of its optimizer keys
+            (:func:`_torchtitan_optim_keys` of the checkpoint's keys). Without
+            it, a param-group key names its own FQN, and ``state.<fqn>.step``
+            is taken for a parameter's own step.
+
+    Returns:
+        The pippy key its value goes into; a parameter's options and its
+        ``step`` all go into its ``optim.scalars.<fqn>``;
+        ``dataloader.<extra name>.<name>`` goes into ``<extra name>.<name>``.
+    """
+    if not key.startswith("optimizer."):
+        if key == "train_state.step":
+            return "step"
+        rest = key.removeprefix(_DATALOADER)
+        if rest != key and "." in rest:  # an extra's section, as pippy writes it
+            return rest
+        return key if key.startswith(_TT_SECTIONS) else "model." + key
+    rest = key.removeprefix("optimizer.")
+    if keys is None and rest.startswith("state.") and rest.endswith(".step"):
+        keys = OptimKeys([rest.removeprefix("state.").removesuffix(".step")])
+    elif keys is None:
+        keys = OptimKeys.of_keys([rest])
+    parsed = keys.parse(rest)
+    if parsed is not None and (parsed[0] == "param_groups" or parsed[2] == "step"):
+        return f"optim.scalars.{parsed[1]}"
+    return "optim." + rest
+
+
+def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Renames a flat torchtitan state_dict into pippy's layout.
+
+    Args:
+        flat: ``{torchtitan key: value}``, e.g. read from a torchtitan step.
+
+    Returns:
+        ``{pippy key: value}``; tensors are the same objects. A
+        ``train_state.pippy_param_groups`` item goes back into the
+        parameters' ``optim.scalars.<fqn>``.
+    """
+    out: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith("optimizer."):
+            optim[key.removeprefix("optimizer.")] = value
+        elif key == "train_state.step":
+            out["step"] = int(value)
+        elif key != _PARAM_GROUPS:
+            out[pippy_name(key)] = value
+    groups = {fqn: index for fqn, index in flat.get(_PARAM_GROUPS) or ()}
+    packed = _pack_scalars(optim, groups, keys=_torchtitan_optim_keys(flat))
+    out.update((f"optim.{k}", v) for k, v in packed.items())
+    return out
+
+
+def to_torchtitan(
+    flat: Mapping[str, Any], *, param_groups: bool = False
+) -> dict[str, Any]:
+    """Renames a flat pippy state_dict into torchtitan's layout.
+
+    Args:
+        flat: ``{pippy key: value}``, e.g. ``read_checkpoint(step)``.
+        param_groups: Also keep each parameter's param group index (in
+            ``optim.scalars.<fqn>``) as one ``train_state.pippy_param_groups``
+            item, which torchtitan's loads ignore: for writing a checkpoint,
+            not for naming the keys to read from one (torchtitan's own lack
+            it).
+
+    Returns:
+        ``{torchtitan key: value}``; tensors are the same objects, 0-dim
+        optimizer state (``step``) a new tensor of the saved dtype. With
+        ``param_groups``, :func:`from_torchtitan` of it gives ``flat`` back.
+
+    Raises:
+        ValueError: A key would not read back as itself (see the module
+            docstring), naming it.
+    """
+    out: dict[str, Any] = {}
+    optim = {
+        k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")
+    }
+    for key, value in flat.items():
+        if key == "step":
+            out["train_state.step"] = int(value)
+        elif not key.startswith("optim."):
+            out[_torchtitan_name(key)] = value
+    out.update((f"optimizer.{k}", v) for k, v in _unpack_scalars(optim).items())
+    if param_groups and (groups := _saved_groups(optim)):
+        out[_PARAM_GROUPS] = [[fqn, index] for fqn, index in groups.items()]
+    return out
+
+
+def _torchtitan_name(key: str) -> str:
+    """A pippy key's torchtitan name (outside ``optim.``), if it reads back."""
+    if key.startswith("model."):
+        name = key.removeprefix("model.")
+    else:  # extra state goes into the data loader's section, never the root
+        name = key if pippy_name(key) == key else _DATALOADER + key
+    if pippy_name(name) != key:
+        raise ValueError(
+            f"{key!r} has no place in torchtitan's layout: written as {name!r}, it "
+            f"would read back as {pippy_name(name)!r}. Keep other state in a "
+            "section (<name>.<entry>) and the model's top-level modules out of "
+            "torchtitan's section names (optimizer, lr_scheduler, train_state, "
+            "dataloader)"
+        )
+    return name
