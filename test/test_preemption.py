@@ -173,6 +173,14 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
     with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.launcher"):
         assert launcher.check_restarts()
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
+    caplog.clear()
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:  # a job that saves on a stop signal is told at once, by StopSignal
+        with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.launcher"):
+            checkpoint.StopSignal((signal.SIGUSR1,))
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert not launcher.check_restarts()
 
