@@ -28,9 +28,11 @@ from pippy.stages import (
     StageBuildError,
     build_stage_module,
     causal_lm_forward,
+    check_untied,
     layer_range,
     materialize,
     meta_init,
+    restore_non_persistent_buffers,
     split_model,
 )
 
@@ -50,11 +52,13 @@ __all__ = [
     "build_stage",
     "build_stage_module",
     "causal_lm_forward",
+    "check_untied",
     "checkpoint",
     "layer_range",
     "materialize",
     "meta_init",
     "pipe_split",
     "pipeline",
+    "restore_non_persistent_buffers",
     "split_model",
 ]

@@ -20,6 +20,12 @@ keeps its blocks in an ``nn.ModuleList`` (Hugging Face, most models) or an
 (a RoPE ``inv_freq``) uninitialised: they are in no checkpoint, so a resumed
 run would differ without an error; :func:`materialize` keeps their computed
 values and refuses any it cannot recompute.
+
+A stage built another way (a split of one's own, or ``pippy.pipeline``'s
+tracer) has two checks of its own: :func:`check_untied` refuses a model with
+tied weights before it is split, and :func:`restore_non_persistent_buffers`
+takes back out of a traced stage's ``state_dict`` the buffers the model kept
+out of it (both defined in :mod:`pippy.checkpoint.checks`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pippy.checkpoint.checks import tied_groups
+from pippy.checkpoint.checks import (
+    check_untied,
+    restore_non_persistent_buffers,
+    tied_groups,
+)
 from pippy.checkpoint.errors import TiedParametersError
 
 __all__ = [
@@ -40,9 +50,11 @@ __all__ = [
     "StageBuildError",
     "build_stage_module",
     "causal_lm_forward",
+    "check_untied",
     "layer_range",
     "materialize",
     "meta_init",
+    "restore_non_persistent_buffers",
     "split_model",
 ]
 

@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+import pippy
 from pippy import checkpoint
 from pippy.checkpoint.checks import state_dict_size
 from pippy.checkpoint.safe_load import read_metadata
@@ -106,7 +107,7 @@ def test_checkpoint_layout_one_file_per_rank_and_original_fqns(four_rank_run):
     for index, info in metadata.storage_data.items():
         files_of.setdefault(index.fqn, set()).add(info.relative_path)
     for rank in range(world_size):
-        for layer in pippy_dcp.stage_layers(rank, world_size, 8):
+        for layer in pippy.layer_range(rank, world_size, 8):
             key = f"model.layers.{layer}.qkv.weight"
             assert files_of[key] == {f"__{rank}_0.distcp"}
             assert files_of[f"optim.state.layers.{layer}.qkv.weight.exp_avg"] == {

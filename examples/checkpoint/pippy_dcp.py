@@ -35,16 +35,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 import pippy
 from pippy import checkpoint
-from pippy.checkpoint import checks
-from pippy.checkpoint.api import load_into, open_step, publish_step, take_state
-from pippy.checkpoint.coordinated import open_reader
-from pippy.checkpoint.errors import fail_together
-from pippy.checkpoint.job import check_restarts
-from pippy.checkpoint.steps import step_dir
-from pippy.checkpoint.verified import newest_verified_step
 
 import parallel
 from batches import BatchSampler, load_text
@@ -54,18 +48,11 @@ from parallel import log, report
 # ---- The checkpoint idea ------------------------------------------------------
 
 
-def stage_layers(stage_index: int, num_stages: int, n_layers: int) -> range:
-    """The global indices of one stage's layers; stage sizes differ by at most 1."""
-    per_stage, rest = divmod(n_layers, num_stages)
-    start = stage_index * per_stage + min(stage_index, rest)
-    return range(start, start + per_stage + (stage_index < rest))
-
-
 def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
     """Deletes what the stage does not own. The blocks sit in a ModuleDict keyed
     by global layer index, so what is left keeps its FQNs (layers.5.*, never a
     renumbered layers.0.*): the ranks' keys are disjoint, their union the model."""
-    owned = stage_layers(stage_index, num_stages, len(model.layers))
+    owned = pippy.layer_range(stage_index, num_stages, len(model.layers))
     for i in list(model.layers):
         if int(i) not in owned:
             del model.layers[i]
@@ -74,15 +61,6 @@ def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
     if stage_index < num_stages - 1:
         model.norm = model.output = None
     return model
-
-
-def lr_factor(step: int, steps: int) -> float:
-    """Warmup over the first tenth of --steps, then cosine down to 0.1."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
 def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
@@ -100,64 +78,53 @@ def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState
 def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
     """Every rank at once: its stage(s) into <checkpoint-dir>/step-<N>.
     Returns (tensors, bytes) this rank wrote."""
-    # DCP takes equal keys on two ranks for replicas and keeps one: a collision
-    # would lose a stage without a word, and diverged dp replicas would mix key
-    # by key. take_state checks the stored step, and gives the planner that has
-    # DCP's own planning refuse, before any write, keys on two pipeline stages
-    # and dp replicas that differ (no collective of its own).
+    # DCP takes equal keys on two ranks for replicas and keeps one, silently.
+    # take_state's planner has DCP's own planning refuse, before any write, a
+    # key on two pipeline stages and dp replicas that differ.
     wait = args.checkpoint_timeout  # for a late rank; then all fail, naming it
-    state_dict, step, planner = take_state(state, mesh=mesh, timeout=wait)
-    # One checkpoint_id for all ranks: each writes its own file, rank 0 writes
-    # .metadata (every key's file and offset). publish_step stages the files in
-    # a hidden folder, fsynced, renamed to step-<N> once every rank is done; its
-    # writer adds manifest.json, a CRC-32C of every item, which loads verify.
-    with publish_step(
-        args.checkpoint_dir, step, keep_last=args.keep_last, timeout=wait
-    ) as writer:
+    state_dict, step, planner = checkpoint.take_state(state, mesh=mesh, timeout=wait)
+    # One folder for all ranks: each writes its own file, rank 0 .metadata (each
+    # key's file and offset). publish_step's writer fsyncs them in a hidden
+    # folder, adds manifest.json (a CRC-32C of every item, which loads verify)
+    # and renames it step-<N> once every rank is done.
+    folder, keep = args.checkpoint_dir, args.keep_last
+    with checkpoint.publish_step(folder, step, keep_last=keep, timeout=wait) as writer:
         dcp.save(state_dict, storage_writer=writer, planner=planner)
     return writer.written
 
 
 def load(state: checkpoint.StageState, path, *, weights_only=False, timeout=None):
     """Every rank at once: fills its stage(s) from a step, in place.
-    Returns the (tensors, bytes) loaded."""
+    Returns the state_dict it filled."""
     # DCP loads in place, into tensors that must exist: load_into gives
     # state_dict(), this stage's own tensors (AdamW's moments made empty), so
     # each rank reads only its keys; then applies it on every rank, or on none.
     target = checkpoint.StageState(state.module) if weights_only else state
-    with load_into(target, path, timeout=timeout) as state_dict:
+    with checkpoint.load_into(target, path, timeout=timeout) as state_dict:
         # A checkpoint is partly pickle: pippy's reader and planner refuse
         # pickled code (PIPPY_TRUST_CHECKPOINT=1 lifts that), damaged files and
         # keys that no rank would read, before anything is read.
         must_read = ("model.",) if weights_only else ("",)
-        reader, planner = open_step(path, must_read=must_read)
+        reader, planner = checkpoint.open_step(path, must_read=must_read)
         dcp.load(state_dict, storage_reader=reader, planner=planner)
-    return checks.state_dict_size(state_dict)
+    return state_dict
 
 
 def resume(state: checkpoint.StageState, args, layout) -> None:
     """From the newest complete step (one whose save finished), else the weights
     alone of --init-from (optimizer, schedule and step start afresh)."""
-    if args.skip_damaged:  # a restart loop: past steps damaged since they were saved
-        latest = skip_damaged(args, layout)
-    else:
-        latest = checkpoint.find_latest_step(args.checkpoint_dir)
+    # Rank 0 lists the folder, every rank gets its answer. --skip-damaged (a
+    # restart loop): rank 0 verifies the newest steps first, moving aside those
+    # damaged since they were saved, and logs them.
+    folder, verified = args.checkpoint_dir, args.skip_damaged
+    latest = checkpoint.find_latest_step(folder, verified=verified)
     source = latest or args.init_from
     if source is None:
         return
-    # rank 0 reads the step's index, the other ranks get it (one broadcast)
-    index = open_reader(source, check_files=False).metadata.state_dict_metadata
-    check_saved_shape(args, index, source)
-    if dist.get_rank() == 0:
-        ignored = " (--init-from applies to new runs only)" * bool(args.init_from)
-        log(
-            f"resuming from {latest}{ignored}"
-            if latest
-            else f"starting from the weights of {source}"
-        )
-    start = time.perf_counter()
-    wait = args.checkpoint_timeout  # for a late rank; then all fail, naming it
-    tensors, nbytes = load(state, source, weights_only=latest is None, timeout=wait)
+    check_source(args, source, latest)
+    start, wait = time.perf_counter(), args.checkpoint_timeout
+    loaded = load(state, source, weights_only=latest is None, timeout=wait)
+    tensors, nbytes = held(loaded)  # this rank's share
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {source}", start)
     # The schedule is a function of --steps, not saved: a raised --steps goes
     # on at this step of its own schedule (the same LR, bitwise, if unchanged).
@@ -169,10 +136,48 @@ def resume(state: checkpoint.StageState, args, layout) -> None:
 # ---- The training harness -----------------------------------------------------
 
 
+def lr_factor(step: int, steps: int) -> float:
+    """Warmup over the first tenth of --steps, then cosine down to 0.1."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def check_source(args, source, latest) -> None:
+    """Refuses a step saved with another --n-layers or --dim, naming the flag;
+    then rank 0 says where the run starts from."""
+    reader, _ = checkpoint.open_step(source)  # rank 0 reads .metadata, all get it
+    check_saved_shape(args, reader.read_metadata().state_dict_metadata, source)
+    if dist.get_rank() == 0:
+        ignored = " (--init-from applies to new runs only)" * bool(args.init_from)
+        log(
+            f"resuming from {latest}{ignored}"
+            if latest
+            else f"starting from the weights of {source}"
+        )
+
+
+def held(state_dict: dict) -> tuple:
+    """(tensors, bytes) of a nested state_dict on this rank; FSDP2: its shards."""
+    tensors, nbytes = 0, 0
+    for value in state_dict.values():
+        if isinstance(value, dict):
+            more, more_bytes = held(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            more, more_bytes = 1, local.numel() * local.element_size()
+        else:
+            more, more_bytes = 0, 0
+        tensors, nbytes = tensors + more, nbytes + more_bytes
+    return tensors, nbytes
+
+
 def split_traced(model: GPT, num_stages: int, microbatch: torch.Tensor):
     """Traces the model and splits the graph where split_manual would."""
     n = len(model.layers)
-    firsts = [stage_layers(s, num_stages, n)[0] for s in range(1, num_stages)]
+    firsts = [pippy.layer_range(s, num_stages, n)[0] for s in range(1, num_stages)]
     split_spec = {f"layers.{i}": pippy.SplitPoint.BEGINNING for i in firsts}
     with warnings.catch_warnings():  # torch 2.13's tracer warns about pytree internals
         warnings.simplefilter("ignore", FutureWarning)
@@ -184,7 +189,7 @@ def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=No
     model_args = ModelArgs(args.n_layers, args.dim, max_seq_len=args.seq_len)
     with torch.device("meta"):  # shapes only: no rank holds the whole model
         model = GPT(model_args)
-    checks.check_untied(model)  # a weight tied across stages would drift
+    pippy.check_untied(model)  # a weight tied across stages would drift
     if args.split == "manual":
         module = split_manual(model, index, num_stages)
     else:
@@ -192,7 +197,7 @@ def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=No
         pipe = split_traced(model, num_stages, torch.zeros(shape, dtype=torch.long))
         module = pipe.get_stage_module(index)
         # The tracer makes the rope buffer a persistent key of every stage.
-        checks.restore_non_persistent_buffers(module, model)
+        pippy.restore_non_persistent_buffers(module, model)
     module.to_empty(device=device)  # allocate the stage, then fill it
     init_weights(module, seed)
     module.get_buffer("rope").copy_(rope_table(model_args))
@@ -215,13 +220,14 @@ def save_now(state, args, layout: parallel.Layout, saver) -> float:
     """save(), or with --async-save a background save that returns once staged.
     Returns the seconds it took."""
     start = time.perf_counter()
-    held, nbytes = checks.state_dict_size(state.state_dict())
+    tensors, nbytes = held(state.state_dict())
     if saver is not None:  # published by its background thread once written
         saver.save(state)
-        what, where = f"staged {held} tensors", f"for step-{state.step}"
+        what, where = f"staged {tensors} tensors", f"for step-{state.step}"
     else:  # an entry several ranks hold (a dp replica, the data order) is written
         wrote, nbytes = save(state, args, layout.mesh)  # once, by one of them
-        what, where = f"saved {wrote} of its {held} tensors", f"to step-{state.step}"
+        what = f"saved {wrote} of its {tensors} tensors"
+        where = f"to step-{state.step}"
     report(layout, what, nbytes, where, start)
     return time.perf_counter() - start
 
@@ -268,7 +274,7 @@ def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
     fresh_stages = build_stages(args, layout, device, seed=args.seed + 1)
     fresh = build_state(args, fresh_stages, state.extra["data"].data)
     note = " into a fresh stage" if len(fresh_stages) == 1 else " into fresh stages"
-    tensors, nbytes = load(fresh, path)
+    tensors, nbytes = held(load(fresh, path))
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {path}{note}", start)
     differ = checkpoint.diff_state_dicts(state.state_dict(), fresh.state_dict())
     if differ:
@@ -282,24 +288,14 @@ def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
     return not failed.item()
 
 
-def skip_damaged(args, layout: parallel.Layout):
-    """--skip-damaged: the newest step that verifies; each rank says what it
-    skipped (moved aside, so that no later save meets it)."""
-    latest, skipped = newest_verified_step(args.checkpoint_dir)
-    for name, why in skipped.items():
-        log(f"{layout.label}: skipped {name} ({why})")
-    return latest
-
-
 def stop_on_signals(args) -> checkpoint.StopSignal:
     """--stop-signals end training with a save; rank 0 shows torchrun's deadline
-    for it when one is set, and warns of restarts that would hang."""
+    for it when one is set (and StopSignal warns of restarts that would hang)."""
     stop = checkpoint.StopSignal(args.stop_signals)
     if dist.get_rank() == 0 and stop.deadline and stop.deadline.explicit:
         names = ", ".join(s.name for s in args.stop_signals)
         seconds, source = stop.deadline.seconds, stop.deadline.source
         log(f"{names}: a last save, then exit; {source} gives it {seconds:g} s")
-    check_restarts()
     return stop
 
 
@@ -314,7 +310,7 @@ def main(args) -> None:
         # lay the ranks out on a (dp, pp) mesh; build and split the model, the
         # schedule, and the state to checkpoint. A failure on one rank stops
         # them all, instead of the others waiting in a collective
-        with fail_together("setting up", keep_own_error=True):
+        with checkpoint.fail_together("setting up", keep_own_error=True):
             layout = parallel.build_layout(args, device)
             stages = build_stages(args, layout, device, seed=args.seed)
             schedule = parallel.build_schedule(args, stages)
@@ -334,13 +330,13 @@ def main(args) -> None:
             saver.close()  # waits for the last save, then publishes it
         # verify: load the final checkpoint into fresh stages, compare bit for
         # bit; not after a stop signal, whose grace period a load would spend
-        final = step_dir(args.checkpoint_dir, state.step)
+        final = checkpoint.find_latest_step(args.checkpoint_dir)
         if stopped:
             ok = True
             if rank == 0:
                 log(f"not verifying {final}: stopped by a signal, exiting now")
-        else:
-            saved = checkpoint.find_latest_step(args.checkpoint_dir) == final
+        else:  # unless --stop-after ended it past the last save
+            saved = final is not None and Path(final).name == f"step-{state.step}"
             ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about

@@ -9,19 +9,30 @@ un-split model's FQNs for exactly the parameters the stage owns, so that the
 union over ranks is the whole model and no key is offered by two ranks.
 
 This package exports what a training job needs: :class:`StageState`;
-:func:`save_stage`, :func:`load_stage` and :func:`find_latest_step`;
-:class:`AsyncSaver`;
-:class:`FolderOwner`, :class:`StopSignal` and :func:`stop_with_launcher`;
-:func:`read_checkpoint` and :func:`load_model` (one process);
-:func:`export_hf` and :func:`convert_layout`; :func:`verify_step` and
-:func:`diff_state_dicts`; and the errors. The gears stay importable from
-their modules, one idea per module:
+:func:`save_stage`, :func:`load_stage` and :func:`find_latest_step`; the
+pieces those two are made of, for a script that spells ``dcp.save`` and
+``dcp.load`` out::
+
+    state_dict, step, planner = take_state(state)  # checked in DCP's planning
+    with publish_step(checkpoint_dir, step) as writer:  # published once complete
+        dcp.save(state_dict, storage_writer=writer, planner=planner)
+
+    with load_into(state, path) as state_dict:  # applied on every rank or none
+        reader, planner = open_step(path)  # checked on rank 0 before any read
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
+
+:class:`AsyncSaver`; :class:`FolderOwner`, :class:`StopSignal`,
+:func:`stop_with_launcher` and :func:`fail_together` (a step each rank runs
+alone fails on every rank or on none); :func:`read_checkpoint` and
+:func:`load_model` (one process); :func:`export_hf` and
+:func:`convert_layout`; :func:`verify_step` and :func:`diff_state_dicts`; and
+the errors. The gears stay importable from their modules, one idea per module:
 
 * :mod:`~pippy.checkpoint.api`: the one save sequence and the one load
-  sequence, and the pieces they are made of (:func:`~.api.take_state`,
-  :func:`~.api.publish_step`, :func:`~.api.open_step`,
-  :func:`~.api.load_into`), which a script that spells ``dcp.save`` and
-  ``dcp.load`` out composes.
+  sequence (:func:`save_stage`, :func:`load_stage`), and the load's pieces
+  (:func:`open_step`, :func:`load_into`); the save's are
+  :func:`~pippy.checkpoint.taking.take_state` and
+  :func:`~pippy.checkpoint.publishing.publish_step`.
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
@@ -60,7 +71,7 @@ their modules, one idea per module:
   ``fail_together``, one error per failure on any rank.
 """
 
-from pippy.checkpoint.api import load_stage, save_stage
+from pippy.checkpoint.api import load_into, load_stage, open_step, save_stage
 from pippy.checkpoint.async_saver import AsyncSaver
 from pippy.checkpoint.checks import diff_state_dicts
 from pippy.checkpoint.errors import (
@@ -74,6 +85,7 @@ from pippy.checkpoint.errors import (
     NestedStateError,
     TiedParametersError,
     UnsafeCheckpointError,
+    fail_together,
 )
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
 from pippy.checkpoint.offline import (
@@ -82,8 +94,10 @@ from pippy.checkpoint.offline import (
     load_model,
     read_checkpoint,
 )
+from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import StageState
+from pippy.checkpoint.taking import take_state
 from pippy.checkpoint.verified import find_latest_step
 
 __all__ = [
@@ -104,11 +118,16 @@ __all__ = [
     "convert_layout",
     "diff_state_dicts",
     "export_hf",
+    "fail_together",
     "find_latest_step",
+    "load_into",
     "load_model",
     "load_stage",
+    "open_step",
+    "publish_step",
     "read_checkpoint",
     "save_stage",
     "stop_with_launcher",
+    "take_state",
     "verify_step",
 ]

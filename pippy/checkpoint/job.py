@@ -330,6 +330,10 @@ class StopSignal:
     that it names every rank that had received a signal by that call (a
     launcher's signal reaches its workers one after the other).
 
+    At construction, rank 0 also warns if ``torchrun``'s restarts of the job
+    would hang (:func:`~pippy.checkpoint.launcher.check_restarts`): a job that
+    saves on a stop signal is one a launcher restarts.
+
     Attributes:
         received: The signal this rank received, or None.
         received_by: Once :meth:`requested` said yes, on every rank: the
@@ -350,6 +354,7 @@ class StopSignal:
         self.received: signal.Signals | None = None
         self._received_by: dict[int, signal.Signals] = {}
         self.deadline = launcher_deadline()
+        check_restarts()
         self._warned = False
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
