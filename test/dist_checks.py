@@ -267,9 +267,56 @@ class Unpicklable:
         pass
 
 
+def changed_at_once(out: Path, rank: int) -> dict:
+    """Every saved tensor changed in place as soon as save() returns: by
+    optimizer.step() (the saver's hook makes it wait for the copy), then by
+    p.add_() after wait_for_staging(); plain dcp.load reads each step back."""
+    import torch.distributed.checkpoint as dcp
+
+    def build_state(seed: int) -> checkpoint.StageState:
+        torch.manual_seed(seed)
+        layers = [torch.nn.Linear(512, 512) for _ in range(8)]  # 25 MB with AdamW
+        module = torch.nn.ModuleDict({f"stage{rank}": torch.nn.Sequential(*layers)})
+        return checkpoint.StageState(module, torch.optim.AdamW(module.parameters()))
+
+    state = build_state(rank)
+    saver = checkpoint.AsyncSaver(out / "at_once")
+    at_call, unchanged = {}, {}
+    for step in (1, 2):
+        for p in state.module.parameters():
+            p.grad = torch.randn_like(p)
+        state.optimizer.step()
+        state.step = step
+        at_call[step] = copy.deepcopy(state.state_dict())
+        live = [v for _, v in named_leaves(state.state_dict()) if torch.is_tensor(v)]
+        saver.save(state)
+        if step == 1:
+            state.optimizer.step()  # waits for the copy (the saver's step hook)
+        else:
+            saver.wait_for_staging()
+            with torch.no_grad():  # the last tensor first: where the copy ends
+                for t in reversed(live):
+                    t.add_(1)
+        now = state.state_dict()
+        diff = set(checkpoint.diff_state_dicts(now, at_call[step]))
+        leaves = named_leaves(now)
+        unchanged[step] = [
+            k for k, v in leaves if isinstance(v, torch.Tensor) and k not in diff
+        ]
+        saver.wait()
+    saver.close()
+    differ = {}
+    for step in (1, 2):
+        loaded = build_state(rank + 10).state_dict()
+        dcp.load(loaded, checkpoint_id=step_dir(out / "at_once", step))
+        differ[step] = checkpoint.diff_state_dicts(loaded, at_call[step])
+    return {"at_once_unchanged": unchanged, "at_once_differ": differ}
+
+
 def check_async(out: Path, rank: int, world_size: int) -> dict:
     """--async-save: values of the moment of the call, one save in flight,
-    failures reported by wait(), nothing published on failure."""
+    failures reported by wait(), nothing published on failure; the copy
+    overlaps the next step (changed_at_once)."""
     args = pippy_dcp.parse_args(TINY)
     stage, state = build(args, rank, world_size, seed=0)
     schedule = parallel.SCHEDULES["gpipe"](stage, 4, loss_fn=parallel.loss_fn)
@@ -278,7 +325,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     snapshots = {}
     for _ in range(3):  # saves at steps 2, 4, 6; training goes on meanwhile
         snapshots[state.step] = copy.deepcopy(state.state_dict())
-        saver.save(state.state_dict(), state.step)
+        saver.save(state)
         train_steps(state, stage, schedule, 2)
     saver.wait()
     steps = sorted(list_steps(out / "ckpt"))
@@ -306,6 +353,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
         "error": error,
         "raised_in": raised_in,
         "after": after,
+        **changed_at_once(out, rank),
     }
 
 

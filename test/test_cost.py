@@ -191,3 +191,11 @@ def test_the_kept_buffer_stager_copies_bitwise_into_the_same_buffers():
     assert torch.equal(third["model"]["w"], state["model"]["w"])
     assert third["model"]["w"].data_ptr() != first["model"]["w"].data_ptr()
     stager.close()
+    # In the background: the structure at the call, the bytes in its thread.
+    stager = KeptBufferStager(pin_memory=False, in_background=True)
+    staging = stager.stage(state)
+    state["step"] = 4  # a value that is not a tensor is copied at the call
+    staged = staging.result()
+    assert torch.equal(staged["model"]["w"], state["model"]["w"])
+    assert staged["step"] == 3 and staged["optim"] == state["optim"]
+    stager.close()

@@ -2,7 +2,8 @@
 
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
 the call, what :func:`~pippy.checkpoint.taking.take_state` does on each rank
-alone, and the stager's copy; in a background thread, the rest of
+alone; the stager's copy, in a thread of its own until the saved optimizers'
+next ``step``; in a background thread, the rest of
 ``take_state`` (the wait for every rank, and the planner that checks across
 ranks in DCP's planning), then the parts
 :func:`~pippy.checkpoint.publishing.publish_step` is made of
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
 
 from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
@@ -44,14 +46,19 @@ logger = logging.getLogger(__name__)
 class AsyncSaver:
     """Saves in the background, one save at a time, as DCP's ``async_save``.
 
-    ``save`` blocks only while it takes the state and the stager copies it
-    (staging); the checkpoint holds the values of the moment of the call.
-    The default stager (:class:`~pippy.checkpoint.staging.KeptBufferStager`)
-    has copied everything when ``save`` returns; with a stager that stages
-    in the background (DCP's ``StagingOptions(use_async_staging=True)``),
-    the copy overlaps the next training step: call :meth:`wait_for_staging`
-    before the optimizer changes the parameters (before
-    ``optimizer.step()``), so that the copy is of the moment of the call.
+    ``save`` blocks only while it takes the state and registers the save;
+    the checkpoint holds the values of the moment of the call. The default
+    stager (:class:`~pippy.checkpoint.staging.KeptBufferStager`) copies the
+    state into kept buffers in the background (staging), while the next
+    forward and backward run. Nothing may change the saved tensors in place
+    until that copy is done: for a ``StageState``, ``save`` hooks its
+    optimizers' ``step`` (``register_step_pre_hook``), so that
+    ``optimizer.step()`` waits for the copy exactly as long as needed (the
+    hook is removed once the copy is done, by the next call of the saver);
+    anything else that writes to the saved tensors (a manual ``p.add_()``,
+    a module that updates its buffers in ``forward``, as BatchNorm's
+    running statistics) must call :meth:`wait_for_staging` first. A plain
+    state_dict has no optimizer to hook: its ``save`` returns once copied.
 
     Everything else runs in one background thread, over a gloo group of its
     own (async saves must not share a group with training collectives, and
@@ -74,8 +81,8 @@ class AsyncSaver:
             collective; None creates one over all ranks.
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
         async_stager: How state is copied; None keeps one
-            :class:`~pippy.checkpoint.staging.KeptBufferStager`, which
-            copies before ``save`` returns (see the note).
+            :class:`~pippy.checkpoint.staging.KeptBufferStager` that copies
+            in the background (see the note).
         timeout: Seconds (or a ``timedelta``) the background save waits for
             every rank to start saving, as
             :func:`~pippy.checkpoint.taking.take_state`; None waits without a
@@ -88,9 +95,8 @@ class AsyncSaver:
         The default stager copies the state into CPU buffers that are
         allocated at the first save and kept for the next ones, so a rank
         holds a second copy of its state for as long as the saver lives:
-        budget the state's size again per rank. Keeping them makes the
-        training loop's wait that of a bare copy (``bench/README.md``
-        measures it). DCP's plan
+        budget the state's size again per rank (on a GPU, pinned memory;
+        the copy runs on a side stream). DCP's plan
         caching (``enable_plan_caching``) is not used: torch 2.13 compares
         plans without dtypes, so after a dtype change it writes the old dtype
         into ``.metadata`` and loads convert silently.
@@ -128,7 +134,8 @@ class AsyncSaver:
             dist.new_group(backend="gloo") if dist.is_initialized() else None
         )
         self._started = 0.0  # when the save in flight was called
-        self._stager = async_stager or KeptBufferStager()
+        self._stager = async_stager or KeptBufferStager(in_background=True)
+        self._hooks: list[RemovableHandle] = []  # on the saved optimizers' step
 
     @gc_paused()
     def save(
@@ -137,7 +144,9 @@ class AsyncSaver:
         """Waits for the previous save, then starts saving ``state``.
 
         At the call, on each rank alone: the state is taken (its step
-        checked) and copied by the stager. The rest runs in the background
+        checked) and the stager starts copying it; the copy runs on while
+        ``save`` returns, and a ``StageState``'s ``optimizer.step()`` waits
+        for it (see the class). The rest runs in the background
         (see the class): first the checks that need every rank, as in
         :func:`~pippy.checkpoint.save_stage` (the keys across ranks, and
         whether taking the state failed anywhere); a refusal there is raised
@@ -162,7 +171,8 @@ class AsyncSaver:
                 A plain state_dict came without a step (on every rank alike).
             CheckpointError, KeyCollisionError, CheckpointDirError,
                 CheckpointTimeout: The previous save failed or was refused
-                (see :meth:`wait`).
+                (see :meth:`wait`); ``CheckpointError`` also where copying
+                a plain state_dict failed (see :meth:`wait_for_staging`).
         """
         self.wait()
         self._started = time.perf_counter()
@@ -188,7 +198,17 @@ class AsyncSaver:
         upload = self._executor.submit(self._write, taken, step)
         # A stager that stages in the background gives a Future of the copy.
         self._pending = (upload, taken if isinstance(taken, Future) else None, step)
+        if isinstance(taken, Future) and isinstance(state, StageState):
+            self._hooks = [
+                o.register_step_pre_hook(self._before_step) for o in state.optimizers
+            ]
+        if not self._hooks:  # nothing to hook: the copy is done before returning
+            self.wait_for_staging()
         return step_dir(self.checkpoint_dir, step)
+
+    def _before_step(self, *_: Any) -> None:
+        """The saved optimizers' step pre-hook: waits for the copy."""
+        self._staged()
 
     def _write(self, taken: Any, step: int) -> Any:
         """In the background: the wait, the staging folder, the write, publishing."""
@@ -222,12 +242,25 @@ class AsyncSaver:
     def wait_for_staging(self) -> None:
         """Waits until the state of the save in flight has been copied.
 
-        Only a stager that stages in the background makes this wait; call it
-        before the training step changes the state (``optimizer.step()``).
+        Call it before anything but the saved optimizers' ``step`` changes
+        the saved tensors in place (``optimizer.step()`` waits by itself).
 
         Raises:
             CheckpointError: Staging failed; the step is not published.
         """
+        try:
+            self._staged()
+        finally:
+            self._unhook()
+
+    def _unhook(self) -> None:
+        """Removes the step hooks (never in one: the optimizer iterates them)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _staged(self) -> None:
+        """Waits for the copy of the save in flight, as wait_for_staging."""
         if self._pending is None or self._pending[1] is None:
             return
         upload, staging, step = self._pending
@@ -284,6 +317,8 @@ class AsyncSaver:
         """
         if self._pending is None:
             return None
+        if self._pending[1] is None or self._pending[1].done():
+            self._unhook()  # optimizer.step() has nothing more to wait for
         done = torch.tensor([int(self._pending[0].done())])
         if self._poll_group is not None:
             dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
