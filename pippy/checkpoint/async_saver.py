@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
 
+from pippy.checkpoint import stall
 from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
@@ -199,24 +200,24 @@ class AsyncSaver:
                 raise taken
             return taken.result() if isinstance(taken, Future) else taken
 
-        copy, planner = take_together(
-            copied,
-            action=f"saving step-{step}",
-            process_group=group,
-            mesh=self.mesh,
-            timeout=self.timeout,
-        )
-        folder = prepare_step(self.checkpoint_dir, step, group)
-        try:
-            writer = ManifestWriter(
-                folder.staging,
-                step=step,
-                on_finish=publisher(folder, self.keep_last),
+        action = f"saving step-{step}"
+        with stall.waiting(action, "write", self.timeout, group):
+            copy, planner = take_together(
+                copied, action=action, process_group=group, mesh=self.mesh, timeout=None
             )
-            dcp.save(copy, storage_writer=writer, planner=planner, process_group=group)
-        except BaseException:
-            discard(folder, group)
-            raise
+            folder = prepare_step(self.checkpoint_dir, step, group)
+            try:
+                writer = ManifestWriter(
+                    folder.staging,
+                    step=step,
+                    on_finish=publisher(folder, self.keep_last),
+                )
+                dcp.save(
+                    copy, storage_writer=writer, planner=planner, process_group=group
+                )
+            except BaseException:
+                discard(folder, group)
+                raise
         if not dist.is_initialized() or dist.get_rank() == 0:
             seconds = time.perf_counter() - self._started
             logger.info(

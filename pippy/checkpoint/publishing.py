@@ -276,20 +276,20 @@ def publish_step(
         ValueError: ``timeout`` is not a positive number.
     """
     action = f"saving step-{step}"
-    stall.seconds(timeout)  # a bad timeout is refused before anything is made
-    folder = prepare_step(checkpoint_dir, step, process_group)
-    try:
-        writer = ManifestWriter(
-            folder.staging, step=step, on_finish=publisher(folder, keep_last)
-        )
-        with stall.waiting(action, "write", timeout, process_group):
+    # Watched from before the first collective: a late rank is named there too.
+    with stall.waiting(action, "write", timeout, process_group):
+        folder = prepare_step(checkpoint_dir, step, process_group)
+        try:
+            writer = ManifestWriter(
+                folder.staging, step=step, on_finish=publisher(folder, keep_last)
+            )
             with explain_failures(action):
                 yield writer
-    except BaseException:
-        discard(folder, process_group)
-        raise
-    if not writer.set_up:  # the body saved through a writer of its own
-        publish(folder, keep_last=keep_last, process_group=process_group)
+        except BaseException:
+            discard(folder, process_group)
+            raise
+        if not writer.set_up:  # the body saved through a writer of its own
+            publish(folder, keep_last=keep_last, process_group=process_group)
 
 
 def discard(folder: StepFolder, process_group: dist.ProcessGroup | None = None) -> None:
