@@ -585,9 +585,7 @@ class _CountingStore:
             return attr
 
         def call(*args, **kwargs):
-            value = str(args[1]) if name == "set" and len(args) > 1 else ""
-            progress = value.startswith(("wrote ", "read "))  # stall.Waits.record
-            self._counts["progress" if progress else f"store.{name}"] += 1
+            self._counts[f"store.{name}"] += 1
             return attr(*args, **kwargs)
 
         return call
@@ -596,9 +594,9 @@ class _CountingStore:
 class CountedOps:
     """Counts, in this thread, the collectives called through torch.distributed
     (the outermost: all_gather_object's own all_gather is not counted) and the
-    store operations of pippy's waits (stall.py's only store; its progress
-    records, at most every 0.1 s, as ``progress``). A context manager;
-    ``counts`` is a Counter by name, ``total`` their sum."""
+    store operations of pippy's waits (stall.py's only store, from any
+    thread: its progress records included). A context manager; ``counts`` is
+    a Counter by name, ``total`` their sum."""
 
     def __enter__(self):
         from collections import Counter

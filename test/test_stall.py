@@ -44,14 +44,14 @@ def logged(ranks):
     return ranks[logging[0]]["lines"]
 
 
-def test_the_store_pippy_waits_on_is_one_store_all_ranks_share_and_stays_small(results):
+def test_the_store_pippy_waits_on_is_shared_and_untouched_while_nobody_is_late(results):
     _, found = results
-    only_the_last_two = [False] * 6 + [True] * 2
     for rank in found["store"]:
         assert rank == {
             "is_store": True,
             "seen": ["0", "1", "2"],
-            "left": [only_the_last_two] * 5,  # count, outcome, a key per rank
+            "store_ops": 0,  # nobody late: no store traffic at all
+            "timeout_back": True,
         }
 
 
@@ -112,9 +112,7 @@ def test_a_rank_late_to_start_a_save_is_named_and_raises_too(results):
     ]
     for rank in found["start_timeout"]:
         assert rank["error"] == error
-        assert rank["folder"] == ["step-1"]
-        # No rank entered a collective of the save: the group still works.
-        assert rank["after"] == [0, 1, 2]
+        assert rank["steps"] == [1]  # no step-3
     for rank in (0, 2):
         assert 0.9 <= found["start_timeout"][rank]["seconds"] < 2.0
 
@@ -134,25 +132,17 @@ def test_a_load_times_out_on_every_rank_naming_the_stalled_one(results):
     assert found["load_timeout"][1]["seconds"] >= 3.5
 
 
-def test_the_examples_flag_bounds_its_save_and_its_load(results):
-    out, found = results
-    tail = f"within 1 s (rank 1: not started). The {{}}; {FIX}"
-    path = out / "example" / "step-0"
+def test_the_examples_flag_bounds_its_save(results):
+    _, found = results
     for rank in found["example"]:
         assert rank["save"]["error"] == [
             "CheckpointTimeout",
-            "saving step-1 timed out: rank 1 did not arrive at start "
-            + tail.format("step is not published"),
-        ]
-        assert rank["load"]["error"] == [
-            "CheckpointTimeout",
-            f"loading {path} timed out: rank 1 did not arrive at start "
-            + tail.format("stage is not loaded"),
+            "saving step-1 timed out: rank 1 did not arrive at start within 1 s "
+            f"(rank 1: not started). The step is not published; {FIX}",
         ]
         assert rank["steps"] == [0]
     for rank in (0, 2):
         assert found["example"][rank]["save"]["seconds"] < 2.0
-        assert found["example"][rank]["load"]["seconds"] < 2.0
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), "30", True, timedelta(0)])

@@ -64,7 +64,7 @@ the errors. The gears stay importable from their modules, one idea per module:
   store, a lease), a last save on preemption within the launcher's deadline,
   resuming past damaged steps on request; background saves.
 * :mod:`~pippy.checkpoint.stall`: a rank slow or stuck in a save or load;
-  the others wait for it in the c10d store, log how far it is, and with a
+  once a wait lasts, the others log how far it is, and with a
   ``timeout`` all raise :class:`~pippy.checkpoint.errors.CheckpointTimeout`
   (a ``CheckpointError`` and a ``TimeoutError``) naming it.
 * :mod:`~pippy.checkpoint.errors`: the error classes; ``explain_failures`` and

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
+from pippy.checkpoint import stall
 from pippy.checkpoint.api import gc_paused
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.publishing import StepWriter
@@ -219,19 +220,19 @@ class AsyncSaver:
                 raise taken
             return taken.result() if isinstance(taken, Future) else taken
 
-        copy, planner = take_together(
-            copied,
-            action=f"saving step-{step}",
-            process_group=group,
-            mesh=self.mesh,
-            timeout=self.timeout,
-        )
-        writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
-        try:
-            dcp.save(copy, storage_writer=writer, planner=planner, process_group=group)
-        except BaseException:
-            writer.discard()
-            raise
+        action = f"saving step-{step}"
+        with stall.waiting(action, "write", self.timeout, group):
+            copy, planner = take_together(
+                copied, action=action, process_group=group, mesh=self.mesh, timeout=None
+            )
+            writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
+            try:
+                dcp.save(
+                    copy, storage_writer=writer, planner=planner, process_group=group
+                )
+            except BaseException:
+                writer.discard()
+                raise
         if not dist.is_initialized() or dist.get_rank() == 0:
             seconds = time.perf_counter() - self._started
             logger.info(

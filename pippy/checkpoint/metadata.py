@@ -47,8 +47,11 @@ test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
   2.12 on (``storage.CRC32_PER_THREAD``; on 2.10 and 2.11 it is one setting
   per process, so ``no_crc32`` leaves it on there);
 * ``torch.distributed.distributed_c10d._get_default_store`` (the default
-  group's key-value store, which :mod:`~pippy.checkpoint.stall` waits on:
-  there is no public getter);
+  group's key-value store, which :mod:`~pippy.checkpoint.stall` talks
+  through once a wait lasts: there is no public getter), and a group's
+  ``_device_types``, ``_get_backend`` and its backends' ``options._timeout``
+  (the timeout :mod:`~pippy.checkpoint.stall` puts back after bounding a
+  save's or load's collectives: there is no public getter either);
 * an LR scheduler's ``_last_lr`` list in its state (compared per group);
 * ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``, ``_state_dict_hooks`` and

@@ -2,37 +2,34 @@
 
 A rank slow or stuck in a save or load used to leave the others waiting
 silently in a collective until gloo's or NCCL's own timeout (30 or 10 minutes
-by default). A rank blocked in a collective cannot be interrupted, so before
-the first collective of a save or load (``start``) and before DCP gathers
-what each rank wrote or read (``write``, ``read``), every rank records its
-arrival in the c10d store ``init_process_group`` made, and waits there:
+by default). Now every rank goes straight into DCP's collectives while a
+thread of its own watches the save or load (:func:`waiting`) past two
+points: ``start`` (the block's entry) and ``write`` or ``read`` (its items
+written or read). One over within :func:`log_every` seconds (30 by default,
+``PIPPY_WAIT_LOG_SECONDS``) and its ``timeout`` costs no store operation and
+no collective; only past that does the watch talk through the c10d store:
 
-* every :func:`log_every` seconds (30 by default, ``PIPPY_WAIT_LOG_SECONDS``)
-  the first rank there logs one WARNING line naming the ranks that are not,
-  with the items and bytes each has written or read (recorded as they go);
-* with a ``timeout``, at the deadline the operation is marked aborted in the
-  store and every rank there raises one
-  :class:`~pippy.checkpoint.errors.CheckpointTimeout` naming the ranks that
-  did not arrive; one that arrives later reads the mark and raises it too,
-  instead of entering a collective nobody joins.
+* every interval, each rank records there the last point it reached and the
+  items and bytes it has written or read, and the lowest rank waiting at a
+  point logs one WARNING line naming the ranks not there, with how far each is;
+* with a ``timeout``, at the deadline a rank waiting at a point marks the
+  operation aborted, naming the late ranks. Every collective of the block
+  waits at most ``timeout`` + :data:`ABORT_WAIT_S` (``ProcessGroup.set_timeout``,
+  put back at the end), so every rank raises that line as one
+  :class:`~pippy.checkpoint.errors.CheckpointTimeout`: a late rank that read
+  the mark when it reaches the point, one that arrives later when its first
+  collective fails.
 
-Inside ``dcp.save`` or ``dcp.load``, DCP catches any exception and still runs
-its next collective, so a rank that times out there first sets its group's
-timeout to :data:`ABORT_WAIT_S` (``ProcessGroup.set_timeout``); the group is
-then not fit for more collectives: end the job (a launcher restarts it).
-
-A normal save or load costs a few store round trips per point (``set``,
-``add``, ``wait``, ``get``, ``delete_key`` of the point before the last; a
-``compare_set`` and two more deletes on the last rank there), and a ``set``
-at most every :data:`PROGRESS_EVERY_S` seconds while writing or reading; no
-collective. A ``wait`` that times out (each log interval, on the rank that
-logs) makes c10d print two warnings of its own (``waitForInput ... likely a
-timeout``), as torch's own store-based barrier does.
+After a timeout the group is not fit for more collectives: end the job (a
+launcher restarts it). A rank records its arrival at its next interval, so
+one that came less than that before another's deadline may be named; if it
+came in time, its collective goes on and nothing is raised.
 
 Note:
-    The store is ``torch.distributed.distributed_c10d._get_default_store``, a
-    private name (torch exposes no public getter for the store
-    ``init_process_group`` made); :mod:`~pippy.checkpoint.metadata` lists it.
+    Private names, since torch has no public getter for either: the store
+    (``torch.distributed.distributed_c10d._get_default_store``) and a
+    group's timeout (its backends' ``options._timeout``, to put it back);
+    :mod:`~pippy.checkpoint.metadata` lists them.
 """
 
 from __future__ import annotations
@@ -55,15 +52,12 @@ from pippy.checkpoint.errors import CheckpointTimeout
 __all__ = [
     "ABORT_WAIT_S",
     "LOG_ENV",
-    "PROGRESS_EVERY_S",
     "Timeout",
     "Waits",
     "active",
     "loading",
     "log_every",
     "seconds",
-    "start",
-    "suspended",
     "waiting",
 ]
 
@@ -75,19 +69,13 @@ Timeout = timedelta | float | int | None
 #: Environment variable: seconds between two lines about ranks not there yet.
 LOG_ENV = "PIPPY_WAIT_LOG_SECONDS"
 _DEFAULT_LOG_S = 30.0
-#: Seconds between two progress records of one rank in the store.
-PROGRESS_EVERY_S = 0.1
-#: Seconds a collective may wait once its operation timed out.
-ABORT_WAIT_S = 1.0
-_GO = "go"
-# The longest single wait on the store (a rank waiting without a deadline).
-_LONGEST_WAIT_S = 600.0
-# The next point's number, per process group: ranks call points in one order.
-_next_point: dict[str, int] = {}
+#: Seconds a collective waits past the deadline: time to mark the abort.
+ABORT_WAIT_S = 0.5
 # The operation whose writer or reader records progress and arrives, per
-# thread. Not a ContextVar: asyncio copies the context into its tasks (fsspec
-# runs them in a thread of its own), and a Waits there, holding a process
-# group, freed in that thread at exit, aborts the process (torch 2.13).
+# thread: DCP hands its reader and writer no context of the caller's. Not a
+# ContextVar: asyncio copies the context into its tasks (fsspec runs them in
+# a thread of its own), and a Waits there, holding a process group, freed in
+# that thread at exit, aborts the process (torch 2.13).
 _active = threading.local()
 
 
@@ -138,35 +126,26 @@ def active() -> Waits | None:
     return getattr(_active, "waits", None)
 
 
-@contextmanager
-def suspended() -> Iterator[None]:
-    """No writer or reader in the block reports or arrives (a write some ranks skip)."""
-    before, _active.waits = active(), None
-    try:
-        yield
-    finally:
-        _active.waits = before
-
-
 def _ranks(ranks: list[int]) -> str:
     """``rank 1`` or ``ranks 1, 3``."""
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
 class Waits:
-    """One point of a save or load where every rank of a group waits for the others.
+    """One save or load on this rank, watched by a thread that wakes if it lasts.
 
-    Made on every rank of ``process_group`` in the same order (points are
-    numbered per group); :meth:`record` says how far this rank is on its way
-    to the point, :meth:`arrive` waits there for the others. Without a
-    process group (one process) both do nothing.
+    Made on every rank of ``process_group`` at the block's start; the writer
+    or reader records how far it is (:meth:`record`) and its arrival at the
+    point (:meth:`arrive`), in memory; :meth:`close` ends it. One process:
+    nothing is watched.
 
     Args:
-        action: What the ranks do, for the messages (``"saving step-20"``).
-        point: What the ranks wait for each other to do (``"start"``,
-            ``"write"``, ``"read"``).
-        timeout: Seconds (or a ``timedelta``) a rank waits at the point
-            before the operation is aborted; None waits without a deadline.
+        action: What the ranks do, for the messages and the store's keys
+            (``"saving step-20"``).
+        point: The point after ``start`` (``"write"``, ``"read"``).
+        timeout: Seconds (or a ``timedelta``) a rank waits at a point, and
+            in each collective of the block, before the operation is
+            aborted; None waits without a deadline.
         process_group: The ranks; the default group if None.
 
     Raises:
@@ -182,10 +161,8 @@ class Waits:
         timeout: Timeout = None,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
-        self.action, self.point = action, point
-        self.timeout = seconds(timeout)
-        self.log_every = log_every()
-        self.timed_out: CheckpointTimeout | None = None
+        self.action, self.points = action, ("start", point)
+        self.timeout, self.log_every = seconds(timeout), log_every()
         self.enabled = (
             dist.is_initialized()
             and dist.get_rank(process_group) >= 0
@@ -196,135 +173,162 @@ class Waits:
         group = process_group or dist.group.WORLD
         assert group is not None  # initialized
         self.group: dist.ProcessGroup = group
-        self.rank = dist.get_rank()
-        self.ranks = dist.get_process_group_ranks(self.group)
-        name = self.group.group_name
-        number = _next_point.get(name, 0)
-        _next_point[name] = number + 1
-        self.prefix = f"pippy/{name}/{number}"
-        # Every rank at this point is past the one before the last.
-        self._older = f"pippy/{name}/{number - 2}" if number >= 2 else None
-        self._recorded = 0.0
-
-    @property
-    def store(self) -> dist.Store:
-        """The default group's store, not held between calls (see the note below)."""
-        return _get_default_store()
+        self.rank, self.ranks = dist.get_rank(), dist.get_process_group_ranks(group)
+        self.prefix = f"pippy/{group.group_name}/{action}"
+        # This rank's state, set by the caller's thread: points reached (1 at
+        # start), since when, items and bytes done; the abort mark seen.
+        self.reached, self.since = 1, time.monotonic()
+        self.progress: tuple[int, int, int, int] | None = None
+        self.mark: tuple[int, str] | None = None
+        self._begun, self._posted, self._marked = self.since, False, False
+        self._closed, self._changed = False, threading.Condition()
+        self._timeouts = _bound(group, self.timeout)
+        self._thread = threading.Thread(target=self._watch, name="pippy-stall")
+        self._thread.daemon = True
+        self._thread.start()
 
     def record(self, done: int, total: int, nbytes: int, total_bytes: int) -> None:
-        """Records how far this rank is (items and bytes), at most every 0.1 s."""
-        now = time.monotonic()
-        if not self.enabled or now - self._recorded < PROGRESS_EVERY_S:
-            return
-        self._recorded = now
-        verb = {"write": "wrote", "read": "read"}.get(self.point, "did")
-        mb = f"{nbytes / 1e6:.1f} of {total_bytes / 1e6:.1f} MB"
-        self.store.set(
-            f"{self.prefix}/r{self.rank}", f"{verb} {done} of {total} items, {mb}"
-        )
+        """Notes how far this rank is (items and bytes), in memory."""
+        self.progress = (done, total, nbytes, total_bytes)
 
     def arrive(self) -> None:
-        """Waits at the point until every rank is there, logging those that are not.
-
-        The first rank to arrive logs, and at the deadline decides the
-        outcome; the others wait on the store for it (and, should that rank
-        be gone, decide themselves :data:`ABORT_WAIT_S` seconds later).
+        """Notes this rank's arrival at the point; DCP's collective does the waiting.
 
         Raises:
-            CheckpointTimeout: ``timeout`` passed before every rank arrived, or
-                this rank arrived after another one's timeout: the ranks that
-                did not arrive, the action and the point, on every rank.
+            CheckpointTimeout: Another rank's deadline at this point passed
+                before this rank arrived (it read the mark): the ranks that
+                did not arrive, the action and the point.
         """
         if not self.enabled:
             return
-        start = time.monotonic()
-        store, outcome = self.store, f"{self.prefix}/outcome"
-        store.set(f"{self.prefix}/r{self.rank}", "there")
-        arrived = store.add(f"{self.prefix}/count", 1)
-        if arrived == len(self.ranks):
-            store.compare_set(outcome, "", _GO)
-        first = arrived == 1
-        deadline = None
-        if self.timeout is not None:
-            deadline = start + self.timeout + (0.0 if first else ABORT_WAIT_S)
-        next_log = start + self.log_every if first else math.inf
-        while not self._wait_for(outcome, min(next_log, deadline or math.inf)):
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                late, line = self._missing()
-                if late:  # else the last one is about to say go
-                    store.compare_set(outcome, "", self._timeout_message(late, line))
-                deadline = None
-            if now >= next_log:
-                next_log += self.log_every
-                self._log_missing(now - start)
-        result = store.get(outcome).decode()
-        if result != _GO:
-            self.timed_out = CheckpointTimeout(result)
-            raise self.timed_out
-        self._forget_older(last=arrived == len(self.ranks))
+        with self._changed:
+            self.reached, self.since = 2, time.monotonic()
+            self._changed.notify()
+        if self.mark is not None and self.mark[0] == 2:  # cut DCP's next one short
+            self.group.set_timeout(timedelta(seconds=ABORT_WAIT_S))
+            raise CheckpointTimeout(self.mark[1])
 
-    def _forget_older(self, *, last: bool) -> None:
-        """Deletes the keys of the point before the last, which no rank reads again.
+    def close(self, failed: bool = False) -> CheckpointTimeout | None:
+        """Stops the watch and puts the group's timeout back.
 
-        Every rank is at this point, so every rank read the older point's
-        outcome (and no rank still lists its arrivals); without this, a long
-        job's store would grow by a key per rank and save.
+        Returns:
+            What a ``failed`` operation raises if it timed out: a failure
+            reads the mark (a late rank's first collective fails at once
+            where the others' timed out).
         """
-        if self._older is None:
-            return
-        self.store.delete_key(f"{self._older}/r{self.rank}")
-        if last:
-            self.store.delete_key(f"{self._older}/count")
-            self.store.delete_key(f"{self._older}/outcome")
+        if not self.enabled:
+            return None
+        with self._changed:
+            self._closed = True
+            self._changed.notify()
+        self._thread.join()
+        for backend, before in self._timeouts:
+            backend.set_timeout(before)
+        if failed and self.mark is None:
+            self._read_mark()
+        if self._posted:
+            _get_default_store().delete_key(f"{self.prefix}/r{self.rank}")
+        if self._marked and not failed:  # the late rank came in time
+            _get_default_store().delete_key(f"{self.prefix}/abort")
+        return CheckpointTimeout(self.mark[1]) if failed and self.mark else None
 
-    def _wait_for(self, key: str, until: float) -> bool:
-        """Whether ``key`` was set before ``until`` (a ``time.monotonic()``)."""
-        # torch's own store-based barrier waits and logs this way, too.
-        seconds = min(until - time.monotonic(), _LONGEST_WAIT_S)
-        try:
-            self.store.wait([key], timedelta(seconds=max(seconds, 0.001)))
-        except dist.DistStoreError:  # the wait timed out; the store is fine
-            return False
-        return True
+    def _watch(self) -> None:
+        """Wakes at each interval of the block and of each wait, until closed."""
+        every = min(self.log_every, self.timeout or math.inf)
+        next_post, point = self._begun + every, 0
+        while True:
+            with self._changed:
+                if point != self.reached:  # a new point: its own intervals
+                    point, since = self.reached, self.since
+                    next_log = since + self.log_every
+                    deadline = since + (self.timeout or math.inf)
+                    if self._posted:  # talking already: record the arrival now
+                        next_post = since
+                wake = min(next_post, next_log, deadline)
+                while not self._closed and point == self.reached:
+                    left = wake - time.monotonic()
+                    if left <= 0 or not self._changed.wait(left):
+                        break
+                if self._closed:
+                    return
+                if point != self.reached:
+                    continue
+                waiting = self.reached == 2 or self.progress is None  # not working
+            now = time.monotonic()
+            next_post = now + every
+            log, decide = now >= next_log, now >= deadline
+            if log:
+                next_log += self.log_every * (1 + (now - next_log) // self.log_every)
+            if decide:
+                deadline = math.inf
+            self._post()
+            if not self._read_mark() and waiting and (log or decide):
+                self._check(now - since, log, decide)
 
-    def _missing(self) -> tuple[list[int], str]:
-        """The ranks not at the point, and a line with how far each is."""
-        late, parts = [], []
-        for rank in self.ranks:
-            key = f"{self.prefix}/r{rank}"
-            status = _store_value(self.store, key)
-            if status == "there":
+    def _state(self) -> str:
+        """What this rank records: the points it reached, and how far it is."""
+        if self.reached == 2:
+            return "2|there"
+        if self.progress is None:
+            return "1|started"
+        done, total, nbytes, total_bytes = self.progress
+        verb = {"write": "wrote", "read": "read"}.get(self.points[1], "did")
+        mb = f"{nbytes / 1e6:.1f} of {total_bytes / 1e6:.1f} MB"
+        return f"1|{verb} {done} of {total} items, {mb}"
+
+    def _post(self) -> None:
+        """Records this rank's state in the store."""
+        _get_default_store().set(f"{self.prefix}/r{self.rank}", self._state())
+        self._posted = True
+
+    def _read_mark(self) -> bool:
+        """Whether the operation is marked aborted; keeps the mark."""
+        key, store = f"{self.prefix}/abort", _get_default_store()
+        if self.mark is None and store.check([key]):
+            point, _, line = store.get(key).decode().partition("|")
+            self.mark = (int(point), line)
+        return self.mark is not None
+
+    def _check(self, waited: float, log: bool, decide: bool) -> None:
+        """Reads the others' states; logs the late ranks, or marks the abort."""
+        keys, store = [f"{self.prefix}/r{r}" for r in self.ranks], _get_default_store()
+        end = time.monotonic() + min(ABORT_WAIT_S, self.log_every) / 2
+        while not store.check(keys) and time.monotonic() < end:
+            time.sleep(0.05)  # a rank that just came records at its interval
+        late, parts, there = [], [], []
+        for rank, key in zip(self.ranks, keys, strict=True):
+            state = store.get(key).decode() if store.check([key]) else ""
+            reached, _, status = state.partition("|")
+            if int(reached or 0) >= self.reached:
+                there.append(rank)
                 continue
             late.append(rank)
             parts.append(f"rank {rank}: {status or 'not started'}")
-        return late, "; ".join(parts)
-
-    def _log_missing(self, waited: float) -> None:
-        """Logs the ranks not there yet, with how far each is."""
-        late, line = self._missing()
         if not late:
             return
-        there = [r for r in self.ranks if r not in late]
-        logger.warning(
-            "%s: %s not at %s after %.0f s (%s); %s waiting",
-            self.action,
-            _ranks(late),
-            self.point,
-            waited,
-            line,
-            _ranks(there),
-        )
-
-    def _timeout_message(self, late: list[int], line: str) -> str:
-        """The one line every rank raises at the deadline."""
-        saving = self.action.startswith("saving")
-        undone = "The step is not published" if saving else "The stage is not loaded"
-        return (
-            f"{self.action} timed out: {_ranks(late)} did not arrive at {self.point} "
-            f"within {self.timeout:g} s ({line}). {undone}; find what holds them "
-            "(a slow disk, a hung process), or raise the timeout"
-        )
+        line, point = "; ".join(parts), self.points[self.reached - 1]
+        if decide:
+            saving = self.action.startswith("saving")
+            undone = "step is not published" if saving else "stage is not loaded"
+            message = (
+                f"{self.reached}|{self.action} timed out: {_ranks(late)} did not "
+                f"arrive at {point} within {self.timeout:g} s ({line}). The "
+                f"{undone}; find what holds them (a slow disk, a hung process), "
+                "or raise the timeout"
+            )
+            mark = store.compare_set(f"{self.prefix}/abort", "", message)
+            self._marked = mark.decode() == message
+            self._read_mark()
+        elif log and there and there[0] == self.rank:
+            logger.warning(
+                "%s: %s not at %s after %.0f s (%s); %s waiting",
+                self.action,
+                _ranks(late),
+                point,
+                waited,
+                line,
+                _ranks(there),
+            )
 
     def counting(self, planner: Any, sizes: Mapping[Any, int]) -> Any:
         """``planner``, recording progress as DCP hands it each item."""
@@ -332,43 +336,32 @@ class Waits:
 
     @contextmanager
     def inside_dcp(self) -> Iterator[None]:
-        """Arrives once the body ends, even if it failed; a timeout cuts DCP short."""
+        """Arrives once the body ends, even if it failed."""
         try:
             yield
         finally:
-            try:
-                self.arrive()
-            except CheckpointTimeout:  # DCP's own collective comes next: cut it short
-                if hasattr(self.group, "set_timeout"):  # public since torch 2.7
-                    self.group.set_timeout(timedelta(seconds=ABORT_WAIT_S))
-                raise
+            self.arrive()
 
 
-def _store_value(store: dist.Store, key: str) -> str | None:
-    """The value of ``key`` in ``store``, or None if it is not set."""
-    return store.get(key).decode() if store.check([key]) else None
-
-
-def start(
-    action: str, *, timeout: Timeout, process_group: dist.ProcessGroup | None
-) -> None:
-    """Waits for every rank to start ``action``, before its first collective.
-
-    Raises:
-        ValueError, CheckpointTimeout: As :class:`Waits` and :meth:`Waits.arrive`.
-    """
-    Waits(action, "start", timeout=timeout, process_group=process_group).arrive()
+def _bound(group: dist.ProcessGroup, timeout: float | None) -> list[Any]:
+    """Bounds the collectives of ``group`` to ``timeout`` + 0.5 s; the old bounds."""
+    if timeout is None:
+        return []
+    backends = [group._get_backend(device) for device in group._device_types]
+    before = [(backend, backend.options._timeout) for backend in backends]
+    group.set_timeout(timedelta(seconds=timeout + ABORT_WAIT_S))
+    return before
 
 
 @contextmanager
 def waiting(
     action: str, point: str, timeout: Timeout, process_group: dist.ProcessGroup | None
 ) -> Iterator[Waits]:
-    """The operation pippy's writer or reader reports to and waits in, for a block.
+    """Watches a save or load in the block; pippy's writer or reader reports to it.
 
-    Enter it around ``dcp.save`` or ``dcp.load``. A :class:`CheckpointTimeout`
-    at its point is raised as itself even when what reaches the block is the
-    failure of DCP's next collective, which the timeout cut short.
+    Enter it before the first collective of the save or load. A
+    :class:`CheckpointTimeout` is raised as itself even when what reaches
+    the block is the failure of a collective that the timeout cut short.
 
     Args:
         action: As :class:`Waits`.
@@ -376,27 +369,28 @@ def waiting(
         timeout: As :class:`Waits`.
         process_group: As :class:`Waits`; the group ``dcp.save`` or
             ``dcp.load`` runs on.
+
+    Raises:
+        ValueError: As :class:`Waits`.
+        CheckpointTimeout: As :meth:`Waits.arrive`, on every rank.
     """
     waits = Waits(action, point, timeout=timeout, process_group=process_group)
-    before, _active.waits = active(), waits
+    before, _active.waits, failed = active(), waits, True
     try:
         yield waits
-    except BaseException:
-        if waits.timed_out is not None:
-            raise waits.timed_out from None
-        raise
+        failed = False
     finally:
         _active.waits = before
+        timed_out = waits.close(failed)
+        if timed_out is not None:  # what reached the block was a collective's end
+            raise timed_out from None
 
 
-@contextmanager
 def loading(
     action: str, timeout: Timeout, process_group: dist.ProcessGroup | None
-) -> Iterator[Waits]:
-    """Waits for every rank to start ``action``, then reports reads to it."""
-    start(action, timeout=timeout, process_group=process_group)
-    with waiting(action, "read", timeout, process_group) as waits:
-        yield waits
+) -> Any:
+    """:func:`waiting` for a load, whose reader reports reads to it."""
+    return waiting(action, "read", timeout, process_group)
 
 
 class _Counting:

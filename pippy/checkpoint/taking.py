@@ -151,8 +151,9 @@ def take_state(
             replicated over data-parallel ranks are compared, not taken for
             collisions.
         planner: DCP's save planner, wrapped; ``DefaultSavePlanner`` if None.
-        timeout: Seconds (or a ``timedelta``) a rank waits for the others to
-            start saving (:mod:`~pippy.checkpoint.stall`); None: no deadline.
+        timeout: Checked here (``ValueError``); the save's waits are
+            :func:`~pippy.checkpoint.publishing.publish_step`'s, which takes
+            the same ``timeout``.
 
     Returns:
         ``(state_dict, step, planner)``: what to pass to ``dcp.save`` (an
@@ -160,13 +161,13 @@ def take_state(
         :class:`CheckedSavePlanner` that carries the checks.
 
     Raises:
-        ValueError: No ``step`` for a plain state_dict, at once. The state's
+        ValueError: No ``step`` for a plain state_dict, or a ``timeout``
+            that is not a positive number, at once. The state's
             own ``step`` entry is another: from ``dcp.save``, on the rank
             that has it (the others raise ``CheckpointError`` naming it),
             at once without a process group.
         KeyCollisionError: From ``dcp.save``, as ``check_keys`` (also
             ``DivergedReplicasError`` and ``NestedStateError``), on every rank.
-        CheckpointTimeout: Some rank did not start within ``timeout``.
     """
     step = step_of(state, step)
     state_dict, checked = take_together(
@@ -191,16 +192,15 @@ def take_together(
 ) -> tuple[dict[str, Any], CheckedSavePlanner]:
     """:func:`take_state` for a state_dict taken by ``take``, on every rank at once.
 
-    Each rank waits for the others (:func:`~pippy.checkpoint.stall.start`),
-    then runs ``take``; a failure there goes into the planner, which raises
+    Each rank runs ``take``; a failure there goes into the planner, which raises
     it inside ``dcp.save`` (at once without a process group). ``AsyncSaver``
     calls it in the background on the copy it took.
 
     Raises:
-        CheckpointTimeout: As :func:`take_state`; ``take``'s own exception
+        ValueError: As :func:`take_state`; ``take``'s own exception
             without a process group.
     """
-    stall.start(action, timeout=timeout, process_group=process_group)
+    stall.seconds(timeout)  # refused at once; the waits are the save's
     ranks: dict[str, Any] = {"process_group": process_group}
     try:
         state_dict = take()
