@@ -382,12 +382,9 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     saved.step = 1
     path = checkpoint.save_stage(saved, out / "refusal")
     loaded = build_state(split_groups=False)  # rebuilt with one group everywhere
-    # Read with load_stage, applied below by hand: fail_together is the subject.
-    state_dict = checkpoint.load_stage(loaded.state_dict(), path)
     error = None
-    try:
-        with fail_together(f"loading {path.name}"):
-            loaded.load_state_dict(state_dict)
+    try:  # rank 1 refuses inside dcp.load; DCP's last gather tells rank 0
+        checkpoint.load_stage(loaded, path)
     except checkpoint.CheckpointError as e:
         error = str(e)
     dist.barrier()  # every rank got here: none trains on into a dead peer
@@ -400,7 +397,7 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
             raise RuntimeError("from the group")
     except (checkpoint.CheckpointError, ValueError) as e:
         in_group = f"{type(e).__name__}: {e}"
-    return {"error": error, "in_group": in_group}
+    return {"error": error, "path": str(path), "in_group": in_group}
 
 
 def check_twins(out: Path, rank: int, world_size: int) -> dict:

@@ -344,7 +344,7 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
     ]
     for r in results:
         error = r["error"]
-        assert error.startswith("loading step-1 failed on 1 rank(s):\n  rank 1: ")
+        assert error.startswith(f"loading {r['path']} failed on 1 rank(s):\n  rank 1: ")
         assert "CheckpointError: param group 0 here holds parameters saved " in error
         assert "'lr': lr 0.1 for 'stage1.a.weight', 0.2 for 'stage1.b.weight'" in error
     # Under a group of rank 1 alone: its global rank; rank 0 may not enter.

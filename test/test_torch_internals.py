@@ -123,6 +123,33 @@ def test_get_default_store_is_the_default_groups_store():
         dist.destroy_process_group()
 
 
+def test_read_data_sees_the_filled_state_dict_and_its_errors_reach_dcp(tmp_path):
+    """safe_load.after_reads applies the planner's original_state_dict in
+    read_data: filled there, top-level values too; what it raises comes back
+    from DCP's gather of the reads as a CheckpointException."""
+    seen = {}
+
+    class Reader(FileSystemReader):
+        def read_data(self, plan, planner):
+            super().read_data(plan, planner).wait()
+            seen.update(planner.original_state_dict)
+            raise ValueError("refused")
+
+    dcp.save(
+        {"step": 3, "m": {"w": torch.ones(2)}}, checkpoint_id=tmp_path, no_dist=True
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(dcp.CheckpointException) as e:
+            state = {"step": 0, "m": {"w": torch.zeros(2)}}
+            dcp.load(state, storage_reader=Reader(tmp_path))
+    finally:
+        dist.destroy_process_group()
+    assert seen["step"] == 3 and torch.equal(seen["m"]["w"], torch.ones(2))
+    assert state["step"] == 0  # copied back only after a load that succeeds
+    assert [type(error) for error, _ in e.value.failures.values()] == [ValueError]
+
+
 def test_crc32_options_are_per_thread_where_pippy_says_so():
     # storage.no_crc32 turns torch.save's CRC-32 off only where it is per thread.
     seen = []

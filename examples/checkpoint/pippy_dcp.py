@@ -98,7 +98,7 @@ def load(state: checkpoint.StageState, path, *, weights_only=False, timeout=None
     Returns the state_dict it filled."""
     # DCP loads in place, into tensors that must exist: load_into gives
     # state_dict(), this stage's own tensors (AdamW's moments made empty), so
-    # each rank reads only its keys; then applies it on every rank, or on none.
+    # each rank reads only its keys, then applies them; if one fails, all raise.
     target = checkpoint.StageState(state.module) if weights_only else state
     with checkpoint.load_into(target, path, timeout=timeout) as state_dict:
         # A checkpoint is partly pickle: pippy's reader and planner refuse

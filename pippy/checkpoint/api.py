@@ -8,7 +8,7 @@ Saving a stage, on every rank at once::
 
 Loading, after building the stage (DCP loads in place)::
 
-    with load_into(state, path) as state_dict:  # applied on every rank or none
+    with load_into(state, path) as state_dict:  # applied, or every rank raises
         reader, planner = open_step(path)  # checked on rank 0 before any read
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
@@ -37,7 +37,7 @@ from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import explain_failures, fail_together
 from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.publishing import publish_step
-from pippy.checkpoint.safe_load import SafeFileSystemReader
+from pippy.checkpoint.safe_load import SafeFileSystemReader, after_reads
 from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.state import (
     PIPPY,
@@ -264,10 +264,16 @@ def read_any_layout(
         if pippy_name(k).startswith(must_read)
         and not (k.startswith("optimizer.param_groups.") and k.endswith(".initial_lr"))
     )
-    read_into(flat, reader, planner, process_group=process_group)
-    for key, value in from_torchtitan(flat).items():
-        if key in wanted:
-            _set_leaf(state_dict, key, value)
+
+    def convert(filled: dict[str, Any]) -> None:  # then apply, as load_into's would
+        for key, value in from_torchtitan(filled).items():
+            if key in wanted:
+                _set_leaf(state_dict, key, value)
+        if apply is not None:
+            apply(state_dict)
+
+    with after_reads(convert) as apply:
+        read_into(flat, reader, planner, process_group=process_group)
 
 
 @contextmanager
@@ -278,7 +284,7 @@ def load_into(
     process_group: dist.ProcessGroup | None = None,
     timeout: Timeout = None,
 ) -> Iterator[dict[str, Any]]:
-    """Gives the stage's state_dict to fill, then applies it on every rank or none.
+    """Gives the stage's state_dict to fill, then applies it; if one rank fails, all do.
 
     Use it around ``dcp.load``, on every rank. DCP loads in place, into
     tensors that must exist: ``state.state_dict()`` returns the stage's own
@@ -286,7 +292,12 @@ def load_into(
     ``CheckpointException`` in the body is raised as one ``CheckpointError``
     line per failed rank. Applying (:meth:`StageState.load_state_dict`) runs
     on each rank alone; if it refuses on one, every rank raises its error,
-    instead of the others training on into a dead peer.
+    instead of the others training on into a dead peer. With pippy's reader
+    (:func:`open_step`), each rank applies inside ``dcp.load`` once its
+    reads are done (:func:`~pippy.checkpoint.safe_load.after_reads`), and
+    DCP's own last collective carries the outcome; a rank whose read failed
+    applies nothing. With another reader, it applies after ``dcp.load``, and
+    an ``all_gather_object`` carries the outcome.
 
     Args:
         state: The stage's :class:`StageState`; ``StageState(module)``
@@ -310,12 +321,20 @@ def load_into(
             ``dcp.load`` the group is not fit for more collectives.
         ValueError: ``timeout`` is not a positive number.
     """
-    with stall.loading(f"loading {path}", timeout, process_group):
+    applied = False
+
+    def apply(filled: dict[str, Any]) -> None:
+        nonlocal applied
+        applied = True
+        state.load_state_dict(filled)
+
+    with stall.loading(f"loading {path}", timeout, process_group), after_reads(apply):
         state_dict = state.state_dict()
         with explain_failures(f"loading {path}"):
             yield state_dict
-    with fail_together(f"loading {path}", process_group):
-        state.load_state_dict(state_dict)
+    if not applied:  # not read by pippy's reader: its own all_gather
+        with fail_together(f"loading {path}", process_group):
+            state.load_state_dict(state_dict)
 
 
 def load_stage(

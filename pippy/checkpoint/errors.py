@@ -28,7 +28,6 @@ __all__ = [
     "DivergedReplicasError",
     "KeyCollisionError",
     "NestedStateError",
-    "SentAlong",
     "TiedParametersError",
     "UnsafeCheckpointError",
     "dir_error",
@@ -207,26 +206,13 @@ def explain_failures(action: str) -> Iterator[None]:
         ) from None
 
 
-class SentAlong:
-    """What a rank sends along with its outcome in :func:`fail_together`.
-
-    Attributes:
-        value: Set by the body: this rank's value (it must pickle).
-        everyone: After the block, every rank's ``value``, by group rank.
-    """
-
-    def __init__(self) -> None:
-        self.value: Any = None
-        self.everyone: list[Any] = []
-
-
 @contextmanager
 def fail_together(
     action: str,
     process_group: dist.ProcessGroup | None = None,
     *,
     keep_own_error: bool = False,
-) -> Iterator[SentAlong]:
+) -> Iterator[None]:
     """Makes a step that each rank runs alone fail on every rank, or on none.
 
     Applying a loaded state_dict (``StageState.load_state_dict``) runs on
@@ -235,9 +221,7 @@ def fail_together(
     train and die in their next collective with a gloo or NCCL error that
     hides the cause. Around such a step, every rank learns every rank's
     outcome (one ``all_gather_object``) and all raise the same error. Every
-    rank of ``process_group`` must enter it. The body may send a value along
-    (``with fail_together(...) as sent: sent.value = ...``): every rank's is
-    in ``sent.everyone`` after the block, with no collective of its own.
+    rank of ``process_group`` must enter it.
 
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
@@ -259,21 +243,17 @@ def fail_together(
         )
     error: str | None = None
     own: Exception | None = None
-    sent = SentAlong()
     try:
-        yield sent
+        yield
     except Exception as e:
         if not dist.is_initialized():
             raise
         error = f"{type(e).__name__}: {_message(e)}".replace("\n", "\n    ")
         own = e
     if not dist.is_initialized():
-        sent.everyone = [sent.value]
         return
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, (error, sent.value), group=process_group)
-    errors = [e for e, _ in gathered]
-    sent.everyone = [value for _, value in gathered]
+    errors: list[str | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(errors, error, group=process_group)
     failed = {
         dist.get_global_rank(process_group, r) if process_group else r: e
         for r, e in enumerate(errors)

@@ -17,6 +17,9 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -61,6 +64,7 @@ from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
 __all__ = [
     "TRUST_ENV",
     "SafeFileSystemReader",
+    "after_reads",
     "find_damage",
     "read_metadata",
     "resolve_trusted",
@@ -98,6 +102,46 @@ _METADATA_GLOBALS = {
     ("builtins", "slice"),
     ("builtins", "complex"),
 }
+
+
+#: A function of the state_dict ``dcp.load`` fills, run by this thread's
+#: next read once its reads are done (:func:`after_reads`).
+Apply = Callable[[dict[str, Any]], None]
+_after_reads = threading.local()
+
+
+@contextmanager
+def after_reads(apply: Apply) -> Iterator[Apply | None]:
+    """Runs ``apply`` inside the block's first read of a :class:`SafeFileSystemReader`.
+
+    ``apply`` gets the state_dict that ``dcp.load`` fills (its top-level
+    values too, which DCP copies into the caller's dict only after the load)
+    once this rank's reads are done, and not after a read failed. It runs
+    before DCP gathers every rank's outcome, so an exception it raises
+    reaches every rank, as any rank's failed read does. A planner that is no
+    ``DefaultLoadPlanner`` gets none.
+
+    Args:
+        apply: The function, for the block (in this thread).
+
+    Yields:
+        The function it replaces for the block (None if none), for ``apply``
+        to call.
+    """
+    before = getattr(_after_reads, "apply", None)
+    _after_reads.apply = apply
+    try:
+        yield before
+    finally:
+        _after_reads.apply = before
+
+
+def _run_after_reads(filled: dict[str, Any] | None) -> None:
+    """Runs the block's :func:`after_reads` function on ``filled``, once."""
+    apply = getattr(_after_reads, "apply", None)
+    if apply is not None and filled is not None:
+        _after_reads.apply = None
+        apply(filled)
 
 
 def resolve_trusted(trusted: bool | None) -> bool:
@@ -321,14 +365,16 @@ class SafeFileSystemReader(FileSystemReader):
         manifest's.
 
         Inside :func:`~pippy.checkpoint.api.load_into`, the items read so far
-        are recorded as they go, and the rank then waits for the others
-        (:mod:`~pippy.checkpoint.stall`) before DCP's next collective.
+        are recorded as they go, the rank then waits for the others
+        (:mod:`~pippy.checkpoint.stall`), and applies what it read to the
+        stage (:func:`after_reads`) before DCP's next collective.
 
         Raises:
             CheckpointError: A data file ends inside an item, an item does
                 not match its checksum, or the ``step`` read is not the
                 manifest's.
             CheckpointTimeout: Some rank did not finish reading in time.
+            Exception: What the :func:`after_reads` function raised.
 
         Note:
             An item is checked as it is read, so the tensors of the items
@@ -338,13 +384,16 @@ class SafeFileSystemReader(FileSystemReader):
         """
         waits = stall.active()
         if waits is None:
-            return self._read_once(plan, planner)
-        sizes = {
-            i.storage_index: self.storage_data[i.storage_index].length
-            for i in plan.items
-        }
-        with waits.inside_dcp():
-            return self._read_once(plan, waits.counting(planner, sizes))
+            read = self._read_once(plan, planner)
+        else:
+            sizes = {
+                i.storage_index: self.storage_data[i.storage_index].length
+                for i in plan.items
+            }
+            with waits.inside_dcp():
+                read = self._read_once(plan, waits.counting(planner, sizes))
+        _run_after_reads(getattr(planner, "original_state_dict", None))
+        return read
 
     def _read_once(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """DCP's ``read_data``, reading each item once and checking it first."""
