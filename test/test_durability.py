@@ -92,7 +92,7 @@ def traced_save(checks: str, out: Path) -> str:
     command += _torchrun_command(2, CHECKS, [checks, out])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env=env, check=False
+        command, capture_output=True, text=True, timeout=400, env=env, check=False
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return trace.read_text()
