@@ -6,21 +6,8 @@ any model while keeping its FQNs, and :mod:`pippy.checkpoint`, stage-aware
 distributed checkpointing through ``torch.distributed.checkpoint``.
 """
 
-from torch.distributed.pipelining import (
-    Pipe,
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-    SplitPoint,
-    build_stage,
-    pipe_split,
-    pipeline,
-)
+import importlib
+from typing import Any
 
 from pippy import checkpoint
 from pippy.stages import (
@@ -62,3 +49,31 @@ __all__ = [
     "restore_non_persistent_buffers",
     "split_model",
 ]
+
+#: What pippy re-exports from torch.distributed.pipelining, imported on first
+#: use: it brings in torch's compiler stack (about a second per process), which
+#: a process that only checkpoints (the CLI, a rank that saves) never needs.
+_PIPELINING = {
+    "Pipe",
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBVZeroBubble",
+    "SplitPoint",
+    "build_stage",
+    "pipe_split",
+    "pipeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """torch.distributed.pipelining's names, imported when first asked for."""
+    if name in _PIPELINING:
+        value = getattr(importlib.import_module("torch.distributed.pipelining"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pippy' has no attribute {name!r}")

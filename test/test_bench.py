@@ -81,6 +81,7 @@ def started(tmp_path_factory):
                 sys.executable,
                 "bench/bench_checkpoint.py",
                 *("--sizes-mb", "2", "--stages", "2", "--keys-x", "2"),
+                *("--n-layers", "4"),  # half the default 8: fewer items, same bytes
                 *("--repeats", "1", "--out-dir", bench / "out"),
                 *("--work-dir", bench / "work", "--timeout", "300"),
             ],

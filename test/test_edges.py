@@ -610,6 +610,8 @@ def _workers(pid):
 
 def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
     flags = ["--steps", "60", "--save-every", "20"]
+    # The same job alone in a folder of its own, the reference: at the same time.
+    reference = launch(*flags, "--checkpoint-dir", tmp_path / "alone")
     first = launch(*flags, "--checkpoint-dir", tmp_path / "shared")
     paused = []
     try:
@@ -631,12 +633,15 @@ def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
         for pid in paused:
             os.kill(pid, signal.SIGCONT)
         out, _ = first.communicate(timeout=240)
+        reference_out, _ = reference.communicate(timeout=240)
     finally:
         for pid in paused:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         first.kill()
+        reference.kill()
     assert first.returncode == 0, out
+    assert reference.returncode == 0, reference_out
     assert second.returncode != 0
     for rank in (0, 1):
         assert (
@@ -644,7 +649,6 @@ def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
             in second.stdout
         )
     assert "step   1 |" not in second.stdout
-    torchrun(2, EXAMPLE, *TINY_FLAGS, *flags, "--checkpoint-dir", tmp_path / "alone")
     for step in (20, 40, 60):  # the first job's steps are its own, bit for bit
         shared = checkpoint.read_checkpoint(tmp_path / "shared" / f"step-{step}")
         alone = checkpoint.read_checkpoint(tmp_path / "alone" / f"step-{step}")

@@ -355,14 +355,6 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
     ]
 
 
-def example(nproc, *flags, ok=True):
-    run = torchrun(nproc, EXAMPLE, *flags, expect_ok=ok)
-    if not ok:
-        assert run.returncode != 0
-        assert "Traceback" not in run.stdout
-    return run
-
-
 def failing_examples(*launches):
     """Runs of the example that must fail, each ``(nproc, *flags)``, at once
     (none writes what another reads); each fails without a traceback."""
@@ -380,7 +372,7 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
     a_file.write_text("not a folder")
     # A run of the same tiny model (TINY's flags), 6 steps saved at 3 and 6,
     # shared with other modules: its folder copied, resumed with --steps 7.
-    # Two copies: one job per folder, and two of the runs below go at once.
+    # Two copies: one job per folder, and two of the runs below go at once (twice).
     ckpt, other = tmp_path / "ckpt", tmp_path / "other"
     assert TINY_RUN_FLAGS == [*TINY[:6], "--steps", "6", "--save-every", "3"]
     for folder in (ckpt, other):
@@ -430,17 +422,21 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
         in layers_run.stdout
     )
 
-    data = ckpt / "step-6" / "__1_0.distcp"
-    data.write_bytes(before["__1_0.distcp"][:1000])  # truncated
-    run = example(2, *TINY, "--steps", "7", "--checkpoint-dir", ckpt, ok=False)
+    # A damaged step: a data file truncated in one copy, missing in the other
+    # (both runs at once).
+    data = [folder / "step-6" / "__1_0.distcp" for folder in (ckpt, other)]
+    data[0].write_bytes(before["__1_0.distcp"][:1000])  # truncated
+    data[1].unlink()  # missing
+    run, missing_run = failing_examples(
+        *[(2, *TINY, "--steps", "7", "--checkpoint-dir", f) for f in (ckpt, other)]
+    )
     for rank in (0, 1):  # every rank stops with the same line, before loading
         assert f"[rank {rank}] error: " in run.stdout
     assert "step-6' is damaged: __1_0.distcp has 1000 bytes" in run.stdout
     assert "to resume from an earlier step" in run.stdout
-    data.unlink()  # missing
-    run = example(2, *TINY, "--steps", "7", "--checkpoint-dir", ckpt, ok=False)
-    assert "is damaged: __1_0.distcp is missing" in run.stdout
-    data.write_bytes(before["__1_0.distcp"])
+    assert "is damaged: __1_0.distcp is missing" in missing_run.stdout
+    for path in data:
+        path.write_bytes(before["__1_0.distcp"])
     # Nothing that was saved before was lost or changed by the failed runs.
     for folder in (ckpt, other):
         assert {p.name: p.read_bytes() for p in (folder / "step-6").iterdir()} == (
