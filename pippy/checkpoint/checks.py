@@ -455,18 +455,17 @@ def check_keys(
 ) -> None:
     """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
 
-    Every key under ``owned`` (model and optimizer
-    state) must belong to one pipeline stage only; where a stage is
-    replicated over data-parallel ranks (DDP, or HSDP's replicate dim), the
-    replicas must hold equal values (compared by CRC-32C); and every other
-    entry (step, scheduler, data state) must hold the same value on every
-    rank. State nested under another section (``{"stage0": {"model": ...}}``)
-    is refused: its keys would name one layout. Plain tensors under another
-    section (an EMA copy of the weights) are not: pippy cannot tell them from
-    model state, so their keys must not name the layout either. Each rank sends its key
-    names, a SHA-1 of each shared entry and, with data-parallel replicas, a
-    CRC-32C of each replicated entry (a few KB); call it on every rank of
-    ``process_group``.
+    Every key under ``owned`` (model and optimizer state) must belong to one
+    pipeline stage only; where a stage is replicated over data-parallel ranks
+    (DDP, or HSDP's replicate dim), the replicas must hold equal values
+    (compared by CRC-32C); and every other entry (step, scheduler, data
+    state) must hold the same value on every rank. State nested under another
+    section (``{"stage0": {"model": ...}}``) is refused: its keys would name
+    one layout. Plain tensors under another section (an EMA copy of the
+    weights) are not: pippy cannot tell them from model state, so their keys
+    must not name the layout either. Each rank sends its key names, a SHA-1
+    of each shared entry and, with data-parallel replicas, a CRC-32C of each
+    replicated entry (a few KB); call it on every rank of ``process_group``.
 
     Args:
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.

@@ -157,8 +157,8 @@ class StageState(Stateful):
         module: The stage's module, keeping the un-split model's FQNs (for
             example ``layers.5.mlp.w1.weight``, never renumbered); or a list
             of the stage modules this rank holds (interleaved schedules),
-            merged with :func:`merge_parts`. A DDP or
-            FSDP2 module is fine: keys have no wrapper prefix.
+            merged with :func:`merge_parts`. A DDP or FSDP2 module is fine:
+            keys have no wrapper prefix.
         optimizer: The optimizer over the modules' parameters, or a list with
             one optimizer per module (each over its module's parameters);
             None for the weights alone (no ``optim`` section).
