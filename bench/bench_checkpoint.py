@@ -10,8 +10,8 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
 * The options tried, each ``pippy_sync`` with one change (``writers.py``):
   ``pippy_sync_crc32``: ``torch.save``'s CRC-32 left on (pippy before);
   ``pippy_sync_threads2``: ``thread_count=2``;
-  ``pippy_sync_cached``: ``DefaultSavePlanner(enable_plan_caching=True)``;
-  ``pippy_sync_nomanifest``: DCP's own ``FileSystemWriter`` (no checksums).
+  ``pippy_sync_nomanifest``: DCP's own ``FileSystemWriter`` (no checksums,
+  written in place: no staging).
 * ``dcp_save``: plain ``dcp.save`` of the same ``state_dict()`` with DCP's own
   writer and planner: what target 1's fixed costs are judged against.
 * ``pippy_async_tuned``: the example's async save, ``state_dict()`` and
@@ -121,18 +121,18 @@ def write_rows(opts: argparse.Namespace, rows: list[dict]) -> None:
 
 
 def verify_tuned(ctx: Ctx, methods: dict[str, Method]) -> float:
-    """Checks that the cached-plan, CRC-while-writing and kept-saver saves load back.
+    """Checks that the kept-saver saves load back.
 
     This also fills the kept stager's buffers, so that the tuned async repeats
     measure the steady state.
 
     Returns:
-        MB that the kept stager (and cached plans) hold on, the most of any
+        MB that the kept stager holds on, the most of any
         rank: its RSS after these saves less before.
     """
     reset_peak_memory()
     before = memory_kb("VmRSS")
-    for name in ("pippy_sync_cached", "pippy_async_tuned"):
+    for name in ("pippy_async_tuned",):
         methods[name].run()
         path = step_dir(ctx.work / name, STEP)
         verify_load(ctx.state, path, ctx.case, ctx.rank, ctx.world)

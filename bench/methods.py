@@ -31,7 +31,6 @@ from writers import (
     Marks,
     PlainTimedWriter,
     TimedWriter,
-    dcp_save_span,
 )
 
 from pippy import checkpoint
@@ -51,51 +50,44 @@ def sync_save(
     writer: type[Marks] = TimedWriter,
     **writer_kwargs: Any,
 ) -> dict[str, float]:
-    """``checkpoint.save_stage`` into ``folder``, its time split into parts.
+    """``save_stage``'s sequence into ``folder``, its time split into parts.
 
-    ``writer``: the storage writer (pippy's, or a variant of ``writers.py``),
-    built with ``writer_kwargs`` (``thread_count``, ...).
+    The pieces ``save_stage`` is made of: ``take_state``, then ``dcp.save``
+    through pippy's step writer (staged, published in its ``finish``).
+    ``writer``: that writer with marks, or a variant of ``writers.py``, built
+    with ``writer_kwargs`` (``thread_count``, ...); DCP's own writer
+    (:class:`PlainTimedWriter`) writes ``step-<N>`` in place, unstaged.
 
     Returns:
-        Seconds of each part: ``pippy`` (``state_dict()``, the key check and
-        ``publish_step``, with their collectives), and of ``dcp.save``:
-        ``dcp_plan`` (until the writes start), ``dcp_write`` (every item
-        through ``torch.save`` and ``fsync``), ``dcp_finish`` (write results
-        to the coordinator, ``.metadata``, outcome back to every rank).
+        Seconds of each part: ``pippy`` (``state_dict()`` and the planner's
+        checks), and of ``dcp.save``: ``dcp_plan`` (until the writes start),
+        ``dcp_write`` (every item through ``torch.save`` and ``fsync``),
+        ``dcp_finish`` (write results to the coordinator, ``.metadata``,
+        manifest, publishing, outcome back to every rank).
     """
-    # save_stage points the writer at the staging folder
+    start = time.perf_counter()
+    state_dict, step, checked = checkpoint.take_state(state, step=STEP, planner=planner)
     if writer is PlainTimedWriter:
-        storage = writer(folder, **writer_kwargs)
+        storage = writer(folder / f"step-{step}", **writer_kwargs)
     else:
-        storage = writer(folder, step=STEP, **writer_kwargs)
-    with dcp_save_span() as listener:
-        start = time.perf_counter()
-        checkpoint.save_stage(
-            state,
-            folder,
-            step=STEP,
-            storage_writer=storage,
-            planner=planner,
-        )
-        end = time.perf_counter()
-    if listener.span is None:
-        raise RuntimeError("save_stage logged no DEBUG record with dcp.save's times")
-    before, after = listener.span
+        storage = writer(folder, step, **writer_kwargs)
+    before = time.perf_counter()
+    dcp.save(state_dict, storage_writer=storage, planner=checked)
+    after = time.perf_counter()
     marks = storage.marks
     return {
-        "pippy": end - start - (after - before),
+        "pippy": before - start,
         "dcp_plan": marks["write"] - before,
         "dcp_write": marks["written"] - marks["write"],
         "dcp_finish": after - marks["written"],
     }
 
 
-def sync_method(ctx: Ctx, name: str, *, cached: bool = False, **variant: Any) -> Method:
-    """:func:`sync_save` into ``work/<name>``; ``cached``: DCP's plan caching."""
-    planner = DefaultSavePlanner(enable_plan_caching=True) if cached else None
+def sync_method(ctx: Ctx, name: str, **variant: Any) -> Method:
+    """:func:`sync_save` into ``work/<name>``."""
 
     def run() -> dict:
-        parts = sync_save(ctx.state, ctx.work / name, planner, **variant)
+        parts = sync_save(ctx.state, ctx.work / name, **variant)
         return {"parts": parts, "sizes": step_sizes(ctx.work / name / f"step-{STEP}")}
 
     return Method(run=run, cleanup=ctx.remover(name))
@@ -375,7 +367,6 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "pippy_sync": sync_method(ctx, "pippy_sync"),
         "pippy_sync_crc32": sync_method(ctx, "pippy_sync_crc32", writer=Crc32Writer),
         "pippy_sync_threads2": sync_method(ctx, "pippy_sync_threads2", thread_count=2),
-        "pippy_sync_cached": sync_method(ctx, "pippy_sync_cached", cached=True),
         "pippy_sync_nomanifest": sync_method(
             ctx, "pippy_sync_nomanifest", writer=PlainTimedWriter
         ),

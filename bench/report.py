@@ -35,7 +35,6 @@ REFERENCES = {
 SYNC_VARIANTS = (
     "pippy_sync_crc32",
     "pippy_sync_threads2",
-    "pippy_sync_cached",
     "pippy_sync_nomanifest",
 )
 # The parts of a sync save's time that methods.sync_save reports, in order.

@@ -2,7 +2,7 @@
 
 Every writer notes when ``write_data`` starts and ends (:class:`Marks`), which
 splits ``dcp.save``'s time into planning, writing and finishing. The variants
-are the options that were measured against pippy's ``ManifestWriter``
+are the options that were measured against pippy's ``StepWriter``
 (bench/README.md gives the figures and what was kept):
 
 * :class:`Crc32Writer`: ``torch.save``'s CRC-32 left on (pippy before);
@@ -12,16 +12,13 @@ are the options that were measured against pippy's ``ManifestWriter``
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from pippy.checkpoint.manifest import ManifestWriter
+from pippy.checkpoint.publishing import StepWriter
 from pippy.checkpoint.storage import DurableFileSystem
 
 
@@ -43,8 +40,9 @@ class Marks:
         return future
 
 
-class TimedWriter(Marks, ManifestWriter):
-    """pippy's writer: DCP's, CRC-32 off, a CRC-32C of every item in manifest.json."""
+class TimedWriter(Marks, StepWriter):
+    """pippy's step writer: DCP's, CRC-32 off, a CRC-32C of every item in
+    manifest.json, staged and published in ``finish``."""
 
 
 class Crc32Writer(TimedWriter):
@@ -61,29 +59,3 @@ class PlainTimedWriter(Marks, FileSystemWriter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fs = DurableFileSystem()
-
-
-class DcpSaveSpan(logging.Handler):
-    """Keeps ``dcp.save``'s start and end from ``save_stage``'s DEBUG record."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.span: tuple[float, float] | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.span = (record.dcp_save_start, record.dcp_save_end)
-
-
-@contextlib.contextmanager
-def dcp_save_span() -> Iterator[DcpSaveSpan]:
-    """Listens to ``pippy.checkpoint.api`` at DEBUG for the ``with`` block."""
-    handler = DcpSaveSpan()
-    api_log = logging.getLogger("pippy.checkpoint.api")
-    level = api_log.level
-    api_log.setLevel(logging.DEBUG)
-    api_log.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        api_log.removeHandler(handler)
-        api_log.setLevel(level)

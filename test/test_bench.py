@@ -19,7 +19,6 @@ from helpers import ROOT
 
 SAVE_METHODS = {
     "pippy_sync",
-    "pippy_sync_cached",
     "pippy_sync_crc32",
     "pippy_sync_threads2",
     "pippy_async_tuned",

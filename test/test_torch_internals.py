@@ -211,3 +211,17 @@ def test_module_internals_pippy_reads():
         "bias",
     }
     assert len(module._state_dict_pre_hooks) == 1 and len(module._state_dict_hooks) == 0
+
+
+def test_plan_caching_is_a_planner_attribute_and_pippy_refuses_it():
+    """CheckedSavePlanner reads DefaultSavePlanner._enable_plan_caching: a cached
+    plan would send a save into an earlier step's staging folder."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from pippy.checkpoint import take_state
+
+    assert DefaultSavePlanner(enable_plan_caching=True)._enable_plan_caching is True
+    assert DefaultSavePlanner()._enable_plan_caching is False
+    cached = DefaultSavePlanner(enable_plan_caching=True)
+    with pytest.raises(ValueError, match="plan caching"):
+        take_state({"w": torch.zeros(2)}, step=1, planner=cached)

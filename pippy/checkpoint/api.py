@@ -19,8 +19,6 @@ the command line and the reference example use the same pieces.
 from __future__ import annotations
 
 import gc
-import logging
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -64,8 +62,6 @@ __all__ = [
     "save_stage",
     "take_state",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -140,19 +136,11 @@ def save_stage(
     with publish_step(
         checkpoint_dir, step, keep_last=keep_last, thread_count=thread_count, **ranks
     ) as writer:
-        start = time.perf_counter()
         dcp.save(
             state_dict,
             storage_writer=writer,
             planner=checked,
             process_group=process_group,
-        )
-        end = time.perf_counter()
-        logger.debug(
-            "dcp.save of step-%d took %.3f s",
-            step,
-            end - start,
-            extra={"dcp_save_start": start, "dcp_save_end": end},
         )
     return step_dir(checkpoint_dir, step)
 

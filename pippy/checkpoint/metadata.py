@@ -55,6 +55,9 @@ test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
 * ``DefaultLoadPlanner.original_state_dict`` (undocumented), the dict
   ``dcp.load`` fills, filled when the reader's ``read_data`` returns, where
   :func:`~pippy.checkpoint.safe_load.after_reads` applies it;
+* ``DefaultSavePlanner._enable_plan_caching``, which
+  :class:`~pippy.checkpoint.taking.CheckedSavePlanner` refuses (a cached plan
+  names an earlier step's staging folder);
 * an LR scheduler's ``_last_lr`` list in its state (compared per group);
 * ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``, ``_state_dict_hooks`` and

@@ -76,6 +76,13 @@ class CheckedSavePlanner(SavePlanner):
         process_group: dist.ProcessGroup | None = None,
         failure: Exception | None = None,
     ) -> None:
+        if getattr(planner, "_enable_plan_caching", False):
+            raise ValueError(
+                "DCP's plan caching (enable_plan_caching=True) cannot save "
+                "pippy's steps: a cached plan names an earlier step's staging "
+                "folder (and torch 2.13 compares cached plans without dtypes); "
+                "pass a planner without it"
+            )
         self.planner = planner or DefaultSavePlanner()
         self.mesh, self.process_group, self.failure = mesh, process_group, failure
         self._state_dict: dict[str, Any] = {}
@@ -161,8 +168,9 @@ def take_state(
         :class:`CheckedSavePlanner` that carries the checks.
 
     Raises:
-        ValueError: No ``step`` for a plain state_dict, or a ``timeout``
-            that is not a positive number, at once. The state's
+        ValueError: No ``step`` for a plain state_dict, a ``timeout``
+            that is not a positive number, or a ``planner`` with DCP's plan
+            caching on, at once. The state's
             own ``step`` entry is another: from ``dcp.save``, on the rank
             that has it (the others raise ``CheckpointError`` naming it),
             at once without a process group.
