@@ -340,7 +340,9 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
         state.step = step
         state_dict, _, planner = take_state(state)
         with publish_step(run, step, keep_last=keep_last) as writer:
-            (during or (lambda: None))()
+            if during is not None:  # once staged in DCP's planning, as data is written
+                write = writer.write_data
+                writer.write_data = lambda *args: (during(), write(*args))[1]
             if committed is not None:  # once the commit record is written
                 publish = writer.publish  # then retention, inside dcp.save
                 writer.publish = lambda: (committed(), publish())
