@@ -55,10 +55,7 @@ logger = logging.getLogger(__name__)
 def named_leaves(
     state_dict: Mapping[str, Any], prefix: str = ""
 ) -> Iterator[tuple[str, Any]]:
-    """Yields the leaves of a nested state_dict under the keys DCP gives them.
-
-    DCP flattens nested dicts by joining keys with dots:
-    ``{"optim": {"state.w.exp_avg": t}}`` is saved as ``optim.state.w.exp_avg``.
+    """Yields the leaves of a nested state_dict under DCP's dotted keys.
 
     Args:
         state_dict: A nested dict, e.g. from ``StageState.state_dict()``.
@@ -132,9 +129,8 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 def renaming_hooks(module: nn.Module) -> list[str]:
     """Names the submodules whose state_dict hooks rename their keys.
 
-    DCP's state_dict helpers map every key back to the parameter of that
-    name, so a key a hook invents (torchtitan's fused QKV split into ``wq``,
-    ``wk``, ``wv``) fails there with a bare ``AttributeError``.
+    DCP's state_dict helpers fail on such a key (torchtitan's fused QKV split
+    into ``wq``, ``wk``, ``wv``) with a bare ``AttributeError``.
 
     Args:
         module: A stage's module.
@@ -163,13 +159,9 @@ def renaming_hooks(module: nn.Module) -> list[str]:
 def check_untied(model: nn.Module) -> None:
     """Refuses a model with tied weights before it is split into stages.
 
-    A parameter reachable under two FQNs (an output head tied to the
-    embedding) ends up on two stages after a split: each stage trains its own
-    copy, the copies drift apart, and both go into the checkpoint, where one
-    silently overwrites the other in the un-split model (a manual split) or
-    their keys collide (tracing copies the tie as ``output.weight`` onto both
-    stages). pippy does not keep tied weights in sync across stages, so it
-    says so instead. Call it on the un-split (for example meta) model.
+    A tied parameter (an output head tied to the embedding) ends up on two
+    stages after a split, each training its own copy, and pippy does not keep
+    them in sync. Call it on the un-split (for example meta) model.
 
     Args:
         model: The un-split model.
@@ -193,11 +185,9 @@ def restore_non_persistent_buffers(
     """Makes the model's non-persistent buffers non-persistent in a traced stage.
 
     ``torch.distributed.pipelining.pipeline`` registers every buffer of the
-    traced model as a persistent buffer of each stage that uses it, so a
-    buffer the model keeps out of its ``state_dict`` (a RoPE table, a causal
-    mask) appears as the same key on every stage. This re-registers those
-    buffers as non-persistent, in place, so the stage's keys are again a
-    subset of ``model.state_dict()``'s.
+    traced model as persistent on each stage that uses it, so a RoPE table
+    would be the same key on every stage. This re-registers those buffers as
+    non-persistent, in place.
 
     Args:
         stage_module: The stage's module (``pipe.build_stage(...).submod``).
@@ -455,17 +445,11 @@ def check_keys(
 ) -> None:
     """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
 
-    Every key under ``owned`` (model and optimizer state) must belong to one
-    pipeline stage only; where a stage is replicated over data-parallel ranks
-    (DDP, or HSDP's replicate dim), the replicas must hold equal values
-    (compared by CRC-32C); and every other entry (step, scheduler, data
-    state) must hold the same value on every rank. State nested under another
-    section (``{"stage0": {"model": ...}}``) is refused: its keys would name
-    one layout. Plain tensors under another section (an EMA copy of the
-    weights) are not: pippy cannot tell them from model state, so their keys
-    must not name the layout either. Each rank sends its key names, a SHA-1
-    of each shared entry and, with data-parallel replicas, a CRC-32C of each
-    replicated entry (a few KB); call it on every rank of ``process_group``.
+    Every key under ``owned`` must belong to one pipeline stage; data-parallel
+    replicas of a stage must hold equal values (by CRC-32C); every other entry
+    must be equal on every rank (by SHA-1); no other section may nest model or
+    optimizer state. One all-gather of a few KB; call it on every rank of
+    ``process_group``.
 
     Args:
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
@@ -493,12 +477,10 @@ def check_keys(
             replicas from each other).
 
     Note:
-        Known causes of collisions: layers renumbered per stage (``layers.0``
-        on every stage), a tied weight copied into two stages, non-persistent
-        buffers that tracing made persistent (see
-        :func:`restore_non_persistent_buffers`), and data-parallel replicas
-        checked without their ``mesh``. Per-rank state such as a stage's RNG
-        belongs under a key naming the stage (``rng.stage_3``).
+        Known causes of collisions: layers renumbered per stage, tied weights,
+        buffers tracing made persistent, replicas checked without their
+        ``mesh``, and per-rank state (a stage's RNG) not under a key naming
+        the stage (``rng.stage_3``).
     """
     if not dist.is_initialized():
         return
@@ -518,10 +500,9 @@ def offer_keys(
     mesh: DeviceMesh | None = None,
     pp_dim: str = "pp",
 ) -> dict[str, Any] | None:
-    """:func:`check_keys`'s first half, on each rank alone: what it sends.
+    """:func:`check_keys`'s first half, for a caller that gathers it itself.
 
-    For a caller that gathers it along with something else; then
-    :func:`refuse_losses` on the gathered offers. Args as :func:`check_keys`.
+    Then :func:`refuse_losses` on the gathered offers. Args as :func:`check_keys`.
 
     Returns:
         This rank's offer (it pickles), or None without a process group.
