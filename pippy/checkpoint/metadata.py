@@ -6,22 +6,14 @@ the step folder, or whose items do not fit their places, and
 :func:`find_damage` lists the data files that are missing or short, before
 any read or allocation.
 
-Every manifest records the torch and pippy versions that wrote the step
-(:func:`written_by`). A checkpoint is read by a torch older or newer than the
-one that wrote it (inference boxes, evaluation jobs, a rollback), and
-``.metadata`` is a pickle of torch's own classes, whose fields change between
-releases:
-
-* torch 2.15 adds ``strides`` to ``TensorProperties``: its ``__getstate__``
-  gives 6 fields, and torch 2.10 to 2.14's ``__setstate__`` unpacks exactly 5
-  (``ValueError: too many values to unpack``). :class:`CompatTensorProperties`
-  takes the fields the running torch knows and drops the rest: the tensor's
-  bytes are a ``torch.save`` record of its own, strides included, and the
-  tensor they are loaded into is the caller's.
-
-A ``.metadata`` that still cannot be read is refused by
-:func:`newer_torch_refusal` with the versions named, where the manifest says
-a newer torch wrote it, instead of being called damaged.
+``.metadata`` pickles torch's own classes, whose fields change between
+releases: torch 2.15 adds ``strides`` to ``TensorProperties`` (6 fields),
+which torch 2.10 to 2.14's ``__setstate__`` cannot unpack (5).
+:class:`CompatTensorProperties` drops the fields the running torch lacks (a
+tensor's bytes are a ``torch.save`` record of their own, strides included).
+A ``.metadata`` that still cannot be read, where the manifest
+(:func:`written_by`) says a newer torch wrote it, is refused by
+:func:`newer_torch_refusal` with the versions named.
 
 Private torch names pippy relies on, each with a test in
 test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
@@ -98,11 +90,8 @@ METADATA_FILE = ".metadata"
 def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
     """Lists the data files that ``.metadata`` names but are missing or short.
 
-    A step is published whole, so this finds damage done afterwards: a rank's
-    file deleted, or a copy or sync of the folder cut short. DCP would fail
-    mid-load with a ``FileNotFoundError`` (or a short read) on the ranks that
-    read that file, and ``find_latest_step`` would pick the same step again
-    on every restart.
+    A step is published whole, so this finds damage done afterwards (a file
+    deleted, a copy cut short), which DCP would meet mid-load on some ranks.
 
     Args:
         path: A step folder.
@@ -217,15 +206,7 @@ def _check_tables(folder: Location, metadata: Metadata, damaged: str) -> None:
 
 
 def storage_ranges(metadata: Metadata, indices: Any = None) -> dict:
-    """``(file, offset, length)`` of the items at ``indices`` (default all), to keys.
-
-    Args:
-        metadata: A step's metadata.
-        indices: ``MetadataIndex`` es of its storage table; all if None.
-
-    Returns:
-        ``{(file, offset, length): key}``.
-    """
+    """``{(file, offset, length): key}`` of the items at ``indices`` (default all)."""
     storage = metadata.storage_data
     indices = storage.keys() if indices is None else indices
     return {
@@ -268,8 +249,7 @@ def newer_torch_refusal(
         error: What unpickling raised.
 
     Returns:
-        The error naming both versions and the fix, or None when the manifest
-        does not say a newer torch wrote it (then the file is damaged).
+        The error, or None unless ``writer`` is newer than this torch.
     """
     if not isinstance(writer, str):
         return None
