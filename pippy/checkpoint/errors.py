@@ -75,11 +75,7 @@ class CheckpointDirError(CheckpointError, NotADirectoryError):
 
 
 class CheckpointDirInUseError(CheckpointError):
-    """Another job owns the checkpoint folder, or took it over (a lost lease).
-
-    See ``FolderOwner``. The folder itself is fine, so this is no
-    ``NotADirectoryError``.
-    """
+    """Another job owns the checkpoint folder, or took it over (a lost lease)."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -89,8 +85,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class CheckpointTimeout(CheckpointError, TimeoutError):
     """Some ranks did not arrive at a save or load within its timeout.
 
-    The message names them, how far each was, the action and the step; every
-    rank that waited raises the same one (see :mod:`~pippy.checkpoint.stall`).
+    Every rank raises the same one (see :mod:`~pippy.checkpoint.stall`).
     """
 
 
@@ -133,9 +128,8 @@ def _line(error: BaseException) -> str:
 def own_error(error: Exception) -> Exception:
     """``error``, to raise inside DCP: this rank raises it, the others name it.
 
-    For a failure on one rank that DCP gathers (a save planner's
-    ``create_local_plan``): :func:`explain_failures` raises it as itself on
-    this rank, and a ``CheckpointError`` naming it on the others.
+    :func:`explain_failures` raises it as itself on this rank, and a
+    ``CheckpointError`` naming it on the others.
 
     Args:
         error: This rank's error; one that does not pickle travels as a
@@ -161,9 +155,7 @@ def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
 def explain_failures(action: str) -> Iterator[None]:
     """Turns DCP's ``CheckpointException`` into one error that names each rank.
 
-    DCP gathers the ranks' exceptions into a ``CheckpointException``, which
-    is a ``BaseException`` (so ``except Exception`` misses it) and prints as
-    a traceback per rank. Use this around ``dcp.save`` and ``dcp.load``.
+    Use it around ``dcp.save`` and ``dcp.load`` (see the module docstring).
 
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
@@ -215,13 +207,10 @@ def fail_together(
 ) -> Iterator[None]:
     """Makes a step that each rank runs alone fail on every rank, or on none.
 
-    Applying a loaded state_dict (``StageState.load_state_dict``) runs on
-    each rank without collectives. If its checks refuse on one rank only (a
-    param group that only one stage has), the other ranks would go on to
-    train and die in their next collective with a gloo or NCCL error that
-    hides the cause. Around such a step, every rank learns every rank's
-    outcome (one ``all_gather_object``) and all raise the same error. Every
-    rank of ``process_group`` must enter it.
+    Otherwise a refusal on one rank (``StageState.load_state_dict``) would
+    leave the others to die in their next collective with an error that hides
+    the cause. One ``all_gather_object``; every rank of ``process_group``
+    must enter it.
 
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
@@ -269,9 +258,6 @@ def on_coordinator(
     action: str, fn: Callable[[], Any], process_group: dist.ProcessGroup | None
 ) -> Any:
     """Runs ``fn`` on rank 0 only and gives every rank its result or its error.
-
-    A failure on rank 0 alone would leave the other ranks waiting in the next
-    collective; broadcasting it lets all of them stop with the same error.
 
     Args:
         action: What ``fn`` does, for the message (``"cannot write to X"``).
