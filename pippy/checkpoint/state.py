@@ -1,27 +1,23 @@
 """What a rank's pipeline stage(s) checkpoint, and how optimizer state is keyed.
 
 :class:`StageState` is a rank's model, optimizer, scheduler, step and extra
-state as one state_dict. A rank may hold several stages (interleaved
-schedules); :func:`merge_parts` makes them one module whose ``state_dict`` is
-the union of theirs, keyed as in the un-split model.
+state as one state_dict; :func:`merge_parts` makes a rank's several stages one
+module, keyed as in the un-split model.
 
-Optimizer state is keyed by parameter FQN (``state.layers.3.w.exp_avg``), not
-by index into ``param_groups``: indices restart at 0 on every stage, so
-indexed keys would collide across ranks. Under a stage's ``optim.`` section:
+Optimizer state is keyed by parameter FQN, not by index into
+``param_groups`` (indices restart at 0 on every stage and would collide).
+Under a stage's ``optim.`` section:
 
 * ``state.<fqn>.<name>``: a tensor with elements (AdamW's ``exp_avg``);
 * ``scalars.<fqn>``: ``[[name, value], ...]``, the rest of that parameter's
-  entry in one item, ``name`` being ``param_groups.<option>`` or
-  ``state.<name>``; a 0-dim tensor is stored as ``[name, number, dtype
-  name]``; ``["group", index]`` is the position of its param group (an LR
-  scheduler's per-group lists are positional).
+  entry in one item (``name`` is ``param_groups.<option>`` or
+  ``state.<name>``; a 0-dim tensor is ``[name, number, dtype name]``;
+  ``["group", index]`` is its param group's position).
 
 A parameter whose gradient stayed None has ``scalars.<fqn>`` but no
-``state.<fqn>.*``. FQNs and names may both hold dots (DCP flattens nested
-state into ``state.<fqn>.precond.L``), so a key is split where a known FQN
-ends, never at a dot: :class:`OptimKeys` owns that grammar.
-:data:`LAYOUT_VERSION` numbers this packing (a checkpoint that records none
-is layout 1); :func:`check_layout_version` refuses a layout it does not read.
+``state.<fqn>.*``. FQNs and names may both hold dots, so a key is split where
+a known FQN ends (:class:`OptimKeys`). :data:`LAYOUT_VERSION` numbers this
+packing (none recorded: layout 1).
 
 torchtitan's layout holds the same state under other names (pippy's; its):
 
@@ -35,12 +31,10 @@ torchtitan's layout holds the same state under other names (pippy's; its):
 * param group indices: in ``optim.scalars.<fqn>``; on request one
   ``train_state.pippy_param_groups`` item, which torchtitan's loads ignore.
 
-torchtitan's own flat ``dataloader.dp_rank_<N>`` and other ``train_state.``
-keys read as themselves. :func:`from_torchtitan` and :func:`to_torchtitan`
-map flat dicts, each the other's inverse; :func:`to_torchtitan` refuses a key
-that would not read back as itself (a root key outside any section, a
-top-level module named like one of torchtitan's sections). Everything that
-reads sees a torchtitan checkpoint through pippy's names.
+torchtitan's other ``dataloader.`` and ``train_state.`` keys read as
+themselves. :func:`from_torchtitan` and :func:`to_torchtitan` map flat dicts,
+each the other's inverse; everything that reads sees a torchtitan checkpoint
+through pippy's names.
 """
 
 from __future__ import annotations
@@ -148,21 +142,16 @@ class StageState(Stateful):
     on every rank and DCP stores them once.
 
     Args:
-        module: The stage's module, keeping the un-split model's FQNs (for
-            example ``layers.5.mlp.w1.weight``, never renumbered); or a list
-            of the stage modules this rank holds (interleaved schedules),
-            merged with :func:`merge_parts`. A DDP or FSDP2 module is fine:
-            keys have no wrapper prefix.
-        optimizer: The optimizer over the modules' parameters, or a list with
-            one optimizer per module (each over its module's parameters);
-            None for the weights alone (no ``optim`` section).
-        lr_scheduler: Optional LR scheduler of the optimizer, or a list with
-            one per optimizer. A list must hold equal state (the same
-            schedule); one copy is saved and loaded into each.
+        module: The stage's module, keeping the un-split model's FQNs (never
+            renumbered), or a list of the stage modules this rank holds,
+            merged with :func:`merge_parts`. DDP or FSDP2 wrapped is fine.
+        optimizer: The optimizer over the modules' parameters, or one per
+            module; None for the weights alone (no ``optim`` section).
+        lr_scheduler: Optional LR scheduler, or one per optimizer (all with
+            equal state: one copy is saved and loaded into each).
         step: Number of optimizer steps taken so far.
-        extra: Further ``Stateful`` objects saved under their names (for
-            example a data sampler). Their state must be the same on every
-            rank: DCP keeps one copy of equal keys.
+        extra: Further ``Stateful`` objects saved under their names (a data
+            sampler), equal on every rank.
 
     Attributes:
         module: The one module (the parts merged) whose state is saved.
@@ -240,12 +229,9 @@ class StageState(Stateful):
             (no copies).
 
         Raises:
-            CheckpointError: A submodule's state_dict hook renames its keys
-                (a fused QKV weight saved as ``wq``, ``wk``, ``wv``), naming
-                the module and the hook; or the LR schedulers of a list hold
-                different state; or an optimizer's state holds an entry DCP
-                cannot store (a ``str``), naming the parameter, the entry and
-                its type.
+            CheckpointError: A submodule's state_dict hook renames its keys;
+                the LR schedulers of a list hold different state; or an
+                optimizer's state holds an entry DCP cannot store (a ``str``).
         """
         with _named_renames(self.module):
             if not self.optimizers:
@@ -586,15 +572,9 @@ class OptimKeys:
         return cls(known.fqns | (derived - {""}))
 
     def parse(self, key: str) -> tuple[str, str, str] | None:
-        """Splits a section-relative key into section, FQN and name.
+        """``(section, fqn, name)`` of a section-relative key, or None.
 
-        Args:
-            key: ``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>`` or
-                ``scalars.<fqn>``.
-
-        Returns:
-            ``(section, fqn, name)``, name ``""`` for a ``scalars`` item; None
-            for a key of another section or of no known FQN.
+        The name is ``""`` for ``scalars``; None for another section or FQN.
         """
         section, _, rest = key.partition(".")
         if section not in _SECTIONS:
@@ -608,16 +588,10 @@ class OptimKeys:
         return None
 
     def split(self, key: str) -> tuple[str, str, str, str] | None:
-        """Splits a dotted checkpoint key into root, section, FQN and name.
+        """``(root, section, fqn, name)`` of a whole key, or None.
 
-        Args:
-            key: A key such as ``app.optim.state.layers.0.w.precond.L``.
-
-        Returns:
-            ``("app.", "state", "layers.0.w", "precond.L")`` for that key: the
-            root is what stands before ``optim.`` (empty when
-            ``StageState``'s state_dict is the whole state_dict); None for a
-            key that is no optimizer entry of a known FQN.
+        ``app.optim.state.layers.0.w.precond.L`` gives
+        ``("app.", "state", "layers.0.w", "precond.L")``.
         """
         for match in _OPTIM_SECTION.finditer(key):
             parsed = self.parse(key[match.end() :])
@@ -754,13 +728,11 @@ def check_layout_version(version: object, where: str) -> None:
     """Refuses a checkpoint whose optimizer layout this pippy does not read.
 
     Args:
-        version: The layout recorded with the checkpoint; None for one that
-            records none (written before the field existed: layout 1).
+        version: The layout recorded with the checkpoint (None: layout 1).
         where: The checkpoint, for the message (``"step-20"``).
 
     Raises:
-        CheckpointError: ``version`` is neither None nor
-            :data:`LAYOUT_VERSION`: one line naming both, and the fix.
+        CheckpointError: ``version`` is neither None nor :data:`LAYOUT_VERSION`.
     """
     if version is None or (type(version) is int and version == LAYOUT_VERSION):
         return
@@ -835,15 +807,12 @@ def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
 
     Args:
         key: A key of a torchtitan checkpoint.
-        keys: The parser of its optimizer keys
-            (:func:`_torchtitan_optim_keys` of the checkpoint's keys). Without
-            it, a param-group key names its own FQN, and ``state.<fqn>.step``
-            is taken for a parameter's own step.
+        keys: The parser of its optimizer keys; without it, the key is parsed
+            alone.
 
     Returns:
-        The pippy key its value goes into; a parameter's options and its
-        ``step`` all go into its ``optim.scalars.<fqn>``;
-        ``dataloader.<extra name>.<name>`` goes into ``<extra name>.<name>``.
+        The pippy key its value goes into (a parameter's options and ``step``
+        all go into its ``optim.scalars.<fqn>``).
     """
     if not key.startswith("optimizer."):
         if key == "train_state.step":
@@ -870,9 +839,7 @@ def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
         flat: ``{torchtitan key: value}``, e.g. read from a torchtitan step.
 
     Returns:
-        ``{pippy key: value}``; tensors are the same objects. A
-        ``train_state.pippy_param_groups`` item goes back into the
-        parameters' ``optim.scalars.<fqn>``.
+        ``{pippy key: value}``; tensors are the same objects.
     """
     out: dict[str, Any] = {}
     optim: dict[str, Any] = {}
@@ -902,12 +869,11 @@ def to_torchtitan(
 
     Returns:
         ``{torchtitan key: value}``; tensors are the same objects, 0-dim
-        optimizer state (``step``) a new tensor of the saved dtype. With
-        ``param_groups``, :func:`from_torchtitan` of it gives ``flat`` back.
+        optimizer state a new tensor of the saved dtype.
 
     Raises:
-        ValueError: A key would not read back as itself (see the module
-            docstring), naming it.
+        ValueError: A key would not read back as itself (a root key outside
+            any section, a top-level module named like a torchtitan section).
     """
     out: dict[str, Any] = {}
     optim = {
