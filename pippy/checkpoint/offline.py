@@ -141,19 +141,12 @@ def load_model(
 ) -> int:
     """Loads a pipeline checkpoint into the un-split model, in one process.
 
-    For example::
-
-        model = GPT(ModelArgs())
-        step = pippy.checkpoint.load_model("checkpoints/step-20", model)
-
-    The same call loads into a model sharded with FSDP2 (``fully_shard``),
-    on every rank of its group: DCP reads each rank's shards.
+    Also into a model sharded with FSDP2, called on every rank of its group.
 
     Args:
         path: A ``step-<N>`` folder.
-        model: The un-split model; every parameter and persistent buffer must
-            be in the checkpoint (strict), and every model key of the
-            checkpoint must be in the model.
+        model: The un-split model; its keys and the checkpoint's model keys
+            must be the same (strict).
         optimizer: If given, its state is loaded too; build it over
             ``model.parameters()`` first.
         trusted: See :class:`SafeFileSystemReader`.
@@ -165,8 +158,8 @@ def load_model(
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
         CheckpointError: Keys missing on either side, or shapes that differ;
-            or parameters tied in ``model`` (an output head sharing the
-            embedding's weight) hold different values in the checkpoint.
+            or parameters tied in ``model`` hold different values in the
+            checkpoint.
 
     Note:
         Tied keys are compared before loading: loading each writes the same
@@ -269,12 +262,10 @@ def export_hf(
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
         out: The folder to write; it must not exist unless ``force``.
-        config: The model's Hugging Face config, as a dict or the path of a
-            ``config.json``; written as ``config.json``.
-        max_shard_size: Above this many bytes of weights, write several
-            shards and an index.
-        dtype: If given, floating-point tensors are converted to it
-            (integer and bool tensors never are).
+        config: The model's Hugging Face config, a dict or a ``config.json``
+            path.
+        max_shard_size: Above this many bytes, write shards and an index.
+        dtype: If given, floating-point tensors are converted to it.
         force: Replace an existing ``out``.
         trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
         verify: See :func:`~pippy.checkpoint.load_stage`.
@@ -320,18 +311,10 @@ def model_weights(
 ) -> dict[str, torch.Tensor]:
     """A step's model weights (keys under ``model.``, prefix removed), to write out.
 
-    Args:
-        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
-        dtype: If given, floating-point tensors are converted to it.
-        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
-        verify: See :func:`~pippy.checkpoint.load_stage`.
+    Args and errors as :func:`export_hf`.
 
     Returns:
         ``{fqn: contiguous tensor}``, on the CPU.
-
-    Raises:
-        ValueError: A model entry is not a tensor.
-        CheckpointError: As :func:`read_checkpoint`.
     """
     weights = {}
     state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
@@ -375,8 +358,8 @@ def convert_layout(
 
     Args:
         path: A ``step-<N>`` folder in either layout.
-        out: The step folder to write (for torchtitan's ``CheckpointManager``
-            to find it, ``<its folder>/step-<N>``); it must not exist.
+        out: The step folder to write (``<folder>/step-<N>`` for
+            torchtitan's ``CheckpointManager``); it must not exist.
         to: ``"pippy"`` or ``"torchtitan"``.
         trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
         verify: See :func:`~pippy.checkpoint.load_stage` (a torchtitan
