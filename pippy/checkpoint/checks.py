@@ -55,15 +55,7 @@ logger = logging.getLogger(__name__)
 def named_leaves(
     state_dict: Mapping[str, Any], prefix: str = ""
 ) -> Iterator[tuple[str, Any]]:
-    """Yields the leaves of a nested state_dict under DCP's dotted keys.
-
-    Args:
-        state_dict: A nested dict, e.g. from ``StageState.state_dict()``.
-        prefix: Put before every key (``"model."``).
-
-    Yields:
-        ``(dotted key, leaf)`` pairs; a leaf is anything but a mapping.
-    """
+    """Yields ``(dotted key, leaf)`` of a nested state_dict, as DCP names them."""
     for key, value in state_dict.items():
         if isinstance(value, Mapping):
             yield from named_leaves(value, f"{prefix}{key}.")
@@ -77,15 +69,7 @@ def local(value: Any) -> Any:
 
 
 def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
-    """Counts the tensors of a (nested) state_dict and the bytes this rank holds.
-
-    Args:
-        state_dict: A dict as returned by ``StageState.state_dict()``.
-
-    Returns:
-        ``(number of tensors, their total size in bytes)``; a DTensor (FSDP2)
-        counts with its local shard.
-    """
+    """``(tensors, bytes)`` of a nested state_dict on this rank (local shards)."""
     tensors = [
         local(v) for _, v in named_leaves(state_dict) if isinstance(v, torch.Tensor)
     ]
@@ -93,15 +77,7 @@ def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def fingerprint(value: Any) -> str:
-    """A short text that differs when a state_dict leaf differs.
-
-    Args:
-        value: A tensor (dtype, shape and a SHA-1 of its bytes) or any value
-            with a faithful ``repr`` (numbers, strings, lists of them).
-
-    Returns:
-        A string to compare across ranks (a few dozen characters for a tensor).
-    """
+    """A short text that differs when a leaf differs: a tensor's SHA-1, else repr."""
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu().contiguous().view(-1).view(torch.uint8)
         return (
@@ -112,14 +88,7 @@ def fingerprint(value: Any) -> str:
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
-    """The FQNs of each parameter reachable under more than one name.
-
-    Args:
-        model: Any module.
-
-    Returns:
-        One list of FQNs per tied parameter, in ``named_parameters`` order.
-    """
+    """The FQNs of each parameter reachable under more than one name."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -131,9 +100,6 @@ def renaming_hooks(module: nn.Module) -> list[str]:
 
     DCP's state_dict helpers fail on such a key (torchtitan's fused QKV split
     into ``wq``, ``wk``, ``wv``) with a bare ``AttributeError``.
-
-    Args:
-        module: A stage's module.
 
     Returns:
         One line per such submodule: its FQN, class, hook and a renamed key.
@@ -194,7 +160,7 @@ def restore_non_persistent_buffers(
         model: The un-split model that was traced.
 
     Returns:
-        The FQNs of the buffers that were re-registered.
+        The FQNs of the buffers re-registered.
     """
     stage_buffers = dict(stage_module.named_buffers())
     restored = []
@@ -455,26 +421,20 @@ def check_keys(
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
         owned: Top-level entries that each stage owns exclusively.
         process_group: The ranks that save; the default group if None.
-        mesh: The ranks' ``DeviceMesh``, with a ``pp_dim`` dim and
-            data-parallel dims (for example ``("dp", "pp")``): ranks with the
-            same ``pp_dim`` coordinate hold the same stage(s), as replicas or
-            as FSDP2 shards (DTensor chunks at other offsets, not compared).
-            None: every rank holds its own stage(s).
+        mesh: The ranks' whole ``DeviceMesh`` (``("dp", "pp")``): ranks with
+            the same ``pp_dim`` coordinate hold the same stage(s), as replicas
+            or FSDP2 shards. None: every rank holds its own stage(s).
         pp_dim: The name of the mesh's pipeline dim.
 
     Raises:
-        KeyCollisionError: On every rank, naming the keys and their ranks, if
-            an owned key appears on two stages or a shared entry differs
-            between ranks.
-        DivergedReplicasError: On every rank, naming keys and ranks, if the
-            data-parallel replicas of a stage hold different values, or an
-            entry (not a shard) that some replicas of its stage lack.
-        NestedStateError: On every rank, if a section other than ``owned``
-            holds a ``model`` or ``optim`` section or an optimizer's
-            state_dict (``state`` and ``param_groups``), at any depth.
+        KeyCollisionError: On every rank, naming keys and ranks: an owned
+            key is on two stages, or a shared entry differs between ranks.
+        DivergedReplicasError: On every rank: a stage's replicas hold
+            different values, or an entry (not a shard) only some have.
+        NestedStateError: On every rank: a section other than ``owned``
+            holds model or optimizer state, at any depth.
         ValueError: ``mesh`` has no ``pp_dim`` dim, or spans other ranks than
-            ``process_group`` (a slice such as ``mesh["pp"]`` would hide the
-            replicas from each other).
+            ``process_group`` (a slice).
 
     Note:
         Known causes of collisions: layers renumbered per stage, tied weights,
