@@ -134,9 +134,6 @@ def own_error(error: Exception) -> Exception:
     Args:
         error: This rank's error; one that does not pickle travels as a
             ``CheckpointError`` with its type and message.
-
-    Returns:
-        What to raise.
     """
     try:
         pickle.dumps(error)
@@ -162,14 +159,9 @@ def explain_failures(action: str) -> Iterator[None]:
 
     Raises:
         Exception: This rank's own error, sent as :func:`own_error`.
-        KeyCollisionError, NestedStateError: The save's key check refused
-            (``DivergedReplicasError`` too), on every rank.
-        UnsafeCheckpointError: Some rank refused a pickle (the first message).
-        CheckpointTimeout: Some rank gave up waiting for the others.
-        CheckpointDirInUseError: Some rank found the folder another job's
-            (the first message).
-        CheckpointDirError: Some rank could not write to or publish in the
-            checkpoint folder (the first message).
+        KeyCollisionError, NestedStateError, UnsafeCheckpointError,
+            CheckpointTimeout, CheckpointDirInUseError, CheckpointDirError:
+            As the first failed rank raised it (one line).
         CheckpointError: Any other failure: one line per failed rank with the
             exception's type and message.
     """
@@ -215,15 +207,12 @@ def fail_together(
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
         process_group: The ranks that agree; the default group if None.
-        keep_own_error: A rank whose body failed raises its own exception,
-            unchanged; only the others raise the ``CheckpointError``. For a
-            setup that fails alike on every rank (one clear line each).
+        keep_own_error: A rank whose body failed raises its own exception;
+            only the others raise the ``CheckpointError``.
 
     Raises:
-        CheckpointError: On every rank, if the body raised an ``Exception``
-            on some rank: one line per failed rank (its global rank) with the
-            exception's type and message. Without a process group, the
-            body's own exception.
+        CheckpointError: On every rank, if the body raised on some rank: one
+            line per failed rank. Without a process group, the body's own.
         ValueError: This rank is not in ``process_group``.
     """
     if dist.is_initialized() and dist.get_rank(process_group) < 0:
@@ -261,10 +250,8 @@ def on_coordinator(
 
     Args:
         action: What ``fn`` does, for the message (``"cannot write to X"``).
-        fn: The folder questions. A ``CheckpointError`` it raises is raised as
-            itself on every rank; an ``OSError`` as a ``CheckpointDirError``
-            naming ``action`` and the file; any other exception (a bug) as
-            itself on rank 0, and as itself on the others where it pickles.
+        fn: The work. Any other exception it raises (a bug) is raised as
+            itself on rank 0, and on the others where it pickles.
         process_group: The ranks; the default group if None.
 
     Returns:

@@ -238,12 +238,8 @@ class ManifestWriter(FileSystemWriter):
 def read_manifest(folder: Location) -> Manifest | None:
     """Reads a step folder's ``manifest.json``.
 
-    Args:
-        folder: A step folder.
-
     Returns:
-        The manifest, or None if the folder has none (written without
-        pippy's :class:`ManifestWriter`).
+        The manifest, or None if the step folder has none.
 
     Raises:
         UnsafeCheckpointError: ``manifest.json`` is a link leading out of the
@@ -348,11 +344,6 @@ def verify_ranges(
 ) -> None:
     """Checks byte ranges of a step's files against their manifest checksums.
 
-    Args:
-        folder: The step folder.
-        manifest: Its manifest.
-        ranges: ``(file, offset, length)`` to the key stored there.
-
     Raises:
         CheckpointError: A range the manifest lacks, or whose bytes do not
             match their checksum, naming the key and file.
@@ -370,15 +361,8 @@ def verify_item(
 ) -> None:
     """Checks one item's bytes, as read, against its manifest checksum.
 
-    Args:
-        manifest: The step's manifest.
-        place: ``(file, offset, length)`` the bytes were read from.
-        key: The key stored there, for the message.
-        data: The bytes read.
-
     Raises:
-        CheckpointError: The manifest lacks the item, or its bytes do not
-            match their checksum, naming the key and file.
+        CheckpointError: As :func:`verify_ranges`.
     """
     _check_listed(manifest, place, key)
     if google_crc32c.value(data) != manifest.items[place][1]:

@@ -119,12 +119,8 @@ def after_reads(apply: Apply) -> Iterator[Apply | None]:
     so an exception it raises reaches every rank. A planner that is no
     ``DefaultLoadPlanner`` gets none.
 
-    Args:
-        apply: The function, for the block (in this thread).
-
     Yields:
-        The function it replaces for the block (None if none), for ``apply``
-        to call.
+        The function it replaces in this thread (None if none).
     """
     before = getattr(_after_reads, "apply", None)
     _after_reads.apply = apply
@@ -143,15 +139,7 @@ def _run_after_reads(filled: dict[str, Any] | None) -> None:
 
 
 def resolve_trusted(trusted: bool | None) -> bool:
-    """Decides whether to load any pickle: the argument, else the environment.
-
-    Args:
-        trusted: True or False as given; None reads ``PIPPY_TRUST_CHECKPOINT``
-            (``1`` trusts).
-
-    Returns:
-        The decision, to pass on as a plain bool.
-    """
+    """``trusted`` if given; for None, whether ``PIPPY_TRUST_CHECKPOINT`` is 1."""
     return os.environ.get(TRUST_ENV) == "1" if trusted is None else trusted
 
 
@@ -439,14 +427,9 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
         path: A ``step-<N>`` folder.
         trusted: See :class:`SafeFileSystemReader`.
 
-    Returns:
-        DCP's ``Metadata``: ``state_dict_metadata`` maps every key to its
-        shape and dtype, ``storage_data`` every chunk to its file.
-
     Raises:
-        CheckpointNotFoundError: ``path`` is not a complete checkpoint.
-        UnsafeCheckpointError: ``.metadata`` holds a refused global, or it or
-            a data file it names leads out of the step folder.
+        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
+            :class:`SafeFileSystemReader`.
     """
     reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
     return reader.read_metadata()
@@ -466,8 +449,7 @@ def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
-            :class:`SafeFileSystemReader` with ``verify``; a ``CheckpointError``
-            names the first item whose bytes do not match their checksum.
+            :class:`SafeFileSystemReader` with ``verify``.
     """
     reader = SafeFileSystemReader(path, trusted=trusted)
     assert reader.manifest is not None

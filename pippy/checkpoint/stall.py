@@ -71,13 +71,7 @@ _active = threading.local()
 
 
 def seconds(timeout: Timeout) -> float | None:
-    """A ``timeout`` argument in seconds, checked.
-
-    Args:
-        timeout: A ``datetime.timedelta``, a number of seconds, or None (off).
-
-    Returns:
-        The seconds, or None.
+    """A ``timeout`` (a ``timedelta``, seconds, or None) in seconds, or None.
 
     Raises:
         ValueError: It is zero, negative or not a number.
@@ -97,8 +91,7 @@ def log_every() -> float:
     """Seconds between two lines about late ranks: ``PIPPY_WAIT_LOG_SECONDS``, or 30.
 
     Raises:
-        ValueError: The variable is set to something that is not a positive
-            number.
+        ValueError: The variable is set but not a positive number.
     """
     text = os.environ.get(LOG_ENV)
     if text is None:
@@ -349,12 +342,7 @@ def waiting(
     Enter it before the first collective. A :class:`CheckpointTimeout` is
     raised as itself even when a collective the timeout cut short failed.
 
-    Args:
-        action: As :class:`Waits`.
-        point: ``"write"`` or ``"read"``.
-        timeout: As :class:`Waits`.
-        process_group: As :class:`Waits`; the group ``dcp.save`` or
-            ``dcp.load`` runs on.
+    Args as :class:`Waits`.
 
     Raises:
         ValueError: As :class:`Waits`.
