@@ -280,18 +280,13 @@ def check_manifest(
     Args:
         folder: The step folder.
         step: The step its name says (None for another name).
-        ranges: ``(file, offset, length)`` of every item ``.metadata`` lists,
-            to the key it gives the item.
-
-    Returns:
-        The manifest.
+        ranges: ``{(file, offset, length): key}`` of ``.metadata``'s items.
 
     Raises:
         UnsafeCheckpointError: As :func:`read_manifest`.
         CheckpointError: There is no manifest; it names another step or an
-            optimizer layout this pippy does not read; a data file's size
-            differs from its record; or it lists other items than
-            ``.metadata``, or under other keys.
+            unknown optimizer layout; or it disagrees with the files' sizes
+            or ``.metadata``'s items.
     """
     manifest = read_manifest(folder)
     if manifest is None:

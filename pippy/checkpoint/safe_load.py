@@ -218,24 +218,19 @@ class SafeFileSystemReader(FileSystemReader):
         path: The step folder (the ``checkpoint_id``).
         trusted: True loads any pickle, as ``FileSystemReader`` does; None
             decides by :func:`resolve_trusted`.
-        check_files: Also check the data files (:func:`find_damage`), as a
-            load needs; False reads the metadata alone.
-        verify: Check the manifest and every item's checksum as it is read
-            (with ``check_files``). False loads a checkpoint that has no
-            manifest, unverified.
+        check_files: Also check the data files (:func:`find_damage`); False
+            reads the metadata alone.
+        verify: Check the manifest, and each item's checksum as it is read
+            (with ``check_files``). False loads one without a manifest.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a folder, or has no
             ``.metadata`` (its save did not finish).
-        UnsafeCheckpointError: ``.metadata`` holds a refused global (the
-            message names the file and the global), or names a data file
-            outside the step folder; or a file of the step is a link leading
-            out of it (with ``verify``, ``manifest.json`` too).
-        CheckpointError: ``.metadata`` is truncated or not DCP's, an item is
-            larger than its place in the file, a data file it names is missing
-            or shorter than the items it should hold; with ``verify``, the
-            manifest is missing, names another step or disagrees with the
-            files; from ``read_data``, an item does not match its checksum.
+        UnsafeCheckpointError: ``.metadata`` holds a refused global, or a
+            file of the step lies or leads out of the step folder.
+        CheckpointError: ``.metadata`` is damaged or not DCP's, or an item
+            does not fit its file; with ``verify``, the manifest is missing,
+            names another step or disagrees with the files.
     """
 
     manifest: Manifest | None
@@ -329,10 +324,9 @@ class SafeFileSystemReader(FileSystemReader):
             Exception: What the :func:`after_reads` function raised.
 
         Note:
-            An item is checked as it is read, so the tensors of the items
-            before a damaged one already hold the step's values (DCP loads in
-            place): after the error, load another step into the stage, or
-            build it anew, before using it.
+            DCP loads in place: after an error, the items before the damaged
+            one already hold the step's values; load another step, or build
+            the stage anew, before using it.
         """
         waits = stall.active()
         if waits is None:
