@@ -43,27 +43,15 @@ class CheckpointError(Exception):
 
 
 class KeyCollisionError(CheckpointError, ValueError):
-    """Two or more ranks offer the same checkpoint key.
-
-    DCP treats equal keys on different ranks as replicas and writes only one
-    of them, so saving would silently lose the others' values.
-    """
+    """Two or more ranks offer the same checkpoint key: DCP would write one."""
 
 
 class DivergedReplicasError(KeyCollisionError):
-    """The data-parallel replicas of a stage hold different values.
-
-    DCP writes one replica of each key (spread over the replicas), so saving
-    would silently mix the replicas key by key.
-    """
+    """A stage's data-parallel replicas differ: DCP would mix them key by key."""
 
 
 class NestedStateError(CheckpointError, ValueError):
-    """Model or optimizer state is nested under another state_dict section.
-
-    Its keys would name one layout (``stage0.model.layers.0.w``), so no other
-    layout, nor the un-split model, could load them.
-    """
+    """Model or optimizer state is nested under another section (``stage0.model.``)."""
 
 
 class TiedParametersError(CheckpointError, ValueError):

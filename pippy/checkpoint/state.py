@@ -389,9 +389,7 @@ class StageState(Stateful):
         self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
     ) -> None:
         """Refuses a param group here whose parameters were saved with other options."""
-        # set_state_dict gives a param group the saved options of its first
-        # parameter, so a group joining parameters saved with different options
-        # would silently give them all the first one's learning rate.
+        # set_state_dict gives a param group the saved options of its first parameter.
 
         def comparable(value: Any) -> str:  # (0.9, 0.999) and [0.9, 0.999] agree
             return fingerprint(list(value) if isinstance(value, tuple) else value)
