@@ -1,15 +1,12 @@
 """Checks of a stage's state_dict: before a split, across ranks, after a load.
 
 DCP takes equal keys on different ranks for replicas: its global planning
-(``dedup_save_plans``) writes each of them once, without comparing values.
-That is right for data-parallel replicas in sync, and silently wrong for two
-stages offering one key (one is dropped), replicas that diverged (the
-checkpoint mixes them key by key) and per-rank state under a shared key (one
-rank's value is kept). :func:`check_keys` tells these apart with one small
-all-gather; :func:`check_untied` and :func:`restore_non_persistent_buffers`
-remove two known causes of collisions; :func:`diff_state_dicts` compares bit
-for bit; :func:`named_leaves` and :func:`fingerprint` name and summarise the
-leaves of a nested state_dict.
+(``dedup_save_plans``) writes each once, without comparing values. That is
+silently wrong for two stages offering one key, replicas that diverged and
+per-rank state under a shared key; :func:`check_keys` tells these apart with
+one small all-gather. :func:`check_untied` and
+:func:`restore_non_persistent_buffers` remove two known causes of collisions;
+:func:`diff_state_dicts` compares bit for bit.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Reading a checkpoint's index without running code, and finding damage first.
 
-A DCP checkpoint is partly pickle: torch 2.13's ``FileSystemReader`` unpickles
-``.metadata`` with ``pickle.load``, and ``DefaultLoadPlanner`` reads non-tensor
-items with ``torch.load(weights_only=False)``. Whoever can write a checkpoint
-folder could run code on every rank that loads it. :class:`SafeFileSystemReader`
-accepts only DCP's own metadata classes and finds missing or short data files
-before anything is read; :class:`~pippy.checkpoint.load_planner.SafeLoadPlanner`
-does the same for the items.
-
-Whether a checkpoint is trusted is decided once per entry point by
-:func:`resolve_trusted`, the one place that reads ``PIPPY_TRUST_CHECKPOINT``.
+torch 2.13's ``FileSystemReader`` unpickles ``.metadata`` with
+``pickle.load``, and ``DefaultLoadPlanner`` reads non-tensor items with
+``torch.load(weights_only=False)``: whoever can write a checkpoint folder
+could run code on every rank that loads it. :class:`SafeFileSystemReader`
+accepts only DCP's own metadata classes and finds damaged data files before
+anything is read; :class:`~pippy.checkpoint.load_planner.SafeLoadPlanner`
+guards the items. :func:`resolve_trusted` is the one place that reads
+``PIPPY_TRUST_CHECKPOINT``.
 """
 
 from __future__ import annotations
