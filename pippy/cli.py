@@ -44,8 +44,7 @@ __all__ = ["main", "parser"]
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
-# What bad paths and checkpoints raise (EOFError, UnpicklingError: a damaged
-# .metadata); main reports them in one line, never a traceback.
+# What bad paths and checkpoints raise; main reports them in one line.
 _ERRORS = (
     checkpoint.CheckpointError,
     OSError,
@@ -107,8 +106,7 @@ def _resolve(path: Any, step: int | None) -> tuple[dict[int, Any], Any]:
         if step not in steps:
             raise ValueError(f"no step {step} in {str(path)!r} (steps: {list(steps)})")
         return steps, steps[step]
-    # The newest step a resume would take: complete, holding the step it names
-    # (the table shows why the newer ones are not).
+    # The newest step a resume would take (the table shows why not newer ones).
     latest, _ = newest_complete_step(path)
     if latest is None:
         found = f"only incomplete steps {list(steps)}" if steps else "no step-<N>"
@@ -285,11 +283,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The argument parser of ``python -m pippy``.
-
-    Returns:
-        A new parser; ``parse_args`` exits 2 on an unknown command or flag.
-    """
+    """A new argument parser of ``python -m pippy``."""
     parser = argparse.ArgumentParser(
         prog="python -m pippy",
         description="Inspect, export and convert pippy (DCP) checkpoints.",

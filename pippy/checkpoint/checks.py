@@ -1,15 +1,12 @@
 """Checks of a stage's state_dict: before a split, across ranks, after a load.
 
 DCP takes equal keys on different ranks for replicas: its global planning
-(``dedup_save_plans``) writes each of them once, without comparing values.
-That is right for data-parallel replicas in sync, and silently wrong for two
-stages offering one key (one is dropped), replicas that diverged (the
-checkpoint mixes them key by key) and per-rank state under a shared key (one
-rank's value is kept). :func:`check_keys` tells these apart with one small
-all-gather; :func:`check_untied` and :func:`restore_non_persistent_buffers`
-remove two known causes of collisions; :func:`diff_state_dicts` compares bit
-for bit; :func:`named_leaves` and :func:`fingerprint` name and summarise the
-leaves of a nested state_dict.
+(``dedup_save_plans``) writes each once, without comparing values. That is
+silently wrong for two stages offering one key, replicas that diverged and
+per-rank state under a shared key; :func:`check_keys` tells these apart with
+one small all-gather. :func:`check_untied` and
+:func:`restore_non_persistent_buffers` remove two known causes of collisions;
+:func:`diff_state_dicts` compares bit for bit.
 """
 
 from __future__ import annotations
@@ -55,18 +52,7 @@ logger = logging.getLogger(__name__)
 def named_leaves(
     state_dict: Mapping[str, Any], prefix: str = ""
 ) -> Iterator[tuple[str, Any]]:
-    """Yields the leaves of a nested state_dict under the keys DCP gives them.
-
-    DCP flattens nested dicts by joining keys with dots:
-    ``{"optim": {"state.w.exp_avg": t}}`` is saved as ``optim.state.w.exp_avg``.
-
-    Args:
-        state_dict: A nested dict, e.g. from ``StageState.state_dict()``.
-        prefix: Put before every key (``"model."``).
-
-    Yields:
-        ``(dotted key, leaf)`` pairs; a leaf is anything but a mapping.
-    """
+    """Yields ``(dotted key, leaf)`` of a nested state_dict, as DCP names them."""
     for key, value in state_dict.items():
         if isinstance(value, Mapping):
             yield from named_leaves(value, f"{prefix}{key}.")
@@ -80,15 +66,7 @@ def local(value: Any) -> Any:
 
 
 def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
-    """Counts the tensors of a (nested) state_dict and the bytes this rank holds.
-
-    Args:
-        state_dict: A dict as returned by ``StageState.state_dict()``.
-
-    Returns:
-        ``(number of tensors, their total size in bytes)``; a DTensor (FSDP2)
-        counts with its local shard.
-    """
+    """``(tensors, bytes)`` of a nested state_dict on this rank (local shards)."""
     tensors = [
         local(v) for _, v in named_leaves(state_dict) if isinstance(v, torch.Tensor)
     ]
@@ -96,15 +74,7 @@ def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
 
 
 def fingerprint(value: Any) -> str:
-    """A short text that differs when a state_dict leaf differs.
-
-    Args:
-        value: A tensor (dtype, shape and a SHA-1 of its bytes) or any value
-            with a faithful ``repr`` (numbers, strings, lists of them).
-
-    Returns:
-        A string to compare across ranks (a few dozen characters for a tensor).
-    """
+    """A short text that differs when a leaf differs: a tensor's SHA-1, else repr."""
     if isinstance(value, torch.Tensor):
         data = value.detach().cpu().contiguous().view(-1).view(torch.uint8)
         return (
@@ -115,14 +85,7 @@ def fingerprint(value: Any) -> str:
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
-    """The FQNs of each parameter reachable under more than one name.
-
-    Args:
-        model: Any module.
-
-    Returns:
-        One list of FQNs per tied parameter, in ``named_parameters`` order.
-    """
+    """The FQNs of each parameter reachable under more than one name."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
@@ -132,12 +95,8 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 def renaming_hooks(module: nn.Module) -> list[str]:
     """Names the submodules whose state_dict hooks rename their keys.
 
-    DCP's state_dict helpers map every key back to the parameter of that
-    name, so a key a hook invents (torchtitan's fused QKV split into ``wq``,
-    ``wk``, ``wv``) fails there with a bare ``AttributeError``.
-
-    Args:
-        module: A stage's module.
+    DCP's state_dict helpers fail on such a key (torchtitan's fused QKV split
+    into ``wq``, ``wk``, ``wv``) with a bare ``AttributeError``.
 
     Returns:
         One line per such submodule: its FQN, class, hook and a renamed key.
@@ -163,13 +122,9 @@ def renaming_hooks(module: nn.Module) -> list[str]:
 def check_untied(model: nn.Module) -> None:
     """Refuses a model with tied weights before it is split into stages.
 
-    A parameter reachable under two FQNs (an output head tied to the
-    embedding) ends up on two stages after a split: each stage trains its own
-    copy, the copies drift apart, and both go into the checkpoint, where one
-    silently overwrites the other in the un-split model (a manual split) or
-    their keys collide (tracing copies the tie as ``output.weight`` onto both
-    stages). pippy does not keep tied weights in sync across stages, so it
-    says so instead. Call it on the un-split (for example meta) model.
+    A tied parameter (an output head tied to the embedding) ends up on two
+    stages after a split, each training its own copy, and pippy does not keep
+    them in sync. Call it on the un-split (for example meta) model.
 
     Args:
         model: The un-split model.
@@ -193,18 +148,16 @@ def restore_non_persistent_buffers(
     """Makes the model's non-persistent buffers non-persistent in a traced stage.
 
     ``torch.distributed.pipelining.pipeline`` registers every buffer of the
-    traced model as a persistent buffer of each stage that uses it, so a
-    buffer the model keeps out of its ``state_dict`` (a RoPE table, a causal
-    mask) appears as the same key on every stage. This re-registers those
-    buffers as non-persistent, in place, so the stage's keys are again a
-    subset of ``model.state_dict()``'s.
+    traced model as persistent on each stage that uses it, so a RoPE table
+    would be the same key on every stage. This re-registers those buffers as
+    non-persistent, in place.
 
     Args:
         stage_module: The stage's module (``pipe.build_stage(...).submod``).
         model: The un-split model that was traced.
 
     Returns:
-        The FQNs of the buffers that were re-registered.
+        The FQNs of the buffers re-registered.
     """
     stage_buffers = dict(stage_module.named_buffers())
     restored = []
@@ -455,50 +408,36 @@ def check_keys(
 ) -> None:
     """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
 
-    Every key under ``owned`` (model and optimizer state) must belong to one
-    pipeline stage only; where a stage is replicated over data-parallel ranks
-    (DDP, or HSDP's replicate dim), the replicas must hold equal values
-    (compared by CRC-32C); and every other entry (step, scheduler, data
-    state) must hold the same value on every rank. State nested under another
-    section (``{"stage0": {"model": ...}}``) is refused: its keys would name
-    one layout. Plain tensors under another section (an EMA copy of the
-    weights) are not: pippy cannot tell them from model state, so their keys
-    must not name the layout either. Each rank sends its key names, a SHA-1
-    of each shared entry and, with data-parallel replicas, a CRC-32C of each
-    replicated entry (a few KB); call it on every rank of ``process_group``.
+    Every key under ``owned`` must belong to one pipeline stage; data-parallel
+    replicas of a stage must hold equal values (by CRC-32C); every other entry
+    must be equal on every rank (by SHA-1); no other section may nest model or
+    optimizer state. One all-gather of a few KB; call it on every rank of
+    ``process_group``.
 
     Args:
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
         owned: Top-level entries that each stage owns exclusively.
         process_group: The ranks that save; the default group if None.
-        mesh: The ranks' ``DeviceMesh``, with a ``pp_dim`` dim and
-            data-parallel dims (for example ``("dp", "pp")``): ranks with the
-            same ``pp_dim`` coordinate hold the same stage(s), as replicas or
-            as FSDP2 shards (DTensor chunks at other offsets, not compared).
-            None: every rank holds its own stage(s).
+        mesh: The ranks' whole ``DeviceMesh`` (``("dp", "pp")``): ranks with
+            the same ``pp_dim`` coordinate hold the same stage(s), as replicas
+            or FSDP2 shards. None: every rank holds its own stage(s).
         pp_dim: The name of the mesh's pipeline dim.
 
     Raises:
-        KeyCollisionError: On every rank, naming the keys and their ranks, if
-            an owned key appears on two stages or a shared entry differs
-            between ranks.
-        DivergedReplicasError: On every rank, naming keys and ranks, if the
-            data-parallel replicas of a stage hold different values, or an
-            entry (not a shard) that some replicas of its stage lack.
-        NestedStateError: On every rank, if a section other than ``owned``
-            holds a ``model`` or ``optim`` section or an optimizer's
-            state_dict (``state`` and ``param_groups``), at any depth.
+        KeyCollisionError: On every rank, naming keys and ranks: an owned
+            key is on two stages, or a shared entry differs between ranks.
+        DivergedReplicasError: On every rank: a stage's replicas hold
+            different values, or an entry (not a shard) only some have.
+        NestedStateError: On every rank: a section other than ``owned``
+            holds model or optimizer state, at any depth.
         ValueError: ``mesh`` has no ``pp_dim`` dim, or spans other ranks than
-            ``process_group`` (a slice such as ``mesh["pp"]`` would hide the
-            replicas from each other).
+            ``process_group`` (a slice).
 
     Note:
-        Known causes of collisions: layers renumbered per stage (``layers.0``
-        on every stage), a tied weight copied into two stages, non-persistent
-        buffers that tracing made persistent (see
-        :func:`restore_non_persistent_buffers`), and data-parallel replicas
-        checked without their ``mesh``. Per-rank state such as a stage's RNG
-        belongs under a key naming the stage (``rng.stage_3``).
+        Known causes of collisions: layers renumbered per stage, tied weights,
+        buffers tracing made persistent, replicas checked without their
+        ``mesh``, and per-rank state (a stage's RNG) not under a key naming
+        the stage (``rng.stage_3``).
     """
     if not dist.is_initialized():
         return
@@ -518,10 +457,9 @@ def offer_keys(
     mesh: DeviceMesh | None = None,
     pp_dim: str = "pp",
 ) -> dict[str, Any] | None:
-    """:func:`check_keys`'s first half, on each rank alone: what it sends.
+    """:func:`check_keys`'s first half, for a caller that gathers it itself.
 
-    For a caller that gathers it along with something else; then
-    :func:`refuse_losses` on the gathered offers. Args as :func:`check_keys`.
+    Then :func:`refuse_losses` on the gathered offers. Args as :func:`check_keys`.
 
     Returns:
         This rank's offer (it pickles), or None without a process group.

@@ -43,27 +43,15 @@ class CheckpointError(Exception):
 
 
 class KeyCollisionError(CheckpointError, ValueError):
-    """Two or more ranks offer the same checkpoint key.
-
-    DCP treats equal keys on different ranks as replicas and writes only one
-    of them, so saving would silently lose the others' values.
-    """
+    """Two or more ranks offer the same checkpoint key: DCP would write one."""
 
 
 class DivergedReplicasError(KeyCollisionError):
-    """The data-parallel replicas of a stage hold different values.
-
-    DCP writes one replica of each key (spread over the replicas), so saving
-    would silently mix the replicas key by key.
-    """
+    """A stage's data-parallel replicas differ: DCP would mix them key by key."""
 
 
 class NestedStateError(CheckpointError, ValueError):
-    """Model or optimizer state is nested under another state_dict section.
-
-    Its keys would name one layout (``stage0.model.layers.0.w``), so no other
-    layout, nor the un-split model, could load them.
-    """
+    """Model or optimizer state is nested under another section (``stage0.model.``)."""
 
 
 class TiedParametersError(CheckpointError, ValueError):
@@ -75,11 +63,7 @@ class CheckpointDirError(CheckpointError, NotADirectoryError):
 
 
 class CheckpointDirInUseError(CheckpointError):
-    """Another job owns the checkpoint folder, or took it over (a lost lease).
-
-    See ``FolderOwner``. The folder itself is fine, so this is no
-    ``NotADirectoryError``.
-    """
+    """Another job owns the checkpoint folder, or took it over (a lost lease)."""
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -89,8 +73,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class CheckpointTimeout(CheckpointError, TimeoutError):
     """Some ranks did not arrive at a save or load within its timeout.
 
-    The message names them, how far each was, the action and the step; every
-    rank that waited raises the same one (see :mod:`~pippy.checkpoint.stall`).
+    Every rank raises the same one (see :mod:`~pippy.checkpoint.stall`).
     """
 
 
@@ -133,16 +116,12 @@ def _line(error: BaseException) -> str:
 def own_error(error: Exception) -> Exception:
     """``error``, to raise inside DCP: this rank raises it, the others name it.
 
-    For a failure on one rank that DCP gathers (a save planner's
-    ``create_local_plan``): :func:`explain_failures` raises it as itself on
-    this rank, and a ``CheckpointError`` naming it on the others.
+    :func:`explain_failures` raises it as itself on this rank, and a
+    ``CheckpointError`` naming it on the others.
 
     Args:
         error: This rank's error; one that does not pickle travels as a
             ``CheckpointError`` with its type and message.
-
-    Returns:
-        What to raise.
     """
     try:
         pickle.dumps(error)
@@ -161,23 +140,16 @@ def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
 def explain_failures(action: str) -> Iterator[None]:
     """Turns DCP's ``CheckpointException`` into one error that names each rank.
 
-    DCP gathers the ranks' exceptions into a ``CheckpointException``, which
-    is a ``BaseException`` (so ``except Exception`` misses it) and prints as
-    a traceback per rank. Use this around ``dcp.save`` and ``dcp.load``.
+    Use it around ``dcp.save`` and ``dcp.load`` (see the module docstring).
 
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
 
     Raises:
         Exception: This rank's own error, sent as :func:`own_error`.
-        KeyCollisionError, NestedStateError: The save's key check refused
-            (``DivergedReplicasError`` too), on every rank.
-        UnsafeCheckpointError: Some rank refused a pickle (the first message).
-        CheckpointTimeout: Some rank gave up waiting for the others.
-        CheckpointDirInUseError: Some rank found the folder another job's
-            (the first message).
-        CheckpointDirError: Some rank could not write to or publish in the
-            checkpoint folder (the first message).
+        KeyCollisionError, NestedStateError, UnsafeCheckpointError,
+            CheckpointTimeout, CheckpointDirInUseError, CheckpointDirError:
+            As the first failed rank raised it (one line).
         CheckpointError: Any other failure: one line per failed rank with the
             exception's type and message.
     """
@@ -215,26 +187,20 @@ def fail_together(
 ) -> Iterator[None]:
     """Makes a step that each rank runs alone fail on every rank, or on none.
 
-    Applying a loaded state_dict (``StageState.load_state_dict``) runs on
-    each rank without collectives. If its checks refuse on one rank only (a
-    param group that only one stage has), the other ranks would go on to
-    train and die in their next collective with a gloo or NCCL error that
-    hides the cause. Around such a step, every rank learns every rank's
-    outcome (one ``all_gather_object``) and all raise the same error. Every
-    rank of ``process_group`` must enter it.
+    Otherwise a refusal on one rank (``StageState.load_state_dict``) would
+    leave the others to die in their next collective with an error that hides
+    the cause. One ``all_gather_object``; every rank of ``process_group``
+    must enter it.
 
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
         process_group: The ranks that agree; the default group if None.
-        keep_own_error: A rank whose body failed raises its own exception,
-            unchanged; only the others raise the ``CheckpointError``. For a
-            setup that fails alike on every rank (one clear line each).
+        keep_own_error: A rank whose body failed raises its own exception;
+            only the others raise the ``CheckpointError``.
 
     Raises:
-        CheckpointError: On every rank, if the body raised an ``Exception``
-            on some rank: one line per failed rank (its global rank) with the
-            exception's type and message. Without a process group, the
-            body's own exception.
+        CheckpointError: On every rank, if the body raised on some rank: one
+            line per failed rank. Without a process group, the body's own.
         ValueError: This rank is not in ``process_group``.
     """
     if dist.is_initialized() and dist.get_rank(process_group) < 0:
@@ -270,15 +236,10 @@ def on_coordinator(
 ) -> Any:
     """Runs ``fn`` on rank 0 only and gives every rank its result or its error.
 
-    A failure on rank 0 alone would leave the other ranks waiting in the next
-    collective; broadcasting it lets all of them stop with the same error.
-
     Args:
         action: What ``fn`` does, for the message (``"cannot write to X"``).
-        fn: The folder questions. A ``CheckpointError`` it raises is raised as
-            itself on every rank; an ``OSError`` as a ``CheckpointDirError``
-            naming ``action`` and the file; any other exception (a bug) as
-            itself on rank 0, and as itself on the others where it pickles.
+        fn: The work. Any other exception it raises (a bug) is raised as
+            itself on rank 0, and on the others where it pickles.
         process_group: The ranks; the default group if None.
 
     Returns:

@@ -76,25 +76,13 @@ def _allow_hint(refused: str) -> str:
 class SafeLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
 
-    Non-tensor items (step, LR scheduler state, optimizer options) are read
-    with ``torch.load(weights_only=True)``, which accepts containers,
-    numbers, strings and tensors and refuses other globals.
-
-    Before planning, each requested key is checked (present, shape, dtype);
-    DCP alone stops at the first missing key and converts dtypes silently.
-    On the coordinator, every checkpoint key under ``must_read`` must be read
-    by some rank: DCP ignores keys that no rank asks for, so without this a
-    checkpoint with more layers than the model, or per-stage state saved
-    under a stage index that no longer exists, would load "successfully"
-    and lose them.
-
-    A parameter that had no optimizer state when saved (its gradient stayed
-    None: an unused head, an expert no token was routed to) has
-    ``optim.scalars.<fqn>`` in the checkpoint and no ``optim.state.<fqn>.*``,
-    while the fresh optimizer loaded into has state for every parameter.
-    Those keys are removed from the state_dict being loaded when the plan is
-    set up, before anything is read, so that ``StageState.load_state_dict``
-    gives the parameter no state, as saved.
+    Non-tensor items are read with ``torch.load(weights_only=True)``. Each
+    requested key is checked (present, shape, dtype) before planning, and on
+    the coordinator every checkpoint key under ``must_read`` must be read by
+    some rank (DCP ignores keys no rank asks for: a checkpoint with more
+    layers than the model would load "successfully"). The state of a
+    parameter saved without any (:func:`~pippy.checkpoint.state.stateless_keys`)
+    is dropped from the state_dict being loaded.
 
     Args:
         trusted: True reads any pickle, as ``DefaultLoadPlanner`` does; None
@@ -106,10 +94,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     Raises:
         UnsafeCheckpointError: From :meth:`load_bytes`, naming the key, its
-            file and the refused global; for an ``optim.scalars`` item (a
-            param group's option of the user's own class), also how to allow
-            that class: ``torch.serialization.add_safe_globals``, which the
-            ``weights_only`` check honours.
+            file and the refused global; for an ``optim.scalars`` item, also
+            ``torch.serialization.add_safe_globals``, which ``weights_only``
+            honours.
         CheckpointError: From :meth:`create_local_plan`, naming keys missing
             or of another shape or dtype; from :meth:`create_global_plan`,
             naming the keys that no rank reads.
@@ -305,11 +292,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Checks one non-tensor item under ``weights_only`` rules, then loads it.
-
-        An item that passes holds only allow-listed globals, so DCP's own
-        loading of the same bytes runs no code either.
-        """
+        """Checks one non-tensor item under ``weights_only`` rules, then loads it."""
         if not self.trusted:
             try:
                 torch.load(value, weights_only=True)

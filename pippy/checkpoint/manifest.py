@@ -16,15 +16,11 @@ writes ``manifest.json`` beside ``.metadata``:
      "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
 
-``optim_layout`` is the version of the optimizer state's packing
-(:data:`~pippy.checkpoint.state.LAYOUT_VERSION`; absent in manifests
-written before it was recorded, which hold layout 1); ``written_by`` the torch
-and pippy that wrote the step (:mod:`~pippy.checkpoint.metadata`). ``files``
-maps each data file to its size in bytes. The manifest is plain
-JSON: reading it runs no code. ``SafeFileSystemReader`` checks it against
-``.metadata`` and the files before loading, and each item's checksum as it is
-read. Since nothing checks ``torch.save``'s own CRC-32 of the items, the
-writer has ``torch.save`` skip it.
+``optim_layout`` is :data:`~pippy.checkpoint.state.LAYOUT_VERSION` (absent:
+layout 1); ``written_by`` the torch and pippy that wrote the step; ``files``
+each data file's size in bytes. Reading the JSON runs no code;
+``SafeFileSystemReader`` checks it against ``.metadata`` and the files before
+loading, and each item's checksum as it is read.
 """
 
 from __future__ import annotations
@@ -85,7 +81,7 @@ class Manifest:
         items: ``(file, offset, length)`` of each item, to its key and CRC-32C.
         optim_layout: The optimizer layout version recorded (None: layout 1).
         written_by: The ``torch`` and ``pippy`` versions that wrote the step
-            (empty for steps written before pippy recorded them).
+            (may be empty).
     """
 
     step: int
@@ -116,20 +112,12 @@ def _crc32c_of(folder: Location, ranges: Iterable[tuple[str, int, int]]) -> dict
 class ManifestWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
 
-    Each rank takes the CRC-32C of every item from its bytes as they are
-    written (its file system's streams record them; nothing is read back,
-    unless a file system given to it does not record them); the checksums
-    travel to the coordinator with
-    DCP's own write results, and the coordinator writes ``manifest.json``
-    after ``.metadata``. Plain ``dcp.load`` ignores the extra file.
-
-    Each item is still a ``torch.save`` zip, but without the CRC-32 of its
-    records (``torch.serialization.set_crc32_options(False)``): ``torch.load``
-    never checks it, and the manifest's CRC-32C replaces it. The setting is
-    changed only while a data file is being written, and only in the thread
-    writing it (torch keeps it per thread), so a ``torch.save`` elsewhere in
-    the process, meanwhile, is unaffected. Every file is fsynced after its
-    last byte and every rename is followed by an fsync of its folder
+    Each rank takes every item's CRC-32C as it is written (from the file
+    system's streams; read back only if a given file system records none);
+    the checksums reach the coordinator with DCP's write results, and it
+    writes ``manifest.json`` after ``.metadata``. Plain ``dcp.load`` ignores
+    the file. Items are written without ``torch.save``'s own CRC-32 (see the
+    note), in the writing thread only. Files and renames are fsynced
     (:class:`~pippy.checkpoint.storage.DurableFileSystem`).
 
     Args:
@@ -139,16 +127,13 @@ class ManifestWriter(FileSystemWriter):
 
     Attributes:
         written: After the save, ``(tensors, bytes)`` this rank wrote, bytes
-            as in its file (with each item's ``torch.save`` framing). With
-            data-parallel replicas DCP writes each replicated item once, so a
-            rank writes a share of its stage.
+            as in its file (with ``torch.save`` framing).
 
     Note:
-        The zip records of the items carry no CRC-32 (their fields are zero):
-        a zip tool that tests them reports errors, while ``torch.load`` and
-        ``dcp.load`` read them as before. On torch 2.10 and 2.11, whose
-        setting is the whole process's, they keep it
-        (:func:`~pippy.checkpoint.storage.no_crc32`).
+        The items' zip records carry no CRC-32 (zero fields), which
+        ``torch.load`` never checks (see the module docstring) but a zip tool
+        reports. On torch 2.10 and 2.11, whose setting is per process, they
+        keep it (:func:`~pippy.checkpoint.storage.no_crc32`).
     """
 
     def __init__(
@@ -173,10 +158,8 @@ class ManifestWriter(FileSystemWriter):
     ) -> Future[list[WriteResult]]:
         """Writes this rank's items as DCP does, then checksums them as written.
 
-        Inside :func:`~pippy.checkpoint.publishing.publish_step`, the items
-        written so far are recorded as they go, and the rank then waits for
-        the others (:mod:`~pippy.checkpoint.stall`) before DCP gathers the
-        results.
+        Under :mod:`~pippy.checkpoint.stall`, progress is recorded and the
+        rank then waits for the others.
 
         Raises:
             CheckpointTimeout: Some rank did not finish writing in time.
@@ -200,7 +183,6 @@ class ManifestWriter(FileSystemWriter):
             (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
             for r in results
         ]
-        # Taken as written by pippy's file systems: nothing is read back.
         written = getattr(self.fs, "crcs", {})
         if all(r in written for r in ranges):
             crcs = {r: written[r] for r in ranges}
@@ -215,13 +197,7 @@ class ManifestWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` as DCP does, then ``manifest.json``.
-
-        First, on an object store, checks that
-        this job still holds the folder's lease
-        (:func:`~pippy.checkpoint.lease.check_lease`): a job that stalled and
-        lost the folder commits nothing there.
-        """
+        """Checks the lease, then writes ``.metadata`` and ``manifest.json``."""
         storage = storage_for(self.path)
         check_lease(storage.parent(self.path))
         items: list[dict[str, Any]] = []
@@ -262,12 +238,8 @@ class ManifestWriter(FileSystemWriter):
 def read_manifest(folder: Location) -> Manifest | None:
     """Reads a step folder's ``manifest.json``.
 
-    Args:
-        folder: A step folder.
-
     Returns:
-        The manifest, or None if the folder has none (written without
-        pippy's :class:`ManifestWriter`).
+        The manifest, or None if the step folder has none.
 
     Raises:
         UnsafeCheckpointError: ``manifest.json`` is a link leading out of the
@@ -308,18 +280,13 @@ def check_manifest(
     Args:
         folder: The step folder.
         step: The step its name says (None for another name).
-        ranges: ``(file, offset, length)`` of every item ``.metadata`` lists,
-            to the key it gives the item.
-
-    Returns:
-        The manifest.
+        ranges: ``{(file, offset, length): key}`` of ``.metadata``'s items.
 
     Raises:
         UnsafeCheckpointError: As :func:`read_manifest`.
         CheckpointError: There is no manifest; it names another step or an
-            optimizer layout this pippy does not read; a data file's size
-            differs from its record; or it lists other items than
-            ``.metadata``, or under other keys.
+            unknown optimizer layout; or it disagrees with the files' sizes
+            or ``.metadata``'s items.
     """
     manifest = read_manifest(folder)
     if manifest is None:
@@ -372,11 +339,6 @@ def verify_ranges(
 ) -> None:
     """Checks byte ranges of a step's files against their manifest checksums.
 
-    Args:
-        folder: The step folder.
-        manifest: Its manifest.
-        ranges: ``(file, offset, length)`` to the key stored there.
-
     Raises:
         CheckpointError: A range the manifest lacks, or whose bytes do not
             match their checksum, naming the key and file.
@@ -394,15 +356,8 @@ def verify_item(
 ) -> None:
     """Checks one item's bytes, as read, against its manifest checksum.
 
-    Args:
-        manifest: The step's manifest.
-        place: ``(file, offset, length)`` the bytes were read from.
-        key: The key stored there, for the message.
-        data: The bytes read.
-
     Raises:
-        CheckpointError: The manifest lacks the item, or its bytes do not
-            match their checksum, naming the key and file.
+        CheckpointError: As :func:`verify_ranges`.
     """
     _check_listed(manifest, place, key)
     if google_crc32c.value(data) != manifest.items[place][1]:

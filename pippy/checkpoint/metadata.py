@@ -1,67 +1,44 @@
 """A step's ``.metadata``: checked against its folder, read from another torch.
 
-A ``.metadata`` names, for every item, a data file, an offset and a length:
-:func:`check_structure` refuses one whose files are not plain names inside
-the step folder, or whose items do not fit their places, and
-:func:`find_damage` lists the data files that are missing or short, before
-any read or allocation.
+:func:`check_structure` refuses a ``.metadata`` whose data files are not
+plain names inside the step folder or whose items do not fit their places;
+:func:`find_damage` lists data files missing or short, before any read.
 
-Every manifest records the torch and pippy versions that wrote the step
-(:func:`written_by`). A checkpoint is read by a torch older or newer than the
-one that wrote it (inference boxes, evaluation jobs, a rollback), and
-``.metadata`` is a pickle of torch's own classes, whose fields change between
-releases:
+``.metadata`` pickles torch's own classes, whose fields change between
+releases: torch 2.15 adds ``strides`` to ``TensorProperties`` (6 fields),
+which torch 2.10 to 2.14's ``__setstate__`` cannot unpack (5).
+:class:`CompatTensorProperties` drops the fields the running torch lacks (a
+tensor's bytes are a ``torch.save`` record of their own, strides included).
+A ``.metadata`` that still cannot be read, where the manifest
+(:func:`written_by`) says a newer torch wrote it, is refused by
+:func:`newer_torch_refusal` with the versions named.
 
-* torch 2.15 adds ``strides`` to ``TensorProperties``: its ``__getstate__``
-  gives 6 fields, and torch 2.10 to 2.14's ``__setstate__`` unpacks exactly 5
-  (``ValueError: too many values to unpack``). :class:`CompatTensorProperties`
-  takes the fields the running torch knows and drops the rest: the tensor's
-  bytes are a ``torch.save`` record of its own, strides included, and the
-  tensor they are loaded into is the caller's.
+Private torch names pippy relies on, each tested in
+test/test_torch_internals.py on torch 2.10 to 2.15
+(test/golden/version_matrix.py):
 
-A ``.metadata`` that still cannot be read is refused by
-:func:`newer_torch_refusal` with the versions named, where the manifest says
-a newer torch wrote it, instead of being called damaged.
-
-Private torch names pippy relies on, each with a test in
-test/test_torch_internals.py, and checked on torch 2.10, 2.11, 2.12, 2.13,
-2.14 and 2.15 (test/golden/version_matrix.py runs that file under each):
-
-* ``torch.distributed.checkpoint.state_dict._get_fqns`` (optimizer keys by
-  FQN, :mod:`~pippy.checkpoint.state`);
+* ``torch.distributed.checkpoint.state_dict._get_fqns`` (optimizer keys);
 * ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
-  (a shard's place, for the replica check in
-  :mod:`~pippy.checkpoint.checks`);
-* ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URL reads
-  and writes, :mod:`~pippy.checkpoint.storage.url`);
-* in ``.metadata``, the globals the safe reader allows
-  (:mod:`~pippy.checkpoint.safe_load`): ``filesystem._StorageInfo``,
-  ``metadata._MEM_FORMAT_ENCODING``, ``torch.serialization._get_layout``,
-  and no others than those listed there; ``_StorageInfo``'s
-  ``relative_path``, ``offset`` and ``length``, which the manifest reads;
-* ``FileSystemWriter`` and ``FileSystemReader``'s ``fs`` and ``path`` fields,
-  which pippy's writer and reader replace, and the writer's ``sync_files``;
-* the text of ``torch.load(weights_only=True)``'s refusal, ``GLOBAL
-  module.name``, which the load planner parses to name the global;
-* ``torch.serialization.set_crc32_options`` being per thread from torch
-  2.12 on (``storage.CRC32_PER_THREAD``; on 2.10 and 2.11 it is one setting
-  per process, so ``no_crc32`` leaves it on there);
-* ``torch.distributed.distributed_c10d._get_default_store`` (the default
-  group's key-value store, which :mod:`~pippy.checkpoint.stall` talks
-  through once a wait lasts: there is no public getter), and a group's
-  ``_device_types``, ``_get_backend`` and its backends' ``options._timeout``
-  (the timeout :mod:`~pippy.checkpoint.stall` puts back after bounding a
-  save's or load's collectives: there is no public getter either);
+  (a shard's place, for the replica check);
+* ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URLs);
+* the ``.metadata`` globals :mod:`~pippy.checkpoint.safe_load` allows, and
+  ``_StorageInfo``'s ``relative_path``, ``offset`` and ``length``;
+* ``FileSystemWriter``/``FileSystemReader``'s ``fs``, ``path`` and
+  ``sync_files``, which pippy's writer and reader replace;
+* the ``GLOBAL module.name`` text of ``torch.load(weights_only=True)``'s
+  refusal, which the load planner parses;
+* ``torch.serialization.set_crc32_options`` being per thread from torch 2.12
+  (``storage.CRC32_PER_THREAD``; per process before, so kept on there);
+* ``torch.distributed.distributed_c10d._get_default_store`` and a group's
+  ``_device_types``, ``_get_backend`` and ``options._timeout``
+  (:mod:`~pippy.checkpoint.stall`; no public getters);
 * ``DefaultLoadPlanner.original_state_dict`` (undocumented), the dict
-  ``dcp.load`` fills, filled when the reader's ``read_data`` returns, where
-  :func:`~pippy.checkpoint.safe_load.after_reads` applies it;
-* ``DefaultSavePlanner._enable_plan_caching``, which
-  :class:`~pippy.checkpoint.taking.CheckedSavePlanner` refuses (a cached plan
-  names an earlier step's staging folder);
-* an LR scheduler's ``_last_lr`` list in its state (compared per group);
+  ``dcp.load`` fills, filled when ``read_data`` returns;
+* ``DefaultSavePlanner._enable_plan_caching`` (refused by the save planner);
+* an LR scheduler's ``_last_lr`` list in its state;
 * ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``, ``_state_dict_hooks`` and
-  ``_state_dict_pre_hooks`` (stage merging, meta builds, buffer checks).
+  ``_state_dict_pre_hooks``.
 """
 
 from __future__ import annotations
@@ -101,11 +78,8 @@ METADATA_FILE = ".metadata"
 def find_damage(path: str | os.PathLike, metadata: Metadata) -> list[str]:
     """Lists the data files that ``.metadata`` names but are missing or short.
 
-    A step is published whole, so this finds damage done afterwards: a rank's
-    file deleted, or a copy or sync of the folder cut short. DCP would fail
-    mid-load with a ``FileNotFoundError`` (or a short read) on the ranks that
-    read that file, and ``find_latest_step`` would pick the same step again
-    on every restart.
+    A step is published whole, so this finds damage done afterwards (a file
+    deleted, a copy cut short), which DCP would meet mid-load on some ranks.
 
     Args:
         path: A step folder.
@@ -220,15 +194,7 @@ def _check_tables(folder: Location, metadata: Metadata, damaged: str) -> None:
 
 
 def storage_ranges(metadata: Metadata, indices: Any = None) -> dict:
-    """``(file, offset, length)`` of the items at ``indices`` (default all), to keys.
-
-    Args:
-        metadata: A step's metadata.
-        indices: ``MetadataIndex`` es of its storage table; all if None.
-
-    Returns:
-        ``{(file, offset, length): key}``.
-    """
+    """``{(file, offset, length): key}`` of the items at ``indices`` (default all)."""
     storage = metadata.storage_data
     indices = storage.keys() if indices is None else indices
     return {
@@ -271,8 +237,7 @@ def newer_torch_refusal(
         error: What unpickling raised.
 
     Returns:
-        The error naming both versions and the fix, or None when the manifest
-        does not say a newer torch wrote it (then the file is damaged).
+        The error, or None unless ``writer`` is newer than this torch.
     """
     if not isinstance(writer, str):
         return None

@@ -62,14 +62,10 @@ def read_checkpoint(
 ) -> dict[str, Any]:
     """Reads a whole checkpoint, or the keys under a prefix, in this process.
 
-    The keys come back flat, as DCP names them, with ``prefix`` removed: with
-    ``prefix="model."`` the result is the un-split model's ``state_dict``,
-    ready for ``model.load_state_dict(..., strict=True)``. Works without a
-    process group (reads every rank's file here) and inside one (this rank
-    alone reads, with no collective). Reads through the safe reader and
-    planner. A checkpoint in torchtitan's layout reads under pippy's names
-    (see :mod:`~pippy.checkpoint.state`): its root model keys as
-    ``model.<fqn>``.
+    Keys come back flat, in pippy's names (a torchtitan checkpoint's too),
+    with ``prefix`` removed: ``prefix="model."`` gives the un-split model's
+    ``state_dict``. With or without a process group, this rank alone reads,
+    with no collective, through the safe reader and planner.
 
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
@@ -145,22 +141,14 @@ def load_model(
 ) -> int:
     """Loads a pipeline checkpoint into the un-split model, in one process.
 
-    For example::
-
-        model = GPT(ModelArgs())
-        step = pippy.checkpoint.load_model("checkpoints/step-20", model)
-
-    The same call loads into a model sharded with FSDP2 (``fully_shard``),
-    on every rank of its group: DCP reads each rank's shards.
+    Also into a model sharded with FSDP2, called on every rank of its group.
 
     Args:
         path: A ``step-<N>`` folder.
-        model: The un-split model; every parameter and persistent buffer must
-            be in the checkpoint (strict), and every model key of the
-            checkpoint must be in the model.
-        optimizer: If given, its state (AdamW moments, step, options) is loaded
-            too; build it over ``model.parameters()`` first. Option entries
-            it lacks (an LR scheduler's ``initial_lr``) are not required.
+        model: The un-split model; its keys and the checkpoint's model keys
+            must be the same (strict).
+        optimizer: If given, its state is loaded too; build it over
+            ``model.parameters()`` first.
         trusted: See :class:`SafeFileSystemReader`.
         verify: As :func:`load_stage`.
 
@@ -170,18 +158,15 @@ def load_model(
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
         CheckpointError: Keys missing on either side, or shapes that differ;
-            or parameters tied in ``model`` (an output head sharing the
-            embedding's weight) hold different values in the checkpoint.
+            or parameters tied in ``model`` hold different values in the
+            checkpoint.
 
     Note:
-        Into a model with tied parameters, loading each tied key writes the
-        same tensor, and the last one read would win. The tied keys are
-        therefore compared first, and the load refused unless they agree.
+        Tied keys are compared before loading: loading each writes the same
+        tensor, and the last one read would win.
     """
     _check_ties(path, model, trusted, verify)
     state = StageState(model, optimizer)
-    # Every weight and every optimizer moment must land somewhere; per-group
-    # options the new optimizer lacks (a scheduler's initial_lr) may not.
     must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
     load_stage(state, path, must_read=must_read, trusted=trusted, verify=verify)
     return state.step
@@ -271,18 +256,16 @@ def export_hf(
 ) -> list[Any]:
     """Writes a step's model weights as a folder ``from_pretrained`` opens.
 
-    The folder is written under a temporary name beside ``out`` and renamed
-    when complete, so a failed export leaves nothing at ``out``.
+    Written beside ``out`` and renamed when complete: a failed export leaves
+    nothing at ``out``.
 
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
         out: The folder to write; it must not exist unless ``force``.
-        config: The model's Hugging Face config, as a dict or the path of a
-            ``config.json``; written as ``config.json``.
-        max_shard_size: Above this many bytes of weights, write several
-            shards and an index.
-        dtype: If given, floating-point tensors are converted to it
-            (integer and bool tensors never are).
+        config: The model's Hugging Face config, a dict or a ``config.json``
+            path.
+        max_shard_size: Above this many bytes, write shards and an index.
+        dtype: If given, floating-point tensors are converted to it.
         force: Replace an existing ``out``.
         trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
         verify: See :func:`~pippy.checkpoint.load_stage`.
@@ -328,18 +311,10 @@ def model_weights(
 ) -> dict[str, torch.Tensor]:
     """A step's model weights (keys under ``model.``, prefix removed), to write out.
 
-    Args:
-        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
-        dtype: If given, floating-point tensors are converted to it.
-        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
-        verify: See :func:`~pippy.checkpoint.load_stage`.
+    Args and errors as :func:`export_hf`.
 
     Returns:
         ``{fqn: contiguous tensor}``, on the CPU.
-
-    Raises:
-        ValueError: A model entry is not a tensor.
-        CheckpointError: As :func:`read_checkpoint`.
     """
     weights = {}
     state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
@@ -375,21 +350,16 @@ def convert_layout(
 ) -> int:
     """Writes a checkpoint in the other layout: pippy's or torchtitan's.
 
-    Reads every key (in one process) and saves it again with ``dcp.save``
-    under the other layout's names (see :mod:`~pippy.checkpoint.state`),
-    into a temporary folder renamed to ``out`` when complete. Written for
-    torchtitan, ``train_state.ntokens_seen``, which its trainer requires and
-    pippy does not keep, is 0; written for pippy, a count of 0 is left out
-    (so that pippy -> torchtitan -> pippy gives the same keys and values),
-    and another count is kept as ``train_state.ntokens_seen``. Extra state
-    (a data sampler's) is torchtitan's ``dataloader.<extra name>.<name>``,
-    and the param group indices are kept (see
-    :mod:`~pippy.checkpoint.state`).
+    Reads every key in one process and saves it with ``dcp.save`` under the
+    other layout's names (see :mod:`~pippy.checkpoint.state`), published as
+    ``out`` when complete. torchtitan's ``train_state.ntokens_seen``, which
+    pippy does not keep, is written as 0, and a 0 is dropped converting back,
+    so a round trip gives the same keys and values.
 
     Args:
         path: A ``step-<N>`` folder in either layout.
-        out: The step folder to write (for torchtitan's ``CheckpointManager``
-            to find it, ``<its folder>/step-<N>``); it must not exist.
+        out: The step folder to write (``<folder>/step-<N>`` for
+            torchtitan's ``CheckpointManager``); it must not exist.
         to: ``"pippy"`` or ``"torchtitan"``.
         trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
         verify: See :func:`~pippy.checkpoint.load_stage` (a torchtitan
@@ -416,8 +386,6 @@ def convert_layout(
             flat.setdefault(_NTOKENS, 0)
     elif _NTOKENS in flat and _is_zero(flat[_NTOKENS]):
         del flat[_NTOKENS]  # no count: what the line above writes for pippy's step
-    # The save sequence, in one process: take and check the state, write it
-    # through DCP into a staging folder, publish it as out (or discard it).
     step = int(flat.get("step", flat.get("train_state.step", 0)))
     flat, step, planner = take_state(flat, step=step)
     # On an object store, written in place and committed by its manifest.

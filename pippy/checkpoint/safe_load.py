@@ -1,15 +1,13 @@
 """Reading a checkpoint's index without running code, and finding damage first.
 
-A DCP checkpoint is partly pickle: torch 2.13's ``FileSystemReader`` unpickles
-``.metadata`` with ``pickle.load``, and ``DefaultLoadPlanner`` reads non-tensor
-items with ``torch.load(weights_only=False)``. Whoever can write a checkpoint
-folder could run code on every rank that loads it. :class:`SafeFileSystemReader`
-accepts only DCP's own metadata classes and finds missing or short data files
-before anything is read; :class:`~pippy.checkpoint.load_planner.SafeLoadPlanner`
-does the same for the items.
-
-Whether a checkpoint is trusted is decided once per entry point by
-:func:`resolve_trusted`, the one place that reads ``PIPPY_TRUST_CHECKPOINT``.
+torch 2.13's ``FileSystemReader`` unpickles ``.metadata`` with
+``pickle.load``, and ``DefaultLoadPlanner`` reads non-tensor items with
+``torch.load(weights_only=False)``: whoever can write a checkpoint folder
+could run code on every rank that loads it. :class:`SafeFileSystemReader`
+accepts only DCP's own metadata classes and finds damaged data files before
+anything is read; :class:`~pippy.checkpoint.load_planner.SafeLoadPlanner`
+guards the items. :func:`resolve_trusted` is the one place that reads
+``PIPPY_TRUST_CHECKPOINT``.
 """
 
 from __future__ import annotations
@@ -114,19 +112,13 @@ _after_reads = threading.local()
 def after_reads(apply: Apply) -> Iterator[Apply | None]:
     """Runs ``apply`` inside the block's first read of a :class:`SafeFileSystemReader`.
 
-    ``apply`` gets the state_dict that ``dcp.load`` fills (its top-level
-    values too, which DCP copies into the caller's dict only after the load)
-    once this rank's reads are done, and not after a read failed. It runs
-    before DCP gathers every rank's outcome, so an exception it raises
-    reaches every rank, as any rank's failed read does. A planner that is no
+    ``apply`` gets the state_dict ``dcp.load`` fills (top-level values too)
+    once this rank's reads succeeded, before DCP gathers every rank's outcome,
+    so an exception it raises reaches every rank. A planner that is no
     ``DefaultLoadPlanner`` gets none.
 
-    Args:
-        apply: The function, for the block (in this thread).
-
     Yields:
-        The function it replaces for the block (None if none), for ``apply``
-        to call.
+        The function it replaces in this thread (None if none).
     """
     before = getattr(_after_reads, "apply", None)
     _after_reads.apply = apply
@@ -145,28 +137,12 @@ def _run_after_reads(filled: dict[str, Any] | None) -> None:
 
 
 def resolve_trusted(trusted: bool | None) -> bool:
-    """Decides whether to load any pickle: the argument, else the environment.
-
-    Args:
-        trusted: True or False as given; None reads ``PIPPY_TRUST_CHECKPOINT``
-            (``1`` trusts).
-
-    Returns:
-        The decision, to pass on as a plain bool.
-    """
+    """``trusted`` if given; for None, whether ``PIPPY_TRUST_CHECKPOINT`` is 1."""
     return os.environ.get(TRUST_ENV) == "1" if trusted is None else trusted
 
 
 def refusal(what: str, refused: str) -> UnsafeCheckpointError:
-    """The error for a pickle that would import a global no checkpoint holds.
-
-    Args:
-        what: The file or item, for the message.
-        refused: The global's dotted name (``posix.system``).
-
-    Returns:
-        The error, naming both and the way to trust the checkpoint.
-    """
+    """The error for loading ``what``, whose pickle would import ``refused``."""
     return UnsafeCheckpointError(
         f"refused to load {what}: it would import {refused}, which no checkpoint "
         "written by DCP or pippy holds, and unpickling it could run code. If you "
@@ -177,11 +153,7 @@ def refusal(what: str, refused: str) -> UnsafeCheckpointError:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata, refusing every global but DCP's own classes.
-
-    Trusted, it refuses nothing. Either way, a newer torch's longer
-    ``TensorProperties`` is read (see :mod:`~pippy.checkpoint.metadata`).
-    """
+    """Unpickles DCP metadata, refusing (unless trusted) all but DCP's globals."""
 
     def __init__(self, file: Any, name: str, trusted: bool = False) -> None:
         super().__init__(file)
@@ -233,44 +205,30 @@ class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` that unpickles ``.metadata`` with an allow-list.
 
     Only DCP's metadata classes, ``torch.Size``, torch dtypes and layouts,
-    paths and plain builtins are accepted; any other global (``os.system``,
-    ``builtins.eval``, a class of some package) is refused before it is
-    imported or called.
-
-    Every data file ``.metadata`` names must be a plain file name inside the
-    step folder, and every item no larger than its place in the file, before
-    anything is read or allocated. With ``verify`` (the default), the step's
-    ``manifest.json`` (:class:`~pippy.checkpoint.manifest.ManifestWriter`)
-    must agree with the folder's name, the files' sizes and ``.metadata``,
-    and each item read must match its CRC-32C.
-
-    The metadata is read and checked when the reader is made, before
-    ``dcp.load`` runs: inside it, DCP would catch the error, log its
-    traceback on every rank and raise an unrelated ``AssertionError``
-    ("metadata is None").
+    paths and plain builtins are accepted; any other global is refused before
+    it is imported. Data files must lie inside the step folder and hold their
+    items; with ``verify``, ``manifest.json`` must agree with the folder and
+    each item read must match its CRC-32C. All this is checked when the
+    reader is made: inside ``dcp.load``, DCP would log a traceback on every
+    rank and raise an unrelated ``AssertionError`` ("metadata is None").
 
     Args:
         path: The step folder (the ``checkpoint_id``).
         trusted: True loads any pickle, as ``FileSystemReader`` does; None
             decides by :func:`resolve_trusted`.
-        check_files: Also check the data files (:func:`find_damage`), as a
-            load needs; False reads the metadata alone.
-        verify: Check the manifest and every item's checksum as it is read
-            (with ``check_files``). False loads a checkpoint that has no
-            manifest, unverified.
+        check_files: Also check the data files (:func:`find_damage`); False
+            reads the metadata alone.
+        verify: Check the manifest, and each item's checksum as it is read
+            (with ``check_files``). False loads one without a manifest.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a folder, or has no
             ``.metadata`` (its save did not finish).
-        UnsafeCheckpointError: ``.metadata`` holds a refused global (the
-            message names the file and the global), or names a data file
-            outside the step folder; or a file of the step is a link leading
-            out of it (with ``verify``, ``manifest.json`` too).
-        CheckpointError: ``.metadata`` is truncated or not DCP's, an item is
-            larger than its place in the file, a data file it names is missing
-            or shorter than the items it should hold; with ``verify``, the
-            manifest is missing, names another step or disagrees with the
-            files; from ``read_data``, an item does not match its checksum.
+        UnsafeCheckpointError: ``.metadata`` holds a refused global, or a
+            file of the step lies or leads out of the step folder.
+        CheckpointError: ``.metadata`` is damaged or not DCP's, or an item
+            does not fit its file; with ``verify``, the manifest is missing,
+            names another step or disagrees with the files.
     """
 
     manifest: Manifest | None
@@ -334,12 +292,7 @@ class SafeFileSystemReader(FileSystemReader):
         metadata: Metadata,
         manifest: Manifest | None,
     ) -> SafeFileSystemReader:
-        """A reader of a step that another rank has read and checked.
-
-        Nothing is read or looked up here: ``metadata`` and ``manifest`` are
-        what that rank's reader holds (see
-        :func:`~pippy.checkpoint.coordinated.open_reader`).
-        """
+        """A reader of a step another rank read and checked; reads nothing."""
         reader = cls.__new__(cls)
         reader._open(path, trusted)
         reader.metadata, reader.manifest = metadata, manifest
@@ -355,19 +308,11 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each planned item once, checks it, then hands it to ``planner``.
 
-        As DCP's ``FileSystemReader.read_data`` (requests grouped by file, in
-        plan order; each item's stream transformed as written, a tensor
-        narrowed to the request and copied into the planner's tensor), but
-        each stored item is read once, into memory, however many requests
-        share it. Before its bytes are unpickled or copied anywhere, they
-        must be all of the item and, with ``verify``, match the item's
-        CRC-32C in ``manifest.json``; the stored ``step`` must be the
-        manifest's.
-
-        Inside :func:`~pippy.checkpoint.api.load_into`, the items read so far
-        are recorded as they go, the rank then waits for the others
-        (:mod:`~pippy.checkpoint.stall`), and applies what it read to the
-        stage (:func:`after_reads`) before DCP's next collective.
+        As DCP's ``FileSystemReader.read_data``, but each stored item is read
+        once, however many requests share it, and checked (whole, and with
+        ``verify`` against its CRC-32C) before it is unpickled. Under
+        :mod:`~pippy.checkpoint.stall` the rank then waits for the others;
+        then the :func:`after_reads` function runs.
 
         Raises:
             CheckpointError: A data file ends inside an item, an item does
@@ -377,10 +322,9 @@ class SafeFileSystemReader(FileSystemReader):
             Exception: What the :func:`after_reads` function raised.
 
         Note:
-            An item is checked as it is read, so the tensors of the items
-            before a damaged one already hold the step's values (DCP loads in
-            place): after the error, load another step into the stage, or
-            build it anew, before using it.
+            DCP loads in place: after an error, the items before the damaged
+            one already hold the step's values; load another step, or build
+            the stage anew, before using it.
         """
         waits = stall.active()
         if waits is None:
@@ -469,21 +413,15 @@ class SafeFileSystemReader(FileSystemReader):
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
     """Reads a step folder's ``.metadata`` with :class:`SafeFileSystemReader`.
 
-    It runs in this process alone; on every rank of a job at once,
-    :func:`~pippy.checkpoint.coordinated.open_reader` reads it on rank 0 only.
+    In this process alone (no collective).
 
     Args:
         path: A ``step-<N>`` folder.
         trusted: See :class:`SafeFileSystemReader`.
 
-    Returns:
-        DCP's ``Metadata``: ``state_dict_metadata`` maps every key to its
-        shape and dtype, ``storage_data`` every chunk to its file.
-
     Raises:
-        CheckpointNotFoundError: ``path`` is not a complete checkpoint.
-        UnsafeCheckpointError: ``.metadata`` holds a refused global, or it or
-            a data file it names leads out of the step folder.
+        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
+            :class:`SafeFileSystemReader`.
     """
     reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
     return reader.read_metadata()
@@ -492,8 +430,7 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
 def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
     """Checks a whole step against its manifest: every item of every file.
 
-    It runs in this process alone, with no collective (on a job's rank 0,
-    :func:`~pippy.checkpoint.verified.newest_verified_step` calls it).
+    In this process alone (no collective).
 
     Args:
         path: A ``step-<N>`` folder.
@@ -504,8 +441,7 @@ def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
-            :class:`SafeFileSystemReader` with ``verify``; a ``CheckpointError``
-            names the first item whose bytes do not match their checksum.
+            :class:`SafeFileSystemReader` with ``verify``.
     """
     reader = SafeFileSystemReader(path, trusted=trusted)
     assert reader.manifest is not None

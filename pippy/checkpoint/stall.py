@@ -1,29 +1,22 @@
 """Waiting for the other ranks of a save or load: who is late, how far, how long.
 
-A rank slow or stuck in a save or load used to leave the others waiting
-silently in a collective until gloo's or NCCL's own timeout (30 or 10 minutes
-by default). Now every rank goes straight into DCP's collectives while a
-thread of its own watches the save or load (:func:`waiting`) past two
-points: ``start`` (the block's entry) and ``write`` or ``read`` (its items
-written or read). One over within :func:`log_every` seconds (30 by default,
-``PIPPY_WAIT_LOG_SECONDS``) and its ``timeout`` costs no store operation and
-no collective; only past that does the watch talk through the c10d store:
+Every rank goes straight into DCP's collectives while a thread of its own
+watches the save or load (:func:`waiting`) past two points: ``start`` and
+``write`` or ``read``. One over within :func:`log_every` seconds and its
+``timeout`` costs no store operation and no collective; past that, the watch
+talks through the c10d store:
 
-* every interval, each rank records there the last point it reached and the
-  items and bytes it has written or read, and the lowest rank waiting at a
-  point logs one WARNING line naming the ranks not there, with how far each is;
-* with a ``timeout``, at the deadline a rank waiting at a point marks the
-  operation aborted, naming the late ranks. Every collective of the block
-  waits at most ``timeout`` + :data:`ABORT_WAIT_S` (``ProcessGroup.set_timeout``,
-  put back at the end), so every rank raises that line as one
-  :class:`~pippy.checkpoint.errors.CheckpointTimeout`: a late rank that read
-  the mark when it reaches the point, one that arrives later when its first
-  collective fails.
+* every interval, each rank records the last point it reached and how far it
+  is, and the lowest rank waiting logs one WARNING naming the late ranks;
+* with a ``timeout``, at the deadline a waiting rank marks the operation
+  aborted. Every collective of the block waits at most ``timeout`` +
+  :data:`ABORT_WAIT_S` (``ProcessGroup.set_timeout``, put back at the end),
+  so every rank raises one
+  :class:`~pippy.checkpoint.errors.CheckpointTimeout`.
 
-After a timeout the group is not fit for more collectives: end the job (a
-launcher restarts it). A rank records its arrival at its next interval, so
-one that came less than that before another's deadline may be named; if it
-came in time, its collective goes on and nothing is raised.
+After a timeout the group is not fit for more collectives: end the job. A
+rank that arrived less than an interval before another's deadline may still
+be named.
 
 Note:
     Private names, since torch has no public getter for either: the store
@@ -71,22 +64,14 @@ LOG_ENV = "PIPPY_WAIT_LOG_SECONDS"
 _DEFAULT_LOG_S = 30.0
 #: Seconds a collective waits past the deadline: time to mark the abort.
 ABORT_WAIT_S = 0.5
-# The operation whose writer or reader records progress and arrives, per
-# thread: DCP hands its reader and writer no context of the caller's. Not a
-# ContextVar: asyncio copies the context into its tasks (fsspec runs them in
-# a thread of its own), and a Waits there, holding a process group, freed in
-# that thread at exit, aborts the process (torch 2.13).
+# Per thread: DCP hands its reader and writer no context of the caller's. Not a
+# ContextVar: asyncio copies it into fsspec's thread, where a Waits (holding a
+# process group) freed at exit aborts the process (torch 2.13).
 _active = threading.local()
 
 
 def seconds(timeout: Timeout) -> float | None:
-    """A ``timeout`` argument in seconds, checked.
-
-    Args:
-        timeout: A ``datetime.timedelta``, a number of seconds, or None (off).
-
-    Returns:
-        The seconds, or None.
+    """A ``timeout`` (a ``timedelta``, seconds, or None) in seconds, or None.
 
     Raises:
         ValueError: It is zero, negative or not a number.
@@ -106,8 +91,7 @@ def log_every() -> float:
     """Seconds between two lines about late ranks: ``PIPPY_WAIT_LOG_SECONDS``, or 30.
 
     Raises:
-        ValueError: The variable is set to something that is not a positive
-            number.
+        ValueError: The variable is set but not a positive number.
     """
     text = os.environ.get(LOG_ENV)
     if text is None:
@@ -134,10 +118,9 @@ def _ranks(ranks: list[int]) -> str:
 class Waits:
     """One save or load on this rank, watched by a thread that wakes if it lasts.
 
-    Made on every rank of ``process_group`` at the block's start; the writer
-    or reader records how far it is (:meth:`record`) and its arrival at the
-    point (:meth:`arrive`), in memory; :meth:`close` ends it. One process:
-    nothing is watched.
+    The writer or reader records progress (:meth:`record`) and arrival
+    (:meth:`arrive`) in memory; :meth:`close` ends it. One process: nothing
+    is watched.
 
     Args:
         action: What the ranks do, for the messages and the store's keys
@@ -175,8 +158,7 @@ class Waits:
         self.group: dist.ProcessGroup = group
         self.rank, self.ranks = dist.get_rank(), dist.get_process_group_ranks(group)
         self.prefix = f"pippy/{group.group_name}/{action}"
-        # This rank's state, set by the caller's thread: points reached (1 at
-        # start), since when, items and bytes done; the abort mark seen.
+        # Set by the caller's thread: points reached, since when, progress.
         self.reached, self.since = 1, time.monotonic()
         self.progress: tuple[int, int, int, int] | None = None
         self.mark: tuple[int, str] | None = None
@@ -212,9 +194,7 @@ class Waits:
         """Stops the watch and puts the group's timeout back.
 
         Returns:
-            What a ``failed`` operation raises if it timed out: a failure
-            reads the mark (a late rank's first collective fails at once
-            where the others' timed out).
+            What a ``failed`` operation raises if it timed out; else None.
         """
         if not self.enabled:
             return None
@@ -359,16 +339,10 @@ def waiting(
 ) -> Iterator[Waits]:
     """Watches a save or load in the block; pippy's writer or reader reports to it.
 
-    Enter it before the first collective of the save or load. A
-    :class:`CheckpointTimeout` is raised as itself even when what reaches
-    the block is the failure of a collective that the timeout cut short.
+    Enter it before the first collective. A :class:`CheckpointTimeout` is
+    raised as itself even when a collective the timeout cut short failed.
 
-    Args:
-        action: As :class:`Waits`.
-        point: ``"write"`` or ``"read"``.
-        timeout: As :class:`Waits`.
-        process_group: As :class:`Waits`; the group ``dcp.save`` or
-            ``dcp.load`` runs on.
+    Args as :class:`Waits`.
 
     Raises:
         ValueError: As :class:`Waits`.

@@ -1,27 +1,23 @@
 """What a rank's pipeline stage(s) checkpoint, and how optimizer state is keyed.
 
 :class:`StageState` is a rank's model, optimizer, scheduler, step and extra
-state as one state_dict. A rank may hold several stages (interleaved
-schedules); :func:`merge_parts` makes them one module whose ``state_dict`` is
-the union of theirs, keyed as in the un-split model.
+state as one state_dict; :func:`merge_parts` makes a rank's several stages one
+module, keyed as in the un-split model.
 
-Optimizer state is keyed by parameter FQN (``state.layers.3.w.exp_avg``), not
-by index into ``param_groups``: indices restart at 0 on every stage, so
-indexed keys would collide across ranks. Under a stage's ``optim.`` section:
+Optimizer state is keyed by parameter FQN, not by index into
+``param_groups`` (indices restart at 0 on every stage and would collide).
+Under a stage's ``optim.`` section:
 
 * ``state.<fqn>.<name>``: a tensor with elements (AdamW's ``exp_avg``);
 * ``scalars.<fqn>``: ``[[name, value], ...]``, the rest of that parameter's
-  entry in one item, ``name`` being ``param_groups.<option>`` or
-  ``state.<name>``; a 0-dim tensor is stored as ``[name, number, dtype
-  name]``; ``["group", index]`` is the position of its param group (an LR
-  scheduler's per-group lists are positional).
+  entry in one item (``name`` is ``param_groups.<option>`` or
+  ``state.<name>``; a 0-dim tensor is ``[name, number, dtype name]``;
+  ``["group", index]`` is its param group's position).
 
 A parameter whose gradient stayed None has ``scalars.<fqn>`` but no
-``state.<fqn>.*``. FQNs and names may both hold dots (DCP flattens nested
-state into ``state.<fqn>.precond.L``), so a key is split where a known FQN
-ends, never at a dot: :class:`OptimKeys` owns that grammar.
-:data:`LAYOUT_VERSION` numbers this packing (a checkpoint that records none
-is layout 1); :func:`check_layout_version` refuses a layout it does not read.
+``state.<fqn>.*``. FQNs and names may both hold dots, so a key is split where
+a known FQN ends (:class:`OptimKeys`). :data:`LAYOUT_VERSION` numbers this
+packing (none recorded: layout 1).
 
 torchtitan's layout holds the same state under other names (pippy's; its):
 
@@ -35,12 +31,10 @@ torchtitan's layout holds the same state under other names (pippy's; its):
 * param group indices: in ``optim.scalars.<fqn>``; on request one
   ``train_state.pippy_param_groups`` item, which torchtitan's loads ignore.
 
-torchtitan's own flat ``dataloader.dp_rank_<N>`` and other ``train_state.``
-keys read as themselves. :func:`from_torchtitan` and :func:`to_torchtitan`
-map flat dicts, each the other's inverse; :func:`to_torchtitan` refuses a key
-that would not read back as itself (a root key outside any section, a
-top-level module named like one of torchtitan's sections). Everything that
-reads sees a torchtitan checkpoint through pippy's names.
+torchtitan's other ``dataloader.`` and ``train_state.`` keys read as
+themselves. :func:`from_torchtitan` and :func:`to_torchtitan` map flat dicts,
+each the other's inverse; everything that reads sees a torchtitan checkpoint
+through pippy's names.
 """
 
 from __future__ import annotations
@@ -141,34 +135,23 @@ def _named_renames(module: nn.Module) -> Iterator[None]:
 class StageState(Stateful):
     """The checkpointable state of the pipeline stage(s) a rank holds.
 
-    ``state_dict()`` returns a nested dict whose leaves DCP writes as
-    ``model.<fqn>``, ``optim.state.<fqn>.<name>`` (the optimizer's tensors
-    with elements, e.g. AdamW's ``exp_avg``), ``optim.scalars.<fqn>`` (all
-    else of that parameter's optimizer entry in one item: its param group's
-    options and 0-dim state such as AdamW's ``step``; see the module
-    docstring), ``lr_scheduler.<name>``, ``step``
-    and ``<extra name>.<name>``. Model and optimizer keys are the un-split
-    model's FQNs of the parameters this rank's stages own, so the ranks' keys
-    are disjoint (or, across data-parallel replicas, equal) and together
-    form the whole model, whatever the layout; the scheduler, step and extra
-    state are the same on every rank and DCP stores them once.
+    Keys are ``model.<fqn>``, ``optim.*`` (see the module docstring),
+    ``lr_scheduler.<name>``, ``step`` and ``<extra name>.<name>``, with the
+    un-split model's FQNs, so the ranks' keys are disjoint (or equal across
+    data-parallel replicas); the scheduler, step and extra state are the same
+    on every rank and DCP stores them once.
 
     Args:
-        module: The stage's module, keeping the un-split model's FQNs (for
-            example ``layers.5.mlp.w1.weight``, never renumbered); or a list
-            of the stage modules this rank holds (interleaved schedules),
-            merged with :func:`merge_parts`. A DDP or FSDP2 module is fine:
-            keys have no wrapper prefix.
-        optimizer: The optimizer over the modules' parameters, or a list with
-            one optimizer per module (each over its module's parameters);
-            None for the weights alone (no ``optim`` section).
-        lr_scheduler: Optional LR scheduler of the optimizer, or a list with
-            one per optimizer. A list must hold equal state (the same
-            schedule); one copy is saved and loaded into each.
+        module: The stage's module, keeping the un-split model's FQNs (never
+            renumbered), or a list of the stage modules this rank holds,
+            merged with :func:`merge_parts`. DDP or FSDP2 wrapped is fine.
+        optimizer: The optimizer over the modules' parameters, or one per
+            module; None for the weights alone (no ``optim`` section).
+        lr_scheduler: Optional LR scheduler, or one per optimizer (all with
+            equal state: one copy is saved and loaded into each).
         step: Number of optimizer steps taken so far.
-        extra: Further ``Stateful`` objects saved under their names (for
-            example a data sampler). Their state must be the same on every
-            rank: DCP keeps one copy of equal keys.
+        extra: Further ``Stateful`` objects saved under their names (a data
+            sampler), equal on every rank.
 
     Attributes:
         module: The one module (the parts merged) whose state is saved.
@@ -246,12 +229,9 @@ class StageState(Stateful):
             (no copies).
 
         Raises:
-            CheckpointError: A submodule's state_dict hook renames its keys
-                (a fused QKV weight saved as ``wq``, ``wk``, ``wv``), naming
-                the module and the hook; or the LR schedulers of a list hold
-                different state; or an optimizer's state holds an entry DCP
-                cannot store (a ``str``), naming the parameter, the entry and
-                its type.
+            CheckpointError: A submodule's state_dict hook renames its keys;
+                the LR schedulers of a list hold different state; or an
+                optimizer's state holds an entry DCP cannot store (a ``str``).
         """
         with _named_renames(self.module):
             if not self.optimizers:
@@ -298,12 +278,9 @@ class StageState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Applies a state_dict from :meth:`state_dict` (after ``dcp.load``).
 
-        Its checks all run before anything is applied (``dcp.load`` has
-        filled the tensors in place already). A parameter none of whose
-        ``optim.state.`` entries are in ``state_dict`` (it had no optimizer
-        state when saved, so ``SafeLoadPlanner`` read none) ends with no
-        optimizer state, as saved, so that its next step starts its state
-        afresh, as the saved run would.
+        All checks run before anything is applied. A parameter with no
+        ``optim.state.`` entries (none when saved) ends with no optimizer
+        state, as saved.
 
         Args:
             state_dict: The dict that ``dcp.load`` filled in place.
@@ -314,18 +291,13 @@ class StageState(Stateful):
                 (``set_state_dict`` is strict).
             KeyError: A section (``model``, ``optim``, ...) is missing.
             CheckpointError: An ``optim.scalars.<fqn>`` item lacks an entry
-                this optimizer has, or has one it lacks (saved by another
-                optimizer class, or without the LR scheduler that adds
-                ``initial_lr``; an ``initial_lr`` this optimizer lacks is
-                allowed). DCP cannot see inside the item, and
-                ``set_state_dict`` would load an empty dict for a missing
-                state entry such as ``step`` and ignore extra ones. Also:
-                some of a parameter's state is missing while the rest is
-                there (a damaged or edited checkpoint).
-            CheckpointError: A param group here joins parameters saved with
-                different options (``set_state_dict`` would give them all the
-                first one's), or the LR scheduler was saved for another number
-                of param groups.
+                this optimizer has, or has one it lacks other than
+                ``initial_lr`` (``set_state_dict`` would load an empty dict
+                for a missing ``step`` and ignore extra ones); part of a
+                parameter's state is missing; a param group here joins
+                parameters saved with different options (``set_state_dict``
+                would give them all the first one's); or the LR scheduler was
+                saved for another number of param groups.
         """
         with _named_renames(self.module):
             if not self.optimizers:
@@ -417,9 +389,7 @@ class StageState(Stateful):
         self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
     ) -> None:
         """Refuses a param group here whose parameters were saved with other options."""
-        # set_state_dict gives a param group the saved options of its first
-        # parameter, so a group joining parameters saved with different options
-        # would silently give them all the first one's learning rate.
+        # set_state_dict gives a param group the saved options of its first parameter.
 
         def comparable(value: Any) -> str:  # (0.9, 0.999) and [0.9, 0.999] agree
             return fingerprint(list(value) if isinstance(value, tuple) else value)
@@ -462,11 +432,8 @@ class StageState(Stateful):
 
     def _check_scheduler(self, saved: Mapping[str, Any]) -> None:
         """Refuses an LR scheduler saved for another number of param groups."""
-        # A scheduler keeps per-group lists (base_lrs, _last_lr, min_lrs); loaded
-        # for another number of groups, LambdaLR, CosineAnnealingLR and
-        # SequentialLR fail at their first step, others run on misaligned. They
-        # are compared with this scheduler's own lists: a group added to the
-        # optimizer after the scheduler was built is in neither.
+        # Loaded for another number of groups, LambdaLR, CosineAnnealingLR and
+        # SequentialLR fail at their first step, others run on misaligned.
         for key in ("base_lrs", "min_lrs", "_last_lr"):
             for scheduler in self.lr_schedulers:
                 ours, theirs = scheduler.state_dict().get(key), saved.get(key)
@@ -524,14 +491,10 @@ def _merge(modules: list[nn.Module], path: str) -> nn.Module:
 def merge_parts(parts: Sequence[nn.Module]) -> nn.Module:
     """One module whose state_dict is the union of the parts' state_dicts.
 
-    The parts are a rank's stage modules, each keeping the un-split model's
-    FQNs (``layers.1.*`` in one, ``layers.3.*`` in another). Modules that
-    only one part has are kept as they are (hooks and all); modules that
-    several parts have (the root, a ``layers`` ModuleDict or ModuleList) are
-    merged into plain ``nn.Module`` containers holding the union of their
-    parameters, persistent and non-persistent buffers, and children. A DDP
-    wrapper around a part is looked through. Nothing is copied: the merged
-    module's parameters are the parts' own.
+    Modules that only one part has are kept as they are (hooks and all);
+    modules several parts have (the root, a ``layers`` ModuleList) become
+    plain ``nn.Module`` containers holding the union of their entries. DDP
+    wrappers are looked through; nothing is copied.
 
     Args:
         parts: The stage modules, in any order; one part is returned as is.
@@ -562,11 +525,9 @@ def _naming_section(key: str) -> tuple[str, str] | None:
 class OptimKeys:
     """The grammar of optimizer keys, parsed against the parameters' FQNs.
 
-    A key is ``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>`` or
-    ``scalars.<fqn>`` (section-relative), or any of them after a root and
-    ``optim.`` (``app.optim.state.<fqn>.<name>``, a whole checkpoint's key).
-    It is split where the longest known FQN ends, so nested state
-    (``precond.L``) and dotted FQNs both parse.
+    Keys are section-relative (``state.<fqn>.<name>``,
+    ``param_groups.<fqn>.<option>``, ``scalars.<fqn>``) or follow a root and
+    ``optim.``; each is split where the longest known FQN ends.
 
     Args:
         fqns: The FQNs of the parameters whose keys are parsed.
@@ -580,15 +541,7 @@ class OptimKeys:
 
     @classmethod
     def of_module(cls, module: nn.Module) -> OptimKeys:
-        """The parser for a module's parameters, each under every name it has.
-
-        Args:
-            module: A stage's module, possibly wrapped (DDP, FSDP2, compile).
-
-        Returns:
-            An :class:`OptimKeys` knowing every FQN DCP may give a parameter
-            (a shared one's too).
-        """
+        """The parser for every FQN DCP may give a (maybe wrapped) module's params."""
         return cls(
             fqn
             for name, _ in module.named_parameters(remove_duplicate=False)
@@ -599,18 +552,13 @@ class OptimKeys:
     def of_keys(cls, keys: Iterable[str], model_fqns: Iterable[str] = ()) -> OptimKeys:
         """The parser for the FQNs a set of keys names.
 
-        Each ``scalars.<fqn>`` item names its FQN whole. A
-        ``param_groups.<fqn>.<option>`` entry that no FQN known so far parses
-        (torchtitan's layout, which has no ``scalars`` items) names the key but
-        its last segment: a param-group option is a keyword of the optimizer,
-        an identifier. State keys name no FQN on their own.
+        ``scalars.<fqn>`` names its FQN whole; a ``param_groups`` key no known
+        FQN parses (torchtitan's layout) names all but its last segment (an
+        option is an identifier). State keys name no FQN on their own.
 
         Args:
             keys: Keys, section-relative or under ``<root>optim.``.
             model_fqns: Further known FQNs (a torchtitan checkpoint's model keys).
-
-        Returns:
-            An :class:`OptimKeys` knowing those FQNs.
         """
         named = [pair for pair in map(_naming_section, keys) if pair is not None]
         known = cls([*model_fqns, *(rest for s, rest in named if s == "scalars")])
@@ -622,15 +570,9 @@ class OptimKeys:
         return cls(known.fqns | (derived - {""}))
 
     def parse(self, key: str) -> tuple[str, str, str] | None:
-        """Splits a section-relative key into section, FQN and name.
+        """``(section, fqn, name)`` of a section-relative key, or None.
 
-        Args:
-            key: ``state.<fqn>.<name>``, ``param_groups.<fqn>.<option>`` or
-                ``scalars.<fqn>``.
-
-        Returns:
-            ``(section, fqn, name)``, name ``""`` for a ``scalars`` item; None
-            for a key of another section or of no known FQN.
+        The name is ``""`` for ``scalars``; None for another section or FQN.
         """
         section, _, rest = key.partition(".")
         if section not in _SECTIONS:
@@ -644,16 +586,10 @@ class OptimKeys:
         return None
 
     def split(self, key: str) -> tuple[str, str, str, str] | None:
-        """Splits a dotted checkpoint key into root, section, FQN and name.
+        """``(root, section, fqn, name)`` of a whole key, or None.
 
-        Args:
-            key: A key such as ``app.optim.state.layers.0.w.precond.L``.
-
-        Returns:
-            ``("app.", "state", "layers.0.w", "precond.L")`` for that key: the
-            root is what stands before ``optim.`` (empty when
-            ``StageState``'s state_dict is the whole state_dict); None for a
-            key that is no optimizer entry of a known FQN.
+        ``app.optim.state.layers.0.w.precond.L`` gives
+        ``("app.", "state", "layers.0.w", "precond.L")``.
         """
         for match in _OPTIM_SECTION.finditer(key):
             parsed = self.parse(key[match.end() :])
@@ -662,14 +598,7 @@ class OptimKeys:
         return None
 
     def state_fqns(self, keys: Iterable[str]) -> set[str]:
-        """The FQNs that have state among section-relative keys.
-
-        Args:
-            keys: Keys of a flattened optimizer state_dict.
-
-        Returns:
-            The FQN of every ``state.`` key that :meth:`parse` parses.
-        """
+        """The FQN of every ``state.`` key among section-relative keys."""
         return {p[1] for p in map(self.parse, keys) if p and p[0] == "state"}
 
 
@@ -746,12 +675,9 @@ def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
 def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
     """Keys of optimizer state to skip: their parameter had none when saved.
 
-    A parameter that requires grad but whose gradient stayed None gets no
-    state from ``optimizer.step()``, so its checkpoint has its
-    ``optim.scalars.<fqn>`` but no ``optim.state.<fqn>.*``. A fresh optimizer
-    to load into has state for every such parameter (DCP's ``get_state_dict``
-    creates it), so those keys are wanted but cannot be read. The keys are
-    parsed against the FQNs of the ``scalars`` items of both.
+    Such a parameter (its gradient stayed None) has ``optim.scalars.<fqn>``
+    but no ``optim.state.<fqn>.*``, while DCP's ``get_state_dict`` creates
+    state for it in the optimizer loaded into.
 
     Args:
         wanted: The dotted keys of the state_dict to load into.
@@ -800,13 +726,11 @@ def check_layout_version(version: object, where: str) -> None:
     """Refuses a checkpoint whose optimizer layout this pippy does not read.
 
     Args:
-        version: The layout recorded with the checkpoint; None for one that
-            records none (written before the field existed: layout 1).
+        version: The layout recorded with the checkpoint (None: layout 1).
         where: The checkpoint, for the message (``"step-20"``).
 
     Raises:
-        CheckpointError: ``version`` is neither None nor
-            :data:`LAYOUT_VERSION`: one line naming both, and the fix.
+        CheckpointError: ``version`` is neither None nor :data:`LAYOUT_VERSION`.
     """
     if version is None or (type(version) is int and version == LAYOUT_VERSION):
         return
@@ -843,9 +767,7 @@ TORCHTITAN = "torchtitan"
 #: torchtitan's top-level sections that are not the model (its CheckpointManager).
 _TT_SECTIONS = ("optimizer.", "lr_scheduler.", "train_state.", "dataloader.")
 _DATALOADER = "dataloader."
-#: Each parameter's param group index, ``[[fqn, index], ...]``: pippy keeps it
-#: in ``optim.scalars.<fqn>`` (for its LR scheduler check); torchtitan's layout
-#: has no place for it, and torchtitan's loads read no key they do not name.
+#: Each parameter's param group index, ``[[fqn, index], ...]``.
 _PARAM_GROUPS = "train_state.pippy_param_groups"
 
 
@@ -858,12 +780,8 @@ def detect_layout(keys: Iterable[str]) -> str:
     Returns:
         :data:`PIPPY` if a key is ``step``; else :data:`TORCHTITAN` if a
         key is under ``optimizer.`` or ``train_state.``, or if none is under
-        ``model.`` (a model-only torchtitan checkpoint); else :data:`PIPPY`.
-
-    Note:
-        A torchtitan checkpoint holding only model weights whose FQNs all
-        start with ``model.`` reads as pippy's layout; both then name the
-        same weights.
+        ``model.``; else :data:`PIPPY` (a model-only torchtitan checkpoint
+        whose FQNs start with ``model.`` names the same weights either way).
     """
     keys = list(keys)
     if "step" in keys:  # torchtitan's step is train_state.step
@@ -887,15 +805,12 @@ def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
 
     Args:
         key: A key of a torchtitan checkpoint.
-        keys: The parser of its optimizer keys
-            (:func:`_torchtitan_optim_keys` of the checkpoint's keys). Without
-            it, a param-group key names its own FQN, and ``state.<fqn>.step``
-            is taken for a parameter's own step.
+        keys: The parser of its optimizer keys; without it, the key is parsed
+            alone.
 
     Returns:
-        The pippy key its value goes into; a parameter's options and its
-        ``step`` all go into its ``optim.scalars.<fqn>``;
-        ``dataloader.<extra name>.<name>`` goes into ``<extra name>.<name>``.
+        The pippy key its value goes into (a parameter's options and ``step``
+        all go into its ``optim.scalars.<fqn>``).
     """
     if not key.startswith("optimizer."):
         if key == "train_state.step":
@@ -922,9 +837,7 @@ def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
         flat: ``{torchtitan key: value}``, e.g. read from a torchtitan step.
 
     Returns:
-        ``{pippy key: value}``; tensors are the same objects. A
-        ``train_state.pippy_param_groups`` item goes back into the
-        parameters' ``optim.scalars.<fqn>``.
+        ``{pippy key: value}``; tensors are the same objects.
     """
     out: dict[str, Any] = {}
     optim: dict[str, Any] = {}
@@ -948,20 +861,17 @@ def to_torchtitan(
 
     Args:
         flat: ``{pippy key: value}``, e.g. ``read_checkpoint(step)``.
-        param_groups: Also keep each parameter's param group index (in
-            ``optim.scalars.<fqn>``) as one ``train_state.pippy_param_groups``
-            item, which torchtitan's loads ignore: for writing a checkpoint,
-            not for naming the keys to read from one (torchtitan's own lack
-            it).
+        param_groups: Also keep each parameter's param group index as one
+            ``train_state.pippy_param_groups`` item (torchtitan's loads ignore
+            it): for writing a checkpoint, not for naming keys to read.
 
     Returns:
         ``{torchtitan key: value}``; tensors are the same objects, 0-dim
-        optimizer state (``step``) a new tensor of the saved dtype. With
-        ``param_groups``, :func:`from_torchtitan` of it gives ``flat`` back.
+        optimizer state a new tensor of the saved dtype.
 
     Raises:
-        ValueError: A key would not read back as itself (see the module
-            docstring), naming it.
+        ValueError: A key would not read back as itself (a root key outside
+            any section, a top-level module named like a torchtitan section).
     """
     out: dict[str, Any] = {}
     optim = {
