@@ -9,6 +9,7 @@ checks share one launch of ranks: starting ranks is the slow part here.
 
 import copy
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -269,18 +270,29 @@ class Unpicklable:
 
 def changed_at_once(out: Path, rank: int) -> dict:
     """Every saved tensor changed in place as soon as save() returns: by
-    optimizer.step() (the saver's hook makes it wait for the copy), then by
-    p.add_() after wait_for_staging(); plain dcp.load reads each step back."""
+    optimizer.step() (the saver's hook makes it wait for the copy; the LR
+    and a buffer replaced before it), then by p.add_() after
+    wait_for_staging(); plain dcp.load reads each step back. A state_dict
+    hook slow outside the main thread holds the background back; a save
+    before the first step (no AdamW state yet) does not hang."""
     import torch.distributed.checkpoint as dcp
 
     def build_state(seed: int) -> checkpoint.StageState:
         torch.manual_seed(seed)
         layers = [torch.nn.Linear(512, 512) for _ in range(8)]  # 25 MB with AdamW
         module = torch.nn.ModuleDict({f"stage{rank}": torch.nn.Sequential(*layers)})
+        module[f"stage{rank}"].register_buffer("seen", torch.zeros(4))
         return checkpoint.StageState(module, torch.optim.AdamW(module.parameters()))
 
+    def slow(*_, **__):  # the background takes the state after the changes below
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.3)
+
     state = build_state(rank)
+    state.module.register_state_dict_pre_hook(slow)
     saver = checkpoint.AsyncSaver(out / "at_once")
+    saver.save(state)  # step 0
+    saver.wait()
     at_call, unchanged = {}, {}
     for step in (1, 2):
         for p in state.module.parameters():
@@ -291,6 +303,9 @@ def changed_at_once(out: Path, rank: int) -> dict:
         live = [v for _, v in named_leaves(state.state_dict()) if torch.is_tensor(v)]
         saver.save(state)
         if step == 1:
+            own = state.module[f"stage{rank}"]
+            own.seen = own.seen + 1
+            state.optimizer.param_groups[0]["lr"] *= 2
             state.optimizer.step()  # waits for the copy (the saver's step hook)
         else:
             saver.wait_for_staging()

@@ -198,4 +198,9 @@ def test_the_kept_buffer_stager_copies_bitwise_into_the_same_buffers():
     staged = staging.result()
     assert torch.equal(staged["model"]["w"], state["model"]["w"])
     assert staged["step"] == 3 and staged["optim"] == state["optim"]
+    # What AsyncSaver takes later is taken in the stager's thread, first.
+    staged = stager.stage({"step": 5}, later=lambda: {"model": state["model"]})
+    staged = staged.result()
+    assert list(staged) == ["model", "step"] and staged["step"] == 5
+    assert torch.equal(staged["model"]["w"], state["model"]["w"])
     stager.close()

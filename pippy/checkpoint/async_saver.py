@@ -15,9 +15,10 @@ failure).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -25,12 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.api import gc_paused
-from pippy.checkpoint.errors import explain_failures
+from pippy.checkpoint.errors import CheckpointError, explain_failures
 from pippy.checkpoint.publishing import StepWriter
 from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
@@ -51,7 +55,12 @@ class AsyncSaver:
     the checkpoint holds the values of the moment of the call. The default
     stager (:class:`~pippy.checkpoint.staging.KeptBufferStager`) copies the
     state into kept buffers in the background (staging), while the next
-    forward and backward run. Nothing may change the saved tensors in place
+    forward and backward run; for a ``StageState`` it also takes the model's
+    and optimizers' state_dicts there (the step, the LR schedulers', extra
+    state and the param groups' options are taken at the call; a parameter
+    or buffer the module replaces meanwhile is saved as it was), except
+    before the optimizers have state, and under FSDP or an optimizer with
+    its own ``state_dict``. Nothing may change the saved tensors in place
     until that copy is done: for a ``StageState``, ``save`` hooks its
     optimizers' ``step`` (``register_step_pre_hook``), so that
     ``optimizer.step()`` waits for the copy exactly as long as needed (the
@@ -145,7 +154,8 @@ class AsyncSaver:
         """Waits for the previous save, then starts saving ``state``.
 
         At the call, on each rank alone: the state is taken (its step
-        checked) and the stager starts copying it; the copy runs on while
+        checked; see the class for what is taken later) and the stager
+        starts copying it; the copy runs on while
         ``save`` returns, and a ``StageState``'s ``optimizer.step()`` waits
         for it (see the class). The rest runs in the background
         (see the class): first the checks that need every rank, as in
@@ -174,13 +184,20 @@ class AsyncSaver:
                 CheckpointTimeout: The previous save failed or was refused
                 (see :meth:`wait`); ``CheckpointError`` also where copying
                 a plain state_dict failed (see :meth:`wait_for_staging`).
+                What the stager takes in the background raises there, as
+                :meth:`wait_for_staging` (or the hooked ``optimizer.step()``).
         """
         self.wait()
         self._started = time.perf_counter()
         step = step_of(state, step)
         try:
-            state_dict, step = state_to_save(state, step)
-            taken: Any = self._stager.stage(state_dict)
+            deferred = self._deferred(state, step)
+            if deferred is not None:
+                assert isinstance(self._stager, KeptBufferStager)
+                taken: Any = self._stager.stage(deferred[0], later=deferred[1])
+            else:
+                state_dict, step = state_to_save(state, step)
+                taken = self._stager.stage(state_dict)
         except Exception as e:  # the others learn of it in the background
             taken = e
         if isinstance(taken, Exception):
@@ -206,6 +223,64 @@ class AsyncSaver:
         if not self._hooks:  # nothing to hook: the copy is done before returning
             self.wait_for_staging()
         return step_dir(self.checkpoint_dir, step)
+
+    def _deferred(
+        self, state: StageState | Mapping[str, Any], step: int
+    ) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]] | None:
+        """The state taken now, and its model and optimizer sections taken later.
+
+        None where they must be taken now: a plain state_dict, a stager, an
+        optimizer or a ``StageState.state_dict`` of another kind, optimizer
+        state still to be made
+        (DCP makes it with a step), FSDP (it swaps parameters in forward).
+        """
+        if not (
+            isinstance(state, StageState)
+            and type(state).state_dict is StageState.state_dict
+            and isinstance(self._stager, KeptBufferStager)
+            and self._stager.in_background
+            and state.optimizers
+            and all(
+                type(o).state_dict is Optimizer.state_dict and o.state
+                for o in state.optimizers
+            )
+            and not any(
+                isinstance(m, FSDPModule | FullyShardedDataParallel)
+                for m in state.module.modules()
+            )
+        ):
+            return None
+        if state.step != step:
+            raise ValueError(
+                f"the state holds step {state.step}; it cannot be step-{step}"
+            )
+        now: dict[str, Any] = {"step": state.step}
+        if state.lr_schedulers:
+            now["lr_scheduler"] = state._scheduler_state()
+        now.update((name, obj.state_dict()) for name, obj in state.extra.items())
+        # The optimizers' options as they are now (an LR set before the next
+        # step must not be saved), and the module's tensors as they are now.
+        held = state.module.state_dict(keep_vars=True)
+        later = copy.copy(state)
+        later.optimizer = [_options_now(o) for o in state.optimizers]
+        later.lr_scheduler, later.extra = None, {}
+
+        def take() -> dict[str, Any]:  # in the stager's thread, before the step
+            taken = later.state_dict()
+            now_held = state.module.state_dict(keep_vars=True)
+            if list(now_held) != list(held):
+                raise CheckpointError(
+                    "the module's state_dict changed its keys after save() "
+                    "returned: call the saver's wait_for_staging() first"
+                )
+            for key, tensor in held.items():  # replaced since: the one of the call
+                if now_held[key] is not tensor:
+                    for fqn in _get_fqns(state.module, key):
+                        if fqn in taken["model"]:
+                            taken["model"][fqn] = tensor.detach()
+            return {k: v for k, v in taken.items() if k not in now}
+
+        return now, take
 
     def _before_step(self, *_: Any) -> None:
         """The saved optimizers' step pre-hook: waits for the copy."""
@@ -247,7 +322,10 @@ class AsyncSaver:
         the saved tensors in place (``optimizer.step()`` waits by itself).
 
         Raises:
-            CheckpointError: Staging failed; the step is not published.
+            CheckpointError: Staging failed, or taking the state in the
+                background did (as ``StageState.state_dict``, or the
+                module's state_dict keys changed since the call); the step
+                is not published.
         """
         try:
             self._staged()
@@ -339,3 +417,14 @@ class AsyncSaver:
                 dist.destroy_process_group(self.process_group)
                 self._own_group = False
                 self.process_group = None
+
+
+def _options_now(optimizer: Optimizer) -> Optimizer:
+    """``optimizer`` sharing its state, with a copy of its param groups as they are."""
+    frozen = object.__new__(type(optimizer))
+    frozen.__dict__.update(optimizer.__dict__)
+    frozen.param_groups = [
+        {k: list(v) if k == "params" else copy.deepcopy(v) for k, v in group.items()}
+        for group in optimizer.param_groups
+    ]
+    return frozen

@@ -11,13 +11,14 @@ kept under its path, with ``Tensor.copy_``: what a bare copy costs. Built
 with ``in_background=True``, it makes the copy of the state's structure at
 the call and copies the bytes in a thread of its own (on a GPU, on a side
 stream, into pinned buffers), so that the copy overlaps the training step
-that follows (what ``AsyncSaver`` does with it).
+that follows (what ``AsyncSaver`` does with it, taking the model's and
+optimizers' state_dicts in that thread too).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from typing import Any
@@ -78,13 +79,19 @@ class KeptBufferStager:
 
     @torch.no_grad()
     def stage(
-        self, state_dict: Mapping[str, Any]
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        later: Callable[[], Mapping[str, Any]] | None = None,
     ) -> dict[str, Any] | Future[dict[str, Any]]:
         """A copy of ``state_dict`` whose tensors live in the kept CPU buffers.
 
         Args:
             state_dict: A nested state_dict (dicts, lists and tuples of
                 tensors, DTensors and other values).
+            later: ``in_background`` only: takes more of the state_dict in the
+                stager's thread, before the copy (its entries come first);
+                what it reads must not change until the copy is done.
 
         Returns:
             The copy, of the same structure, or (``in_background``) a
@@ -96,20 +103,28 @@ class KeptBufferStager:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = self._copy(state_dict, (), pairs)
         if not self.in_background:
+            if later is not None:
+                raise ValueError("only a stager in_background takes state later")
             self._fill(pairs, None)
             return staged
         ready = None
-        if any(src.is_cuda for _, src in pairs):
+        on_gpu = later is not None and torch.cuda.is_initialized()
+        if on_gpu or any(src.is_cuda for _, src in pairs):
             if self._stream is None:  # made on the caller's thread, as DCP's
                 self._stream = torch.cuda.Stream()
             ready = torch.cuda.current_stream().record_event()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-staging")
-        self._staging = self._executor.submit(self._fill, pairs, ready, staged)
+        self._staging = self._executor.submit(self._fill, pairs, ready, staged, later)
         return self._staging
 
-    def _fill(self, pairs: list, ready: Any, staged: Any = None) -> Any:
-        """Copies each (buffer, source) pair; on a side stream after ``ready``."""
+    def _fill(
+        self, pairs: list, ready: Any, staged: Any = None, later: Any = None
+    ) -> Any:
+        """Copies each (buffer, source) pair, ``later``'s too; after ``ready``."""
+        if later is not None:
+            with torch.no_grad():
+                staged = {**self._copy(later(), (), pairs), **staged}
         side = self._stream if ready is not None else None
         on_side = torch.cuda.stream(side) if side is not None else nullcontext()
         with torch.no_grad(), on_side:
