@@ -52,13 +52,14 @@ from pippy.checkpoint.manifest import (
     verify_ranges,
 )
 from pippy.checkpoint.metadata import (
+    METADATA_FILE,
     CompatTensorProperties,
     check_structure,
     find_damage,
     newer_torch_refusal,
     storage_ranges,
 )
-from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
+from pippy.checkpoint.steps import is_complete, list_steps, parse_step
 from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
 
 __all__ = [
@@ -493,7 +494,7 @@ def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
     """Checks a whole step against its manifest: every item of every file.
 
     It runs in this process alone, with no collective (on a job's rank 0,
-    :func:`~pippy.checkpoint.verified.newest_verified_step` calls it).
+    :func:`~pippy.checkpoint.coordinated.newest_verified_step` calls it).
 
     Args:
         path: A ``step-<N>`` folder.
