@@ -59,7 +59,7 @@ the errors. The gears stay importable from their modules, one idea per module:
   and loading without running code a checkpoint's pickles could carry.
 * :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
-* :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease` and
+* :mod:`~pippy.checkpoint.job` and
   :mod:`~pippy.checkpoint.async_saver` (with
   :mod:`~pippy.checkpoint.staging`): one writer per folder (on an object
   store, a lease), a last save on preemption within the launcher's deadline;
