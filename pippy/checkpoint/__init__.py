@@ -29,10 +29,10 @@ alone fails on every rank or on none); :func:`read_checkpoint` and
 the errors. The gears stay importable from their modules, one idea per module:
 
 * :mod:`~pippy.checkpoint.api`: the one save sequence and the one load
-  sequence (:func:`save_stage`, :func:`load_stage`), and the load's pieces
-  (:func:`open_step`, :func:`load_into`); the save's are
-  :func:`~pippy.checkpoint.taking.take_state` and
-  :func:`~pippy.checkpoint.publishing.publish_step`.
+  sequence (:func:`save_stage`, :func:`load_stage`), and their pieces: the
+  load's (:func:`open_step`, :func:`load_into`) and the save's
+  (:func:`take_state`, its state taken on each rank and checked across ranks
+  in DCP's planning; :func:`~pippy.checkpoint.publishing.publish_step`).
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
@@ -72,7 +72,13 @@ the errors. The gears stay importable from their modules, one idea per module:
   ``fail_together``, one error per failure on any rank.
 """
 
-from pippy.checkpoint.api import load_into, load_stage, open_step, save_stage
+from pippy.checkpoint.api import (
+    load_into,
+    load_stage,
+    open_step,
+    save_stage,
+    take_state,
+)
 from pippy.checkpoint.async_saver import AsyncSaver
 from pippy.checkpoint.checks import diff_state_dicts
 from pippy.checkpoint.coordinated import find_latest_step
@@ -99,7 +105,6 @@ from pippy.checkpoint.offline import (
 from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.taking import take_state
 
 __all__ = [
     "AsyncSaver",
