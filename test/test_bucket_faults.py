@@ -18,7 +18,7 @@ import time
 import pytest
 
 from pippy import checkpoint
-from pippy.checkpoint.lease import LEASE_ENV
+from pippy.checkpoint.job import LEASE_ENV
 from pippy.checkpoint.steps import is_complete
 
 import helpers

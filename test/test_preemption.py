@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from pippy import checkpoint
+from pippy.checkpoint.coordinated import newest_verified_step
 from pippy.checkpoint.job import Deadline, check_restarts, launcher_deadline
 from pippy.checkpoint.steps import list_steps
-from pippy.checkpoint.verified import newest_verified_step
 
 import helpers
 from helpers import EXAMPLE, TINY_FLAGS, Job, linear_state, loss_lines, torchrun

@@ -29,17 +29,19 @@ alone fails on every rank or on none); :func:`read_checkpoint` and
 the errors. The gears stay importable from their modules, one idea per module:
 
 * :mod:`~pippy.checkpoint.api`: the one save sequence and the one load
-  sequence (:func:`save_stage`, :func:`load_stage`), and the load's pieces
-  (:func:`open_step`, :func:`load_into`); the save's are
-  :func:`~pippy.checkpoint.taking.take_state` and
-  :func:`~pippy.checkpoint.publishing.publish_step`.
+  sequence (:func:`save_stage`, :func:`load_stage`), and their pieces: the
+  load's (:func:`open_step`, :func:`load_into`) and the save's
+  (:func:`take_state`, its state taken on each rank and checked across ranks
+  in DCP's planning; :func:`~pippy.checkpoint.publishing.publish_step`).
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
   manifest).
 * :mod:`~pippy.checkpoint.coordinated`: which rank answers which question
   about the checkpoint folder (rank 0, for all: which step, is it complete,
-  who owns the folder, what to delete), and the step's reader made so.
+  who owns the folder, what to delete); the step to resume from (the newest
+  complete one, or on request the newest that verifies, damaged ones moved
+  aside) and its reader, made so.
 * :mod:`~pippy.checkpoint.steps` and :mod:`~pippy.checkpoint.publishing`:
   step folders (``<checkpoint_dir>/step-<N>``), staged and published once
   complete (renamed whole, or committed by their manifest on an object
@@ -57,12 +59,11 @@ the errors. The gears stay importable from their modules, one idea per module:
   and loading without running code a checkpoint's pickles could carry.
 * :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
-* :mod:`~pippy.checkpoint.job`, :mod:`~pippy.checkpoint.lease`,
-  :mod:`~pippy.checkpoint.verified` and
+* :mod:`~pippy.checkpoint.job` and
   :mod:`~pippy.checkpoint.async_saver` (with
   :mod:`~pippy.checkpoint.staging`): one writer per folder (on an object
-  store, a lease), a last save on preemption within the launcher's deadline,
-  resuming past damaged steps on request; background saves.
+  store, a lease), a last save on preemption within the launcher's deadline;
+  background saves.
 * :mod:`~pippy.checkpoint.stall`: a rank slow or stuck in a save or load;
   once a wait lasts, the others log how far it is, and with a
   ``timeout`` all raise :class:`~pippy.checkpoint.errors.CheckpointTimeout`
@@ -71,9 +72,16 @@ the errors. The gears stay importable from their modules, one idea per module:
   ``fail_together``, one error per failure on any rank.
 """
 
-from pippy.checkpoint.api import load_into, load_stage, open_step, save_stage
+from pippy.checkpoint.api import (
+    load_into,
+    load_stage,
+    open_step,
+    save_stage,
+    take_state,
+)
 from pippy.checkpoint.async_saver import AsyncSaver
 from pippy.checkpoint.checks import diff_state_dicts
+from pippy.checkpoint.coordinated import find_latest_step
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
@@ -97,8 +105,6 @@ from pippy.checkpoint.offline import (
 from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.taking import take_state
-from pippy.checkpoint.verified import find_latest_step
 
 __all__ = [
     "AsyncSaver",

@@ -1,7 +1,7 @@
 """``AsyncSaver``: saves in the background, one save in flight at a time.
 
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
-the call, what :func:`~pippy.checkpoint.taking.take_state` does on each rank
+the call, what :func:`~pippy.checkpoint.api.take_state` does on each rank
 alone; the stager's copy, in a thread of its own until the saved optimizers'
 next ``step``; in a background thread, the rest of
 ``take_state`` (the wait for every rank, and the planner that checks across
@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from pippy.checkpoint import stall
-from pippy.checkpoint.api import gc_paused
+from pippy.checkpoint.api import gc_paused, state_to_save, step_of, take_together
 from pippy.checkpoint.errors import CheckpointError, explain_failures
 from pippy.checkpoint.publishing import StepWriter
 from pippy.checkpoint.staging import KeptBufferStager
@@ -41,7 +41,6 @@ from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
-from pippy.checkpoint.taking import state_to_save, step_of, take_together
 
 __all__ = ["AsyncSaver"]
 
@@ -95,7 +94,7 @@ class AsyncSaver:
             in the background (see the note).
         timeout: Seconds (or a ``timedelta``) the background save waits for
             every rank to start saving, as
-            :func:`~pippy.checkpoint.taking.take_state`; None waits without a
+            :func:`~pippy.checkpoint.api.take_state`; None waits without a
             deadline. The write itself has no deadline of its own.
 
     Raises:
@@ -360,7 +359,7 @@ class AsyncSaver:
             The published step folder, or None if no save was in flight.
 
         Raises:
-            KeyCollisionError: As :func:`~pippy.checkpoint.taking.take_state`
+            KeyCollisionError: As :func:`~pippy.checkpoint.api.take_state`
                 (also ``DivergedReplicasError`` and ``NestedStateError``), on
                 every rank; nothing is written.
             CheckpointError: The background save failed, on some rank; the

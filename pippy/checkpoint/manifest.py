@@ -40,7 +40,6 @@ from torch.futures import Future
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointError
-from pippy.checkpoint.lease import check_lease
 from pippy.checkpoint.metadata import written_by
 from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
@@ -197,9 +196,8 @@ class ManifestWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Checks the lease, then writes ``.metadata`` and ``manifest.json``."""
+        """Writes ``.metadata`` as DCP does, then ``manifest.json``."""
         storage = storage_for(self.path)
-        check_lease(storage.parent(self.path))
         items: list[dict[str, Any]] = []
         files: dict[str, int] = {}
         plain: list[list[WriteResult]] = []

@@ -70,8 +70,7 @@ __all__ = [
     "written_by",
 ]
 
-#: DCP's index of a step's items; steps.METADATA_FILE, not imported from there
-#: (steps imports the manifest, which imports this module).
+#: DCP's index of a step's items, written last: a step folder without it is partial.
 METADATA_FILE = ".metadata"
 
 

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from pippy.checkpoint.api import load_stage, open_step, read_into
+from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
 from pippy.checkpoint.checks import tied_groups
 from pippy.checkpoint.errors import CheckpointError, explain_failures
 from pippy.checkpoint.manifest import ManifestWriter
@@ -40,7 +40,6 @@ from pippy.checkpoint.state import (
     to_torchtitan,
 )
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
-from pippy.checkpoint.taking import take_state
 
 __all__ = [
     "convert_layout",

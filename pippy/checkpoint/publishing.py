@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointDirError, dir_error, explain_failures
-from pippy.checkpoint.lease import check_lease, lease_lost
+from pippy.checkpoint.job import check_lease, lease_lost
 from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.steps import (
@@ -84,7 +84,7 @@ class StepWriter(ManifestWriter):
         CheckpointDirError: In ``dcp.save``: the step exists, or the folder
             is a file or cannot be written.
         CheckpointDirInUseError: In ``dcp.save``: this job lost the folder's
-            lease to another job (:func:`~pippy.checkpoint.lease.check_lease`).
+            lease to another job (:func:`~pippy.checkpoint.job.check_lease`).
     """
 
     def __init__(
@@ -161,7 +161,13 @@ class StepWriter(ManifestWriter):
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` and ``manifest.json``, then publishes the step."""
+        """Writes ``.metadata`` and ``manifest.json``, then publishes the step.
+
+        First, on an object store, checks that this job still holds the
+        folder's lease (:func:`~pippy.checkpoint.job.check_lease`): a job that
+        stalled and lost the folder commits nothing there.
+        """
+        check_lease(self.checkpoint_dir)
         super().finish(metadata, results)
         self.publish()
 

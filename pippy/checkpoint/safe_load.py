@@ -50,13 +50,14 @@ from pippy.checkpoint.manifest import (
     verify_ranges,
 )
 from pippy.checkpoint.metadata import (
+    METADATA_FILE,
     CompatTensorProperties,
     check_structure,
     find_damage,
     newer_torch_refusal,
     storage_ranges,
 )
-from pippy.checkpoint.steps import METADATA_FILE, is_complete, list_steps, parse_step
+from pippy.checkpoint.steps import is_complete, list_steps, parse_step
 from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
 
 __all__ = [

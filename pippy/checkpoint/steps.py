@@ -44,10 +44,10 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
+from pippy.checkpoint.metadata import METADATA_FILE
 from pippy.checkpoint.storage import Location, glob, storage_for
 
 __all__ = [
-    "METADATA_FILE",
     "is_complete",
     "list_steps",
     "newest_complete_step",
@@ -59,8 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The file DCP's coordinator writes last; a step folder without it is partial.
-METADATA_FILE = ".metadata"
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
 #: A save's staging folder, and a step that retention has taken out of view.
