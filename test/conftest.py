@@ -40,11 +40,11 @@ TWO_RANK_CHECKS = {
 if importlib.util.find_spec("transformers") is not None:
     TWO_RANK_CHECKS["dist_checks"].append("hf")
 #: ... and on 4 ranks: dist_checks.py's for test_stages (keys, train) and
-#: test_topology (logits, memory), layout_checks.py's for test_parallel.
+#: test_topology (logits, memory), the operation counts (ops), layout_checks.py's for test_parallel.
 #: memory runs first: it measures the peak RSS of building a stage against
 #: the process's high-water mark, which a check before it could raise.
 FOUR_RANK_CHECKS = {
-    "dist_checks": ["memory", "keys", "train", "logits"],
+    "dist_checks": ["memory", "keys", "train", "logits", "ops"],
     "layout_checks": ["mesh", "hsdp"],
 }
 

@@ -120,7 +120,14 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
             saver.close()
         dump(state, out, kind, rank)
         fresh = mesh_state(mesh, kind, seed=7)
-        checkpoint.load_stage(fresh, out / kind / "step-1")
+        with CountedOps() as counted:
+            checkpoint.load_stage(fresh, out / kind / "step-1")
+        result[f"{kind}_load_ops"] = dict(counted.counts)
+        if kind == "ddp":  # plain DCP's operations, loading the same state
+            plain = mesh_state(mesh, kind, seed=7).state_dict()
+            with CountedOps() as counted:
+                dcp.load(plain, checkpoint_id=out / "ops-plain")
+            result["dcp_load_ops"] = dict(counted.counts)
         result[f"{kind}_reload_differ"] = checkpoint.diff_state_dicts(
             fresh.state_dict(), state.state_dict()
         )

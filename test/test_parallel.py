@@ -3,6 +3,7 @@ DeviceMesh, and several stages per rank. Checkpoints are read back here, in
 the test's own process, with plain DCP."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -68,6 +69,23 @@ def test_a_save_on_a_dp_mesh_runs_no_collective_beside_dcps(mesh_run):
             ours = {k: n for k, n in result[f"{kind}_ops"].items() if "." not in k}
             ours.pop("progress", None)
             assert sum(ours.values()) <= plain, (rank, kind, result[f"{kind}_ops"])
+
+
+def test_a_load_on_a_dp_mesh_adds_one_broadcast_to_dcps_collectives(mesh_run):
+    """On 4 ranks, dp=2 x pp=2: load_stage runs plain dcp.load's collectives
+    and one broadcast_object_list more (the step's index from rank 0), on
+    every rank, for DDP replicas and FSDP2 shards."""
+    _, found = mesh_run
+    for rank, result in enumerate(found):
+        plain = Counter(result["dcp_load_ops"])
+        for kind in ("ddp", "fsdp"):
+            ours = Counter(
+                {k: n for k, n in result[f"{kind}_load_ops"].items() if "." not in k}
+            )
+            ours.pop("progress", None)
+            extra = ours - plain
+            assert extra.total() <= 1, (rank, kind, result[f"{kind}_load_ops"])
+            assert set(extra) <= {"broadcast_object_list"}, (rank, kind, extra)
 
 
 def test_fsdp2_shards_are_saved_and_reload_bitwise(mesh_run):

@@ -136,8 +136,9 @@ EXTRA_COLLECTIVES = {"save_stage": 0, "load_stage": 1}
 EXTRA_STORE_OPS = {"save_stage": 0, "load_stage": 0}
 
 
-def test_a_save_and_a_load_add_few_operations_to_plain_dcp(two_rank_checks):
-    ranks = results(two_rank_checks["dist_checks"], "ops", 2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_save_and_a_load_add_few_operations_to_plain_dcp(request, world_size):
+    ranks = results(launched(request, None, "ops", world_size), "ops", world_size)
     plain = {"save_stage": "dcp.save", "load_stage": "dcp.load"}
     for rank, counted in enumerate(ranks):
         for ours, theirs in plain.items():
