@@ -174,7 +174,7 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
     caplog.clear()
     previous = signal.getsignal(signal.SIGUSR1)
     try:  # a job that saves on a stop signal is told at once, by StopSignal
-        with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.launcher"):
+        with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.job"):
             checkpoint.StopSignal((signal.SIGUSR1,))
     finally:
         signal.signal(signal.SIGUSR1, previous)

@@ -658,7 +658,7 @@ class StopSignal:
     launcher's signal reaches its workers one after the other).
 
     At construction, rank 0 also warns if ``torchrun``'s restarts of the job
-    would hang (:func:`~pippy.checkpoint.launcher.check_restarts`): a job that
+    would hang (:func:`check_restarts`): a job that
     saves on a stop signal is one a launcher restarts.
 
     Attributes:
