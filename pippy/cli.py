@@ -23,16 +23,17 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
-from pippy.checkpoint.manifest import MANIFEST_FILE
 from pippy.checkpoint.offline import (
     convert_layout,
     export_hf,
     model_weights,
     parse_size,
 )
-from pippy.checkpoint.safe_load import find_damage, read_metadata, resolve_trusted
+from pippy.checkpoint.safe_load import read_metadata, resolve_trusted
 from pippy.checkpoint.state import detect_layout
 from pippy.checkpoint.steps import (
+    MANIFEST_FILE,
+    find_damage,
     is_complete,
     list_steps,
     newest_complete_step,

@@ -25,9 +25,13 @@ from torch.distributed.checkpoint import CheckpointException
 from pippy import checkpoint
 from pippy.checkpoint.job import OWNER_FILE
 from pippy.checkpoint.load_planner import SafeLoadPlanner
-from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.safe_load import SafeFileSystemReader, read_metadata
-from pippy.checkpoint.steps import list_steps, remove_old_steps
+from pippy.checkpoint.steps import (
+    MANIFEST_FILE,
+    list_steps,
+    read_manifest,
+    remove_old_steps,
+)
 from pippy.cli import main
 
 import helpers

@@ -10,8 +10,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from pippy import checkpoint
-from pippy.checkpoint.manifest import read_manifest
 from pippy.checkpoint.state import merge_parts
+from pippy.checkpoint.steps import read_manifest
 
 from helpers import plain_read, tiny_gpt
 

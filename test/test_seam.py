@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from pippy import checkpoint
-from pippy.checkpoint.manifest import read_manifest
+from pippy.checkpoint.steps import read_manifest
 from pippy.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,

@@ -1,6 +1,6 @@
 """The private torch names pippy relies on, each as pippy uses it.
 
-pippy/checkpoint/metadata.py lists them with the torch releases they were
+pippy/checkpoint/steps.py lists them with the torch releases they were
 checked on. Each test here fails, naming what changed, when a new torch
 renames, moves or reshapes one of them; test/golden/version_matrix.py runs
 this file under every torch pippy supports.

@@ -45,18 +45,18 @@ the errors. The gears stay importable from their modules, one idea per module:
 * :mod:`~pippy.checkpoint.steps` and :mod:`~pippy.checkpoint.publishing`:
   step folders (``<checkpoint_dir>/step-<N>``), staged and published once
   complete (renamed whole, or committed by their manifest on an object
-  store); the newest complete step; retention.
+  store); the newest complete step; retention; a step's ``manifest.json``
+  (a checksum of every item written), its ``.metadata`` checked, and which
+  torch and pippy wrote it.
 * :mod:`~pippy.checkpoint.state`: a rank's stage(s) as one state_dict;
   the one owner of the optimizer-state key grammar.
 * :mod:`~pippy.checkpoint.checks`:
   ``check_keys`` across ranks before a save (DCP would silently keep one copy
   of a colliding key, and mix diverged data-parallel replicas); tied
   weights, traced buffers, sizes.
-* :mod:`~pippy.checkpoint.manifest`, :mod:`~pippy.checkpoint.safe_load`,
-  :mod:`~pippy.checkpoint.metadata` (also: which torch and pippy wrote a
-  step, and reading what another torch wrote) and
-  :mod:`~pippy.checkpoint.load_planner`: checksums of every item written,
-  and loading without running code a checkpoint's pickles could carry.
+* :mod:`~pippy.checkpoint.safe_load` and
+  :mod:`~pippy.checkpoint.load_planner`: loading without running code a
+  checkpoint's pickles could carry, every item checked against its checksum.
 * :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job` and

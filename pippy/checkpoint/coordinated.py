@@ -53,7 +53,6 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     on_coordinator,
 )
-from pippy.checkpoint.manifest import read_manifest
 from pippy.checkpoint.safe_load import SafeFileSystemReader, verify_step
 from pippy.checkpoint.steps import (
     _holds_its_step,
@@ -61,6 +60,7 @@ from pippy.checkpoint.steps import (
     list_steps,
     newest_complete_step,
     parse_step,
+    read_manifest,
 )
 from pippy.checkpoint.storage import Location, storage_for
 

@@ -29,7 +29,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
 from pippy.checkpoint.checks import tied_groups
 from pippy.checkpoint.errors import CheckpointError, explain_failures
-from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.state import (
     PIPPY,
     TORCHTITAN,
@@ -39,6 +38,7 @@ from pippy.checkpoint.state import (
     pippy_name,
     to_torchtitan,
 )
+from pippy.checkpoint.steps import ManifestWriter
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 
 __all__ = [

@@ -30,9 +30,9 @@ from torch.futures import Future
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import CheckpointDirError, dir_error, explain_failures
 from pippy.checkpoint.job import check_lease, lease_lost
-from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.steps import (
+    ManifestWriter,
     _holds_its_step,
     is_complete,
     list_steps,
@@ -72,7 +72,7 @@ class StepWriter(ManifestWriter):
         checkpoint_dir: The run's checkpoint folder; created if missing.
         step: The step being saved.
         keep_last: If set, keep only this many newest complete steps.
-        **kwargs: Passed to :class:`~pippy.checkpoint.manifest.ManifestWriter`
+        **kwargs: Passed to :class:`~pippy.checkpoint.steps.ManifestWriter`
             (``thread_count``, ...).
 
     Attributes:

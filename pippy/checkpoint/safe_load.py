@@ -41,23 +41,23 @@ from pippy.checkpoint.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.manifest import (
+from pippy.checkpoint.steps import (
     MANIFEST_FILE,
+    METADATA_FILE,
+    CompatTensorProperties,
     Manifest,
     check_manifest,
+    check_structure,
+    find_damage,
+    is_complete,
+    list_steps,
+    newer_torch_refusal,
+    parse_step,
     read_manifest,
+    storage_ranges,
     verify_item,
     verify_ranges,
 )
-from pippy.checkpoint.metadata import (
-    METADATA_FILE,
-    CompatTensorProperties,
-    check_structure,
-    find_damage,
-    newer_torch_refusal,
-    storage_ranges,
-)
-from pippy.checkpoint.steps import is_complete, list_steps, parse_step
 from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
 
 __all__ = [

@@ -22,7 +22,7 @@ Note:
     Private names, since torch has no public getter for either: the store
     (``torch.distributed.distributed_c10d._get_default_store``) and a
     group's timeout (its backends' ``options._timeout``, to put it back);
-    :mod:`~pippy.checkpoint.metadata` lists them.
+    :mod:`~pippy.checkpoint.steps` lists them.
 """
 
 from __future__ import annotations

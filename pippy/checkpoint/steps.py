@@ -1,4 +1,4 @@
-"""Step folders: one per saved step, published only once complete.
+"""A step's files: its folder, ``.metadata`` and ``manifest.json``.
 
 A run's checkpoint folder holds ``step-<N>`` folders, one per save. Ranks
 write into a hidden staging folder, ``.step-<N>.partial-<token>``, that rank 0
@@ -6,15 +6,11 @@ renames to ``step-<N>`` once DCP's coordinator has written ``.metadata``: a
 rename is atomic on a POSIX file system, so a step folder is either complete
 or absent; the rename and the folders are fsynced, so it stays so after a
 power loss. The token is new for every save, so that no save ever writes into
-or deletes a staging folder it did not create. A step's ``manifest.json``
-says which step it holds; a folder whose name says otherwise is never taken
-for that step. The file operations themselves go through
-:mod:`~pippy.checkpoint.storage`.
-
-An object store (an fsspec URL: ``s3://``, ``gs://``) has no rename: there a
-step is written in place under its final name, and its ``manifest.json``,
-written last in one PUT, is its commit record. A step folder without it is
-never taken as complete or newest, loaded, or counted by retention.
+or deletes a staging folder it did not create. On an object store (an fsspec
+URL: ``s3://``, ``gs://``), which has no rename, a step is written in place
+under its final name, and its ``manifest.json``, written last in one PUT, is
+its commit record: a step folder without it is never taken as complete or
+newest, loaded, or counted by retention.
 
 Retention never leaves part of a step under a step's name: on a POSIX file
 system it renames the step aside to ``.step-<N>.deleting-<token>`` (one
@@ -23,41 +19,123 @@ leaves that folder, which no step scan lists and the folder's next owner
 deletes (:func:`remove_staging`). On an object store it deletes the commit
 record first: a kill leaves an uncommitted step.
 
+DCP stores no checksums, and ``torch.load`` never checks the zip CRC-32 that
+``torch.save`` computes (its zip reader is built with CRC checks disabled:
+pytorch/pytorch#126952), so a flipped bit, a truncated item or a rank file
+swapped for another of equal size loads without a word. :class:`ManifestWriter`
+checksums each item (CRC-32C) as it is written, and the coordinator writes
+``manifest.json`` beside ``.metadata``:
+
+.. code-block:: json
+
+    {"format": "pippy-manifest/1", "step": 20, "checksum": "crc32c",
+     "optim_layout": 1, "written_by": {"torch": "2.13.0+cpu", "pippy": "0.3.0"},
+     "files": {"__0_0.distcp": 5123456, "...": 0},
+     "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
+                "offset": 0, "length": 49920, "crc32c": 2596996162}]}
+
+``optim_layout`` is :data:`~pippy.checkpoint.state.LAYOUT_VERSION` (absent:
+layout 1); ``written_by`` the torch and pippy that wrote the step; ``files``
+each data file's size in bytes. A folder whose name says another step than
+its manifest is never taken for that step. Reading the JSON runs no code.
+
+Before a load reads a byte, :func:`check_structure` refuses a ``.metadata``
+whose data files are not plain names inside the step folder or whose items
+do not fit their places, and :func:`find_damage` lists data files missing or
+short. ``.metadata`` pickles torch's own classes, whose fields change between
+releases: torch 2.15 adds ``strides`` to ``TensorProperties`` (6 fields),
+which torch 2.10 to 2.14's ``__setstate__`` cannot unpack (5).
+:class:`CompatTensorProperties` drops the fields the running torch lacks (a
+tensor's bytes are a ``torch.save`` record of their own, strides included).
+A ``.metadata`` that still cannot be read, where the manifest says a newer
+torch wrote it, is refused by :func:`newer_torch_refusal` with the versions
+named.
+
 The functions here ask the storage from the process that calls them; in a
 job, rank 0 asks and broadcasts the answer
 (:func:`~pippy.checkpoint.find_latest_step` itself, publishing and ownership
-around the others; see
-:mod:`~pippy.checkpoint.coordinated`).
+around the others; see :mod:`~pippy.checkpoint.coordinated`).
+
+Private torch names pippy relies on, each tested in
+test/test_torch_internals.py on torch 2.10 to 2.15
+(test/golden/version_matrix.py):
+
+* ``torch.distributed.checkpoint.state_dict._get_fqns`` (optimizer keys);
+* ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
+  (a shard's place, for the replica check);
+* ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URLs);
+* the ``.metadata`` globals :mod:`~pippy.checkpoint.safe_load` allows, and
+  ``_StorageInfo``'s ``relative_path``, ``offset`` and ``length``;
+* ``FileSystemWriter``/``FileSystemReader``'s ``fs``, ``path`` and
+  ``sync_files``, which pippy's writer and reader replace;
+* the ``GLOBAL module.name`` text of ``torch.load(weights_only=True)``'s
+  refusal, which the load planner parses;
+* ``torch.serialization.set_crc32_options`` being per thread from torch 2.12
+  (``storage.CRC32_PER_THREAD``; per process before, so kept on there);
+* ``torch.distributed.distributed_c10d._get_default_store`` and a group's
+  ``_device_types``, ``_get_backend`` and ``options._timeout``
+  (:mod:`~pippy.checkpoint.stall`; no public getters);
+* ``DefaultLoadPlanner.original_state_dict`` (undocumented), the dict
+  ``dcp.load`` fills, filled when ``read_data`` returns;
+* ``DefaultSavePlanner._enable_plan_caching`` (refused by the save planner);
+* an LR scheduler's ``_last_lr`` list in its state;
+* ``nn.Module``'s ``_parameters``, ``_buffers``, ``_modules``,
+  ``_non_persistent_buffers_set``, ``_state_dict_hooks`` and
+  ``_state_dict_pre_hooks``.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import logging
+import math
 import os
 import re
 import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+import google_crc32c
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+from torch.torch_version import TorchVersion
+
+from pippy.checkpoint import stall
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
-from pippy.checkpoint.metadata import METADATA_FILE
-from pippy.checkpoint.storage import Location, glob, storage_for
-
-__all__ = [
-    "is_complete",
-    "list_steps",
-    "newest_complete_step",
-    "parse_step",
-    "remove_old_steps",
-    "remove_staging",
-    "step_dir",
-]
+from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
+from pippy.checkpoint.storage import (
+    DurableFileSystem,
+    Location,
+    Storage,
+    glob,
+    is_url,
+    step_file,
+    storage_for,
+)
 
 logger = logging.getLogger(__name__)
+
+#: DCP's index of a step's items, written last: a step folder without it is partial.
+METADATA_FILE = ".metadata"
+#: The manifest's file name inside a step folder.
+MANIFEST_FILE = "manifest.json"
+_FORMAT = "pippy-manifest/1"
 
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
@@ -248,3 +326,504 @@ def remove_staging(checkpoint_dir: Location) -> list[str]:
             storage.remove(leftover)
             removed.append(storage.name(leftover))
     return removed
+
+
+@dataclass(frozen=True)
+class _Checksummed:
+    """DCP's storage info of one item, with its CRC-32C, for the coordinator."""
+
+    info: Any
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one save wrote, as recorded in ``manifest.json``.
+
+    Attributes:
+        step: The step the save holds.
+        files: Size in bytes of each data file, by file name.
+        items: ``(file, offset, length)`` of each item, to its key and CRC-32C.
+        optim_layout: The optimizer layout version recorded (None: layout 1).
+        written_by: The ``torch`` and ``pippy`` versions that wrote the step
+            (may be empty).
+    """
+
+    step: int
+    files: dict[str, int]
+    items: dict[tuple[str, int, int], tuple[str, int]]
+    optim_layout: object = None
+    written_by: dict[str, str] = field(default_factory=dict)
+
+
+def _crc32c_of(folder: Location, ranges: Iterable[tuple[str, int, int]]) -> dict:
+    """CRC-32C of each ``(file, offset, length)`` byte range, read from storage."""
+    storage = storage_for(folder)
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for name, offset, length in ranges:
+        by_file.setdefault(name, []).append((offset, length))
+    crcs = {}
+    for name, spans in by_file.items():
+        with storage.open_read(storage.join(folder, name)) as f:
+            for offset, length in sorted(spans):
+                f.seek(offset)
+                data = f.read(length)
+                if len(data) != length:
+                    raise CheckpointError(f"{name} ended at byte {offset + len(data)}")
+                crcs[name, offset, length] = google_crc32c.value(data)
+    return crcs
+
+
+class ManifestWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
+
+    Each rank takes every item's CRC-32C as it is written (from the file
+    system's streams; read back only if a given file system records none);
+    the checksums reach the coordinator with DCP's write results, and it
+    writes ``manifest.json`` after ``.metadata``. Plain ``dcp.load`` ignores
+    the file. Items are written without ``torch.save``'s own CRC-32 (see the
+    note), in the writing thread only. Files and renames are fsynced
+    (:class:`~pippy.checkpoint.storage.DurableFileSystem`).
+
+    Args:
+        path: The folder to write (the ``checkpoint_id``).
+        step: The step being saved, recorded in the manifest.
+        **kwargs: Passed to ``FileSystemWriter`` (``thread_count``, ...).
+
+    Attributes:
+        written: After the save, ``(tensors, bytes)`` this rank wrote, bytes
+            as in its file (with ``torch.save`` framing).
+
+    Note:
+        The items' zip records carry no CRC-32 (zero fields), which
+        ``torch.load`` never checks (see the module docstring) but a zip tool
+        reports. On torch 2.10 and 2.11, whose setting is per process, they
+        keep it (:func:`~pippy.checkpoint.storage.no_crc32`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        step: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(path, **kwargs)
+        if is_url(path):  # an object store: fsspec's streams, durable at close
+            self.fs = storage_for(path).dcp_filesystem(path)  # type: ignore[assignment]
+            self.path = self.fs.init_path(path)
+            self.sync_files = False  # else DCP runs os.sync() per stream
+        else:
+            self.fs = DurableFileSystem()
+        self.step = step
+        self.written = (0, 0)
+
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """Writes this rank's items as DCP does, then checksums them as written.
+
+        Under :mod:`~pippy.checkpoint.stall`, progress is recorded and the
+        rank then waits for the others.
+
+        Raises:
+            CheckpointTimeout: Some rank did not finish writing in time.
+        """
+        waits = stall.active()
+        if waits is None:
+            return self._write_checksummed(plan, planner)
+        sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
+        with waits.inside_dcp():
+            return self._write_checksummed(plan, waits.counting(planner, sizes))
+
+    def _write_checksummed(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """DCP's ``write_data``, its results carrying each item's CRC-32C."""
+        results = super().write_data(plan, planner).wait()
+        tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
+        lengths = [r.storage_data.length for r in results if r.index in tensors]
+        self.written = (len(lengths), sum(lengths))
+        ranges = [
+            (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
+            for r in results
+        ]
+        written = getattr(self.fs, "crcs", {})
+        if all(r in written for r in ranges):
+            crcs = {r: written[r] for r in ranges}
+        else:
+            crcs = _crc32c_of(self.path, ranges)
+        checked = [
+            WriteResult(r.index, r.size_in_bytes, _Checksummed(r.storage_data, crc))
+            for r, crc in zip(results, (crcs[k] for k in ranges), strict=True)
+        ]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(checked)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Writes ``.metadata`` as DCP does, then ``manifest.json``."""
+        storage = storage_for(self.path)
+        items: list[dict[str, Any]] = []
+        files: dict[str, int] = {}
+        plain: list[list[WriteResult]] = []
+        for rank_results in results:
+            plain.append([])
+            for r in rank_results:
+                info, crc = r.storage_data.info, r.storage_data.crc32c
+                plain[-1].append(WriteResult(r.index, r.size_in_bytes, info))
+                name, end = info.relative_path, info.offset + info.length
+                files[name] = max(files.get(name, 0), end)
+                items.append(
+                    {
+                        "key": r.index.fqn,
+                        "file": name,
+                        "offset": info.offset,
+                        "length": info.length,
+                        "crc32c": crc,
+                    }
+                )
+        super().finish(metadata, plain)
+        manifest = {
+            "format": _FORMAT,
+            "step": self.step,
+            "checksum": "crc32c",
+            "optim_layout": LAYOUT_VERSION,
+            "written_by": written_by(),
+            "files": dict(sorted(files.items())),
+            "items": items,
+        }
+        # dumps, not dump: json.dump streams through the pure-Python encoder,
+        # about 10x slower than the C one dumps uses.
+        data = json.dumps(manifest, separators=(",", ":")).encode()
+        storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
+
+
+def read_manifest(folder: Location) -> Manifest | None:
+    """Reads a step folder's ``manifest.json``.
+
+    Returns:
+        The manifest, or None if the step folder has none.
+
+    Raises:
+        UnsafeCheckpointError: ``manifest.json`` is a link leading out of the
+            step folder.
+        CheckpointError: The manifest is not valid JSON of this format.
+    """
+    storage = storage_for(folder)
+    path = step_file(storage, folder, MANIFEST_FILE)
+    if storage.size(path) is None:
+        return None
+    try:
+        raw = json.loads(storage.read_bytes(path))
+        if raw.get("format") != _FORMAT:
+            raise ValueError(f"format {raw.get('format')!r}, not {_FORMAT!r}")
+        files = {str(k): _count(v) for k, v in raw["files"].items()}
+        items = {
+            (str(i["file"]), _count(i["offset"]), _count(i["length"])): (
+                str(i["key"]),
+                _count(i["crc32c"]),
+            )
+            for i in raw["items"]
+        }
+        versions = raw.get("written_by", {})
+        if not isinstance(versions, dict):
+            raise ValueError(f"written_by is {versions!r}, not an object")
+        versions = {str(k): str(v) for k, v in versions.items()}
+        step = _count(raw["step"])
+        return Manifest(step, files, items, raw.get("optim_layout"), versions)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is damaged: {e}") from None
+
+
+def _count(value: Any) -> int:
+    """``value`` if it is a non-negative int; else a ``ValueError``."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a non-negative integer")
+    return value
+
+
+def check_manifest(
+    folder: Location, step: int | None, ranges: Mapping[tuple[str, int, int], str]
+) -> Manifest:
+    """Reads a step's manifest and checks it against the folder.
+
+    Args:
+        folder: The step folder.
+        step: The step its name says (None for another name).
+        ranges: ``{(file, offset, length): key}`` of ``.metadata``'s items.
+
+    Raises:
+        UnsafeCheckpointError: As :func:`read_manifest`.
+        CheckpointError: There is no manifest; it names another step or an
+            unknown optimizer layout; or it disagrees with the files' sizes
+            or ``.metadata``'s items.
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise CheckpointError(
+            f"{str(folder)!r} has no {MANIFEST_FILE}, so its content cannot be "
+            "verified (written by plain DCP or an older pippy, or the file was "
+            "lost). If you know it is intact, load it with verify=False"
+        )
+    if step is not None and step != manifest.step:
+        raise CheckpointError(
+            f"{str(folder)!r} holds step {manifest.step} by its {MANIFEST_FILE}: a "
+            "folder renamed or copied under another step's name. Give it its own "
+            f"name (step-{manifest.step}) or move it out of the checkpoint folder"
+        )
+    check_layout_version(manifest.optim_layout, repr(str(folder)))
+    storage = storage_for(folder)
+    for name, size in manifest.files.items():
+        actual = storage.size(storage.join(folder, name))
+        if actual != size:
+            raise CheckpointError(
+                f"{str(folder)!r} is damaged: {name} has "
+                f"{'no file' if actual is None else f'{actual} bytes'}, "
+                f"{MANIFEST_FILE} says {size}. Restore it, or move the folder out "
+                "of the checkpoint folder to resume from an earlier step"
+            )
+    recorded = {place: key for place, (key, _) in manifest.items.items()}
+    if dict(ranges) != recorded:
+        differ = sorted(
+            {ranges.get(p) or recorded[p] for p in ranges.keys() ^ recorded.keys()}
+            | {k for p, k in ranges.items() if recorded.get(p, k) != k}
+        )
+        raise CheckpointError(
+            f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} "
+            f"disagree on where {', '.join(map(repr, differ[:4]))} are stored. "
+            "Restore the step, or move it out of the checkpoint folder to resume "
+            "from an earlier step"
+        )
+    return manifest
+
+
+def verify_ranges(
+    folder: Location, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
+) -> None:
+    """Checks byte ranges of a step's files against their manifest checksums.
+
+    Raises:
+        CheckpointError: A range the manifest lacks, or whose bytes do not
+            match their checksum, naming the key and file.
+    """
+    for place, key in ranges.items():
+        _check_listed(manifest, place, key)
+    crcs = _crc32c_of(folder, ranges)
+    for place, key in ranges.items():
+        if crcs[place] != manifest.items[place][1]:
+            raise _mismatch(key, place[0])
+
+
+def verify_item(
+    manifest: Manifest, place: tuple[str, int, int], key: str, data: bytes
+) -> None:
+    """Checks one item's bytes, as read, against its manifest checksum.
+
+    Raises:
+        CheckpointError: As :func:`verify_ranges`.
+    """
+    _check_listed(manifest, place, key)
+    if google_crc32c.value(data) != manifest.items[place][1]:
+        raise _mismatch(key, place[0])
+
+
+def _check_listed(manifest: Manifest, place: tuple[str, int, int], key: str) -> None:
+    """Raises if the manifest has no item at ``place``."""
+    if place not in manifest.items:
+        name, offset, length = place
+        raise CheckpointError(
+            f"item {key!r} of {name} (bytes {offset}-{offset + length}) is not "
+            f"in {MANIFEST_FILE}: .metadata and the manifest disagree, so the "
+            "step is damaged or was edited; load an earlier step"
+        )
+
+
+def _mismatch(key: str, name: str) -> CheckpointError:
+    """The error for an item whose bytes do not match their checksum."""
+    return CheckpointError(
+        f"item {key!r} of {name} is damaged: its bytes do not match their "
+        f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
+        "by another). Restore the file, or move the folder out of the "
+        "checkpoint folder to resume from an earlier step"
+    )
+
+
+def find_damage(path: Location, metadata: Metadata) -> list[str]:
+    """Lists the data files that ``.metadata`` names but are missing or short.
+
+    A step is published whole, so this finds damage done afterwards (a file
+    deleted, a copy cut short), which DCP would meet mid-load on some ranks.
+
+    Args:
+        path: A step folder.
+        metadata: Its metadata, from
+            :func:`~pippy.checkpoint.safe_load.read_metadata`.
+
+    Returns:
+        One line per damaged file (``"__1_0.distcp is missing"``); empty if
+        every file is there and at least as long as its items.
+    """
+    storage = storage_for(path)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            end = info.offset + info.length
+            needed[name] = max(needed.get(name, 0), end)
+    problems = []
+    for name, size in sorted(needed.items()):
+        actual = storage.size(storage.join(path, name))
+        if actual is None:
+            problems.append(f"{name} is missing")
+        elif actual < size:
+            problems.append(f"{name} has {actual} bytes, its items need {size}")
+    return problems
+
+
+def _data_file(storage: Storage, folder: Location, name: Any) -> Any:
+    """The data file ``name`` inside ``folder``; refused if it could be elsewhere."""
+    plain = (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+    )
+    if not plain:
+        raise UnsafeCheckpointError(
+            f"refused to load {str(folder)!r}: its {METADATA_FILE} names the data "
+            f"file {name!r}, which is not a plain file name inside the step folder "
+            "(a path). DCP would open it wherever it points; no checkpoint written "
+            "by DCP or pippy does that"
+        )
+    return step_file(storage, folder, name)
+
+
+def check_structure(folder: Location, metadata: Metadata) -> None:
+    """Refuses metadata whose items are not where, or not as large as, it says.
+
+    Raises:
+        CheckpointError: A table is malformed, an item has no valid place,
+            a tensor's chunks do not fill its shape, or an item is larger
+            than its place in the file.
+        UnsafeCheckpointError: A data file is not a plain name inside ``folder``.
+    """
+    files = storage_for(folder)
+    damaged = f"{os.fspath(files.join(folder, METADATA_FILE))!r} is damaged"
+    try:
+        _check_tables(files, folder, metadata, damaged)
+    except (AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
+        raise CheckpointError(f"{damaged}: {type(e).__name__}: {e}") from None
+
+
+def _check_tables(
+    files: Storage, folder: Location, metadata: Metadata, damaged: str
+) -> None:
+    """:func:`check_structure`'s checks; a malformed entry raises anything."""
+    storage = metadata.storage_data
+    items = metadata.state_dict_metadata
+    if not isinstance(storage, dict) or not isinstance(items, dict):
+        raise CheckpointError(f"{damaged}: it has no table of items and files")
+    contained: set[str] = set()  # each file once: resolving a path stats it
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if not (isinstance(name, str) and name in contained):
+            _data_file(files, folder, name)
+            contained.add(str(name))  # a plain name: data_file refuses others
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(type(n) is int and n >= 0 for n in (offset, length)):
+            raise CheckpointError(f"{damaged}: item {index.fqn!r} has no valid place")
+    for key, item in items.items():
+        if isinstance(item, BytesStorageMetadata):
+            chunks: list[tuple[MetadataIndex, int]] = [(MetadataIndex(key), 0)]
+        elif isinstance(item, TensorStorageMetadata):
+            size = item.properties.dtype.itemsize
+            chunks = [
+                (MetadataIndex(key, chunk.offsets), math.prod(chunk.sizes) * size)
+                for chunk in item.chunks
+            ]
+            inside = all(
+                len(c.offsets) == len(c.sizes) == len(item.size)
+                and all(
+                    0 <= o and o + n <= d
+                    for o, n, d in zip(c.offsets, c.sizes, item.size, strict=True)
+                )
+                for c in item.chunks
+            )
+            volume = sum(math.prod(c.sizes) for c in item.chunks)
+            if not inside or volume != math.prod(item.size):
+                raise CheckpointError(
+                    f"{damaged}: {key!r} declares shape {list(item.size)}, which "
+                    "its stored chunks do not fill"
+                )
+        else:
+            raise CheckpointError(f"{damaged}: {key!r} is neither tensor nor object")
+        for index, nbytes in chunks:
+            info = storage.get(index)
+            if info is None:
+                raise CheckpointError(f"{damaged}: no file holds {key!r}")
+            if nbytes > info.length:  # torch.save adds headers, never removes bytes
+                raise CheckpointError(
+                    f"{damaged}: {key!r} declares {nbytes} bytes, but its file "
+                    f"holds {info.length} for it"
+                )
+
+
+def storage_ranges(metadata: Metadata, indices: Any = None) -> dict:
+    """``{(file, offset, length): key}`` of the items at ``indices`` (default all)."""
+    storage = metadata.storage_data
+    indices = storage.keys() if indices is None else indices
+    return {
+        (storage[i].relative_path, storage[i].offset, storage[i].length): i.fqn
+        for i in indices
+    }
+
+
+# How many fields this torch's TensorProperties pickles.
+_FIELDS = len(TensorProperties().__getstate__())
+
+
+class CompatTensorProperties(TensorProperties):
+    """DCP's ``TensorProperties``, also read from a newer torch's longer state."""
+
+    def __setstate__(self, state: Any) -> None:
+        """Takes the fields this torch knows; drops those a newer torch added."""
+        if isinstance(state, tuple) and len(state) > _FIELDS:
+            state = state[:_FIELDS]
+        super().__setstate__(state)
+
+
+def written_by() -> dict[str, str]:
+    """The versions that write a step now: ``{"torch": ..., "pippy": ...}``."""
+    try:
+        pippy = importlib.metadata.version("pippy")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        pippy = "unknown"
+    return {"torch": str(torch.__version__), "pippy": pippy}
+
+
+def newer_torch_refusal(
+    metadata_file: str, writer: object, error: Exception
+) -> CheckpointError | None:
+    """The error for a ``.metadata`` a newer torch wrote and this one cannot read.
+
+    Args:
+        metadata_file: The file, for the message.
+        writer: The torch version the step's manifest records (None if none).
+        error: What unpickling raised.
+
+    Returns:
+        The error, or None unless ``writer`` is newer than this torch.
+    """
+    if not isinstance(writer, str):
+        return None
+    try:
+        newer = TorchVersion(writer) > TorchVersion(str(torch.__version__))
+    except Exception:  # not a version: the manifest is no help here
+        return None
+    if not newer:
+        return None
+    return CheckpointError(
+        f"{metadata_file} was written by torch {writer}, this is torch "
+        f"{torch.__version__}, which cannot read it ({type(error).__name__}: "
+        f"{error}). Read it with torch {writer} or newer"
+    )

@@ -247,7 +247,7 @@ def checksummed(fs: FileSystemBase, path: str | os.PathLike, raw: Any) -> Iterat
     """``raw``, a stream DCP writes ``path`` through, recording each item's CRC-32C.
 
     The checksums go into ``fs.crcs``, ``(file, offset, length)`` to CRC-32C,
-    which :class:`~pippy.checkpoint.manifest.ManifestWriter` takes for its
+    which :class:`~pippy.checkpoint.steps.ManifestWriter` takes for its
     manifest instead of reading the items back. Use it inside the block that
     closes ``raw``: at its end, what it holds back is written to ``raw``
     (DCP closes a data file's stream itself, but not ``.metadata``'s).
