@@ -24,9 +24,12 @@ from torch.distributed.checkpoint import CheckpointException
 
 from pippy import checkpoint
 from pippy.checkpoint.job import OWNER_FILE
-from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
-from pippy.checkpoint.safe_load import SafeFileSystemReader, read_metadata
+from pippy.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_metadata,
+)
 from pippy.checkpoint.steps import list_steps, remove_old_steps
 from pippy.cli import main
 

@@ -27,7 +27,7 @@ The functions here ask the storage from the process that calls them; in a
 job, rank 0 asks and broadcasts the answer
 (:func:`~pippy.checkpoint.find_latest_step` itself, publishing and ownership
 around the others; see
-:mod:`~pippy.checkpoint.coordinated`).
+:mod:`~pippy.checkpoint.safe_load`).
 """
 
 from __future__ import annotations
