@@ -24,8 +24,11 @@ from torch.distributed.checkpoint import CheckpointException
 
 from pippy import checkpoint
 from pippy.checkpoint.job import OWNER_FILE
-from pippy.checkpoint.load_planner import SafeLoadPlanner
-from pippy.checkpoint.safe_load import SafeFileSystemReader, read_metadata
+from pippy.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    read_metadata,
+)
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,
     list_steps,

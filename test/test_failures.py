@@ -24,8 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from pippy import checkpoint
 from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import explain_failures
-from pippy.checkpoint.load_planner import SafeLoadPlanner
-from pippy.checkpoint.safe_load import SafeFileSystemReader
+from pippy.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from pippy.checkpoint.steps import is_complete, list_steps, step_dir
 from pippy.cli import main as pippy_cli
 

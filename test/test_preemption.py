@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pippy import checkpoint
-from pippy.checkpoint.coordinated import newest_verified_step
 from pippy.checkpoint.job import Deadline, check_restarts, launcher_deadline
+from pippy.checkpoint.safe_load import newest_verified_step
 from pippy.checkpoint.steps import list_steps
 
 import helpers

@@ -176,7 +176,7 @@ def test_no_crc32_leaves_other_threads_and_the_setting_alone():
     assert seen == [True] and get_crc32_options() is True
 
 
-def test_a_weights_only_refusal_names_the_global_as_load_planner_parses_it():
+def test_a_weights_only_refusal_names_the_global_as_safe_load_planner_parses_it():
     data = io.BytesIO()
     torch.save({"x": fractions.Fraction(1, 3)}, data)
     data.seek(0)

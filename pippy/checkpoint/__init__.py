@@ -37,11 +37,12 @@ the errors. The gears stay importable from their modules, one idea per module:
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
   manifest).
-* :mod:`~pippy.checkpoint.coordinated`: which rank answers which question
-  about the checkpoint folder (rank 0, for all: which step, is it complete,
-  who owns the folder, what to delete); the step to resume from (the newest
-  complete one, or on request the newest that verifies, damaged ones moved
-  aside) and its reader, made so.
+* :mod:`~pippy.checkpoint.safe_load`: the load side. Which rank answers
+  which question about the checkpoint folder (rank 0, for all: which step,
+  is it complete, who owns the folder, what to delete); the step to resume
+  from (the newest complete one, or on request the newest that verifies,
+  damaged ones moved aside) and its reader, made so; the reader and load
+  planner that load without running code a checkpoint's pickles could carry.
 * :mod:`~pippy.checkpoint.steps` and :mod:`~pippy.checkpoint.publishing`:
   step folders (``<checkpoint_dir>/step-<N>``), staged and published once
   complete (renamed whole, or committed by their manifest on an object
@@ -54,9 +55,6 @@ the errors. The gears stay importable from their modules, one idea per module:
   ``check_keys`` across ranks before a save (DCP would silently keep one copy
   of a colliding key, and mix diverged data-parallel replicas); tied
   weights, traced buffers, sizes.
-* :mod:`~pippy.checkpoint.safe_load` and
-  :mod:`~pippy.checkpoint.load_planner`: loading without running code a
-  checkpoint's pickles could carry, every item checked against its checksum.
 * :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job` and
@@ -81,7 +79,6 @@ from pippy.checkpoint.api import (
 )
 from pippy.checkpoint.async_saver import AsyncSaver
 from pippy.checkpoint.checks import diff_state_dicts
-from pippy.checkpoint.coordinated import find_latest_step
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
@@ -103,7 +100,7 @@ from pippy.checkpoint.offline import (
     read_checkpoint,
 )
 from pippy.checkpoint.publishing import publish_step
-from pippy.checkpoint.safe_load import verify_step
+from pippy.checkpoint.safe_load import find_latest_step, verify_step
 from pippy.checkpoint.state import StageState
 
 __all__ = [

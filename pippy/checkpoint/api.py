@@ -43,11 +43,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves, offer_keys, refuse_losses
-from pippy.checkpoint.coordinated import open_reader
 from pippy.checkpoint.errors import explain_failures, fail_together, own_error
-from pippy.checkpoint.load_planner import SafeLoadPlanner
 from pippy.checkpoint.publishing import publish_step
-from pippy.checkpoint.safe_load import SafeFileSystemReader, after_reads
+from pippy.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    after_reads,
+    open_reader,
+)
 from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.state import (
     PIPPY,
@@ -383,7 +386,7 @@ def open_step(
 
     Call it on every rank of ``process_group`` at once: rank 0 alone looks
     at the step's folder, ``.metadata`` and manifest, and the others take
-    its answer (:func:`~pippy.checkpoint.coordinated.open_reader`).
+    its answer (:func:`~pippy.checkpoint.safe_load.open_reader`).
 
     Args:
         path: A ``step-<N>`` folder.

@@ -1,31 +1,67 @@
-"""Reading a checkpoint's index without running code, and finding damage first.
+"""The load side: what a load may read, and the step found and opened on rank 0.
 
 torch 2.13's ``FileSystemReader`` unpickles ``.metadata`` with
 ``pickle.load``, and ``DefaultLoadPlanner`` reads non-tensor items with
 ``torch.load(weights_only=False)``: whoever can write a checkpoint folder
-could run code on every rank that loads it. :class:`SafeFileSystemReader`
-accepts only DCP's own metadata classes and finds damaged data files before
-anything is read; :class:`~pippy.checkpoint.load_planner.SafeLoadPlanner`
-guards the items. :func:`resolve_trusted` is the one place that reads
-``PIPPY_TRUST_CHECKPOINT``.
+could run code on every rank that loads it. The planner also stops at the
+first missing key, converts dtypes without a word and ignores checkpoint keys
+that no rank asks for. :class:`SafeFileSystemReader` accepts only DCP's own
+metadata classes and finds damaged data files before anything is read;
+:class:`SafeLoadPlanner` guards the items and refuses each of the planner's
+silences, naming the keys and the fix. :func:`resolve_trusted` is the one
+place that reads ``PIPPY_TRUST_CHECKPOINT``.
+
+One rank answers every question about the checkpoint folder, for all ranks.
+On a filesystem every node mounts, attribute caching (NFS) can make ranks
+disagree on what the folder holds, and so resume from different steps or
+wait in different collectives; on a bucket, hundreds of ranks listing at
+once get throttled into "no checkpoint". So in a job, rank 0 of the process
+group alone lists or looks up the run's folder, and broadcasts its answer
+(or its error: :func:`~pippy.checkpoint.errors.on_coordinator`), so that
+every rank acts on the same answer or fails with the same message:
+
+=====================================  ==========================================
+Question                               Answered on rank 0 by
+=====================================  ==========================================
+Is the folder a folder, is it free,    :class:`~pippy.checkpoint.FolderOwner`
+who owns it, take it over              (``acquire``; ``release`` on rank 0 alone)
+Which steps are complete, which is     :func:`find_latest_step`
+newest (and which verify)              (``verified=True``: :func:`newest_verified_step`)
+Is the step new, what to move aside;   :class:`~pippy.checkpoint.publishing.StepWriter`,
+publish it, what to delete             in DCP's planning and ``finish`` (no
+(``keep_last``)                        broadcast: DCP's plans carry the answer)
+Is the step complete, its              :func:`open_reader`, which
+``.metadata``, its files' sizes, its   :func:`~pippy.checkpoint.api.open_step` and
+manifest                               ``load_stage`` use
+=====================================  ==========================================
+
+The other ranks then open only the data files whose items they load, and
+the staging folder they write. Without an initialized process group (one
+process, the command line), the process answers alone. A test counts each
+rank's system calls and bucket listings (``test/test_one_rank_decides.py``).
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
+import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -36,22 +72,33 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 
 from pippy.checkpoint import stall
+from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
+    on_coordinator,
+)
+from pippy.checkpoint.state import (
+    TORCHTITAN,
+    OptimKeys,
+    detect_layout,
+    pippy_name,
+    stateless_keys,
 )
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,
     METADATA_FILE,
     CompatTensorProperties,
     Manifest,
+    _holds_its_step,
     check_manifest,
     check_structure,
     find_damage,
     is_complete,
     list_steps,
     newer_torch_refusal,
+    newest_complete_step,
     parse_step,
     read_manifest,
     storage_ranges,
@@ -60,15 +107,7 @@ from pippy.checkpoint.steps import (
 )
 from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
 
-__all__ = [
-    "TRUST_ENV",
-    "SafeFileSystemReader",
-    "after_reads",
-    "find_damage",
-    "read_metadata",
-    "resolve_trusted",
-    "verify_step",
-]
+logger = logging.getLogger(__name__)
 
 #: Environment variable that, set to 1, lets the safe reader and planner load
 #: any pickle, as plain DCP does. Only for checkpoints from a trusted source.
@@ -142,7 +181,7 @@ def resolve_trusted(trusted: bool | None) -> bool:
     return os.environ.get(TRUST_ENV) == "1" if trusted is None else trusted
 
 
-def refusal(what: str, refused: str) -> UnsafeCheckpointError:
+def _refusal(what: str, refused: str) -> UnsafeCheckpointError:
     """The error for loading ``what``, whose pickle would import ``refused``."""
     return UnsafeCheckpointError(
         f"refused to load {what}: it would import {refused}, which no checkpoint "
@@ -169,7 +208,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         )
         if not (allowed or self.trusted):
-            raise refusal(self.name, f"{module}.{name}")
+            raise _refusal(self.name, f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -449,3 +488,495 @@ def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
     ranges = storage_ranges(reader.metadata)
     verify_ranges(reader.folder, reader.manifest, ranges)
     return len(ranges)
+
+
+def _drop_leaves(state_dict: dict[str, Any], keys: set[str], prefix: str = "") -> None:
+    """Deletes, in place, the leaves of a nested dict whose dotted key is in keys."""
+    for key in list(state_dict):
+        value = state_dict[key]
+        if isinstance(value, dict):
+            _drop_leaves(value, keys, f"{prefix}{key}.")
+        elif f"{prefix}{key}" in keys:
+            del state_dict[key]
+
+
+def _section(key: str) -> str:
+    """The ``must_read`` prefix of a pippy key's section: ``data.``, ``step``."""
+    head, dot, _ = key.partition(".")
+    return head + dot
+
+
+def _quoted(names: list[str]) -> str:
+    """``a 'x' section``, ``'x' and 'y' sections``: the sections named so."""
+    names = [repr(n.rstrip(".")) for n in names]
+    if len(names) == 1:
+        return f"a {names[0]} section"
+    return f"{', '.join(names[:-1])} and {names[-1]} sections"
+
+
+def _must_read(sections: set[str]) -> tuple[str, ...]:
+    """The sections as a ``must_read``: pippy's own first, then the extras."""
+    own = ("model.", "optim.", "lr_scheduler.", "step")
+    return tuple(s for s in own if s in sections) + tuple(sorted(sections - {*own}))
+
+
+def _allow_hint(refused: str) -> str:
+    """How to allow one class of a param group's options, named by its global."""
+    module, _, name = refused.rpartition(".")
+    return (
+        f"If {name} is a class of yours that a param group holds (a dataclass "
+        "option, say) and you trust it, allow that class alone, before loading: "
+        f"torch.serialization.add_safe_globals([{name}]) ({name} of {module})."
+    )
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
+
+    Non-tensor items are read with ``torch.load(weights_only=True)``. Each
+    requested key is checked (present, shape, dtype) before planning, and on
+    the coordinator every checkpoint key under ``must_read`` must be read by
+    some rank (DCP ignores keys no rank asks for: a checkpoint with more
+    layers than the model would load "successfully"). The state of a
+    parameter saved without any (:func:`~pippy.checkpoint.state.stateless_keys`)
+    is dropped from the state_dict being loaded.
+
+    Args:
+        trusted: True reads any pickle, as ``DefaultLoadPlanner`` does; None
+            decides by :func:`resolve_trusted`.
+        must_read: Prefixes of the checkpoint keys that some rank must read;
+            ``("",)`` (the default) is every key, ``()`` none. Loading only
+            the weights (a fine-tuning start) passes ``("model.",)``.
+        **kwargs: Passed to ``DefaultLoadPlanner``.
+
+    Raises:
+        UnsafeCheckpointError: From :meth:`load_bytes`, naming the key, its
+            file and the refused global; for an ``optim.scalars`` item, also
+            ``torch.serialization.add_safe_globals``, which ``weights_only``
+            honours.
+        CheckpointError: From :meth:`create_local_plan`, naming keys missing
+            or of another shape or dtype; from :meth:`create_global_plan`,
+            naming the keys that no rank reads.
+    """
+
+    def __init__(
+        self,
+        *,
+        trusted: bool | None = None,
+        must_read: tuple[str, ...] = ("",),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.trusted = resolve_trusted(trusted)
+        self.must_read = must_read
+        self.optim_keys = OptimKeys(())  # set up with the keys by set_up_planner
+        # A key's name in pippy's layout, for messages; set up likewise.
+        self.layout_name: Callable[[str], str] = str
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """Removes the state of parameters saved without any, then sets up DCP's."""
+        wanted = [key for key, _ in named_leaves(state_dict)]
+        saved = metadata.state_dict_metadata if metadata is not None else {}
+        self.optim_keys = OptimKeys.of_keys([*wanted, *saved])
+        self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
+        if metadata is not None:
+            _drop_leaves(state_dict, stateless_keys(wanted, saved))
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def _optim_section(self, key: str) -> str | None:
+        """The optimizer section of a dotted key (``state``, ...), or None."""
+        parsed = self.optim_keys.split(key)
+        return None if parsed is None else parsed[1]
+
+    def create_local_plan(self) -> LoadPlan:
+        """Checks every requested key (present, shape, dtype), then plans."""
+        saved = self.metadata.state_dict_metadata if self.metadata else {}
+        problems: dict[str, str] = {}  # key: what is wrong with it
+        for key, value in self.state_dict.items():
+            item = saved.get(key)
+            if item is None:
+                if not self.allow_partial_load:
+                    problems[key] = f"{key!r} is not in the checkpoint"
+            elif isinstance(value, torch.Tensor):
+                if not isinstance(item, TensorStorageMetadata):
+                    problems[key] = f"{key!r} is not a tensor in the checkpoint"
+                elif tuple(item.size) != tuple(value.shape):
+                    problems[key] = (
+                        f"{key!r} has shape {list(item.size)} in the checkpoint, "
+                        f"{list(value.shape)} here"
+                    )
+                elif item.properties.dtype != value.dtype:
+                    problems[key] = (
+                        f"{key!r} is {item.properties.dtype} in the checkpoint, "
+                        f"{value.dtype} here"
+                    )
+        if problems:
+            shown = "; ".join(list(problems.values())[:6])
+            what = "this model" if self._in_model(problems) else "this run's state"
+            raise CheckpointError(
+                f"the checkpoint does not match {what} ({len(problems)} "
+                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
+                f"{self._fix_for(problems, saved)}"
+            )
+        return super().create_local_plan()
+
+    def _in_model(self, keys: Any) -> bool:
+        """Whether some of the keys are the model's or the optimizer's."""
+        return any(_section(self.layout_name(k)) in ("model.", "optim.") for k in keys)
+
+    def _fix_for(self, problems: dict[str, str], saved: Any) -> str:
+        """What to do about the problems :meth:`create_local_plan` found."""
+        wants_packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
+        if wants_packed and any(k.startswith("optim.param_groups.") for k in saved):
+            return (
+                "It was written by pippy before optimizer options were packed "
+                "into optim.scalars.<fqn> (it has optim.param_groups.* keys): "
+                "load its weights alone (load_model, or a StageState, without "
+                "an optimizer)."
+            )
+        if all(self._optim_section(k) == "state" for k in problems):
+            return (
+                "Only the optimizer's state differs: build the optimizer as the "
+                "run that saved it did (its class, and options that add state, "
+                "such as amsgrad or momentum)."
+            )
+        if all(re.search(r"(^|\.)lr_scheduler\.", k) for k in problems):
+            return "Build the LR scheduler (or none) as the run that saved it did."
+        if not self._in_model(problems):
+            return self._fix_for_sections(problems, saved)
+        return "Build the model with the configuration it was saved with."
+
+    def _fix_for_sections(self, problems: dict[str, str], saved: Any) -> str:
+        """What to do about problems of this state's other sections (``extra``)."""
+        name = self.layout_name
+        sections = sorted({_section(name(k)) for k in problems})
+        if any(k in saved for k in problems):
+            return (
+                f"This run's state has {_quoted(sections)} unlike the "
+                "checkpoint's: build it as the run that saved the checkpoint did."
+            )
+        elsewhere = [
+            repr(key)
+            for key in saved
+            if any(name(key).endswith(f".{name(k)}") for k in problems)
+        ]
+        instead = f" (it holds {', '.join(elsewhere[:3])} instead)" if elsewhere else ""
+        return (
+            f"This run's state has {_quoted(sections)} that the checkpoint "
+            f"lacks{instead}: load a step saved with the same state, or build "
+            "this run's state without it."
+        )
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        """DCP's global plan, after checking that no required key is left unread."""
+        global_plan = super().create_global_plan(global_plan)
+        read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
+        unread = sorted(
+            key
+            for key in (self.metadata.state_dict_metadata if self.metadata else {})
+            if key.startswith(self.must_read) and key not in read
+        )
+        if not unread:
+            return global_plan
+        shown = ", ".join(repr(k) for k in unread[:8])
+        raise CheckpointError(
+            f"{len(unread)} key(s) of the checkpoint are read by no rank and "
+            f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. "
+            f"{self._why_unread(unread, read)}"
+        )
+
+    def _why_unread(self, unread: list[str], read: set[str]) -> str:
+        """Why the checkpoint's keys that no rank reads are unread, and the fix."""
+        name, why = self.layout_name, []
+        sections = {_section(name(k)) for k in unread} - {"model.", "optim."}
+        ours = _must_read({_section(name(k)) for k in self.state_dict})
+        if extra := sorted(sections - {"lr_scheduler.", "step"}):
+            it, each = ("it", "that") if len(extra) == 1 else ("them", "each")
+            why.append(
+                f"This run's state lacks {_quoted(extra)}: to restore {it}, add "
+                f"a Stateful of {each} name to the StageState's extra; to leave "
+                f"{it} unread, load with must_read={ours!r}."
+            )
+        if own := sorted(sections & {"lr_scheduler.", "step"}):
+            why.append(
+                f"This run's state lacks {_quoted(own)}: build it with the LR "
+                "scheduler and step of the run that saved it, or load with "
+                f"must_read={ours!r}."
+            )
+        others = [k for k in unread if self._optim_section(k) != "state"]
+        if len(others) < len(unread):
+            why.append(
+                f"{'Some are' if others else 'They are'} optimizer state that "
+                "the optimizer loaded into has no place for: it is another class "
+                "(SGD without momentum has no state), it has stepped only some "
+                "parameters (a fresh one gets state for every parameter that "
+                "requires grad), or they do not require grad here. Build the "
+                "optimizer as the run that saved it did, freshly, and unfreeze "
+                "them."
+            )
+        if self._in_model(others):
+            why.append(self._why_unread_model(others, read))
+        return " ".join(why)
+
+    def _why_unread_model(self, unread: list[str], read: set[str]) -> str:
+        """Why model keys are unread: a module this model lacks, or another split."""
+        name = self.layout_name
+
+        def module(key: str) -> str:  # the top-level module a model key names
+            return name(key).removeprefix("model.").split(".")[0]
+
+        ours = {module(k) for k in read if name(k).startswith("model.")}
+        theirs = sorted(
+            {module(k) for k in unread if name(k).startswith("model.")} - ours
+        )
+        if theirs and ours:
+            missing, present = " or ".join(map(repr, theirs)), ", ".join(sorted(ours))
+            return (
+                f"This model has no module {missing} (its modules: {present}): "
+                "those keys are another model's, or other state saved under "
+                "'model.'. Load into the model that saved them, or remap those "
+                "keys before loading."
+            )
+        return (
+            "The model or its split does not match the checkpoint (fewer "
+            "layers? per-stage state keyed by a stage index that no longer "
+            "exists?). Fix the model, or remap those keys before loading."
+        )
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Checks one non-tensor item under ``weights_only`` rules, then loads it."""
+        if not self.trusted:
+            try:
+                torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                storage = self.metadata.storage_data if self.metadata else {}
+                info = storage.get(read_item.storage_index)
+                where = getattr(info, "relative_path", "its data file")
+                what = f"item {read_item.dest_index.fqn!r} of {where}"
+                match = re.search(r"GLOBAL ([\w.]+)", str(e))
+                if match is None:  # not a refused global: the bytes are damaged
+                    raise CheckpointError(f"{what} is damaged: {e}") from None
+                error = _refusal(what, match.group(1))
+                if self._optim_section(read_item.dest_index.fqn) == "scalars":
+                    error = UnsafeCheckpointError(f"{error} {_allow_hint(match[1])}")
+                raise error from None
+            value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def open_reader(
+    path: Location,
+    *,
+    trusted: bool | None = None,
+    check_files: bool = True,
+    verify: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+) -> SafeFileSystemReader:
+    """A :class:`SafeFileSystemReader` of a step, made on every rank at once.
+
+    Rank 0 alone makes it as the class does (reads ``.metadata``, checks the
+    folder, the data files' sizes and the manifest) and broadcasts the
+    metadata and the manifest, or its error; the other ranks touch none of
+    the step's files until ``dcp.load`` reads their items. The broadcast
+    carries the whole ``Metadata``, as ``dcp.save`` itself does.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        trusted: See :class:`SafeFileSystemReader`; rank 0's decision holds.
+        check_files: As :class:`SafeFileSystemReader`.
+        verify: As :class:`SafeFileSystemReader`.
+        process_group: The ranks; the default group if None.
+        no_dist: This process reads alone, with no collective (as
+            ``dcp.load``'s ``no_dist``); so does a process without an
+            initialized process group.
+
+    Returns:
+        The reader, on every rank.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
+            :class:`SafeFileSystemReader`, on every rank.
+        CheckpointDirError: On every rank, if rank 0 failed otherwise (a
+            folder it may not read).
+    """
+    if no_dist or not dist.is_initialized():
+        return SafeFileSystemReader(
+            path, trusted=trusted, check_files=check_files, verify=verify
+        )
+    made: list[SafeFileSystemReader] = []
+
+    def check() -> Any:  # on rank 0; a CheckpointError reaches every rank as itself
+        reader = SafeFileSystemReader(
+            path, trusted=trusted, check_files=check_files, verify=verify
+        )
+        made.append(reader)
+        return reader.trusted, reader.metadata, reader.manifest
+
+    checked = on_coordinator(f"cannot read {os.fspath(path)}", check, process_group)
+    if made:
+        return made[0]
+    trusted, metadata, manifest = checked
+    return SafeFileSystemReader.checked(
+        path, trusted=trusted, metadata=metadata, manifest=manifest
+    )
+
+
+def newest_verified_step(
+    checkpoint_dir: Location, *, process_group: dist.ProcessGroup | None = None
+) -> tuple[Any, dict[str, str]]:
+    """The newest step whose every item matches its manifest; damaged ones aside.
+
+    Rank 0 verifies complete steps from the newest down
+    (:func:`~pippy.checkpoint.verify_step`) until one passes, then moves the
+    newer complete ones that failed to ``.step-<N>.damaged-<time>``, where
+    they stay for a look and are never chosen nor saved over; every rank
+    gets the same answer. Call it on every rank of ``process_group``, as the
+    folder's owner (:class:`~pippy.checkpoint.FolderOwner`).
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
+        process_group: The ranks; the default group if None.
+
+    Returns:
+        ``(folder or None, skipped)``: the step to resume from, and
+        ``{name: why}`` for each newer step folder passed over.
+
+    Raises:
+        CheckpointError: On every rank: no complete step verifies (nothing is
+            moved), or one to verify has no manifest.
+        UnsafeCheckpointError: On every rank: a step holds a pickle that
+            would run code, or a file that is a link leading out of its
+            folder (not damage: nothing is skipped for it).
+        CheckpointDirError: On every rank: the folder cannot be listed, or a
+            step cannot be moved.
+
+    Note:
+        Verifying reads every byte of each step it checks, on rank 0.
+    """
+
+    def decide() -> tuple[Any, dict[str, str]]:  # on rank 0; errors reach every rank
+        skipped: dict[str, str] = {}
+        damaged: list[Any] = []
+        for path in reversed(list_steps(checkpoint_dir).values()):
+            name, why = storage_for(path).name(path), _why_not_verified(path)
+            if why is None:
+                for old in damaged:  # only now: a step to resume from exists
+                    name = storage_for(old).name(old)
+                    skipped[name] = (
+                        f"moved aside to {_move_aside(old)}: {skipped[name]}"
+                    )
+                return path, skipped
+            if isinstance(why, CheckpointError):
+                raise why
+            skipped[name] = why
+            damaged += [path] if is_complete(path) and _holds_its_step(path) else []
+        if not damaged:
+            return None, skipped
+        reasons = "; ".join(f"{n}: {w}" for n, w in skipped.items())
+        raise CheckpointError(
+            f"no step of {os.fspath(checkpoint_dir)} verifies ({reasons}). "
+            "Restore one, or move them all out of the folder to start afresh"
+        )
+
+    where = os.fspath(checkpoint_dir)
+    return on_coordinator(f"cannot check {where}", decide, process_group)
+
+
+def _why_not_verified(path: Any) -> str | CheckpointError | None:
+    """Why a step cannot be resumed from; None if it verifies, an error to raise."""
+    if not is_complete(path):
+        return "incomplete (no .metadata: its save did not finish)"
+    if not _holds_its_step(path):
+        return "its manifest names another step"
+    try:
+        if read_manifest(path) is None:
+            return CheckpointError(
+                f"{os.fspath(path)} has no manifest.json, so it cannot be verified: "
+                "resume from it without verification, or move it aside"
+            )
+        verify_step(path)
+    except UnsafeCheckpointError as e:
+        return e
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _move_aside(path: Any) -> str:
+    """Renames a damaged step to ``.step-<N>.damaged-<time>``; that name."""
+    storage = storage_for(path)
+    aside = storage.join(
+        storage.parent(path), f".step-{parse_step(path)}.damaged-{int(time.time())}"
+    )
+    storage.publish(path, aside)
+    return storage.name(aside)
+
+
+def find_latest_step(
+    checkpoint_dir: Location,
+    *,
+    verified: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> Any:
+    """Finds the newest complete step folder, to resume from.
+
+    Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
+    ``manifest.json`` names another step (copied or renamed) are never
+    chosen; a warning names those newer than the one returned. A complete
+    step damaged afterwards is returned, and loading it fails: in a restart
+    loop, every restart fails alike. ``verified=True`` goes past such steps
+    instead (:func:`newest_verified_step`); a warning on rank 0 names each
+    and why. Rank 0 alone lists the folder and reads the manifests, and
+    broadcasts the answer: every rank resumes from the same step.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
+        verified: Check the newest steps against their manifests and move
+            those that fail aside, as the folder's owner.
+        process_group: The ranks; the default group if None. Without an
+            initialized process group, this process answers alone.
+
+    Returns:
+        The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
+        URL), or None if there is none.
+
+    Raises:
+        CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
+            not a folder, cannot be listed, or is a URL whose storage client
+            is missing.
+        UnsafeCheckpointError: On every rank: the manifest of a step it
+            reaches is a link leading out of the step folder; with
+            ``verified``, as ``newest_verified_step``.
+        CheckpointError: With ``verified``, as ``newest_verified_step``.
+
+    Note:
+        Call it on every rank of ``process_group`` at once (it is a
+        collective), or in a process without a process group; called on
+        rank 0 alone, it waits for the others.
+    """
+    if verified:
+        verified_step, reasons = newest_verified_step(
+            checkpoint_dir, process_group=process_group
+        )
+        if not dist.is_initialized() or dist.get_rank(process_group) == 0:
+            for name, why in reasons.items():
+                logger.warning("skipped %s: %s", name, why)
+        return verified_step
+    latest, skipped = on_coordinator(
+        f"cannot list {os.fspath(checkpoint_dir)}",
+        lambda: newest_complete_step(checkpoint_dir),
+        process_group,
+    )
+    if skipped and (not dist.is_initialized() or dist.get_rank(process_group) == 0):
+        logger.warning(
+            "skipping incomplete checkpoints (no .metadata, or a manifest naming "
+            "another step) %s",
+            skipped,
+        )
+    return latest

@@ -54,7 +54,7 @@ named.
 The functions here ask the storage from the process that calls them; in a
 job, rank 0 asks and broadcasts the answer
 (:func:`~pippy.checkpoint.find_latest_step` itself, publishing and ownership
-around the others; see :mod:`~pippy.checkpoint.coordinated`).
+around the others; see :mod:`~pippy.checkpoint.safe_load`).
 
 Private torch names pippy relies on, each tested in
 test/test_torch_internals.py on torch 2.10 to 2.15
