@@ -32,7 +32,8 @@ the errors. The gears stay importable from their modules, one idea per module:
   sequence (:func:`save_stage`, :func:`load_stage`), and their pieces: the
   load's (:func:`open_step`, :func:`load_into`) and the save's
   (:func:`take_state`, its state taken on each rank and checked across ranks
-  in DCP's planning; :func:`~pippy.checkpoint.publishing.publish_step`).
+  in DCP's planning; :func:`publish_step`, its step staged and published by
+  :class:`~pippy.checkpoint.api.StepWriter` inside ``dcp.save``).
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
@@ -42,9 +43,8 @@ the errors. The gears stay importable from their modules, one idea per module:
   who owns the folder, what to delete); the step to resume from (the newest
   complete one, or on request the newest that verifies, damaged ones moved
   aside) and its reader, made so.
-* :mod:`~pippy.checkpoint.steps` and :mod:`~pippy.checkpoint.publishing`:
-  step folders (``<checkpoint_dir>/step-<N>``), staged and published once
-  complete (renamed whole, or committed by their manifest on an object
+* :mod:`~pippy.checkpoint.steps`: step folders (``<checkpoint_dir>/step-<N>``),
+  complete once renamed whole (or committed by their manifest on an object
   store); the newest complete step; retention.
 * :mod:`~pippy.checkpoint.state`: a rank's stage(s) as one state_dict;
   the one owner of the optimizer-state key grammar.
@@ -76,6 +76,7 @@ from pippy.checkpoint.api import (
     load_into,
     load_stage,
     open_step,
+    publish_step,
     save_stage,
     take_state,
 )
@@ -102,7 +103,6 @@ from pippy.checkpoint.offline import (
     load_model,
     read_checkpoint,
 )
-from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import StageState
 
