@@ -32,7 +32,8 @@ the errors. The gears stay importable from their modules, one idea per module:
   sequence (:func:`save_stage`, :func:`load_stage`), and their pieces: the
   load's (:func:`open_step`, :func:`load_into`) and the save's
   (:func:`take_state`, its state taken on each rank and checked across ranks
-  in DCP's planning; :func:`~pippy.checkpoint.publishing.publish_step`).
+  in DCP's planning; :func:`publish_step`, its step staged and published by
+  :class:`~pippy.checkpoint.api.StepWriter` inside ``dcp.save``).
 * :mod:`~pippy.checkpoint.storage`: the storage seam; every path and file
   operation, on POSIX folders (durable: fsync before and after each
   publishing rename) and fsspec URLs (object stores: a step committed by its
@@ -43,7 +44,7 @@ the errors. The gears stay importable from their modules, one idea per module:
   from (the newest complete one, or on request the newest that verifies,
   damaged ones moved aside) and its reader, made so; the reader and load
   planner that load without running code a checkpoint's pickles could carry.
-* :mod:`~pippy.checkpoint.steps` and :mod:`~pippy.checkpoint.publishing`:
+* :mod:`~pippy.checkpoint.steps`:
   step folders (``<checkpoint_dir>/step-<N>``), staged and published once
   complete (renamed whole, or committed by their manifest on an object
   store); the newest complete step; retention; a step's ``manifest.json``
@@ -74,6 +75,7 @@ from pippy.checkpoint.api import (
     load_into,
     load_stage,
     open_step,
+    publish_step,
     save_stage,
     take_state,
 )
@@ -99,7 +101,6 @@ from pippy.checkpoint.offline import (
     load_model,
     read_checkpoint,
 )
-from pippy.checkpoint.publishing import publish_step
 from pippy.checkpoint.safe_load import find_latest_step, verify_step
 from pippy.checkpoint.state import StageState
 

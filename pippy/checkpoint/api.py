@@ -23,12 +23,24 @@ local plan carries its failure, if taking the state failed, or its key
 check's offer (:func:`~pippy.checkpoint.checks.offer_keys`), and the
 coordinator judges the offers before it plans a write. ``AsyncSaver`` takes the state at
 the call and plans its save in the background (:func:`take_together`).
+
+:func:`publish_step` gives the second piece, the :class:`StepWriter`: ranks
+write into a hidden staging folder, ``.step-<N>.partial-<token>``, that DCP's
+coordinator makes in its global planning and renames to ``step-<N>`` in the
+writer's ``finish``, once it has written ``.metadata`` and the manifest. On an
+object store the step is written in place and its manifest, written last,
+commits it (see :mod:`~pippy.checkpoint.steps`). A failed save is discarded:
+nothing is published.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
+import os
+import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -39,12 +51,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
+from torch.futures import Future
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves, offer_keys, refuse_losses
-from pippy.checkpoint.errors import explain_failures, fail_together, own_error
-from pippy.checkpoint.publishing import publish_step
+from pippy.checkpoint.errors import (
+    CheckpointDirError,
+    dir_error,
+    explain_failures,
+    fail_together,
+    own_error,
+)
+from pippy.checkpoint.job import check_lease, lease_lost
 from pippy.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -60,26 +80,17 @@ from pippy.checkpoint.state import (
     pippy_name,
     to_torchtitan,
 )
-from pippy.checkpoint.steps import step_dir
-from pippy.checkpoint.storage import Location
+from pippy.checkpoint.steps import (
+    ManifestWriter,
+    _holds_its_step,
+    is_complete,
+    list_steps,
+    remove_old_steps,
+    step_dir,
+)
+from pippy.checkpoint.storage import Location, storage_for
 
-# publish_step lives in publishing; it is listed here as a piece of the save
-# sequence, for a script that composes its own.
-__all__ = [
-    "CheckedSavePlanner",
-    "gc_paused",
-    "load_into",
-    "load_stage",
-    "open_step",
-    "publish_step",
-    "read_any_layout",
-    "read_into",
-    "save_stage",
-    "state_to_save",
-    "step_of",
-    "take_state",
-    "take_together",
-]
+logger = logging.getLogger(__name__)
 
 
 class CheckedSavePlanner(SavePlanner):
@@ -91,7 +102,7 @@ class CheckedSavePlanner(SavePlanner):
     before it plans the write, inside DCP's first gather. A rank whose state
     could not be taken still plans: it raises its ``failure`` there, so that
     no rank waits for it alone. Everything else is ``planner``'s. Pass it to
-    ``dcp.save`` inside :func:`~pippy.checkpoint.publishing.publish_step`,
+    ``dcp.save`` inside :func:`publish_step`,
     whose :func:`~pippy.checkpoint.errors.explain_failures` raises what it
     refused as one line.
 
@@ -203,7 +214,7 @@ def take_state(
             collisions.
         planner: DCP's save planner, wrapped; ``DefaultSavePlanner`` if None.
         timeout: Checked here (``ValueError``); the save's waits are
-            :func:`~pippy.checkpoint.publishing.publish_step`'s, which takes
+            :func:`publish_step`'s, which takes
             the same ``timeout``.
 
     Returns:
@@ -292,6 +303,238 @@ def state_to_save(
     return state_dict, step
 
 
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """A rank's storage plan: its files' prefix (as DCP's) and the folder to write."""
+
+    prefix: str
+    staging: Any
+
+
+class StepWriter(ManifestWriter):
+    """pippy's writer of one step: staged and published inside ``dcp.save``.
+
+    In DCP's global planning (after the save planner's checks, before any
+    rank writes), the coordinator checks that ``step-<step>`` is new and
+    makes its staging folder; the plans DCP scatters carry that folder to
+    every rank, which writes there. An incomplete ``step-<step>``, or one
+    whose manifest names another step (a copy), is moved aside first. In
+    ``finish``, after ``.metadata`` and ``manifest.json``, the coordinator
+    publishes the step (:meth:`publish`). A refusal reaches every rank as
+    DCP's ``CheckpointException``, which
+    :func:`~pippy.checkpoint.errors.explain_failures` turns into the refusal
+    itself.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; created if missing.
+        step: The step being saved.
+        keep_last: If set, keep only this many newest complete steps.
+        **kwargs: Passed to :class:`~pippy.checkpoint.steps.ManifestWriter`
+            (``thread_count``, ...).
+
+    Attributes:
+        final: ``<checkpoint_dir>/step-<step>``, what readers see.
+        staging: The folder the coordinator made, on the coordinator once
+            made; None elsewhere. On an object store (no rename), ``final``.
+
+    Raises:
+        CheckpointDirError: In ``dcp.save``: the step exists, or the folder
+            is a file or cannot be written.
+        CheckpointDirInUseError: In ``dcp.save``: this job lost the folder's
+            lease to another job (:func:`~pippy.checkpoint.job.check_lease`).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: Location,
+        step: int,
+        *,
+        keep_last: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.final = step_dir(checkpoint_dir, step)
+        super().__init__(self.final, step=step, **kwargs)
+        self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
+        self.staging: Any = None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """The plan as is: the coordinator alone looks at the folder, and makes it."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's plans, each carrying the staging folder made here."""
+        storage = storage_for(self.checkpoint_dir)
+        pattern = storage.join(self.checkpoint_dir, f".step-{self.step}.partial-*")
+        try:
+            self.staging = self._make_staging()
+        except OSError as e:
+            raise dir_error(f"cannot create {pattern}", e) from e
+        return [
+            dataclasses.replace(
+                p, storage_data=_Staged(p.storage_data.prefix, self.staging)
+            )
+            for p in super().prepare_global_plan(plans)
+        ]
+
+    def _make_staging(self) -> Any:
+        """On the coordinator: checks that the step is new, makes its staging folder."""
+        storage, final = storage_for(self.checkpoint_dir), self.final
+        check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
+        list_steps(self.checkpoint_dir)  # a file where the folder should be: say so
+        if is_complete(final) and _holds_its_step(final):
+            raise CheckpointDirError(
+                f"{os.fspath(final)!r} already exists; checkpoints are never "
+                "overwritten. Resume from it, or save into another checkpoint "
+                "folder."
+            )
+        staging = storage.join(
+            self.checkpoint_dir, f".step-{self.step}.partial-{uuid.uuid4().hex[:12]}"
+        )
+        if not storage.atomic_rename:
+            staging = final
+            if storage.exists(final):
+                # Written in place and never committed (a save cut short): this
+                # job owns the folder, and no reader takes an uncommitted step.
+                storage.remove(final)
+                logger.warning("removed %s: a save of it never committed", final)
+        elif storage.exists(final):  # incomplete, or another step's: keep it aside
+            aside = storage.join(
+                self.checkpoint_dir, f".step-{self.step}.incomplete-{int(time.time())}"
+            )
+            storage.publish(final, aside)
+            logger.warning(
+                "moved %s aside to %s: it was incomplete or held another step",
+                final,
+                storage.name(aside),
+            )
+        storage.makedirs(staging)
+        return staging
+
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """Writes this rank's items, as the manifest writer, into the staging folder."""
+        self.path = self.fs.init_path(plan.storage_data.staging)
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        """Writes ``.metadata`` and ``manifest.json``, then publishes the step.
+
+        First, on an object store, checks that this job still holds the
+        folder's lease (:func:`~pippy.checkpoint.job.check_lease`): a job that
+        stalled and lost the folder commits nothing there.
+        """
+        check_lease(self.checkpoint_dir)
+        super().finish(metadata, results)
+        self.publish()
+
+    def publish(self) -> None:
+        """On the coordinator: renames the staging folder to ``step-<N>``, then prunes.
+
+        The rename is durable when this returns
+        (:meth:`~pippy.checkpoint.storage.Storage.publish`); on an object
+        store the step was committed by its manifest.
+
+        Raises:
+            CheckpointDirError: The rename or pruning failed.
+            CheckpointDirInUseError: This job lost the folder's lease to
+                another job; nothing is renamed or pruned.
+        """
+        storage = storage_for(self.final)
+        name = storage.name(self.final)
+        try:
+            check_lease(self.checkpoint_dir)
+            if self.staging != self.final:  # on a store: committed by its record
+                storage.publish(self.staging, self.final)
+            if self.keep_last is None:
+                return
+            removed = remove_old_steps(
+                self.checkpoint_dir, self.keep_last, keep=self.final
+            )
+        except OSError as e:
+            raise dir_error(f"cannot publish {name}", e) from e
+        if removed:
+            names = ", ".join(storage.name(p) for p in removed)
+            logger.info("published %s, removed %s", name, names)
+
+    def discard(self) -> None:
+        """Removes a failed save's staging folder, where made, without a collective.
+
+        A job that lost its lease removes nothing: on an object store the
+        step is written in place, and the folder may be the new owner's.
+        """
+        if self.staging is not None and not lease_lost(self.checkpoint_dir):
+            storage_for(self.staging).remove(self.staging)
+
+
+@contextmanager
+def publish_step(
+    checkpoint_dir: Location,
+    step: int,
+    *,
+    keep_last: int | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    timeout: Timeout = None,
+    **writer_options: Any,
+) -> Iterator[StepWriter]:
+    """Gives every rank the writer of ``step-<step>``, which publishes it.
+
+    Use it around ``dcp.save``, on every rank::
+
+        with publish_step(checkpoint_dir, step) as writer:
+            dcp.save(state_dict, storage_writer=writer)
+
+    The :class:`StepWriter` stages the step and, once every rank has
+    written, publishes it inside ``dcp.save`` (a rename, atomic on a POSIX
+    file system), and only then removes steps beyond ``keep_last``. A crash
+    before that leaves only the hidden staging folder, which
+    :func:`~pippy.checkpoint.find_latest_step` never picks. If the body
+    raises, nothing is published and the coordinator removes the staging
+    folder; DCP's ``CheckpointException`` (a ``BaseException``) is raised as
+    a ``CheckpointError`` with one line per failed rank.
+
+    Args:
+        checkpoint_dir: The run's checkpoint folder; created if missing. On
+            several nodes it must be storage that every node sees.
+        step: The step being saved.
+        keep_last: If set, keep only this many newest complete steps.
+        process_group: Group of the ranks that save; the default group if None.
+            ``dcp.save`` in the body must run on the same group.
+        timeout: Seconds (or a ``timedelta``) a rank that has written its
+            items waits for the others before the save is abandoned; None
+            waits without a deadline. Either way, every
+            :func:`~pippy.checkpoint.stall.log_every` seconds the ranks not
+            done are logged with what they wrote so far.
+        **writer_options: Passed to the :class:`StepWriter` (DCP's
+            ``thread_count``, ...).
+
+    Yields:
+        The :class:`StepWriter` to pass to ``dcp.save`` as ``storage_writer``.
+
+    Raises:
+        CheckpointDirError: On every rank: ``step-<step>`` exists, or
+            ``checkpoint_dir`` is a file or cannot be written.
+        CheckpointDirInUseError: On every rank: this job lost the folder's
+            lease to another job.
+        CheckpointError: ``dcp.save`` in the body failed on some rank.
+        CheckpointTimeout: Some rank had not written its items within
+            ``timeout``: on every rank that had, naming those that had not;
+            nothing is published. The group then holds a collective that
+            timed out: end the job.
+        ValueError: ``timeout`` is not a positive number.
+    """
+    action = f"saving step-{step}"
+    stall.seconds(timeout)  # a bad timeout is refused before anything is made
+    writer = StepWriter(checkpoint_dir, step, keep_last=keep_last, **writer_options)
+    try:
+        with stall.waiting(action, "write", timeout, process_group):
+            with explain_failures(action):
+                yield writer
+    except BaseException:
+        writer.discard()
+        raise
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the block, if it was on.
@@ -325,7 +568,7 @@ def save_stage(
     """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
 
     The save sequence: :func:`take_state`, then ``dcp.save`` into the step's
-    staging folder (:func:`~pippy.checkpoint.publishing.publish_step`), published
+    staging folder (:func:`publish_step`), published
     once complete and durable. Call it on every rank of ``process_group`` at
     once. Python's cyclic garbage collector is paused meanwhile
     (:func:`gc_paused`).
@@ -352,10 +595,10 @@ def save_stage(
     Raises:
         ValueError, KeyCollisionError: As :func:`take_state`; nothing is
             written (the checkpoint folder may be created).
-        CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`.
+        CheckpointDirError: As :func:`publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
-        CheckpointTimeout: As :func:`~pippy.checkpoint.publishing.publish_step`.
+        CheckpointTimeout: As :func:`publish_step`.
     """
     ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
     state_dict, step, checked = take_state(

@@ -6,9 +6,9 @@ alone; the stager's copy, in a thread of its own until the saved optimizers'
 next ``step``; in a background thread, the rest of
 ``take_state`` (the wait for every rank, and the planner that checks across
 ranks in DCP's planning), then the parts
-:func:`~pippy.checkpoint.publishing.publish_step` is made of
+:func:`~pippy.checkpoint.api.publish_step` is made of
 (``dcp.save`` through its
-:class:`~pippy.checkpoint.publishing.StepWriter`, which stages the step in
+:class:`~pippy.checkpoint.api.StepWriter`, which stages the step in
 DCP's planning and publishes it in its ``finish``, or discards it on a
 failure).
 """
@@ -33,9 +33,14 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from pippy.checkpoint import stall
-from pippy.checkpoint.api import gc_paused, state_to_save, step_of, take_together
+from pippy.checkpoint.api import (
+    StepWriter,
+    gc_paused,
+    state_to_save,
+    step_of,
+    take_together,
+)
 from pippy.checkpoint.errors import CheckpointError, explain_failures
-from pippy.checkpoint.publishing import StepWriter
 from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
@@ -74,7 +79,7 @@ class AsyncSaver:
     CPU-capable collectives need gloo): the checks across ranks of
     :func:`~pippy.checkpoint.save_stage` (each rank waits for the others,
     keys, replicas), the step's staging folder, the write (``dcp.save``), and
-    the publishing, as by :func:`~pippy.checkpoint.publishing.publish_step`,
+    the publishing, as by :func:`~pippy.checkpoint.api.publish_step`,
     as soon as the step is on disk on every rank. :meth:`poll`, called once
     per training step, reports it, or raises its failure or refusal, on
     every rank at the same step, without waiting; the next ``save``,
@@ -364,7 +369,7 @@ class AsyncSaver:
                 every rank; nothing is written.
             CheckpointError: The background save failed, on some rank; the
                 step is not published and earlier steps are untouched.
-            CheckpointDirError: As :func:`~pippy.checkpoint.publishing.publish_step`
+            CheckpointDirError: As :func:`~pippy.checkpoint.api.publish_step`
                 (the step exists, the folder cannot be written), on every rank.
             CheckpointTimeout: Some rank did not start saving within the
                 timeout; nothing is written.

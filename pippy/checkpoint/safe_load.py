@@ -27,7 +27,7 @@ Is the folder a folder, is it free,    :class:`~pippy.checkpoint.FolderOwner`
 who owns it, take it over              (``acquire``; ``release`` on rank 0 alone)
 Which steps are complete, which is     :func:`find_latest_step`
 newest (and which verify)              (``verified=True``: :func:`newest_verified_step`)
-Is the step new, what to move aside;   :class:`~pippy.checkpoint.publishing.StepWriter`,
+Is the step new, what to move aside;   :class:`~pippy.checkpoint.api.StepWriter`,
 publish it, what to delete             in DCP's planning and ``finish`` (no
 (``keep_last``)                        broadcast: DCP's plans carry the answer)
 Is the step complete, its              :func:`open_reader`, which

@@ -257,7 +257,7 @@ def remove_old_steps(
     (renamed aside on a POSIX file system, its commit record deleted on an
     object store), so a kill meanwhile never leaves part of a step under its
     name. It runs in this process alone: in a job,
-    :func:`~pippy.checkpoint.publishing.publish` calls it on rank 0.
+    :meth:`~pippy.checkpoint.api.StepWriter.publish` calls it on rank 0.
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
