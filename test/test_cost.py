@@ -158,7 +158,7 @@ if __name__ == "__main__":
 def test_the_kept_buffer_stager_copies_bitwise_into_the_same_buffers():
     """AsyncSaver's stager: the values of the moment, in buffers kept between
     saves; a changed layout gets a new buffer; non-tensors are copied."""
-    from pippy.checkpoint.staging import KeptBufferStager
+    from pippy.checkpoint.async_saver import KeptBufferStager
 
     weight = torch.nn.Parameter(torch.randn(4, 6))
     state = {

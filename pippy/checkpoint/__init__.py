@@ -59,8 +59,7 @@ the errors. The gears stay importable from their modules, one idea per module:
 * :mod:`~pippy.checkpoint.offline`: a checkpoint in one process; torchtitan's
   layout; a Hugging Face folder.
 * :mod:`~pippy.checkpoint.job` and
-  :mod:`~pippy.checkpoint.async_saver` (with
-  :mod:`~pippy.checkpoint.staging`): one writer per folder (on an object
+  :mod:`~pippy.checkpoint.async_saver`: one writer per folder (on an object
   store, a lease), a last save on preemption within the launcher's deadline;
   background saves.
 * :mod:`~pippy.checkpoint.stall`: a rank slow or stuck in a save or load;

@@ -2,15 +2,14 @@
 
 The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
 the call, what :func:`~pippy.checkpoint.api.take_state` does on each rank
-alone; the stager's copy, in a thread of its own until the saved optimizers'
-next ``step``; in a background thread, the rest of
-``take_state`` (the wait for every rank, and the planner that checks across
-ranks in DCP's planning), then the parts
-:func:`~pippy.checkpoint.api.publish_step` is made of
-(``dcp.save`` through its
-:class:`~pippy.checkpoint.api.StepWriter`, which stages the step in
-DCP's planning and publishes it in its ``finish``, or discards it on a
-failure).
+alone; the copy of the state (:class:`KeptBufferStager`), in a thread of its
+own until the saved optimizers' next ``step``; in a background thread, the
+rest of ``take_state`` (the wait for every rank, and the planner that checks
+across ranks in DCP's planning), then the parts
+:func:`~pippy.checkpoint.api.publish_step` is made of (``dcp.save``
+through its :class:`~pippy.checkpoint.api.StepWriter`, which stages
+the step in DCP's planning and publishes it in its ``finish``, or discards
+it on a failure).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -41,38 +42,192 @@ from pippy.checkpoint.api import (
     take_together,
 )
 from pippy.checkpoint.errors import CheckpointError, explain_failures
-from pippy.checkpoint.staging import KeptBufferStager
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import step_dir
 from pippy.checkpoint.storage import Location
 
-__all__ = ["AsyncSaver"]
-
 logger = logging.getLogger(__name__)
+_ATOMIC = (int, float, bool, str, type(None))  # values deepcopy returns as they are
+
+
+class KeptBufferStager:
+    """Copies a state_dict's tensors into CPU buffers kept from one save to the next.
+
+    DCP's ``DefaultStager`` keeps its buffers too, but deep-copies each
+    tensor generically (a new tensor, a storage lookup, attribute checks;
+    ``bench/README.md`` measures both); this stager costs a bare
+    ``Tensor.copy_`` into the buffer kept under the tensor's path
+    (``("model", "layers.0.w")``), made anew where its shape, strides, dtype
+    or ``requires_grad`` changed. A DTensor is staged as its local shard,
+    wrapped again with the same mesh and placements (no collective);
+    anything else is deep-copied. It follows DCP's ``AsyncStager`` protocol,
+    so ``dcp.async_save`` takes it too. ``in_background``, everything but
+    the tensors' bytes is copied at the call, the bytes in a thread of the
+    stager's own, after the work queued on the caller's CUDA stream (on a
+    side stream; the sources are kept alive until the copy is done).
+
+    Args:
+        pin_memory: Allocate the buffers in pinned memory and copy from an
+            accelerator without blocking each copy (one synchronization at
+            the end). Default: whether CUDA is available.
+        in_background: Copy the tensors' bytes in the background:
+            :meth:`stage` returns a ``Future`` of the copy, and nothing may
+            change the tensors in place until it is done.
+
+    Note:
+        The buffers hold a second copy of the state until :meth:`close`.
+        Two paths that share one tensor are copied twice.
+    """
+
+    should_synchronize_after_execute = False
+
+    def __init__(
+        self, *, pin_memory: bool | None = None, in_background: bool = False
+    ) -> None:
+        self.pin_memory = (
+            torch.cuda.is_available() if pin_memory is None else pin_memory
+        )
+        self.in_background = in_background
+        # Under each path: the layout the buffer was made for, and the buffer.
+        self._buffers: dict[tuple[Any, ...], tuple[tuple, torch.Tensor]] = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None  # the side stream, on a GPU
+        self._staging: Future | None = None  # the copy in flight
+
+    @torch.no_grad()
+    def stage(
+        self,
+        state_dict: Mapping[str, Any],
+        *,
+        later: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any] | Future[dict[str, Any]]:
+        """A copy of ``state_dict`` whose tensors live in the kept CPU buffers.
+
+        Args:
+            state_dict: A nested state_dict (dicts, lists and tuples of
+                tensors, DTensors and other values).
+            later: ``in_background`` only: takes more of the state_dict in the
+                stager's thread, before the copy (its entries come first);
+                what it reads must not change until the copy is done.
+
+        Returns:
+            The copy, of the same structure, or (``in_background``) a
+            ``Future`` of it; its tensors are valid until the next
+            :meth:`stage` or :meth:`close`.
+        """
+        if self._staging is not None:  # the buffers are free again (its error told)
+            wait([self._staging])
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = self._copy(state_dict, (), pairs)
+        if not self.in_background:
+            if later is not None:
+                raise ValueError("only a stager in_background takes state later")
+            self._fill(pairs, None)
+            return staged
+        ready = None
+        on_gpu = later is not None and torch.cuda.is_initialized()
+        if on_gpu or any(src.is_cuda for _, src in pairs):
+            if self._stream is None:  # made on the caller's thread, as DCP's
+                self._stream = torch.cuda.Stream()
+            ready = torch.cuda.current_stream().record_event()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-staging")
+        self._staging = self._executor.submit(self._fill, pairs, ready, staged, later)
+        return self._staging
+
+    def _fill(
+        self, pairs: list, ready: Any, staged: Any = None, later: Any = None
+    ) -> Any:
+        """Copies each (buffer, source) pair, ``later``'s too; after ``ready``."""
+        if later is not None:
+            with torch.no_grad():
+                staged = {**self._copy(later(), (), pairs), **staged}
+        side = self._stream if ready is not None else None
+        on_side = torch.cuda.stream(side) if side is not None else nullcontext()
+        with torch.no_grad(), on_side:
+            if side is not None:
+                side.wait_event(ready)  # the sources hold the values of the call
+            for buffer, source in pairs:
+                buffer.copy_(source, non_blocking=self.pin_memory)
+        if side is not None:
+            side.synchronize()
+        elif self.pin_memory and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies are done
+        return staged
+
+    def _copy(self, value: Any, path: tuple[Any, ...], pairs: list) -> Any:
+        """``value`` staged; its tensors' copies into buffers added to ``pairs``."""
+        if isinstance(value, DTensor):
+            local = self._tensor(value.to_local(), path, pairs)
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, path, pairs)
+        if type(value) in _ATOMIC:  # most leaves of an optimizer's param groups
+            return value
+        if isinstance(value, dict | Mapping):
+            return {k: self._copy(v, (*path, k), pairs) for k, v in value.items()}
+        if type(value) in (list, tuple):
+            items = [self._copy(v, (*path, i), pairs) for i, v in enumerate(value)]
+            return items if type(value) is list else tuple(items)
+        return copy.deepcopy(value)
+
+    def _tensor(
+        self, tensor: torch.Tensor, path: tuple[Any, ...], pairs: list
+    ) -> torch.Tensor:
+        """``tensor``'s kept buffer (new for a new layout); its copy to ``pairs``."""
+        layout = (tensor.shape, tensor.stride(), tensor.dtype, tensor.requires_grad)
+        kept = self._buffers.get(path)
+        if kept is None or kept[0] != layout:
+            # The same strides where the tensor is dense, as DCP's own stager.
+            buffer = torch.empty_like(tensor, device="cpu", pin_memory=self.pin_memory)
+            kept = (layout, buffer.requires_grad_(tensor.requires_grad))
+            self._buffers[path] = kept
+        pairs.append((kept[1], tensor))
+        return kept[1]
+
+    def synchronize_staging(self) -> None:
+        """Waits for the copy in flight, if any (``in_background``)."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
+
+    def close(self) -> None:
+        """Waits for the copy in flight (without raising its error), then frees all."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._staging = None
+        self._buffers.clear()
 
 
 class AsyncSaver:
     """Saves in the background, one save at a time, as DCP's ``async_save``.
 
-    ``save`` blocks only while it takes the state and registers the save;
-    the checkpoint holds the values of the moment of the call. The default
-    stager (:class:`~pippy.checkpoint.staging.KeptBufferStager`) copies the
-    state into kept buffers in the background (staging), while the next
-    forward and backward run; for a ``StageState`` it also takes the model's
-    and optimizers' state_dicts there (the step, the LR schedulers', extra
-    state and the param groups' options are taken at the call; a parameter
-    or buffer the module replaces meanwhile is saved as it was), except
-    before the optimizers have state, and under FSDP or an optimizer with
-    its own ``state_dict``. Nothing may change the saved tensors in place
-    until that copy is done: for a ``StageState``, ``save`` hooks its
-    optimizers' ``step`` (``register_step_pre_hook``), so that
-    ``optimizer.step()`` waits for the copy exactly as long as needed (the
-    hook is removed once the copy is done, by the next call of the saver);
-    anything else that writes to the saved tensors (a manual ``p.add_()``,
-    a module that updates its buffers in ``forward``, as BatchNorm's
-    running statistics) must call :meth:`wait_for_staging` first. A plain
-    state_dict has no optimizer to hook: its ``save`` returns once copied.
+    ``save`` blocks only while it takes the state and registers the save; the
+    checkpoint holds the values of the moment of the call. The default stager
+    (:class:`KeptBufferStager`) copies the state into kept buffers in the
+    background (staging), while the next forward and backward run; for a
+    ``StageState`` it also takes the model's and optimizers' state_dicts there
+    (the step, the LR schedulers', extra state and the param groups' options are
+    taken at the call; a parameter or buffer the module replaces meanwhile is
+    saved as it was), except before the optimizers have state, and under FSDP or
+    an optimizer with its own ``state_dict``. Nothing may change the saved
+    tensors in place until that copy is done: for a ``StageState``, ``save``
+    hooks its optimizers' ``step`` (``register_step_pre_hook``), so that
+    ``optimizer.step()`` waits for the copy exactly as long as needed (the hook
+    is removed once the copy is done, by the next call of the saver); anything
+    else that writes to the saved tensors (a manual ``p.add_()``, a module that
+    updates its buffers in ``forward``, as BatchNorm's running statistics) must
+    call :meth:`wait_for_staging` first. A plain state_dict has no optimizer to
+    hook: its ``save`` returns once copied.
 
     Everything else runs in one background thread, over a gloo group of its
     own (async saves must not share a group with training collectives, and
@@ -95,8 +250,8 @@ class AsyncSaver:
             collective; None creates one over all ranks.
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
         async_stager: How state is copied; None keeps one
-            :class:`~pippy.checkpoint.staging.KeptBufferStager` that copies
-            in the background (see the note).
+            :class:`KeptBufferStager` that copies in the background (see
+            the note).
         timeout: Seconds (or a ``timedelta``) the background save waits for
             every rank to start saving, as
             :func:`~pippy.checkpoint.api.take_state`; None waits without a
@@ -110,10 +265,10 @@ class AsyncSaver:
         allocated at the first save and kept for the next ones, so a rank
         holds a second copy of its state for as long as the saver lives:
         budget the state's size again per rank (on a GPU, pinned memory;
-        the copy runs on a side stream). DCP's plan
-        caching (``enable_plan_caching``) is not used: torch 2.13 compares
-        plans without dtypes, so after a dtype change it writes the old dtype
-        into ``.metadata`` and loads convert silently.
+        the copy runs on a side stream). DCP's plan caching
+        (``enable_plan_caching``) is not used: torch 2.13 compares plans
+        without dtypes, so after a dtype change it writes the old dtype into
+        ``.metadata`` and loads convert silently.
     """
 
     def __init__(
