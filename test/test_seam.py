@@ -237,7 +237,7 @@ def test_the_async_saver_with_a_background_stager(seam_ranks):
 
 
 def test_no_module_but_the_seam_touches_files():
-    """Every open, rename, link and delete of pippy lives in its storage package."""
+    """Every open, rename, link and delete of pippy lives in its storage module."""
     import re
 
     from helpers import ROOT
@@ -250,7 +250,7 @@ def test_no_module_but_the_seam_touches_files():
     found = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
         for path in sorted((ROOT / "pippy").rglob("*.py"))
-        if "storage" not in path.relative_to(ROOT).parts
+        if path != ROOT / "pippy" / "checkpoint" / "storage.py"
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if touching.search(line) and not line.lstrip().startswith("#")
     ]
