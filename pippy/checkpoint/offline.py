@@ -8,7 +8,8 @@ or, above the shard size, ``model-0000i-of-0000n`` shards and
 ``model.safetensors.index.json``, written with ``safetensors`` directly (DCP's
 own Hugging Face consolidation mishandles integer and bool tensors in torch
 2.13, pytorch/pytorch#192485). :func:`convert_layout` rewrites a checkpoint
-in pippy's or torchtitan's layout as the other.
+in pippy's or torchtitan's layout as the other; :func:`diff_state_dicts`
+compares two state_dicts bit for bit.
 """
 
 from __future__ import annotations
