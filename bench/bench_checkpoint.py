@@ -26,7 +26,7 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
 * ``load_same``: ``checkpoint.load_stage`` of a P-rank checkpoint on P ranks
   (``load_same_dcp``: plain ``dcp.load``, without pippy's safe reader and
   planner). ``load_reshard``: a 4-rank checkpoint loaded on 2 ranks.
-  ``load_unsplit``: ``checkpoint.load_model`` of the 4-rank checkpoint into
+  ``load_unsplit``: ``offline.load_model`` of the 4-rank checkpoint into
   the un-split model in one plain process, against ``torch_load_full``:
   ``torch.load`` of ``gather_rank0``'s file. ``load_torch_stage``: each rank
   ``torch.load``s its own ``torch.save``d stage into a new one.

@@ -60,9 +60,9 @@ def compare_steps(a: Path, b: Path) -> str:
     """'bitwise' if every tensor of step folders a and b is equal, else a count."""
     import torch
 
-    from pippy import checkpoint
+    from pippy.checkpoint import offline
 
-    left, right = checkpoint.read_checkpoint(a), checkpoint.read_checkpoint(b)
+    left, right = offline.read_checkpoint(a), offline.read_checkpoint(b)
     if left.keys() != right.keys():
         return f"keys differ: {sorted(left.keys() ^ right.keys())[:3]}"
     differ = [

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves, state_dict_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -316,6 +317,6 @@ def verify_load(
     """Loads ``path`` into a new stage and checks it bitwise against ``reference``."""
     fresh = build_state(case, rank, world, seed=1, stepped=False)
     load(fresh, path)
-    differ = checkpoint.diff_state_dicts(fresh.state_dict(), reference.state_dict())
+    differ = offline.diff_state_dicts(fresh.state_dict(), reference.state_dict())
     if any(all_ranks(bool(differ))):
         raise RuntimeError(f"{path} loaded on rank {rank} differs: {differ[:5]}")

@@ -34,6 +34,7 @@ from writers import (
 )
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.steps import step_dir
 
@@ -263,8 +264,8 @@ def load_unverified(state: checkpoint.StageState, path: Path) -> None:
 
 
 def load_unsplit(state: checkpoint.StageState, path: Path) -> None:
-    """``checkpoint.load_model`` into the (un-split) stage's module and optimizer."""
-    checkpoint.load_model(path, state.module, state.optimizer)
+    """``offline.load_model`` into the (un-split) stage's module and optimizer."""
+    offline.load_model(path, state.module, state.optimizer)
 
 
 def load_into_fresh(

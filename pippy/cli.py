@@ -1,7 +1,8 @@
 """Command line for pippy checkpoints: ``python -m pippy inspect|export|convert``.
 
 Reads only through :mod:`pippy.checkpoint`'s safe reader and planner
-(:func:`~pippy.checkpoint.read_metadata`, :func:`~pippy.checkpoint.read_checkpoint`),
+(:func:`~pippy.checkpoint.safe_load.read_metadata`,
+:func:`~pippy.checkpoint.offline.read_checkpoint`),
 so a checkpoint's pickles run no code unless ``--trust-checkpoint`` is given
 (or ``PIPPY_TRUST_CHECKPOINT=1`` is set; decided once, in :func:`main`).
 """

@@ -18,7 +18,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
-from pippy.checkpoint import checks
+from pippy.checkpoint import (
+    checks,
+    offline,  # noqa: E402
+)
 from pippy.checkpoint.checks import named_leaves, state_dict_size
 from pippy.checkpoint.errors import fail_together
 from pippy.checkpoint.steps import list_steps, step_dir
@@ -136,11 +139,11 @@ def check_train(out: Path, rank: int, world_size: int) -> dict:
 
         stage_b, state_b = build(args, rank, world_size, seed=1)
         schedule_b = cls(stage_b, n_microbatches=4, loss_fn=parallel.loss_fn)
-        before = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
+        before = offline.diff_state_dicts(state_b.state_dict(), saved)
         checkpoint.load_stage(state_b, checkpoint.find_latest_step(folder))
-        after_load = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
+        after_load = offline.diff_state_dicts(state_b.state_dict(), saved)
         losses_b = train_steps(state_b, stage_b, schedule_b, 3)
-        final = checkpoint.diff_state_dicts(state_b.state_dict(), state.state_dict())
+        final = offline.diff_state_dicts(state_b.state_dict(), state.state_dict())
         result[schedule_name] = {
             "differ_before_load": before,
             "differ_after_load": after_load,
@@ -183,7 +186,7 @@ def check_fsdp(out: Path, rank: int, world_size: int) -> dict:
     model.rope.copy_(rope_table(ModelArgs(4, 32, max_seq_len=32)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     path = checkpoint.find_latest_step(out / "ckpt")
-    step = checkpoint.load_model(path, model, optimizer)
+    step = offline.load_model(path, model, optimizer)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     torch.save(full, out / f"fsdp-model-{rank}.pt")
     moments = {
@@ -313,7 +316,7 @@ def changed_at_once(out: Path, rank: int) -> dict:
                 for t in reversed(live):
                     t.add_(1)
         now = state.state_dict()
-        diff = set(checkpoint.diff_state_dicts(now, at_call[step]))
+        diff = set(offline.diff_state_dicts(now, at_call[step]))
         leaves = named_leaves(now)
         unchanged[step] = [
             k for k, v in leaves if isinstance(v, torch.Tensor) and k not in diff
@@ -324,7 +327,7 @@ def changed_at_once(out: Path, rank: int) -> dict:
     for step in (1, 2):
         loaded = build_state(rank + 10).state_dict()
         dcp.load(loaded, checkpoint_id=step_dir(out / "at_once", step))
-        differ[step] = checkpoint.diff_state_dicts(loaded, at_call[step])
+        differ[step] = offline.diff_state_dicts(loaded, at_call[step])
     return {"at_once_unchanged": unchanged, "at_once_differ": differ}
 
 
@@ -348,7 +351,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     for step in steps:
         fresh_stage, fresh = build(args, rank, world_size, seed=1)
         checkpoint.load_stage(fresh, step_dir(out / "ckpt", step))
-        differ[step] = checkpoint.diff_state_dicts(fresh.state_dict(), snapshots[step])
+        differ[step] = offline.diff_state_dicts(fresh.state_dict(), snapshots[step])
     # A save that fails in the background is reported by wait(), not lost.
     state.extra["bad"] = Unpicklable()
     error, raised_in = None, None

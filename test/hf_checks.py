@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import pippy
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.steps import step_dir
 
 from helpers import hf_config, hf_stage
@@ -60,9 +61,9 @@ def check_hf(out, rank, world_size):
         checkpoint.save_stage(state, out / name)
 
         stage_b, schedule_b, state_b = build(name, rank, world_size, seed=1)
-        before = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
+        before = offline.diff_state_dicts(state_b.state_dict(), saved)
         checkpoint.load_stage(state_b, step_dir(out / name, 3))
-        after_load = checkpoint.diff_state_dicts(state_b.state_dict(), saved)
+        after_load = offline.diff_state_dicts(state_b.state_dict(), saved)
         losses_b = train(name, stage_b, schedule_b, state_b, 3)
         result[name] = {
             "keys": sorted(state.module.state_dict()),
@@ -70,7 +71,7 @@ def check_hf(out, rank, world_size):
             "differ_after_load": after_load,
             "losses_a": losses_a,
             "losses_b": losses_b,
-            "differ_final": checkpoint.diff_state_dicts(
+            "differ_final": offline.diff_state_dicts(
                 state_b.state_dict(), state.state_dict()
             ),
         }

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 import pippy  # noqa: E402
 from pippy import checkpoint  # noqa: E402
+from pippy.checkpoint import offline  # noqa: E402
 from pippy.checkpoint.checks import (
     check_keys,
     local,  # noqa: E402
@@ -128,7 +129,7 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
             with CountedOps() as counted:
                 dcp.load(plain, checkpoint_id=out / "ops-plain")
             result["dcp_load_ops"] = dict(counted.counts)
-        result[f"{kind}_reload_differ"] = checkpoint.diff_state_dicts(
+        result[f"{kind}_reload_differ"] = offline.diff_state_dicts(
             fresh.state_dict(), state.state_dict()
         )
     # Two stages per rank (stages p and p + 2 of 4), each sharded with FSDP2.
@@ -146,7 +147,7 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
     checkpoint.save_stage(state, out / "fsdp-parts", mesh=mesh)
     fresh = sharded_parts(7)
     checkpoint.load_stage(fresh, out / "fsdp-parts" / "step-1")
-    result["fsdp_parts_reload_differ"] = checkpoint.diff_state_dicts(
+    result["fsdp_parts_reload_differ"] = offline.diff_state_dicts(
         fresh.state_dict(), state.state_dict()
     )
     # Replicas that diverged (no gradient all-reduce, a bug in the DP setup):
@@ -198,7 +199,7 @@ def check_hsdp(out: Path, rank: int, world_size: int) -> dict:
     checkpoint.load_stage(fresh, out / "hsdp" / "step-1")
     result = {
         "placements": repr(next(state.module.parameters()).placements),
-        "reload_differ": checkpoint.diff_state_dicts(
+        "reload_differ": offline.diff_state_dicts(
             fresh.state_dict(), state.state_dict()
         ),
     }
@@ -239,7 +240,7 @@ def check_parts(out: Path, rank: int, world_size: int) -> dict:
     checkpoint.load_stage(fresh, out / "parts" / "step-1")
     result = {
         "keys": sorted(state.state_dict()["model"]),
-        "reload_differ": checkpoint.diff_state_dicts(
+        "reload_differ": offline.diff_state_dicts(
             fresh.state_dict(), state.state_dict()
         ),
     }

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
+from pippy.checkpoint import offline  # noqa: E402
 from pippy.checkpoint.steps import list_steps, step_dir  # noqa: E402
 
 import parallel  # noqa: E402
@@ -77,10 +78,10 @@ def check_same(out: Path, rank: int, world_size: int) -> dict:
     _, _, _, by_library = example_state(out / "unused", 1)
     checkpoint.load_stage(by_library, step_dir(out / "example", 2))
     return {
-        "example_vs_library": checkpoint.diff_state_dicts(
+        "example_vs_library": offline.diff_state_dicts(
             by_example.state_dict(), by_library.state_dict()
         ),
-        "loaded_vs_saved": checkpoint.diff_state_dicts(
+        "loaded_vs_saved": offline.diff_state_dicts(
             by_example.state_dict(), state.state_dict()
         ),
         "steps": [by_example.step, by_library.step],
@@ -168,7 +169,7 @@ def check_async_staging(out: Path, rank: int, world_size: int) -> dict:
     for step in sorted(list_steps(out / "staged")):
         _, _, _, fresh = example_state(out / "unused", 1)
         checkpoint.load_stage(fresh, step_dir(out / "staged", step))
-        differ[step] = checkpoint.diff_state_dicts(fresh.state_dict(), snapshots[step])
+        differ[step] = offline.diff_state_dicts(fresh.state_dict(), snapshots[step])
     return {"steps": sorted(list_steps(out / "staged")), "differ": differ}
 
 

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.cli import main
 
 import helpers
@@ -50,10 +51,9 @@ def test_the_example_trains_saves_and_resumes_in_a_bucket(
     local, straight = tiny_run
     assert TINY_RUN_FLAGS == [*TINY_FLAGS, "--steps", "6", "--save-every", "3"]
     assert loss_lines(second.stdout) == loss_lines(straight)[4:]
-    ours = checkpoint.read_checkpoint(f"{run}/step-6")
+    ours = offline.read_checkpoint(f"{run}/step-6")
     assert (
-        checkpoint.diff_state_dicts(ours, checkpoint.read_checkpoint(local / "step-6"))
-        == []
+        offline.diff_state_dicts(ours, offline.read_checkpoint(local / "step-6")) == []
     )
     # --init-from a step in the bucket: a new run starts from its weights. It
     # reads step-6 only, so it runs while this process reads the bucket below.
@@ -77,12 +77,12 @@ def check_the_command_line_and_load_model(root, run, ours, tmp_path, capsys):
     titan, back = f"{root}/titan/step-6", f"{root}/back/step-6"
     assert main(["convert", f"{run}/step-6", "--to", "torchtitan", "--out", titan]) == 0
     assert main(["convert", titan, "--to", "pippy", "--out", back]) == 0
-    assert checkpoint.diff_state_dicts(checkpoint.read_checkpoint(back), ours) == []
+    assert offline.diff_state_dicts(offline.read_checkpoint(back), ours) == []
     # load_model: the un-split model from the bucket, in this process
     model = helpers.tiny_gpt()
-    checkpoint.load_model(f"{run}/step-6", model)
+    offline.load_model(f"{run}/step-6", model)
     weights = {k[len("model.") :]: v for k, v in ours.items() if k.startswith("model.")}
-    assert checkpoint.diff_state_dicts(model.state_dict(), weights) == []
+    assert offline.diff_state_dicts(model.state_dict(), weights) == []
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pippy import SplitPoint, checkpoint, pipeline
+from pippy.checkpoint import offline
 from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.checks import check_untied, restore_non_persistent_buffers
 from pippy.checkpoint.errors import TiedParametersError
@@ -95,24 +96,21 @@ def test_missing_dir_has_no_steps_and_a_file_is_refused(tmp_path):
 def test_diff_state_dicts_is_bitwise():
     a = {"model": {"w": torch.zeros(3)}, "step": 1}
     assert (
-        checkpoint.diff_state_dicts(a, {"model": {"w": torch.zeros(3)}, "step": 1})
-        == []
+        offline.diff_state_dicts(a, {"model": {"w": torch.zeros(3)}, "step": 1}) == []
     )
-    assert checkpoint.diff_state_dicts(
-        a, {"model": {"w": torch.zeros(3)}, "step": 2}
-    ) == ["step"]
+    assert offline.diff_state_dicts(a, {"model": {"w": torch.zeros(3)}, "step": 2}) == [
+        "step"
+    ]
     tiny = torch.tensor([0.0, 0.0, 1e-45])
-    assert checkpoint.diff_state_dicts(a, {"model": {"w": tiny}, "step": 1}) == [
-        "model.w"
-    ]
+    assert offline.diff_state_dicts(a, {"model": {"w": tiny}, "step": 1}) == ["model.w"]
     as_double = torch.zeros(3, dtype=torch.float64)
-    assert checkpoint.diff_state_dicts(a, {"model": {"w": as_double}, "step": 1}) == [
+    assert offline.diff_state_dicts(a, {"model": {"w": as_double}, "step": 1}) == [
         "model.w"
     ]
-    assert checkpoint.diff_state_dicts(a, {"model": {}, "step": 1}) == ["model.w"]
+    assert offline.diff_state_dicts(a, {"model": {}, "step": 1}) == ["model.w"]
     nan = {"w": torch.tensor([float("nan"), 1.0])}
-    assert checkpoint.diff_state_dicts(nan, {"w": nan["w"].clone()}) == []  # bitwise
-    assert checkpoint.diff_state_dicts(
+    assert offline.diff_state_dicts(nan, {"w": nan["w"].clone()}) == []  # bitwise
+    assert offline.diff_state_dicts(
         {"w": torch.tensor([0.0])}, {"w": torch.tensor([-0.0])}
     ) == ["w"]
 

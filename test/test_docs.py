@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.cli import parser
 
 from helpers import _ENV, ROOT
@@ -119,10 +119,10 @@ def test_the_readme_training_script_resumes_bit_for_bit(tmp_path):
         return [x for x in run.stdout.splitlines() if x.startswith("step ")]
 
     assert len(losses(first)) == 6 and losses(second) == losses(first)[3:]
-    resumed = checkpoint.read_checkpoint(folder / "step-6")
-    whole = checkpoint.read_checkpoint(tmp_path / "uninterrupted-step-6")
+    resumed = offline.read_checkpoint(folder / "step-6")
+    whole = offline.read_checkpoint(tmp_path / "uninterrupted-step-6")
     assert resumed.keys() == whole.keys() and resumed["step"] == 6
-    assert checkpoint.diff_state_dicts(resumed, whole) == []
+    assert offline.diff_state_dicts(resumed, whole) == []
 
 
 def test_the_readme_shows_what_the_example_prints(tmp_path):

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.job import OWNER_FILE
 from pippy.checkpoint.safe_load import (
     SafeFileSystemReader,
@@ -101,7 +102,7 @@ def test_a_flipped_bit_in_the_step_is_refused(tmp_path):
     dcp.load(plain, checkpoint_id=folder)
     assert plain["step"] == 3
     with pytest.raises(checkpoint.CheckpointError, match="item 'step' of .* damaged"):
-        checkpoint.read_checkpoint(folder)
+        offline.read_checkpoint(folder)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_swapped_rank_files_of_equal_size_mix_silently_in_dcp_and_are_refused(
 ):
     folder = tmp_path / "step-1"
     shutil.copytree(two_ranks / "twins" / "step-1", folder)
-    original = checkpoint.read_checkpoint(folder)
+    original = offline.read_checkpoint(folder)
     a, b = folder / "__0_0.distcp", folder / "__1_0.distcp"
     assert a.stat().st_size == b.stat().st_size
     data_a, data_b = a.read_bytes(), b.read_bytes()
@@ -128,7 +129,7 @@ def test_swapped_rank_files_of_equal_size_mix_silently_in_dcp_and_are_refused(
     with pytest.raises(
         checkpoint.CheckpointError, match=r"item '(model.w.|step)' of __._0.distcp"
     ):
-        checkpoint.read_checkpoint(folder)
+        offline.read_checkpoint(folder)
 
 
 def test_a_setup_error_on_one_rank_stops_every_rank_with_its_message(two_ranks):
@@ -181,7 +182,7 @@ def test_a_copied_step_in_the_way_is_moved_aside_and_the_save_goes_on(tmp_path):
     state = linear_state()
     state.step = 3
     published = checkpoint.save_stage(state, tmp_path)  # it used to be refused
-    assert checkpoint.read_checkpoint(published)["step"] == 3
+    assert offline.read_checkpoint(published)["step"] == 3
     [aside] = tmp_path.glob(".step-3.incomplete-*")
     assert read_manifest(aside).step == 2  # kept, not deleted
 
@@ -257,8 +258,8 @@ def repoint(new_name):
 
 READ_PATHS = {
     "load_stage": lambda f: checkpoint.load_stage(linear_state(), f),
-    "load_model": lambda f: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
-    "read_checkpoint": checkpoint.read_checkpoint,
+    "load_model": lambda f: offline.load_model(f, torch.nn.Linear(4, 4)),
+    "read_checkpoint": offline.read_checkpoint,
     "read_metadata": read_metadata,  # inspect and export start here
 }
 
@@ -297,7 +298,7 @@ def link_out(folder, name, outside):
 
 LINKED_READS = {  # each (step folder, an output folder that does not exist)
     "load_stage": lambda f, out: checkpoint.load_stage(linear_state(), f),
-    "load_model": lambda f, out: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
+    "load_model": lambda f, out: offline.load_model(f, torch.nn.Linear(4, 4)),
     "inspect --verify": lambda f, out: main(["inspect", str(f), "--verify"]),
     "export": lambda f, out: main(["export", str(f), "--out", str(out)]),
     "convert": lambda f, out: main(
@@ -400,7 +401,7 @@ def test_an_item_longer_than_written_is_refused_before_reading(tmp_path):
         checkpoint.CheckpointError,
         match=r"__0_0.distcp has \d+ bytes, manifest.json says",
     ):
-        checkpoint.read_checkpoint(folder)
+        offline.read_checkpoint(folder)
 
 
 class Note:
@@ -506,7 +507,7 @@ def test_groups_in_another_order_would_swap_scheduled_lrs_and_are_refused(tmp_pa
     # What DCP's own helpers do with the same state_dict: the optimizer's
     # groups load by their parameters, the scheduler's base_lrs by position.
     swapped = scheduled("ba")
-    state_dict = checkpoint.read_checkpoint(folder)
+    state_dict = offline.read_checkpoint(folder)
     swapped.lr_scheduler.load_state_dict(
         {
             k.removeprefix("lr_scheduler."): v
@@ -657,9 +658,9 @@ def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path):
         )
     assert "step   1 |" not in second.stdout
     for step in (20, 40, 60):  # the first job's steps are its own, bit for bit
-        shared = checkpoint.read_checkpoint(tmp_path / "shared" / f"step-{step}")
-        alone = checkpoint.read_checkpoint(tmp_path / "alone" / f"step-{step}")
-        assert checkpoint.diff_state_dicts(shared, alone) == []
+        shared = offline.read_checkpoint(tmp_path / "shared" / f"step-{step}")
+        alone = offline.read_checkpoint(tmp_path / "alone" / f"step-{step}")
+        assert offline.diff_state_dicts(shared, alone) == []
 
 
 def example_ranks(folder):

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 import pippy
-from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.checks import state_dict_size
 from pippy.checkpoint.safe_load import read_metadata
 
@@ -28,7 +28,7 @@ STEPS = ["--steps", "6", "--save-every", "3"]
 def load_whole(step_folder):
     """Every tensor and value of a checkpoint, read in one plain process under
     pippy's restricted unpickling rules (so this also shows they accept it)."""
-    return checkpoint.read_checkpoint(step_folder)
+    return offline.read_checkpoint(step_folder)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
     a = load_whole(resumed / "step-6")
     b = load_whole(straight / "step-6")
     assert state_dict_size(a)[0] > 0
-    assert checkpoint.diff_state_dicts(a, b) == []
+    assert offline.diff_state_dicts(a, b) == []
     assert a["step"] == 6
 
 

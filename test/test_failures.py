@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
@@ -74,7 +75,7 @@ def test_a_stage_with_an_empty_param_group_saves_and_loads(tmp_path):
     folder = save(saved, tmp_path)
     loaded = linear_state(with_empty_group)
     load(loaded, folder)  # torch 2.13's set_state_dict alone: IndexError
-    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+    assert offline.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
     groups = loaded.optimizer.param_groups
     assert (
         groups[0]["lr"] == 0.25 and groups[1]["params"] == [] and groups[1]["lr"] == 0.5
@@ -116,7 +117,7 @@ def test_optimizer_scalars_are_one_item_per_parameter_and_load_exactly(tmp_path)
         1.0,
     ]
     assert loaded.optimizer.param_groups[0]["lr"] == 1e-3
-    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+    assert offline.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
 
 
 def test_an_optimizer_option_missing_from_the_checkpoint_is_an_error(tmp_path):
@@ -144,7 +145,7 @@ def test_a_step_damaged_after_publishing_names_its_files_and_the_way_out(tmp_pat
         load(linear_state(), folder)
     data.unlink()  # a rank's file lost
     with pytest.raises(checkpoint.CheckpointError, match=f"{data.name} is missing"):
-        checkpoint.load_model(folder, linear_state().module)
+        offline.load_model(folder, linear_state().module)
 
 
 def test_another_optimizer_class_is_refused_not_loaded_with_wrong_options(tmp_path):
@@ -174,7 +175,7 @@ def test_a_checkpoint_from_before_the_packed_layout_says_so(tmp_path):
     ):
         load(linear_state(), folder)
     model = torch.nn.Linear(4, 4)
-    assert checkpoint.load_model(folder, model) == 0
+    assert offline.load_model(folder, model) == 0
     assert torch.equal(model.weight, state.module.weight)
 
 
@@ -487,7 +488,7 @@ def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):
     assert launcher.returncode != 0
     assert not (tmp_path / "step-4").exists()  # the partial save was never published
     assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-2"
-    assert checkpoint.read_checkpoint(tmp_path / "step-2")["step"] == 2
+    assert offline.read_checkpoint(tmp_path / "step-2")["step"] == 2
 
     run = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / 'step-2'}" in run.stdout
@@ -544,10 +545,10 @@ def test_parameters_without_optimizer_state_load_and_resume_exactly(
         load(loaded, save(saved, tmp_path))
     assert loaded.module.b.weight not in loaded.optimizer.state
     assert state_ids(loaded) == state_ids(saved)
-    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+    assert offline.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
     for state in (saved, loaded):  # now b trains too, from fresh state in both
         train_step(state, use=("a", "b"))
-    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+    assert offline.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
 
 
 def test_optimizer_state_the_optimizer_loaded_into_cannot_take_says_why(tmp_path):
@@ -615,7 +616,7 @@ def test_param_groups_joining_parameters_saved_with_other_options_are_refused(
     load(loaded, save(same, tmp_path, step=2))
     assert loaded.optimizer.param_groups[0]["lr"] == 0.1
     assert (
-        checkpoint.diff_state_dicts(
+        offline.diff_state_dicts(
             loaded.state_dict()["model"], same.state_dict()["model"]
         )
         == []
@@ -686,7 +687,7 @@ def test_a_group_added_after_its_scheduler_was_built_loads_into_the_same_build(
     saved = build()
     loaded = build()
     load(loaded, save(saved, tmp_path))  # one scheduled group of two, both sides
-    assert checkpoint.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
+    assert offline.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
 
 
 def test_regrouping_ignores_how_options_are_spelled_and_implementation_flags(

@@ -18,6 +18,7 @@ from golden.make_golden import digest
 from torch.distributed.checkpoint import FileSystemReader
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves
 
 from gpt import GPT, ModelArgs
@@ -38,7 +39,7 @@ def expected(step: Path) -> dict:
 
 @pytest.mark.parametrize("step", STEPS, ids=lambda p: p.parent.name)
 def test_a_golden_step_reads_bitwise_with_this_torch(step):
-    values = checkpoint.read_checkpoint(step)
+    values = offline.read_checkpoint(step)
     assert {k: digest(v) for k, v in values.items()} == expected(step)
     written = json.loads((step / "manifest.json").read_text())["written_by"]
     assert written["torch"].startswith(step.parent.name.removeprefix("torch-"))
@@ -48,7 +49,7 @@ def test_a_golden_step_reads_bitwise_with_this_torch(step):
 def test_a_golden_step_loads_into_the_unsplit_model_and_optimizer(step):
     model = GPT(ModelArgs(n_layers=2, dim=16, max_seq_len=8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert checkpoint.load_model(step, model, optimizer) == 2
+    assert offline.load_model(step, model, optimizer) == 2
     loaded = dict(named_leaves(checkpoint.StageState(model, optimizer).state_dict()))
     want = expected(step)
     tensors = [k for k in want if k.startswith(("model.", "optim.state."))]
@@ -76,12 +77,12 @@ def test_a_metadata_this_torch_cannot_read_names_the_torch_that_wrote_it(tmp_pat
     metadata = step / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:1000])  # what this torch cannot read
     with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata is damaged: "):
-        checkpoint.read_checkpoint(step)
+        offline.read_checkpoint(step)
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["written_by"]["torch"] = "2.99.0"
     (step / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(checkpoint.CheckpointError) as e:
-        checkpoint.read_checkpoint(step)
+        offline.read_checkpoint(step)
     assert str(e.value).startswith(
         f"{metadata} was written by torch 2.99.0, this is torch {torch.__version__}, "
         "which cannot read it ("

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import pippy
 from pippy import checkpoint
+from pippy.checkpoint import offline
 
 from helpers import (
     ROOT,
@@ -68,10 +69,10 @@ def test_hf_two_stages_into_one_and_into_from_pretrained(hf_run, tmp_path, name)
     checkpoint.load_stage(state, step)
     assert state.step == 6
     expected = plain_dcp_model(step)
-    assert checkpoint.diff_state_dicts(one.state_dict(), expected) == []
+    assert offline.diff_state_dicts(one.state_dict(), expected) == []
     # Into the plain HF model, and through an export into from_pretrained.
     plain = hf_model_class(name)(hf_config(name))
-    assert checkpoint.load_model(step, plain) == 6
+    assert offline.load_model(step, plain) == 6
     config = tmp_path / "config.json"
     hf_config(name).to_json_file(config)
     export = tmp_path / "export"
@@ -155,10 +156,10 @@ def test_load_model_refuses_tied_keys_that_differ(tmp_path):
         checkpoint.CheckpointError,
         match=r"'model.embed_tokens.weight', 'lm_head.weight' are one tied parameter.*tie_word_embeddings=False",
     ):
-        checkpoint.load_model(tmp_path / "step-1", tied)
+        offline.load_model(tmp_path / "step-1", tied)
     # Equal values load, silently.
     with torch.no_grad():
         untied.lm_head.weight.copy_(untied.model.embed_tokens.weight)
     checkpoint.save_stage({"model": untied.state_dict(), "step": 2}, tmp_path, step=2)
-    assert checkpoint.load_model(tmp_path / "step-2", tied) == 2
+    assert offline.load_model(tmp_path / "step-2", tied) == 2
     assert torch.equal(tied.lm_head.weight, untied.lm_head.weight)

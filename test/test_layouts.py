@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.state import OPTIONS, from_torchtitan, pippy_name, to_torchtitan
 from pippy.cli import main
@@ -53,14 +54,14 @@ def test_torchtitan_layout_read_loaded_inspected_exported(tmp_path, capsys):
     step = tmp_path / "step-1"
     # torchtitan writes no manifest.json: reading it is an explicit opt-out.
     with pytest.raises(checkpoint.CheckpointError, match="has no manifest.json"):
-        checkpoint.read_checkpoint(step, prefix="model.")
-    model_sd = checkpoint.read_checkpoint(step, prefix="model.", verify=False)
-    assert checkpoint.diff_state_dicts(model_sd, state.module.state_dict()) == []
+        offline.read_checkpoint(step, prefix="model.")
+    model_sd = offline.read_checkpoint(step, prefix="model.", verify=False)
+    assert offline.diff_state_dicts(model_sd, state.module.state_dict()) == []
     fresh = fresh_state()
-    assert checkpoint.load_model(step, fresh.module, fresh.optimizer, verify=False) == 1
+    assert offline.load_model(step, fresh.module, fresh.optimizer, verify=False) == 1
     expected = {k: v for k, v in state.state_dict().items() if k in ("model", "optim")}
     got = {k: v for k, v in fresh.state_dict().items() if k in ("model", "optim")}
-    assert checkpoint.diff_state_dicts(got, expected) == []
+    assert offline.diff_state_dicts(got, expected) == []
     assert main(["inspect", str(step)]) == 0
     assert "(torchtitan layout)" in capsys.readouterr().out
     out = str(tmp_path / "m.safetensors")
@@ -68,7 +69,7 @@ def test_torchtitan_layout_read_loaded_inspected_exported(tmp_path, capsys):
     assert "pass --allow-no-manifest" in capsys.readouterr().err
     assert main(["export", str(step), "--allow-no-manifest", "--out", out]) == 0
     exported = load_file(tmp_path / "m.safetensors")
-    assert checkpoint.diff_state_dicts(exported, state.module.state_dict()) == []
+    assert offline.diff_state_dicts(exported, state.module.state_dict()) == []
     # torchtitan -> pippy: a resume with load_stage, every entry bitwise.
     assert (
         main(
@@ -88,7 +89,7 @@ def test_torchtitan_layout_read_loaded_inspected_exported(tmp_path, capsys):
     # Its train_state.ntokens_seen and dataloader have no place in this state.
     must_read = ("model.", "optim.", "lr_scheduler.", "step")
     checkpoint.load_stage(fresh, tmp_path / "p" / "step-1", must_read=must_read)
-    assert checkpoint.diff_state_dicts(fresh.state_dict(), state.state_dict()) == []
+    assert offline.diff_state_dicts(fresh.state_dict(), state.state_dict()) == []
 
 
 def test_pippy_to_torchtitan_read_with_plain_dcp(tmp_path):
@@ -125,7 +126,7 @@ def test_pippy_to_torchtitan_read_with_plain_dcp(tmp_path):
     ]
     assert (sd["train_state.step"], sd["train_state.ntokens_seen"]) == (1, 0)
     with pytest.raises(FileExistsError):
-        checkpoint.convert_layout(tmp_path / "run" / "step-1", out, to="torchtitan")
+        offline.convert_layout(tmp_path / "run" / "step-1", out, to="torchtitan")
 
 
 def test_a_state_dict_hook_that_renames_keys_is_named():
@@ -234,13 +235,13 @@ def test_extra_state_goes_into_torchtitans_dataloader_section_and_back(tmp_path)
     saved = sampled_state()
     checkpoint.save_stage(saved, tmp_path / "run")
     titan = tmp_path / "titan" / "step-1"
-    checkpoint.convert_layout(tmp_path / "run" / "step-1", titan, to="torchtitan")
+    offline.convert_layout(tmp_path / "run" / "step-1", titan, to="torchtitan")
     fresh = fresh_state()
     fresh.extra = {"data": Sampler()}
     fresh.extra["data"].generator.manual_seed(7)
     must_read = ("model.", "optim.", "lr_scheduler.", "step", "data.")
     checkpoint.load_stage(fresh, titan, must_read=must_read)
-    assert checkpoint.diff_state_dicts(fresh.state_dict(), saved.state_dict()) == []
+    assert offline.diff_state_dicts(fresh.state_dict(), saved.state_dict()) == []
 
 
 def test_state_that_is_not_the_models_is_named_when_it_does_not_load(tmp_path):
@@ -286,15 +287,13 @@ def test_load_model_reads_torchtitans_optimizer_state_without_a_scheduler(tmp_pa
     save_torchtitan(state, tmp_path / "step-1")
     model = tiny_gpt(n_layers=2, dim=16, max_seq_len=8, seed=5)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no scheduler
-    step = checkpoint.load_model(tmp_path / "step-1", model, optimizer, verify=False)
+    step = offline.load_model(tmp_path / "step-1", model, optimizer, verify=False)
     assert step == 1
-    assert (
-        checkpoint.diff_state_dicts(model.state_dict(), state.module.state_dict()) == []
-    )
+    assert offline.diff_state_dicts(model.state_dict(), state.module.state_dict()) == []
     ours = get_optimizer_state_dict(model, optimizer, options=OPTIONS)
     theirs = get_optimizer_state_dict(state.module, state.optimizer, options=OPTIONS)
     assert (
-        checkpoint.diff_state_dicts(
+        offline.diff_state_dicts(
             {k: v for k, v in ours.items() if k.startswith("state.")},
             {k: v for k, v in theirs.items() if k.startswith("state.")},
         )

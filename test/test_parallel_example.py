@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.safe_load import read_metadata
 
@@ -138,11 +138,9 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     assert "verified:" in second.stdout
     folder, reference_losses = uninterrupted[reference]
     assert loss_lines(second.stdout) == reference_losses[3:]
-    resumed = checkpoint.read_checkpoint(here / "step-6")
+    resumed = offline.read_checkpoint(here / "step-6")
     assert (
-        checkpoint.diff_state_dicts(
-            resumed, checkpoint.read_checkpoint(folder / "step-6")
-        )
+        offline.diff_state_dicts(resumed, offline.read_checkpoint(folder / "step-6"))
         == []
     )
 
@@ -154,8 +152,8 @@ def test_stopped_resumed_and_resumed_on_another_layout(
         losses(other_losses[3:]), abs=1e-4
     )
     assert_close(
-        checkpoint.read_checkpoint(there / "step-6"),
-        checkpoint.read_checkpoint(folder / "step-6"),
+        offline.read_checkpoint(there / "step-6"),
+        offline.read_checkpoint(folder / "step-6"),
         RESHARD_RTOL,
     )
 
@@ -168,20 +166,20 @@ def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
     # The DDP run's files, read with plain DCP in this process, hold what
     # pippy reads; and the checkpoint loads into the un-split model.
     plain = plain_read(dp / "step-6")
-    ours = dict(named_leaves(checkpoint.read_checkpoint(dp / "step-6")))
-    assert checkpoint.diff_state_dicts(plain, ours) == []  # every item
+    ours = dict(named_leaves(offline.read_checkpoint(dp / "step-6")))
+    assert offline.diff_state_dicts(plain, ours) == []  # every item
     model = GPT(ModelArgs(4, 32, max_seq_len=32))
-    assert checkpoint.load_model(dp / "step-6", model) == 6
+    assert offline.load_model(dp / "step-6", model) == 6
     weights = {k: v for k, v in ours.items() if k.startswith("model.")}
     assert (
-        checkpoint.diff_state_dicts(
+        offline.diff_state_dicts(
             {f"model.{k}": v for k, v in model.state_dict().items()}, weights
         )
         == []
     )
     assert_close(
-        checkpoint.read_checkpoint(dp / "step-6"),
-        checkpoint.read_checkpoint(pp / "step-6"),
+        offline.read_checkpoint(dp / "step-6"),
+        offline.read_checkpoint(pp / "step-6"),
         RESHARD_RTOL,
     )
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.job import Deadline, check_restarts, launcher_deadline
 from pippy.checkpoint.safe_load import newest_verified_step
 from pippy.checkpoint.steps import list_steps
@@ -45,10 +46,10 @@ def losses_by_step(out):
 
 def assert_same_tensors(folder, reference):
     mine, theirs = (
-        checkpoint.read_checkpoint(folder),
-        checkpoint.read_checkpoint(reference),
+        offline.read_checkpoint(folder),
+        offline.read_checkpoint(reference),
     )
-    assert checkpoint.diff_state_dicts(mine, theirs) == []
+    assert offline.diff_state_dicts(mine, theirs) == []
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(
     for rank in (0, 1):
         assert f"[rank {rank}] stage {rank}: saved" in out  # every rank saved it
     assert sorted(list_steps(tmp_path)) == [step]
-    assert checkpoint.read_checkpoint(tmp_path / f"step-{step}")["step"] == step
+    assert offline.read_checkpoint(tmp_path / f"step-{step}")["step"] == step
 
     resumed = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / f'step-{step}'}" in resumed.stdout

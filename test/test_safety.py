@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.safe_load import read_metadata
 
 from helpers import EXAMPLE, TINY_FLAGS, Payload, poison_metadata, torchrun
@@ -49,9 +50,9 @@ def read_with_dcp_load(folder):
 READ_PATHS = {
     "dcp.load": read_with_dcp_load,
     "read_metadata": read_metadata,
-    "read_checkpoint": checkpoint.read_checkpoint,
-    "read_checkpoint(model.)": lambda f: checkpoint.read_checkpoint(f, prefix="model."),
-    "load_model": lambda f: checkpoint.load_model(f, torch.nn.Linear(4, 4)),
+    "read_checkpoint": offline.read_checkpoint,
+    "read_checkpoint(model.)": lambda f: offline.read_checkpoint(f, prefix="model."),
+    "load_model": lambda f: offline.load_model(f, torch.nn.Linear(4, 4)),
 }
 
 
@@ -71,7 +72,7 @@ def test_pippy_refuses_a_poisoned_non_tensor_item(tmp_path):
     marker = tmp_path / "pwned"
     folder = save_step(tmp_path / "ckpt", extra={"x": Payload(marker)})
     with pytest.raises(checkpoint.UnsafeCheckpointError) as error:
-        checkpoint.read_checkpoint(folder)
+        offline.read_checkpoint(folder)
     assert not marker.exists()
     assert "'extra.x' of __0_0.distcp" in str(error.value)
     assert "io.open" in str(error.value)
@@ -88,7 +89,7 @@ def test_a_damaged_item_is_reported_as_damage_not_as_an_attack(tmp_path):
     with pytest.raises(
         checkpoint.CheckpointError, match="'extra.note' of __0_0.distcp is damaged"
     ) as error:
-        checkpoint.read_checkpoint(folder)
+        offline.read_checkpoint(folder)
     assert not isinstance(error.value, checkpoint.UnsafeCheckpointError)
 
 
@@ -97,17 +98,17 @@ def test_trusted_checkpoints_load_with_plain_pickle(tmp_path, monkeypatch, how):
     folder, marker = save_step(tmp_path / "ckpt"), tmp_path / "pwned"
     poison_metadata(folder, marker)
     if how == "argument":
-        state = checkpoint.read_checkpoint(folder, trusted=True)
+        state = offline.read_checkpoint(folder, trusted=True)
     else:
         monkeypatch.setenv("PIPPY_TRUST_CHECKPOINT", "1")
-        state = checkpoint.read_checkpoint(folder)
+        state = offline.read_checkpoint(folder)
     assert marker.exists()  # the opt-out is exactly plain DCP's behaviour
     assert state["step"] == 1 and state["model.b"].shape == (4,)
 
 
 def test_what_pippy_writes_loads_under_the_restricted_rules(tmp_path):
     folder = save_step(tmp_path / "ckpt", lr_scheduler={"betas": (0.9, 0.95), "n": 3})
-    state = checkpoint.read_checkpoint(folder)
+    state = offline.read_checkpoint(folder)
     assert state["lr_scheduler.betas"] == (0.9, 0.95)
     assert state["lr_scheduler.n"] == 3 and state["step"] == 1
 

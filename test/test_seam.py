@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.steps import read_manifest
 from pippy.checkpoint.storage import (
     FsspecStorage,
@@ -66,10 +67,10 @@ def test_a_url_is_never_a_local_folder_and_a_save_there_commits_by_record(
         fresh = linear_state()
         fresh.module.weight.data.zero_()
         checkpoint.load_stage(fresh, latest)
-        assert checkpoint.diff_state_dicts(fresh.state_dict(), state.state_dict()) == []
+        assert offline.diff_state_dicts(fresh.state_dict(), state.state_dict()) == []
         # A folder only a rename publishes whole is refused, in one line.
         with pytest.raises(checkpoint.CheckpointDirError) as e:
-            checkpoint.export_hf(latest, f"{url}/hf", config={})
+            offline.export_hf(latest, f"{url}/hf", config={})
         assert str(e.value) == (
             f"cannot write a folder to {url + '/hf'!r}: publishing it whole needs "
             "an atomic rename, which this storage lacks (a reader could see half "
@@ -84,19 +85,19 @@ def test_a_step_in_a_url_is_found_read_and_loaded_through_fsspec(memory_run):
     url, local, state = memory_run
     latest = checkpoint.find_latest_step(url)
     assert latest == f"{url}/step-1" and isinstance(latest, str)
-    ours = checkpoint.read_checkpoint(latest)
+    ours = offline.read_checkpoint(latest)
     assert ours.keys() == plain_read(local / "step-1").keys()
     for key, value in plain_read(local / "step-1").items():
         assert torch.equal(ours[key], value) if torch.is_tensor(value) else True
     # Plain DCP reads the URL the same.
-    items = checkpoint.read_checkpoint(latest, prefix="model.")
+    items = offline.read_checkpoint(latest, prefix="model.")
     plain = {f"model.{k}": torch.empty_like(v) for k, v in items.items()}
     torch.distributed.checkpoint.load(
         plain, storage_reader=FsspecReader(latest), no_dist=True
     )
     assert all(torch.equal(plain[f"model.{k}"], v) for k, v in items.items())
     model = torch.nn.Linear(4, 4)
-    assert checkpoint.load_model(latest, model) == 1
+    assert offline.load_model(latest, model) == 1
     assert torch.equal(model.weight, state.module.weight)
 
 
@@ -178,7 +179,7 @@ def test_convert_writes_through_the_save_sequence(tmp_path):
     checkpoint.save_stage(state, tmp_path / "run")
     out = tmp_path / "titan" / "step-4"
     (tmp_path / "titan").mkdir()
-    checkpoint.convert_layout(tmp_path / "run" / "step-4", out, to="torchtitan")
+    offline.convert_layout(tmp_path / "run" / "step-4", out, to="torchtitan")
     assert read_manifest(out).step == 4  # its manifest, and loads verify it
     assert sorted(p.name for p in (tmp_path / "titan").iterdir()) == ["step-4"]
     assert checkpoint.verify_step(out) == len(read_manifest(out).items)

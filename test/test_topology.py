@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import pippy
-from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves
 
 import parallel
@@ -49,11 +49,9 @@ def test_resume_on_another_number_of_stages(
     # Splitting into stages changes no arithmetic (each layer runs the same ops
     # on the same microbatches), so the resumed run matches bit for bit.
     assert loss_lines(run.stdout) == reference_losses[3:]
-    resumed = checkpoint.read_checkpoint(tmp_path / "step-6")
+    resumed = offline.read_checkpoint(tmp_path / "step-6")
     assert (
-        checkpoint.diff_state_dicts(
-            resumed, checkpoint.read_checkpoint(reference / "step-6")
-        )
+        offline.diff_state_dicts(resumed, offline.read_checkpoint(reference / "step-6"))
         == []
     )
 
@@ -65,8 +63,8 @@ def test_init_from_takes_the_weights_and_nothing_else(tmp_path, uninterrupted):
     run = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
     assert f"starting from the weights of {source}" in run.stdout
     new, old = (
-        checkpoint.read_checkpoint(tmp_path / "step-1"),
-        checkpoint.read_checkpoint(source),
+        offline.read_checkpoint(tmp_path / "step-1"),
+        offline.read_checkpoint(source),
     )
     model_keys = [k for k in old if k.startswith("model.")]
     assert model_keys and all(torch.equal(new[k], old[k]) for k in model_keys)
@@ -93,7 +91,7 @@ def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
     model = GPT(TINY)
     optimizer = torch.optim.AdamW(model.parameters())
     path = pipeline_outputs / "ckpt" / "step-2"
-    assert checkpoint.load_model(path, model, optimizer) == 2
+    assert offline.load_model(path, model, optimizer) == 2
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
@@ -105,13 +103,13 @@ def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
     moments = dict(named_leaves(optim_sd))
     for stage in stages:
         own = {k: model_sd[k] for k in stage["model"]}
-        assert checkpoint.diff_state_dicts(own, stage["model"]) == []
+        assert offline.diff_state_dicts(own, stage["model"]) == []
         stage_moments = {
             k: v for k, v in named_leaves(stage["optim"]) if k.startswith("state.")
         }
         assert stage_moments
         assert (
-            checkpoint.diff_state_dicts(
+            offline.diff_state_dicts(
                 {k: moments[k] for k in stage_moments}, stage_moments
             )
             == []
@@ -128,7 +126,7 @@ def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(pipeline_outputs):
         json.loads((pipeline_outputs / f"fsdp-rank{r}.json").read_text())
         for r in range(2)
     ]
-    saved = checkpoint.read_checkpoint(
+    saved = offline.read_checkpoint(
         pipeline_outputs / "ckpt" / "step-2", prefix="model."
     )
     for rank in range(2):
@@ -136,12 +134,12 @@ def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(pipeline_outputs):
         loaded = torch.load(
             pipeline_outputs / f"fsdp-model-{rank}.pt", weights_only=True
         )
-        assert checkpoint.diff_state_dicts(loaded, saved) == []
+        assert offline.diff_state_dicts(loaded, saved) == []
     # The same two steps in one process on the un-split model: FSDP averages
     # gradients over ranks in another order, so the losses agree to 1e-5.
     model = GPT(TINY)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    checkpoint.load_model(pipeline_outputs / "ckpt" / "step-2", model, optimizer)
+    offline.load_model(pipeline_outputs / "ckpt" / "step-2", model, optimizer)
     sampler = pippy_dcp.BatchSampler(pippy_dcp.load_text(None), 8, 32, seed=5)
     losses = []
     for _ in range(2):

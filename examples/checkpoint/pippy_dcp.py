@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import pippy
+import pippy.checkpoint.offline
 from pippy import checkpoint
 
 import parallel
@@ -276,7 +277,7 @@ def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
     note = " into a fresh stage" if len(fresh_stages) == 1 else " into fresh stages"
     tensors, nbytes = held(load(fresh, path))
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {path}{note}", start)
-    differ = checkpoint.diff_state_dicts(state.state_dict(), fresh.state_dict())
+    differ = checkpoint.offline.diff_state_dicts(state.state_dict(), fresh.state_dict())
     if differ:
         log(f"{layout.label}: {len(differ)} entries differ: {differ[:5]}")
     failed = torch.tensor([len(differ)], device=device)

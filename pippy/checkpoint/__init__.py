@@ -23,10 +23,9 @@ pieces those two are made of, for a script that spells ``dcp.save`` and
 
 :class:`AsyncSaver`; :class:`FolderOwner`, :class:`StopSignal`,
 :func:`stop_with_launcher` and :func:`fail_together` (a step each rank runs
-alone fails on every rank or on none); :func:`read_checkpoint` and
-:func:`load_model` (one process); :func:`export_hf` and
-:func:`convert_layout`; :func:`verify_step` and :func:`diff_state_dicts`; and
-the errors. The gears stay importable from their modules, one idea per module:
+alone fails on every rank or on none); :func:`verify_step`; and the errors.
+The offline tools (one process) are in :mod:`pippy.checkpoint.offline`.
+The gears stay importable from their modules, one idea per module:
 
 * :mod:`~pippy.checkpoint.api`: the one save sequence and the one load
   sequence (:func:`save_stage`, :func:`load_stage`), and their pieces: the
@@ -79,7 +78,6 @@ from pippy.checkpoint.api import (
     take_state,
 )
 from pippy.checkpoint.async_saver import AsyncSaver
-from pippy.checkpoint.checks import diff_state_dicts
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
@@ -94,12 +92,6 @@ from pippy.checkpoint.errors import (
     fail_together,
 )
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
-from pippy.checkpoint.offline import (
-    convert_layout,
-    export_hf,
-    load_model,
-    read_checkpoint,
-)
 from pippy.checkpoint.safe_load import find_latest_step, verify_step
 from pippy.checkpoint.state import StageState
 
@@ -118,17 +110,12 @@ __all__ = [
     "StopSignal",
     "TiedParametersError",
     "UnsafeCheckpointError",
-    "convert_layout",
-    "diff_state_dicts",
-    "export_hf",
     "fail_together",
     "find_latest_step",
     "load_into",
-    "load_model",
     "load_stage",
     "open_step",
     "publish_step",
-    "read_checkpoint",
     "save_stage",
     "stop_with_launcher",
     "take_state",

@@ -31,21 +31,6 @@ from pippy.checkpoint.errors import (
     TiedParametersError,
 )
 
-__all__ = [
-    "check_keys",
-    "check_untied",
-    "diff_state_dicts",
-    "fingerprint",
-    "named_leaves",
-    "offer_keys",
-    "refuse_losses",
-    "renaming_hooks",
-    "restore_non_persistent_buffers",
-    "state_dict_size",
-    "tied_groups",
-]
-
-
 logger = logging.getLogger(__name__)
 
 

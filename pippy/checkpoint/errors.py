@@ -19,24 +19,6 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-__all__ = [
-    "CheckpointDirError",
-    "CheckpointDirInUseError",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "CheckpointTimeout",
-    "DivergedReplicasError",
-    "KeyCollisionError",
-    "NestedStateError",
-    "TiedParametersError",
-    "UnsafeCheckpointError",
-    "dir_error",
-    "explain_failures",
-    "fail_together",
-    "on_coordinator",
-    "own_error",
-]
-
 
 class CheckpointError(Exception):
     """Base of pippy's checkpoint errors; the message says what to do."""

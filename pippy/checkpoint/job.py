@@ -78,17 +78,6 @@ from pippy.checkpoint.storage import (
     storage_for,
 )
 
-__all__ = [
-    "FolderOwner",
-    "StopSignal",
-    "StoreLease",
-    "check_lease",
-    "check_restarts",
-    "launcher_deadline",
-    "lease_lost",
-    "stop_with_launcher",
-]
-
 logger = logging.getLogger(__name__)
 
 #: The owner record in a run's checkpoint folder.

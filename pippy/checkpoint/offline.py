@@ -8,7 +8,8 @@ or, above the shard size, ``model-0000i-of-0000n`` shards and
 ``model.safetensors.index.json``, written with ``safetensors`` directly (DCP's
 own Hugging Face consolidation mishandles integer and bool tensors in torch
 2.13, pytorch/pytorch#192485). :func:`convert_layout` rewrites a checkpoint
-in pippy's or torchtitan's layout as the other.
+in pippy's or torchtitan's layout as the other; :func:`diff_state_dicts`
+compares two state_dicts bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
-from pippy.checkpoint.checks import tied_groups
+from pippy.checkpoint.checks import diff_state_dicts, tied_groups
 from pippy.checkpoint.errors import CheckpointError, explain_failures
 from pippy.checkpoint.state import (
     PIPPY,
@@ -43,10 +44,9 @@ from pippy.checkpoint.storage import Location, Storage, check_publishable, stora
 
 __all__ = [
     "convert_layout",
+    "diff_state_dicts",
     "export_hf",
     "load_model",
-    "model_weights",
-    "parse_size",
     "read_checkpoint",
 ]
 
@@ -276,7 +276,7 @@ def export_hf(
         FileExistsError: ``out`` exists and ``force`` is False.
         ValueError: ``config`` is not a JSON object, or a model entry of the
             checkpoint is not a tensor.
-        CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
+        CheckpointError: As :func:`read_checkpoint`.
         CheckpointDirError: ``out`` is on storage without atomic renames.
     """
     storage = check_publishable(out)
@@ -371,7 +371,7 @@ def convert_layout(
         FileExistsError: ``out`` exists.
         ValueError: ``to`` is not a layout, or a key has no place in
             torchtitan's (see :func:`~pippy.checkpoint.state.to_torchtitan`).
-        CheckpointError: As :func:`~pippy.checkpoint.read_checkpoint`.
+        CheckpointError: As :func:`read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):
         raise ValueError(f"no layout {to!r}: {PIPPY!r} or {TORCHTITAN!r}")

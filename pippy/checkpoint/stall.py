@@ -42,18 +42,6 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 from pippy.checkpoint.errors import CheckpointTimeout
 
-__all__ = [
-    "ABORT_WAIT_S",
-    "LOG_ENV",
-    "Timeout",
-    "Waits",
-    "active",
-    "loading",
-    "log_every",
-    "seconds",
-    "waiting",
-]
-
 logger = logging.getLogger(__name__)
 
 #: A timeout as torch's ``timeout=`` arguments take it, or seconds; None: off.

@@ -64,22 +64,6 @@ from torch.optim import Optimizer
 from pippy.checkpoint.checks import fingerprint, named_leaves, renaming_hooks
 from pippy.checkpoint.errors import CheckpointError, KeyCollisionError
 
-__all__ = [
-    "LAYOUT_VERSION",
-    "PIPPY",
-    "TORCHTITAN",
-    "OptimKeys",
-    "StageState",
-    "check_layout_version",
-    "detect_layout",
-    "from_torchtitan",
-    "merge_parts",
-    "pippy_name",
-    "stateless_keys",
-    "to_torchtitan",
-]
-
-
 # How a step is computed, not what it computes: param groups need not agree.
 _IMPLEMENTATION_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
 #: Optimizer state keyed by parameter FQN, as DCP's state_dict helpers give it.

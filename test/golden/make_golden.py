@@ -97,9 +97,9 @@ def main() -> None:
     launch += ["--nproc-per-node=2", __file__]
     subprocess.run(launch, check=True, env=env, timeout=300)
     sys.path.insert(0, str(ROOT))
-    from pippy import checkpoint
+    from pippy.checkpoint import offline
 
-    values = checkpoint.read_checkpoint(out / "step-2")
+    values = offline.read_checkpoint(out / "step-2")
     digests = {key: digest(value) for key, value in sorted(values.items())}
     (out / "digests.json").write_text(
         json.dumps({"torch": torch.__version__, "items": digests}, indent=1) + "\n"

@@ -61,8 +61,8 @@ READ = """
 import json, sys
 sys.path.insert(0, {golden!r})
 from make_golden import digest
-from pippy import checkpoint
-values = checkpoint.read_checkpoint(sys.argv[1])
+from pippy.checkpoint import offline
+values = offline.read_checkpoint(sys.argv[1])
 print(json.dumps({{k: digest(v) for k, v in sorted(values.items())}}))
 """
 
