@@ -1,11 +1,10 @@
 """pippy's checkpoint errors, and the one way failures on several ranks are worded.
 
-Every error inherits :class:`CheckpointError` and, where one fits, the builtin
-a caller would catch anyway (:class:`CheckpointDirError` is a
-``NotADirectoryError``). DCP reports failures as ``CheckpointException``, a
-``BaseException`` that ``except Exception`` misses; :func:`explain_failures`
-turns it into one :class:`CheckpointError` with a line per failed rank, and
-:func:`fail_together` does the same for a step that each rank runs alone.
+Every error is a :class:`CheckpointError` and, where one fits, the builtin a
+caller would catch anyway. DCP's ``CheckpointException`` is a ``BaseException``
+that ``except Exception`` misses: :func:`explain_failures` turns it into one
+error with a line per failed rank, as :func:`fail_together` does for a step
+that each rank runs alone.
 """
 
 from __future__ import annotations
@@ -53,10 +52,7 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class CheckpointTimeout(CheckpointError, TimeoutError):
-    """Some ranks did not arrive at a save or load within its timeout.
-
-    Every rank raises the same one (see :mod:`~pippy.checkpoint.stall`).
-    """
+    """Some ranks did not arrive at a save or load in time; raised on every rank."""
 
 
 class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
@@ -96,15 +92,7 @@ def _line(error: BaseException) -> str:
 
 
 def own_error(error: Exception) -> Exception:
-    """``error``, to raise inside DCP: this rank raises it, the others name it.
-
-    :func:`explain_failures` raises it as itself on this rank, and a
-    ``CheckpointError`` naming it on the others.
-
-    Args:
-        error: This rank's error; one that does not pickle travels as a
-            ``CheckpointError`` with its type and message.
-    """
+    """``error`` wrapped to raise inside DCP: itself here, named on other ranks."""
     try:
         pickle.dumps(error)
     except Exception:
@@ -120,21 +108,7 @@ def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
 
 @contextmanager
 def explain_failures(action: str) -> Iterator[None]:
-    """Turns DCP's ``CheckpointException`` into one error that names each rank.
-
-    Use it around ``dcp.save`` and ``dcp.load`` (see the module docstring).
-
-    Args:
-        action: What was attempted, for the message (``"loading step-20"``).
-
-    Raises:
-        Exception: This rank's own error, sent as :func:`own_error`.
-        KeyCollisionError, NestedStateError, UnsafeCheckpointError,
-            CheckpointTimeout, CheckpointDirInUseError, CheckpointDirError:
-            As the first failed rank raised it (one line).
-        CheckpointError: Any other failure: one line per failed rank with the
-            exception's type and message.
-    """
+    """DCP's ``CheckpointException`` as this rank's own error, else one error."""
     try:
         yield
     except CheckpointException as e:
@@ -169,10 +143,9 @@ def fail_together(
 ) -> Iterator[None]:
     """Makes a step that each rank runs alone fail on every rank, or on none.
 
-    Otherwise a refusal on one rank (``StageState.load_state_dict``) would
-    leave the others to die in their next collective with an error that hides
-    the cause. One ``all_gather_object``; every rank of ``process_group``
-    must enter it.
+    Otherwise the other ranks would die in their next collective with an error
+    that hides the cause. One ``all_gather_object``: every rank of
+    ``process_group`` must enter it.
 
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
@@ -216,21 +189,7 @@ def fail_together(
 def on_coordinator(
     action: str, fn: Callable[[], Any], process_group: dist.ProcessGroup | None
 ) -> Any:
-    """Runs ``fn`` on rank 0 only and gives every rank its result or its error.
-
-    Args:
-        action: What ``fn`` does, for the message (``"cannot write to X"``).
-        fn: The work. Any other exception it raises (a bug) is raised as
-            itself on rank 0, and on the others where it pickles.
-        process_group: The ranks; the default group if None.
-
-    Returns:
-        What ``fn`` returned on rank 0 (it must pickle).
-
-    Raises:
-        CheckpointError: On every rank, as ``fn`` raised it on rank 0.
-        CheckpointDirError: On every rank, if ``fn`` raised an ``OSError``.
-    """
+    """Runs ``fn`` on rank 0 alone; every rank gets its result or raises its error."""
     rank0 = not dist.is_initialized() or dist.get_rank(process_group) == 0
     outcome: list[Any] = [None, None]  # error, result
     own: Exception | None = None
