@@ -1,36 +1,12 @@
 """The one save sequence and the one load sequence, and the pieces they are made of.
 
-Saving a stage, on every rank at once::
-
-    state_dict, step, planner = take_state(state)  # checked in DCP's planning
-    with publish_step(checkpoint_dir, step) as writer:  # published once complete
-        dcp.save(state_dict, storage_writer=writer, planner=planner)
-
-Loading, after building the stage (DCP loads in place)::
-
-    with load_into(state, path) as state_dict:  # applied, or every rank raises
-        reader, planner = open_step(path)  # checked on rank 0 before any read
-        dcp.load(state_dict, storage_reader=reader, planner=planner)
-
-:func:`save_stage` and :func:`load_stage` are these sequences; ``AsyncSaver``,
-the command line and the reference example use the same pieces.
-
-:func:`take_state` is the first piece of the save sequence: each rank takes
-its state_dict and checks its step (:func:`state_to_save`), and gets the
-:class:`CheckedSavePlanner` to pass to ``dcp.save``. The checks across ranks
-run inside DCP's own planning, with no collective of pippy's: each rank's
-local plan carries its failure, if taking the state failed, or its key
-check's offer (:func:`~pippy.checkpoint.checks.offer_keys`), and the
-coordinator judges the offers before it plans a write. ``AsyncSaver`` takes the state at
-the call and plans its save in the background (:func:`take_together`).
-
-:func:`publish_step` gives the second piece, the :class:`StepWriter`: ranks
-write into a hidden staging folder, ``.step-<N>.partial-<token>``, that DCP's
-coordinator makes in its global planning and renames to ``step-<N>`` in the
-writer's ``finish``, once it has written ``.metadata`` and the manifest. On an
-object store the step is written in place and its manifest, written last,
-commits it (see :mod:`~pippy.checkpoint.steps`). A failed save is discarded:
-nothing is published.
+:func:`save_stage` is :func:`take_state`, then ``dcp.save`` inside
+:func:`publish_step`; :func:`load_stage` is ``dcp.load`` through
+:func:`open_step`'s reader and planner inside :func:`load_into` (the snippet is
+in :mod:`pippy.checkpoint`). ``AsyncSaver``, the command line and the reference
+example use the same pieces. The checks across ranks run inside DCP's own
+planning, with no collective of pippy's (:class:`CheckedSavePlanner`); a step
+is staged and published inside ``dcp.save`` (:class:`StepWriter`).
 """
 
 from __future__ import annotations
@@ -97,30 +73,12 @@ class CheckedSavePlanner(SavePlanner):
     """DCP's save planner, refusing in DCP's own planning what DCP would lose.
 
     Each rank's local plan carries its key check's offer
-    (:func:`~pippy.checkpoint.checks.offer_keys`); the coordinator judges
-    every rank's offer (:func:`~pippy.checkpoint.checks.refuse_losses`)
-    before it plans the write, inside DCP's first gather. A rank whose state
-    could not be taken still plans: it raises its ``failure`` there, so that
-    no rank waits for it alone. Everything else is ``planner``'s. Pass it to
-    ``dcp.save`` inside :func:`publish_step`,
-    whose :func:`~pippy.checkpoint.errors.explain_failures` raises what it
-    refused as one line.
-
-    Args:
-        planner: The planner that plans the save; ``DefaultSavePlanner`` if
-            None.
-        mesh: As :func:`take_state`.
-        process_group: The ranks that save (``dcp.save``'s); the default
-            group if None.
-        failure: This rank's failure taking its state, raised by
-            :meth:`create_local_plan`.
-
-    Raises:
-        KeyCollisionError, DivergedReplicasError, NestedStateError: From
-            ``dcp.save``, as :func:`~pippy.checkpoint.checks.check_keys`,
-            on every rank, before anything is written.
-        CheckpointError: From ``dcp.save``: taking the state failed on some
-            rank, naming it (that rank raises its own ``failure``).
+    (:func:`~pippy.checkpoint.checks.offer_keys`), or raises its ``failure``
+    there so that no rank waits for it alone; the coordinator judges every
+    offer (:func:`~pippy.checkpoint.checks.refuse_losses`) inside DCP's first
+    gather, before it plans the write. The rest is ``planner``'s
+    (``DefaultSavePlanner`` if None). Made by :func:`take_state`, whose
+    errors it raises.
     """
 
     def __init__(
@@ -197,11 +155,7 @@ def take_state(
     """Takes the state to save, and the planner that checks it across ranks.
 
     Call it on every rank at once; then, on every rank, even one whose state
-    could not be taken, ``dcp.save`` with what it returns::
-
-        state_dict, step, planner = take_state(state)
-        with publish_step(checkpoint_dir, step) as writer:
-            dcp.save(state_dict, storage_writer=writer, planner=planner)
+    could not be taken, ``dcp.save`` what it returns inside :func:`publish_step`.
 
     Args:
         state: The stage's :class:`StageState`, or a nested state_dict.
@@ -209,26 +163,22 @@ def take_state(
             :class:`StageState` and is required otherwise.
         process_group: The ranks that save; the default group if None.
         mesh: The ranks' ``DeviceMesh`` with a ``"pp"`` dim and data-parallel
-            dims, for :func:`~pippy.checkpoint.checks.check_keys`: stages
-            replicated over data-parallel ranks are compared, not taken for
-            collisions.
+            dims: stages replicated over data-parallel ranks are compared,
+            not taken for collisions.
         planner: DCP's save planner, wrapped; ``DefaultSavePlanner`` if None.
-        timeout: Checked here (``ValueError``); the save's waits are
-            :func:`publish_step`'s, which takes
-            the same ``timeout``.
+        timeout: Only checked here; the save's waits are :func:`publish_step`'s,
+            which takes the same ``timeout``.
 
     Returns:
-        ``(state_dict, step, planner)``: what to pass to ``dcp.save`` (an
-        empty state_dict where taking the state failed), its step, and the
-        :class:`CheckedSavePlanner` that carries the checks.
+        ``(state_dict, step, planner)`` for ``dcp.save``; the state_dict is
+        empty where taking the state failed.
 
     Raises:
-        ValueError: No ``step`` for a plain state_dict, a ``timeout``
+        ValueError: At once: no ``step`` for a plain state_dict, a ``timeout``
             that is not a positive number, or a ``planner`` with DCP's plan
-            caching on, at once. The state's
-            own ``step`` entry is another: from ``dcp.save``, on the rank
-            that has it (the others raise ``CheckpointError`` naming it),
-            at once without a process group.
+            caching on. From ``dcp.save``: the state's own ``step`` entry is
+            another step, on that rank (the others raise ``CheckpointError``
+            naming it); at once without a process group.
         KeyCollisionError: From ``dcp.save``, as ``check_keys`` (also
             ``DivergedReplicasError`` and ``NestedStateError``), on every rank.
     """
@@ -253,16 +203,7 @@ def take_together(
     planner: SavePlanner | None = None,
     timeout: Timeout,
 ) -> tuple[dict[str, Any], CheckedSavePlanner]:
-    """:func:`take_state` for a state_dict taken by ``take``, on every rank at once.
-
-    Each rank runs ``take``; a failure there goes into the planner, which raises
-    it inside ``dcp.save`` (at once without a process group). ``AsyncSaver``
-    calls it in the background on the copy it took.
-
-    Raises:
-        ValueError: As :func:`take_state`; ``take``'s own exception
-            without a process group.
-    """
+    """:func:`take_state` of ``take()``; its failure goes into the planner."""
     stall.seconds(timeout)  # refused at once; the waits are the save's
     ranks: dict[str, Any] = {"process_group": process_group}
     try:
@@ -275,11 +216,7 @@ def take_together(
 
 
 def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
-    """The step ``state`` is saved as: ``step``, else a :class:`StageState`'s own.
-
-    Raises:
-        ValueError: A plain state_dict without ``step`` (alike on every rank).
-    """
+    """The step ``state`` is saved as: ``step``, else a :class:`StageState`'s own."""
     if step is None and isinstance(state, StageState):
         return state.step
     if step is None:
@@ -290,11 +227,7 @@ def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
 def state_to_save(
     state: StageState | Mapping[str, Any], step: int | None
 ) -> tuple[dict[str, Any], int]:
-    """:func:`take_state`'s part that runs on each rank alone: the state and its step.
-
-    Raises:
-        ValueError: As :func:`take_state`, on this rank.
-    """
+    """:func:`take_state`'s part that each rank runs alone: the state and its step."""
     step = step_of(state, step)
     state_dict = state.state_dict() if isinstance(state, StageState) else dict(state)
     stored = state_dict.get("step")
@@ -315,33 +248,19 @@ class StepWriter(ManifestWriter):
     """pippy's writer of one step: staged and published inside ``dcp.save``.
 
     In DCP's global planning (after the save planner's checks, before any
-    rank writes), the coordinator checks that ``step-<step>`` is new and
-    makes its staging folder; the plans DCP scatters carry that folder to
-    every rank, which writes there. An incomplete ``step-<step>``, or one
-    whose manifest names another step (a copy), is moved aside first. In
-    ``finish``, after ``.metadata`` and ``manifest.json``, the coordinator
-    publishes the step (:meth:`publish`). A refusal reaches every rank as
-    DCP's ``CheckpointException``, which
-    :func:`~pippy.checkpoint.errors.explain_failures` turns into the refusal
-    itself.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder; created if missing.
-        step: The step being saved.
-        keep_last: If set, keep only this many newest complete steps.
-        **kwargs: Passed to :class:`~pippy.checkpoint.steps.ManifestWriter`
-            (``thread_count``, ...).
+    rank writes) the coordinator checks that ``step-<step>`` is new and makes
+    the staging folder ``.step-<step>.partial-<token>``, which DCP's plans
+    carry to every rank; an incomplete ``step-<step>``, or one whose manifest
+    names another step, is moved aside first. In ``finish``, after
+    ``.metadata`` and ``manifest.json``, the coordinator publishes the step.
+    On an object store the step is written in place and its manifest,
+    written last, commits it. Made by :func:`publish_step`, whose arguments
+    and errors it takes.
 
     Attributes:
         final: ``<checkpoint_dir>/step-<step>``, what readers see.
-        staging: The folder the coordinator made, on the coordinator once
-            made; None elsewhere. On an object store (no rename), ``final``.
-
-    Raises:
-        CheckpointDirError: In ``dcp.save``: the step exists, or the folder
-            is a file or cannot be written.
-        CheckpointDirInUseError: In ``dcp.save``: this job lost the folder's
-            lease to another job (:func:`~pippy.checkpoint.job.check_lease`).
+        staging: The folder made, on the coordinator once made; None
+            elsewhere. On an object store (no rename), ``final``.
     """
 
     def __init__(
@@ -418,28 +337,13 @@ class StepWriter(ManifestWriter):
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` and ``manifest.json``, then publishes the step.
-
-        First, on an object store, checks that this job still holds the
-        folder's lease (:func:`~pippy.checkpoint.job.check_lease`): a job that
-        stalled and lost the folder commits nothing there.
-        """
+        """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
         check_lease(self.checkpoint_dir)
         super().finish(metadata, results)
         self.publish()
 
     def publish(self) -> None:
-        """On the coordinator: renames the staging folder to ``step-<N>``, then prunes.
-
-        The rename is durable when this returns
-        (:meth:`~pippy.checkpoint.storage.Storage.publish`); on an object
-        store the step was committed by its manifest.
-
-        Raises:
-            CheckpointDirError: The rename or pruning failed.
-            CheckpointDirInUseError: This job lost the folder's lease to
-                another job; nothing is renamed or pruned.
-        """
+        """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         storage = storage_for(self.final)
         name = storage.name(self.final)
         try:
@@ -458,11 +362,7 @@ class StepWriter(ManifestWriter):
             logger.info("published %s, removed %s", name, names)
 
     def discard(self) -> None:
-        """Removes a failed save's staging folder, where made, without a collective.
-
-        A job that lost its lease removes nothing: on an object store the
-        step is written in place, and the folder may be the new owner's.
-        """
+        """Removes a failed save's staging folder, unless this job lost the lease."""
         if self.staging is not None and not lease_lost(self.checkpoint_dir):
             storage_for(self.staging).remove(self.staging)
 
@@ -479,19 +379,13 @@ def publish_step(
 ) -> Iterator[StepWriter]:
     """Gives every rank the writer of ``step-<step>``, which publishes it.
 
-    Use it around ``dcp.save``, on every rank::
-
-        with publish_step(checkpoint_dir, step) as writer:
-            dcp.save(state_dict, storage_writer=writer)
-
-    The :class:`StepWriter` stages the step and, once every rank has
-    written, publishes it inside ``dcp.save`` (a rename, atomic on a POSIX
-    file system), and only then removes steps beyond ``keep_last``. A crash
-    before that leaves only the hidden staging folder, which
-    :func:`~pippy.checkpoint.find_latest_step` never picks. If the body
-    raises, nothing is published and the coordinator removes the staging
-    folder; DCP's ``CheckpointException`` (a ``BaseException``) is raised as
-    a ``CheckpointError`` with one line per failed rank.
+    Use it around ``dcp.save``, on every rank. The :class:`StepWriter`
+    publishes the step inside ``dcp.save`` once every rank has written (a
+    rename, atomic and durable on a POSIX file system), and only then removes
+    steps beyond ``keep_last``. A crash before that leaves only a hidden
+    staging folder, which :func:`~pippy.checkpoint.find_latest_step` never
+    picks. If the body raises, nothing is published and the coordinator
+    removes the staging folder.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing. On
@@ -502,9 +396,8 @@ def publish_step(
             ``dcp.save`` in the body must run on the same group.
         timeout: Seconds (or a ``timedelta``) a rank that has written its
             items waits for the others before the save is abandoned; None
-            waits without a deadline. Either way, every
-            :func:`~pippy.checkpoint.stall.log_every` seconds the ranks not
-            done are logged with what they wrote so far.
+            waits without a deadline. Ranks not done are logged with what
+            they wrote, every :func:`~pippy.checkpoint.stall.log_every` seconds.
         **writer_options: Passed to the :class:`StepWriter` (DCP's
             ``thread_count``, ...).
 
@@ -516,7 +409,8 @@ def publish_step(
             ``checkpoint_dir`` is a file or cannot be written.
         CheckpointDirInUseError: On every rank: this job lost the folder's
             lease to another job.
-        CheckpointError: ``dcp.save`` in the body failed on some rank.
+        CheckpointError: ``dcp.save`` in the body failed on some rank (one
+            line per failed rank).
         CheckpointTimeout: Some rank had not written its items within
             ``timeout``: on every rank that had, naming those that had not;
             nothing is published. The group then holds a collective that
@@ -537,11 +431,7 @@ def publish_step(
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block, if it was on.
-
-    A save allocates many short-lived objects, which would otherwise set off
-    a full collection of the whole process in some saves.
-    """
+    """Python's cyclic GC off for the block: a save's many objects would trigger it."""
     if not gc.isenabled():
         yield
         return
@@ -567,11 +457,10 @@ def save_stage(
 ) -> Any:
     """Saves this rank's stage into ``<checkpoint_dir>/step-<step>``, on every rank.
 
-    The save sequence: :func:`take_state`, then ``dcp.save`` into the step's
-    staging folder (:func:`publish_step`), published
-    once complete and durable. Call it on every rank of ``process_group`` at
-    once. Python's cyclic garbage collector is paused meanwhile
-    (:func:`gc_paused`).
+    :func:`take_state`, then ``dcp.save`` inside :func:`publish_step`: the
+    step is published once complete and durable. Call it on every rank of
+    ``process_group`` at once. Python's cyclic garbage collector is paused
+    meanwhile.
 
     Args:
         state: The stage's :class:`StageState`, or a nested state_dict.
@@ -581,10 +470,8 @@ def save_stage(
         process_group: The ranks that save; the default group if None.
         mesh: As :func:`take_state`. DCP writes each replicated item once,
             spread over the replicas.
-        thread_count: Threads each rank writes its files with (DCP's
-            ``FileSystemWriter``'s).
-        planner: DCP's save planner, wrapped by :func:`take_state`'s; None
-            uses ``DefaultSavePlanner``.
+        thread_count: Threads each rank writes its files with (DCP's).
+        planner: As :func:`take_state`.
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
             the start of the save and once it has written its items; None
             (the default): no deadline. Late ranks are logged either way.
@@ -627,15 +514,16 @@ def open_step(
 ) -> tuple[SafeFileSystemReader, SafeLoadPlanner]:
     """The storage reader and load planner to pass to ``dcp.load`` for a step.
 
-    Call it on every rank of ``process_group`` at once: rank 0 alone looks
-    at the step's folder, ``.metadata`` and manifest, and the others take
-    its answer (:func:`~pippy.checkpoint.safe_load.open_reader`).
+    Call it on every rank of ``process_group`` at once: rank 0 alone reads
+    the step's ``.metadata`` and manifest, and the others take its answer.
 
     Args:
         path: A ``step-<N>`` folder.
         must_read: Prefixes of the checkpoint's keys that some rank must read
             (see :class:`SafeLoadPlanner`); ``("model.",)`` for weights alone.
-        trusted: See :class:`SafeFileSystemReader`.
+        trusted: True loads any pickle, as plain DCP does (only for a
+            checkpoint from a trusted source); None: if
+            ``PIPPY_TRUST_CHECKPOINT`` is 1.
         verify: Check every item read against the step's ``manifest.json``;
             False loads a checkpoint without one (plain DCP's), unverified.
         process_group: The ranks that load; the default group if None.
@@ -714,9 +602,8 @@ def read_any_layout(
         return read_into(state_dict, reader, planner, process_group=process_group)
     wanted = dict(named_leaves(state_dict))
     flat = to_torchtitan(wanted)
-    # An LR scheduler's initial_lr, which torchtitan keeps as a key of its
-    # own, may stay unread by an optimizer without one (as in pippy's layout,
-    # where it is an entry of the parameter's scalars item).
+    # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
+    # optimizer without one may leave it unread (pippy keeps it in scalars).
     planner.must_read = tuple(
         k
         for k in saved
@@ -747,16 +634,11 @@ def load_into(
 
     Use it around ``dcp.load``, on every rank. DCP loads in place, into
     tensors that must exist: ``state.state_dict()`` returns the stage's own
-    tensors (and creates the optimizer's empty state). DCP's
-    ``CheckpointException`` in the body is raised as one ``CheckpointError``
-    line per failed rank. Applying (:meth:`StageState.load_state_dict`) runs
-    on each rank alone; if it refuses on one, every rank raises its error,
-    instead of the others training on into a dead peer. With pippy's reader
-    (:func:`open_step`), each rank applies inside ``dcp.load`` once its
-    reads are done (:func:`~pippy.checkpoint.safe_load.after_reads`), and
-    DCP's own last collective carries the outcome; a rank whose read failed
-    applies nothing. With another reader, it applies after ``dcp.load``, and
-    an ``all_gather_object`` carries the outcome.
+    (and creates the optimizer's empty state). With pippy's reader
+    (:func:`open_step`) each rank applies inside ``dcp.load`` once its reads
+    are done, and DCP's last collective carries the outcome (a rank whose
+    read failed applies nothing); with another reader it applies after
+    ``dcp.load``, and an ``all_gather_object`` carries the outcome.
 
     Args:
         state: The stage's :class:`StageState`; ``StageState(module)``
@@ -765,9 +647,8 @@ def load_into(
         process_group: The ranks that load; the default group if None.
             ``dcp.load`` in the body must run on the same group.
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
-            the start of the load and, reading with pippy's reader, once it
-            has read its items (:mod:`~pippy.checkpoint.stall`); None: no
-            deadline. Late ranks are logged either way, with their progress.
+            the start of the load and, with pippy's reader, once it has read
+            its items; None: no deadline. Late ranks are logged either way.
 
     Yields:
         The state_dict to pass to ``dcp.load``.
@@ -808,10 +689,9 @@ def load_stage(
 ) -> dict[str, Any]:
     """Loads a step into this rank's stage, on every rank.
 
-    The load sequence: build the stage and its optimizer first (DCP loads in
-    place), then ``dcp.load`` through :func:`open_step`'s reader and planner
-    inside :func:`load_into`. Each rank reads only the keys its stage owns.
-    A step in torchtitan's layout is read under pippy's names.
+    Build the stage and its optimizer first (DCP loads in place). Each rank
+    reads only the keys its stage owns; a step in torchtitan's layout is read
+    under pippy's names.
 
     Args:
         state: The stage's :class:`StageState` (``StageState(module)``
@@ -822,8 +702,7 @@ def load_stage(
         trusted: As :func:`open_step`.
         verify: As :func:`open_step`.
         process_group: The ranks that load; the default group if None.
-        timeout: As :func:`load_into`; None (the default) waits without a
-            deadline.
+        timeout: As :func:`load_into`.
 
     Returns:
         The state_dict as loaded (tensors are the stage's own).
@@ -834,8 +713,7 @@ def load_stage(
         CheckpointError: It is damaged or does not match the stage (keys,
             shapes, dtypes, optimizer or param groups): on every rank, one
             line per rank that refused. Damage found in an item leaves the
-            tensors read before it loaded (see
-            :meth:`~pippy.checkpoint.safe_load.SafeFileSystemReader.read_data`).
+            tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
 
