@@ -1,44 +1,31 @@
 """The load side: what a load may read, and the step found and opened on rank 0.
 
-torch 2.13's ``FileSystemReader`` unpickles ``.metadata`` with
-``pickle.load``, and ``DefaultLoadPlanner`` reads non-tensor items with
-``torch.load(weights_only=False)``: whoever can write a checkpoint folder
-could run code on every rank that loads it. The planner also stops at the
-first missing key, converts dtypes without a word and ignores checkpoint keys
-that no rank asks for. :class:`SafeFileSystemReader` accepts only DCP's own
-metadata classes and finds damaged data files before anything is read;
-:class:`SafeLoadPlanner` guards the items and refuses each of the planner's
-silences, naming the keys and the fix. :func:`resolve_trusted` is the one
-place that reads ``PIPPY_TRUST_CHECKPOINT``.
+torch 2.13's ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load``
+and ``DefaultLoadPlanner`` reads non-tensor items with
+``torch.load(weights_only=False)``: whoever can write a checkpoint folder could
+run code on every rank that loads it. The planner also stops at the first
+missing key, converts dtypes silently and ignores keys that no rank asks for.
+:class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` refuse all of this,
+naming the keys and the fix; :func:`resolve_trusted` is the one place that
+reads ``PIPPY_TRUST_CHECKPOINT``.
 
-One rank answers every question about the checkpoint folder, for all ranks.
-On a filesystem every node mounts, attribute caching (NFS) can make ranks
-disagree on what the folder holds, and so resume from different steps or
-wait in different collectives; on a bucket, hundreds of ranks listing at
-once get throttled into "no checkpoint". So in a job, rank 0 of the process
-group alone lists or looks up the run's folder, and broadcasts its answer
-(or its error: :func:`~pippy.checkpoint.errors.on_coordinator`), so that
-every rank acts on the same answer or fails with the same message:
+Rank 0 of the process group alone answers every question about the checkpoint
+folder, and broadcasts its answer or its error
+(:func:`~pippy.checkpoint.errors.on_coordinator`): NFS attribute caching can
+make ranks disagree on what a folder holds (and resume from different steps),
+and hundreds of ranks listing a bucket at once get throttled into "no
+checkpoint". The other ranks open only the data files whose items they load
+and the staging folder they write (``test/test_one_rank_decides.py`` counts
+it); without a process group the process answers alone. On rank 0:
 
-=====================================  ==========================================
-Question                               Answered on rank 0 by
-=====================================  ==========================================
-Is the folder a folder, is it free,    :class:`~pippy.checkpoint.FolderOwner`
-who owns it, take it over              (``acquire``; ``release`` on rank 0 alone)
-Which steps are complete, which is     :func:`find_latest_step`
-newest (and which verify)              (``verified=True``: :func:`newest_verified_step`)
-Is the step new, what to move aside;   :class:`~pippy.checkpoint.api.StepWriter`,
-publish it, what to delete             in DCP's planning and ``finish`` (no
-(``keep_last``)                        broadcast: DCP's plans carry the answer)
-Is the step complete, its              :func:`open_reader`, which
-``.metadata``, its files' sizes, its   :func:`~pippy.checkpoint.api.open_step` and
-manifest                               ``load_stage`` use
-=====================================  ==========================================
-
-The other ranks then open only the data files whose items they load, and
-the staging folder they write. Without an initialized process group (one
-process, the command line), the process answers alone. A test counts each
-rank's system calls and bucket listings (``test/test_one_rank_decides.py``).
+* is the folder free, who owns it, take it over:
+  :class:`~pippy.checkpoint.FolderOwner` (``acquire``; ``release`` on rank 0 alone);
+* which steps are complete, the newest (that verifies): :func:`find_latest_step`;
+* is the step new, what to move aside, publish it, what to delete
+  (``keep_last``): :class:`~pippy.checkpoint.api.StepWriter`, in DCP's planning
+  and ``finish`` (DCP's plans carry the answer);
+* is the step complete, its ``.metadata``, its files' sizes, its manifest:
+  :func:`open_reader`, for :func:`~pippy.checkpoint.api.open_step`.
 """
 
 from __future__ import annotations
@@ -150,16 +137,7 @@ _after_reads = threading.local()
 
 @contextmanager
 def after_reads(apply: Apply) -> Iterator[Apply | None]:
-    """Runs ``apply`` inside the block's first read of a :class:`SafeFileSystemReader`.
-
-    ``apply`` gets the state_dict ``dcp.load`` fills (top-level values too)
-    once this rank's reads succeeded, before DCP gathers every rank's outcome,
-    so an exception it raises reaches every rank. A planner that is no
-    ``DefaultLoadPlanner`` gets none.
-
-    Yields:
-        The function it replaces in this thread (None if none).
-    """
+    """Runs ``apply`` in the block's first safe read, before DCP gathers outcomes."""
     before = getattr(_after_reads, "apply", None)
     _after_reads.apply = apply
     try:
@@ -248,9 +226,8 @@ class SafeFileSystemReader(FileSystemReader):
     paths and plain builtins are accepted; any other global is refused before
     it is imported. Data files must lie inside the step folder and hold their
     items; with ``verify``, ``manifest.json`` must agree with the folder and
-    each item read must match its CRC-32C. All this is checked when the
-    reader is made: inside ``dcp.load``, DCP would log a traceback on every
-    rank and raise an unrelated ``AssertionError`` ("metadata is None").
+    each item read must match its CRC-32C. All is checked when the reader is
+    made (inside ``dcp.load`` DCP would raise an unrelated ``AssertionError``).
 
     Args:
         path: The step folder (the ``checkpoint_id``).
@@ -348,23 +325,15 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each planned item once, checks it, then hands it to ``planner``.
 
-        As DCP's ``FileSystemReader.read_data``, but each stored item is read
-        once, however many requests share it, and checked (whole, and with
-        ``verify`` against its CRC-32C) before it is unpickled. Under
-        :mod:`~pippy.checkpoint.stall` the rank then waits for the others;
-        then the :func:`after_reads` function runs.
-
-        Raises:
-            CheckpointError: A data file ends inside an item, an item does
-                not match its checksum, or the ``step`` read is not the
-                manifest's.
-            CheckpointTimeout: Some rank did not finish reading in time.
-            Exception: What the :func:`after_reads` function raised.
+        An item is checked whole (and with ``verify``, against its CRC-32C)
+        before it is unpickled. Then, under :mod:`~pippy.checkpoint.stall`,
+        the rank waits for the others, and the :func:`after_reads` function
+        runs.
 
         Note:
-            DCP loads in place: after an error, the items before the damaged
-            one already hold the step's values; load another step, or build
-            the stage anew, before using it.
+            DCP loads in place: after a damaged item, the items before it
+            already hold the step's values; load another step, or build the
+            stage anew, before using it.
         """
         waits = stall.active()
         if waits is None:
@@ -451,9 +420,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
-    """Reads a step folder's ``.metadata`` with :class:`SafeFileSystemReader`.
-
-    In this process alone (no collective).
+    """Reads a step folder's ``.metadata`` safely, in this process alone.
 
     Args:
         path: A ``step-<N>`` folder.
@@ -468,9 +435,7 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
 
 
 def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
-    """Checks a whole step against its manifest: every item of every file.
-
-    In this process alone (no collective).
+    """Checks every item of a step against its manifest, in this process alone.
 
     Args:
         path: A ``step-<N>`` folder.
@@ -534,12 +499,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
 
     Non-tensor items are read with ``torch.load(weights_only=True)``. Each
-    requested key is checked (present, shape, dtype) before planning, and on
-    the coordinator every checkpoint key under ``must_read`` must be read by
-    some rank (DCP ignores keys no rank asks for: a checkpoint with more
-    layers than the model would load "successfully"). The state of a
-    parameter saved without any (:func:`~pippy.checkpoint.state.stateless_keys`)
-    is dropped from the state_dict being loaded.
+    requested key is checked (present, shape, dtype) before planning; on the
+    coordinator, every checkpoint key under ``must_read`` must be read by some
+    rank (a checkpoint with more layers than the model would otherwise load
+    "successfully"). The state of a parameter saved without any is dropped
+    from the state_dict being loaded.
 
     Args:
         trusted: True reads any pickle, as ``DefaultLoadPlanner`` does; None
@@ -550,13 +514,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         **kwargs: Passed to ``DefaultLoadPlanner``.
 
     Raises:
-        UnsafeCheckpointError: From :meth:`load_bytes`, naming the key, its
-            file and the refused global; for an ``optim.scalars`` item, also
-            ``torch.serialization.add_safe_globals``, which ``weights_only``
-            honours.
-        CheckpointError: From :meth:`create_local_plan`, naming keys missing
-            or of another shape or dtype; from :meth:`create_global_plan`,
-            naming the keys that no rank reads.
+        UnsafeCheckpointError: An item's pickle names a refused global (named
+            with the key and file; for ``optim.scalars``, the message names
+            ``torch.serialization.add_safe_globals``).
+        CheckpointError: Requested keys missing or of another shape or dtype;
+            checkpoint keys under ``must_read`` that no rank reads.
     """
 
     def __init__(
@@ -778,33 +740,7 @@ def open_reader(
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
 ) -> SafeFileSystemReader:
-    """A :class:`SafeFileSystemReader` of a step, made on every rank at once.
-
-    Rank 0 alone makes it as the class does (reads ``.metadata``, checks the
-    folder, the data files' sizes and the manifest) and broadcasts the
-    metadata and the manifest, or its error; the other ranks touch none of
-    the step's files until ``dcp.load`` reads their items. The broadcast
-    carries the whole ``Metadata``, as ``dcp.save`` itself does.
-
-    Args:
-        path: A ``step-<N>`` folder.
-        trusted: See :class:`SafeFileSystemReader`; rank 0's decision holds.
-        check_files: As :class:`SafeFileSystemReader`.
-        verify: As :class:`SafeFileSystemReader`.
-        process_group: The ranks; the default group if None.
-        no_dist: This process reads alone, with no collective (as
-            ``dcp.load``'s ``no_dist``); so does a process without an
-            initialized process group.
-
-    Returns:
-        The reader, on every rank.
-
-    Raises:
-        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
-            :class:`SafeFileSystemReader`, on every rank.
-        CheckpointDirError: On every rank, if rank 0 failed otherwise (a
-            folder it may not read).
-    """
+    """A :class:`SafeFileSystemReader` made on rank 0, its metadata broadcast."""
     if no_dist or not dist.is_initialized():
         return SafeFileSystemReader(
             path, trusted=trusted, check_files=check_files, verify=verify
@@ -830,35 +766,7 @@ def open_reader(
 def newest_verified_step(
     checkpoint_dir: Location, *, process_group: dist.ProcessGroup | None = None
 ) -> tuple[Any, dict[str, str]]:
-    """The newest step whose every item matches its manifest; damaged ones aside.
-
-    Rank 0 verifies complete steps from the newest down
-    (:func:`~pippy.checkpoint.verify_step`) until one passes, then moves the
-    newer complete ones that failed to ``.step-<N>.damaged-<time>``, where
-    they stay for a look and are never chosen nor saved over; every rank
-    gets the same answer. Call it on every rank of ``process_group``, as the
-    folder's owner (:class:`~pippy.checkpoint.FolderOwner`).
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
-        process_group: The ranks; the default group if None.
-
-    Returns:
-        ``(folder or None, skipped)``: the step to resume from, and
-        ``{name: why}`` for each newer step folder passed over.
-
-    Raises:
-        CheckpointError: On every rank: no complete step verifies (nothing is
-            moved), or one to verify has no manifest.
-        UnsafeCheckpointError: On every rank: a step holds a pickle that
-            would run code, or a file that is a link leading out of its
-            folder (not damage: nothing is skipped for it).
-        CheckpointDirError: On every rank: the folder cannot be listed, or a
-            step cannot be moved.
-
-    Note:
-        Verifying reads every byte of each step it checks, on rank 0.
-    """
+    """``find_latest_step(verified=True)``'s step and ``{name: why}`` passed over."""
 
     def decide() -> tuple[Any, dict[str, str]]:  # on rank 0; errors reach every rank
         skipped: dict[str, str] = {}
@@ -929,16 +837,19 @@ def find_latest_step(
     Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
     ``manifest.json`` names another step (copied or renamed) are never
     chosen; a warning names those newer than the one returned. A complete
-    step damaged afterwards is returned, and loading it fails: in a restart
-    loop, every restart fails alike. ``verified=True`` goes past such steps
-    instead (:func:`newest_verified_step`); a warning on rank 0 names each
-    and why. Rank 0 alone lists the folder and reads the manifests, and
-    broadcasts the answer: every rank resumes from the same step.
+    step damaged afterwards is returned, and loading it fails on every
+    restart. ``verified=True`` goes past such steps instead: each is moved to
+    ``.step-<N>.damaged-<time>`` (kept for a look, never chosen nor saved
+    over) and named, with why, in a warning on rank 0. Rank 0 alone lists the
+    folder and reads the manifests, and broadcasts the answer: every rank
+    resumes from the same step.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
-        verified: Check the newest steps against their manifests and move
-            those that fail aside, as the folder's owner.
+        verified: Verify complete steps from the newest down until one
+            passes, reading every byte of each on rank 0 (see
+            :func:`verify_step`); call it as the folder's owner
+            (:class:`~pippy.checkpoint.FolderOwner`).
         process_group: The ranks; the default group if None. Without an
             initialized process group, this process answers alone.
 
@@ -949,16 +860,17 @@ def find_latest_step(
     Raises:
         CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
             not a folder, cannot be listed, or is a URL whose storage client
-            is missing.
+            is missing; with ``verified``, a step cannot be moved.
         UnsafeCheckpointError: On every rank: the manifest of a step it
             reaches is a link leading out of the step folder; with
-            ``verified``, as ``newest_verified_step``.
-        CheckpointError: With ``verified``, as ``newest_verified_step``.
+            ``verified``, a step holds a pickle that would run code or such a
+            link (not damage: nothing is passed over for it).
+        CheckpointError: With ``verified``, on every rank: no complete step
+            verifies (nothing is moved), or one to verify has no manifest.
 
     Note:
-        Call it on every rank of ``process_group`` at once (it is a
-        collective), or in a process without a process group; called on
-        rank 0 alone, it waits for the others.
+        Call it on every rank of ``process_group`` at once (a collective:
+        called on rank 0 alone, it waits), or without a process group.
     """
     if verified:
         verified_step, reasons = newest_verified_step(
