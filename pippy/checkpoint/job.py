@@ -1,50 +1,29 @@
 """A job's hold on its checkpoint folder: one writer, while its launcher lives.
 
-Two jobs that write one checkpoint folder (a restart while the old job's
-workers still run, which is what a launcher killed with ``-9`` leaves behind)
-delete and overwrite each other's saves. :class:`FolderOwner` lets one job
-at a time write a folder: rank 0 records the owner (host, pid, process start
-time, a token) in ``.owner.json``, created exclusively (a hard link,
-which also works on NFS); a second job is refused with the owner named, and the
-record of a job that is gone (its process no longer runs on this host) is
-taken over. :func:`stop_with_launcher` makes workers whose launcher died stop
-instead of training on, and :class:`StopSignal` turns a preemption signal,
-on any one rank or on all, into a last save of the current step by every
-rank.
+Two jobs that write one folder (a restart while the old job's workers still
+run, as a launcher killed with ``-9`` leaves them) delete and overwrite each
+other's saves. :class:`FolderOwner` lets one job at a time write a folder (its
+owner record created exclusively by a hard link, which works on NFS too);
+:func:`stop_with_launcher` stops workers whose launcher died;
+:class:`StopSignal` turns a preemption signal on any rank into a last save of
+one step by every rank, which must end within the launcher's grace period
+(``torchrun --shutdown-timeout``, Slurm's ``KillWait``, Kubernetes'
+``terminationGracePeriodSeconds``; only torchrun's is visible to the job).
 
-A launcher that stops a job sends a signal, waits a grace period, then kills
-what still runs: ``torchrun`` for ``--shutdown-timeout`` seconds, Slurm for
-``KillWait``, Kubernetes for ``terminationGracePeriodSeconds``; a last save
-that takes longer is cut short. :func:`launcher_deadline` finds
-``torchrun``'s figure (the other two are invisible to the job);
-:func:`check_restarts` warns of ``torchrun`` restarts that cannot work.
-
-An object store has no hard link, no rename and no ``/proc`` of the host that
-wrote a record, so :class:`FolderOwner`'s local protocol
-cannot work there. :class:`StoreLease` creates the owner record with a
-conditional write (S3's ``If-None-Match: *``: of two jobs, exactly one
-succeeds), holds a lease that a daemon thread renews every third of its
-length, and takes over a record only after its lease has expired: the job
-that first creates the claim ``.owner.takeover-<token>`` (again a conditional
-write) deletes the old record and writes its own; any other job is refused.
-
-Expiry compares the record's ``expires`` (seconds since the epoch) with this
-host's clock: hosts of one cluster keep their clocks in step (NTP), to well
-within a lease.
-
-A job that stalls for longer than its lease (a paused VM, a stopped process)
-may find, when it wakes, that another job took the folder over. Before each
-write that could touch another job's objects (a step's first file, its
-commit record, retention) the saving code asks :func:`check_lease`, which
-reads the record (one GET): a job whose lease was lost is refused, naming the
-job that took over, and writes nothing more. An object store has no
-compare-and-swap on a plain PUT: renewals use S3's conditional PUT
-(``If-Match`` on the record's ETag), so that a renewal sent by a job that
-stalled cannot overwrite the new owner's record. A step's data objects have
-no such guard: what stays open is a data PUT already under way when the job
-stalled, which lands when it wakes, in that job's uncommitted step (had the
-new owner saved a step of the same number meanwhile, its manifest's
-checksums would refuse the mixed step at load).
+On an object store (no hard link, no rename, no ``/proc`` of the writer's
+host), :class:`StoreLease` creates the record with a conditional write (S3's
+``If-None-Match: *``: of two jobs, exactly one succeeds) and renews it every
+third of its lease in a daemon thread, by a conditional PUT (``If-Match`` on
+its ETag, so that a stalled job's renewal cannot overwrite a new owner's). An
+expired record is taken over only by the job that first creates the claim
+``.owner.takeover-<token>``. Expiry compares the record's ``expires`` (epoch
+seconds) with this host's clock: NTP keeps a cluster's clocks well within a
+lease. A job that stalled past its lease may have lost the folder, so before
+each write that could touch another job's objects (a step's first file, its
+commit record, retention) the saving code calls :func:`check_lease` (one GET).
+Left open: a data PUT under way when the job stalled lands when it wakes, in
+that job's uncommitted step (a step of the same number the new owner saved
+meanwhile fails its manifest's checksums at load).
 """
 
 from __future__ import annotations
@@ -148,19 +127,7 @@ def _key(root: Location) -> str:
 
 
 def check_lease(checkpoint_dir: Location) -> None:
-    """Refuses to go on if this process lost its lease on ``checkpoint_dir``.
-
-    A no-op unless this process holds a :class:`StoreLease` on the folder
-    (rank 0 of a job that owns a folder on an object store). Call it before
-    a write that could touch another job's objects.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder.
-
-    Raises:
-        CheckpointDirInUseError: Another job took the folder over (its
-            lease expired while this job stalled); the message names it.
-    """
+    """CheckpointDirInUseError if this process's :class:`StoreLease` here was lost."""
     lease = _HELD.get(_key(checkpoint_dir))
     if lease is not None:
         lease.check()
@@ -178,24 +145,7 @@ def _when(seconds: float) -> str:
 
 
 class StoreLease:
-    """The owner record of a folder on an object store, held with a lease.
-
-    Args:
-        root: The run's checkpoint folder (a URL).
-        record: The owner record's name in it.
-        lease_seconds: How long the record holds the folder unless renewed;
-            None reads ``PIPPY_LEASE_SECONDS`` (default 60 s).
-
-    Raises:
-        ValueError: The lease is not a number of seconds above 0.
-        TypeError: ``root`` is a local folder, not a URL.
-
-    Attributes:
-        token: This job's token, once acquired.
-        lost: Set once a renewal or :meth:`check` found the record another
-            job's (this job's lease had expired and was taken over): this
-            job writes nothing more into the folder.
-    """
+    """The owner record of a folder on an object store, held with a lease."""
 
     def __init__(
         self, root: Location, record: str, *, lease_seconds: float | None = None
@@ -250,15 +200,7 @@ class StoreLease:
         return record
 
     def acquire(self) -> str:
-        """Creates the record, or takes over an expired one; starts renewing.
-
-        Returns:
-            This job's token.
-
-        Raises:
-            CheckpointDirInUseError: Another job's lease has not expired, or
-                another job is taking an expired one over.
-        """
+        """Creates the record or takes an expired one over; renews it; the token."""
         self.token = uuid.uuid4().hex[:12]
         self._since = _when(time.time())
         self.storage.makedirs(self.root)
@@ -374,22 +316,11 @@ class StoreLease:
         raise CheckpointDirInUseError(self._lost_to)
 
     def check(self) -> None:
-        """Reads the record (one GET): goes on if it is still this job's.
-
-        A record still this job's after its lease expired (this job stalled,
-        and no job took it over) is renewed at once.
-
-        Raises:
-            CheckpointDirInUseError: Another job took the folder over; the
-                message names it and says what to do.
-        """
+        """One GET: CheckpointDirInUseError if the record is lost; renews it if due."""
         self._renew_once(always=False)
 
     def release(self) -> None:
-        """Stops renewing and deletes the record if it is still this job's.
-
-        A job that lost its lease deletes nothing: the folder is another's.
-        """
+        """Stops renewing; deletes the record if still this job's (not once lost)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.lease_seconds)
@@ -410,27 +341,20 @@ class StoreLease:
 class FolderOwner:
     """Makes one job at a time the writer of a run's checkpoint folder.
 
-    On entry (every rank of ``process_group`` at once), rank 0 checks the
-    folder, creates it if needed and the owner record ``.owner.json``; every
-    rank gets the job's token, which names its staging folders, or the same
-    error. No other rank looks at the folder. On exit, the record is
-    removed if it is still this job's. Use it around training::
+    On entry (every rank of ``process_group`` at once), rank 0 alone checks
+    the folder, creates it if needed and the owner record ``.owner.json``;
+    every rank gets the job's token (it names the staging folders) or the same
+    error. On exit the record is removed if it is still this job's::
 
         with FolderOwner(checkpoint_dir):
             ...  # resume, train, save
 
     Without ``with``: :meth:`acquire`, then :meth:`release` in a ``finally``.
-
-    A record whose process is gone (same host and boot, no process with that
-    pid and start time) is taken over with a warning, and what that job left
-    is removed: its staging folders, and steps its retention had taken out of
-    view but not deleted. A record from another host is never taken
-    over: it may belong to a job that still runs.
-
-    On an object store (an fsspec URL), where there is no hard link and no
-    ``/proc`` of the writer's host, the record is created with a conditional
-    write and held with a lease that rank 0 renews; it is taken over only
-    once expired (:class:`StoreLease`).
+    A dead owner's record (same host and boot, no process with its pid and
+    start time) is taken over with a warning, and its staging folders and the
+    steps its retention hid but did not delete are removed; a record from
+    another host never is (its job may still run). On an object store (an
+    fsspec URL) rank 0 holds the record with a lease (:class:`StoreLease`).
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -443,7 +367,8 @@ class FolderOwner:
     Raises:
         CheckpointDirInUseError: On entry, on every rank: another job owns
             the folder (the message names it).
-        ValueError: ``PIPPY_LEASE_SECONDS`` is not a positive number.
+        ValueError: On an object store, ``lease_seconds`` or
+            ``PIPPY_LEASE_SECONDS`` is not a positive number.
         CheckpointDirError: On entry, on every rank: the folder is a step
             folder, a file, or cannot be written.
     """
@@ -472,13 +397,12 @@ class FolderOwner:
         self.release()
 
     def acquire(self) -> None:
-        """Takes ownership, on every rank at once; see the class.
+        """Takes ownership, on every rank at once.
 
         Raises:
-            CheckpointDirError: As the class says.
+            CheckpointDirInUseError, CheckpointDirError, ValueError: As the
+                class says.
         """
-        # Rank 0 alone looks at the folder and takes it; the others get the
-        # token (or its error): no other rank lists or stats the folder.
         take = self._acquire
         if not storage_for(self.root).atomic_rename:  # an object store
             self._lease = StoreLease(
@@ -492,8 +416,7 @@ class FolderOwner:
     def release(self) -> None:
         """Removes the record if it is still this job's (on rank 0, no collective).
 
-        A folder that :meth:`acquire` created and that is empty then (the job
-        saved nothing, e.g. its start failed) is removed too.
+        A folder that :meth:`acquire` created and that is still empty goes too.
         """
         if not self.token:
             return
@@ -606,13 +529,11 @@ class FolderOwner:
 
 
 def stop_with_launcher(poll_seconds: float = 0.5) -> None:
-    """Kills this process as soon as its launcher (its parent) is gone.
+    """Kills this process (``SIGKILL``) as soon as its launcher (its parent) is gone.
 
-    ``torchrun``'s workers are its children. If the launcher is killed with
-    ``-9``, they are re-parented and would train on, saving into a folder
-    that a restarted job now writes. A daemon thread compares the parent's
-    pid with the one at the call, every ``poll_seconds``, and sends this
-    process ``SIGKILL`` when it changed: no further step, no further save.
+    Workers of a ``torchrun`` killed with ``-9`` are re-parented and would
+    train on, saving into a folder a restarted job now writes. A daemon
+    thread compares the parent's pid with the one at the call.
 
     Args:
         poll_seconds: How often the parent is checked.
@@ -630,30 +551,19 @@ def stop_with_launcher(poll_seconds: float = 0.5) -> None:
 class StopSignal:
     """Turns a stop signal (``SIGTERM`` by default) into a stop agreed by all ranks.
 
-    Cluster schedulers send ``SIGTERM`` some seconds before they preempt a
-    job (Slurm can send ``SIGUSR1`` earlier), and ``torchrun`` passes it on
-    to its workers; a node preempted alone, or a signal to one process,
-    reaches some ranks only. The handler only notes the signal;
-    :meth:`requested`, called by every rank once per step, tells all of them
-    to stop at the same step, so that they save that step together and exit.
-
-    The ranks agree without holding up the training loop: each call starts
-    an asynchronous ``all_reduce`` on a gloo group of its own (on the CPU, so
-    nothing waits for a GPU's queue) of which signal each rank received, and
-    reads the one the previous call started, long finished by then. A
-    signal is thus acted on one or two calls after it arrives; the call
-    that says stop starts one more, which :attr:`received_by` reads, so
-    that it names every rank that had received a signal by that call (a
-    launcher's signal reaches its workers one after the other).
-
-    At construction, rank 0 also warns if ``torchrun``'s restarts of the job
-    would hang (:func:`check_restarts`): a job that
-    saves on a stop signal is one a launcher restarts.
+    Schedulers send ``SIGTERM`` (Slurm can send ``SIGUSR1`` earlier) some
+    seconds before they preempt a job, and ``torchrun`` passes it on; it may
+    reach some ranks only. The handler only notes it; :meth:`requested`,
+    called by every rank once per step, has all ranks stop (and save) at the
+    same step without holding up the loop: each call starts an asynchronous
+    ``all_reduce`` of the ranks' signals on a gloo group of its own (CPU: no
+    GPU queue to wait for) and reads the one the previous call started. At
+    construction, rank 0 warns if ``torchrun``'s restarts would hang
+    (:func:`check_restarts`): a job that saves on a stop signal is one a
+    launcher restarts.
 
     Attributes:
         received: The signal this rank received, or None.
-        received_by: Once :meth:`requested` said yes, on every rank: the
-            signal each rank that received one got, by global rank.
         deadline: The launcher's grace period after a stop signal
             (:func:`launcher_deadline`, read at construction), or None.
 
@@ -687,10 +597,9 @@ class StopSignal:
         Call it on every rank of the default group, once per step.
 
         Returns:
-            True on every rank from the same call on: one call (or, for a
-            signal that arrives while a call runs, two) after the first rank
-            received a signal. :attr:`received_by` and :attr:`reason` then
-            say which ranks received which signal, on every rank.
+            True on every rank from the same call on: one call (two for a
+            signal that arrives during a call) after the first signal.
+            :attr:`received_by` and :attr:`reason` then say who got which.
         """
         if self._received_by:
             return True
@@ -718,7 +627,7 @@ class StopSignal:
 
     @property
     def received_by(self) -> dict[int, signal.Signals]:
-        """Once :meth:`requested` said yes: each signalled rank's signal, by rank."""
+        """Once :meth:`requested` said yes: the signal of each rank with one by then."""
         if self._received_by and self._pending is not None:
             work, numbers = self._pending
             work.wait()  # started by the call that said stop, on every rank
@@ -743,9 +652,8 @@ class StopSignal:
     def check_save_time(self, seconds: float) -> None:
         """Warns once (rank 0) if a save took longer than the launcher's deadline.
 
-        A stop signal's last save, plus the rest of the step it arrives in,
-        must end before the launcher kills the workers; a save that takes
-        longer now would be cut short then (the step lost, the job killed).
+        A last save on a stop signal (plus the rest of its step) that long
+        would be cut short: the step lost, the job killed.
 
         Args:
             seconds: How long a save took, from its start to its publication.
@@ -812,18 +720,8 @@ _TORCHRUN_DEFAULT = (30.0, "torchrun's default")
 
 
 def launcher_deadline() -> Deadline | None:
-    """The seconds ``torchrun`` gives its workers between a stop signal and SIGKILL.
-
-    On ``SIGTERM`` (or another signal it handles), ``torchrun`` forwards the
-    signal to its workers and kills those still running after its shutdown
-    timeout: ``--shutdown-timeout``, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``,
-    else 30 s. The flag does not reach the workers' environment, so it is
-    read from the launcher's command line (this process's parent, in
-    ``/proc``); ``PET_SHUTDOWN_TIMEOUT`` is the flag's environment form.
-
-    Returns:
-        The deadline and where it was read, or None outside ``torchrun``.
-    """
+    """``torchrun``'s grace period from a stop signal to SIGKILL; None outside it."""
+    # The flag is not in the workers' environment: read the parent's command line.
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it for workers
         return None
     found = (
@@ -867,18 +765,8 @@ def _launcher_option(*names: str) -> str | None:
 
 
 def check_restarts() -> bool:
-    """Warns (on rank 0) if ``torchrun``'s restarts of this job would hang.
-
-    With ``--max-restarts`` above 0, ``torchrun`` restarts every worker after
-    one fails. By default (torch 2.13) its workers share the launcher's
-    rendezvous store, without a prefix per attempt, so the restarted ranks
-    can read the addresses of the ranks that died and fail or hang while
-    they connect (pytorch/pytorch#135712). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
-    in the launcher's environment gives each attempt a store of its own.
-
-    Returns:
-        Whether it warned.
-    """
+    """Warns (rank 0) if ``torchrun``'s restarts would hang; whether it warned."""
+    # torch 2.13: attempts share the launcher's store, no prefix per attempt.
     restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if restarts in ("", "0") or not shared or os.environ.get("RANK", "0") != "0":

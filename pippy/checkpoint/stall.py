@@ -3,26 +3,19 @@
 Every rank goes straight into DCP's collectives while a thread of its own
 watches the save or load (:func:`waiting`) past two points: ``start`` and
 ``write`` or ``read``. One over within :func:`log_every` seconds and its
-``timeout`` costs no store operation and no collective; past that, the watch
-talks through the c10d store:
+``timeout`` costs no store operation and no collective; past that, through the
+c10d store, each rank records every interval its last point and progress, and
+the lowest rank waiting logs one WARNING naming the late ranks. With a
+``timeout``, at the deadline a waiting rank marks the operation aborted; every
+collective of the block waits at most ``timeout`` + :data:`ABORT_WAIT_S`
+(``ProcessGroup.set_timeout``, put back at the end), so every rank raises one
+:class:`~pippy.checkpoint.errors.CheckpointTimeout`. The group is then unfit
+for more collectives: end the job. A rank that arrived less than an interval
+before another's deadline may still be named.
 
-* every interval, each rank records the last point it reached and how far it
-  is, and the lowest rank waiting logs one WARNING naming the late ranks;
-* with a ``timeout``, at the deadline a waiting rank marks the operation
-  aborted. Every collective of the block waits at most ``timeout`` +
-  :data:`ABORT_WAIT_S` (``ProcessGroup.set_timeout``, put back at the end),
-  so every rank raises one
-  :class:`~pippy.checkpoint.errors.CheckpointTimeout`.
-
-After a timeout the group is not fit for more collectives: end the job. A
-rank that arrived less than an interval before another's deadline may still
-be named.
-
-Note:
-    Private names, since torch has no public getter for either: the store
-    (``torch.distributed.distributed_c10d._get_default_store``) and a
-    group's timeout (its backends' ``options._timeout``, to put it back);
-    :mod:`~pippy.checkpoint.steps` lists them.
+Private torch names (no public getter): the store (``_get_default_store``)
+and a group's backends' ``options._timeout``; :mod:`~pippy.checkpoint.steps`
+lists them.
 """
 
 from __future__ import annotations
@@ -59,11 +52,7 @@ _active = threading.local()
 
 
 def seconds(timeout: Timeout) -> float | None:
-    """A ``timeout`` (a ``timedelta``, seconds, or None) in seconds, or None.
-
-    Raises:
-        ValueError: It is zero, negative or not a number.
-    """
+    """A ``timeout`` (``timedelta``, seconds or None) in seconds; ValueError if <= 0."""
     if timeout is None:
         return None
     value = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
@@ -76,11 +65,7 @@ def seconds(timeout: Timeout) -> float | None:
 
 
 def log_every() -> float:
-    """Seconds between two lines about late ranks: ``PIPPY_WAIT_LOG_SECONDS``, or 30.
-
-    Raises:
-        ValueError: The variable is set but not a positive number.
-    """
+    """Seconds between lines on late ranks: ``PIPPY_WAIT_LOG_SECONDS`` (> 0), or 30."""
     text = os.environ.get(LOG_ENV)
     if text is None:
         return _DEFAULT_LOG_S
@@ -104,25 +89,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class Waits:
-    """One save or load on this rank, watched by a thread that wakes if it lasts.
-
-    The writer or reader records progress (:meth:`record`) and arrival
-    (:meth:`arrive`) in memory; :meth:`close` ends it. One process: nothing
-    is watched.
-
-    Args:
-        action: What the ranks do, for the messages and the store's keys
-            (``"saving step-20"``).
-        point: The point after ``start`` (``"write"``, ``"read"``).
-        timeout: Seconds (or a ``timedelta``) a rank waits at a point, and
-            in each collective of the block, before the operation is
-            aborted; None waits without a deadline.
-        process_group: The ranks; the default group if None.
-
-    Raises:
-        ValueError: ``timeout`` is not a positive number (:func:`seconds`),
-            or ``PIPPY_WAIT_LOG_SECONDS`` is set but not one.
-    """
+    """One save or load on this rank (``action``: ``"saving step-20"``), watched."""
 
     def __init__(
         self,
@@ -162,13 +129,7 @@ class Waits:
         self.progress = (done, total, nbytes, total_bytes)
 
     def arrive(self) -> None:
-        """Notes this rank's arrival at the point; DCP's collective does the waiting.
-
-        Raises:
-            CheckpointTimeout: Another rank's deadline at this point passed
-                before this rank arrived (it read the mark): the ranks that
-                did not arrive, the action and the point.
-        """
+        """Notes arrival; CheckpointTimeout if another rank's deadline passed."""
         if not self.enabled:
             return
         with self._changed:
@@ -179,11 +140,7 @@ class Waits:
             raise CheckpointTimeout(self.mark[1])
 
     def close(self, failed: bool = False) -> CheckpointTimeout | None:
-        """Stops the watch and puts the group's timeout back.
-
-        Returns:
-            What a ``failed`` operation raises if it timed out; else None.
-        """
+        """Ends the watch, restores the timeout; what a failed block raises, or None."""
         if not self.enabled:
             return None
         with self._changed:
@@ -325,17 +282,7 @@ def _bound(group: dist.ProcessGroup, timeout: float | None) -> list[Any]:
 def waiting(
     action: str, point: str, timeout: Timeout, process_group: dist.ProcessGroup | None
 ) -> Iterator[Waits]:
-    """Watches a save or load in the block; pippy's writer or reader reports to it.
-
-    Enter it before the first collective. A :class:`CheckpointTimeout` is
-    raised as itself even when a collective the timeout cut short failed.
-
-    Args as :class:`Waits`.
-
-    Raises:
-        ValueError: As :class:`Waits`.
-        CheckpointTimeout: As :meth:`Waits.arrive`, on every rank.
-    """
+    """Watches the block (enter before any collective); raises a timeout as itself."""
     waits = Waits(action, point, timeout=timeout, process_group=process_group)
     before, _active.waits, failed = active(), waits, True
     try:

@@ -4,9 +4,8 @@
 state as one state_dict; :func:`merge_parts` makes a rank's several stages one
 module, keyed as in the un-split model.
 
-Optimizer state is keyed by parameter FQN, not by index into
-``param_groups`` (indices restart at 0 on every stage and would collide).
-Under a stage's ``optim.`` section:
+Optimizer state is keyed by parameter FQN, not by index into ``param_groups``
+(indices restart at 0 on every stage and would collide). Under ``optim.``:
 
 * ``state.<fqn>.<name>``: a tensor with elements (AdamW's ``exp_avg``);
 * ``scalars.<fqn>``: ``[[name, value], ...]``, the rest of that parameter's
@@ -19,9 +18,9 @@ A parameter whose gradient stayed None has ``scalars.<fqn>`` but no
 a known FQN ends (:class:`OptimKeys`). :data:`LAYOUT_VERSION` numbers this
 packing (none recorded: layout 1).
 
-torchtitan's layout holds the same state under other names (pippy's; its):
+torchtitan's names for the same state (pippy's; torchtitan's):
 
-* model weights: ``model.<fqn>``; ``<fqn>``, at the root;
+* weights: ``model.<fqn>``; ``<fqn>``, at the root;
 * optimizer tensors: ``optim.state.<fqn>.<name>``; ``optimizer.state.<fqn>.<name>``;
 * options and 0-dim state: ``optim.scalars.<fqn>``;
   ``optimizer.param_groups.<fqn>.<option>`` and ``optimizer.state.<fqn>.step``;
@@ -31,10 +30,9 @@ torchtitan's layout holds the same state under other names (pippy's; its):
 * param group indices: in ``optim.scalars.<fqn>``; on request one
   ``train_state.pippy_param_groups`` item, which torchtitan's loads ignore.
 
-torchtitan's other ``dataloader.`` and ``train_state.`` keys read as
-themselves. :func:`from_torchtitan` and :func:`to_torchtitan` map flat dicts,
-each the other's inverse; everything that reads sees a torchtitan checkpoint
-through pippy's names.
+Other ``dataloader.`` and ``train_state.`` keys read as themselves.
+:func:`from_torchtitan` and :func:`to_torchtitan` map flat dicts, each the
+other's inverse; all reading sees a torchtitan checkpoint in pippy's names.
 """
 
 from __future__ import annotations
@@ -119,11 +117,10 @@ def _named_renames(module: nn.Module) -> Iterator[None]:
 class StageState(Stateful):
     """The checkpointable state of the pipeline stage(s) a rank holds.
 
-    Keys are ``model.<fqn>``, ``optim.*`` (see the module docstring),
-    ``lr_scheduler.<name>``, ``step`` and ``<extra name>.<name>``, with the
-    un-split model's FQNs, so the ranks' keys are disjoint (or equal across
-    data-parallel replicas); the scheduler, step and extra state are the same
-    on every rank and DCP stores them once.
+    Keys are ``model.<fqn>``, ``optim.*`` (see the module), ``lr_scheduler.*``,
+    ``step`` and ``<extra name>.<name>``, with the un-split model's FQNs: the
+    ranks' keys are disjoint (or equal across data-parallel replicas); the
+    scheduler, step and extra state, equal on every rank, are stored once.
 
     Args:
         module: The stage's module, keeping the un-split model's FQNs (never
@@ -147,8 +144,7 @@ class StageState(Stateful):
         ValueError: An ``extra`` name is reserved or holds a module or an
             optimizer, a scheduler is given without an optimizer, or the
             lists' lengths do not match.
-        KeyCollisionError: Two modules hold different parameters under one
-            FQN.
+        KeyCollisionError: Two modules hold different parameters under one FQN.
 
     Note:
         DCP loads in place. Build the stage and its optimizer first, take
@@ -207,10 +203,9 @@ class StageState(Stateful):
         """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
 
         Returns:
-            ``{"model": ..., "optim": ..., "step": int}``, plus
-            ``"lr_scheduler"`` when there is one and one entry per ``extra``;
-            no ``"optim"`` without an optimizer. Tensors are the live ones
-            (no copies).
+            ``{"model": ..., "optim": ..., "step": int}`` (no ``"optim"``
+            without an optimizer), plus ``"lr_scheduler"`` if any and one
+            entry per ``extra``. Tensors are the live ones (no copies).
 
         Raises:
             CheckpointError: A submodule's state_dict hook renames its keys;
@@ -262,26 +257,25 @@ class StageState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Applies a state_dict from :meth:`state_dict` (after ``dcp.load``).
 
-        All checks run before anything is applied. A parameter with no
-        ``optim.state.`` entries (none when saved) ends with no optimizer
-        state, as saved.
+        All checks run before anything is applied. A parameter saved without
+        optimizer state (no ``optim.state.`` entries) ends with none.
 
         Args:
             state_dict: The dict that ``dcp.load`` filled in place.
 
         Raises:
-            CheckpointError: As :meth:`state_dict`.
+            CheckpointError: A state_dict hook renames keys; an
+                ``optim.scalars.<fqn>`` item lacks an entry this optimizer has,
+                or has one it lacks other than ``initial_lr``
+                (``set_state_dict`` would load an empty dict for a missing
+                ``step`` and ignore extra ones); part of a parameter's state is
+                missing; a param group here joins parameters saved with
+                different options (``set_state_dict`` would give them all the
+                first one's); or, with an LR scheduler, it was saved for another
+                number of param groups or the groups were built in another order.
             RuntimeError: A model key is missing or unexpected
                 (``set_state_dict`` is strict).
             KeyError: A section (``model``, ``optim``, ...) is missing.
-            CheckpointError: An ``optim.scalars.<fqn>`` item lacks an entry
-                this optimizer has, or has one it lacks other than
-                ``initial_lr`` (``set_state_dict`` would load an empty dict
-                for a missing ``step`` and ignore extra ones); part of a
-                parameter's state is missing; a param group here joins
-                parameters saved with different options (``set_state_dict``
-                would give them all the first one's); or the LR scheduler was
-                saved for another number of param groups.
         """
         with _named_renames(self.module):
             if not self.optimizers:
@@ -473,25 +467,7 @@ def _merge(modules: list[nn.Module], path: str) -> nn.Module:
 
 
 def merge_parts(parts: Sequence[nn.Module]) -> nn.Module:
-    """One module whose state_dict is the union of the parts' state_dicts.
-
-    Modules that only one part has are kept as they are (hooks and all);
-    modules several parts have (the root, a ``layers`` ModuleList) become
-    plain ``nn.Module`` containers holding the union of their entries. DDP
-    wrappers are looked through; nothing is copied.
-
-    Args:
-        parts: The stage modules, in any order; one part is returned as is.
-
-    Returns:
-        The merged module, for ``StageState`` and DCP's state_dict helpers;
-        it is not meant to run a forward pass.
-
-    Raises:
-        ValueError: ``parts`` is empty.
-        KeyCollisionError: Two parts hold different parameters, or different
-            persistent buffers, under one FQN.
-    """
+    """The parts as one module holding all their entries (no forward; no copies)."""
     if not parts:
         raise ValueError("merge_parts needs at least one stage module")
     return _merge([_unwrapped(p) for p in parts], "")
@@ -507,18 +483,7 @@ def _naming_section(key: str) -> tuple[str, str] | None:
 
 
 class OptimKeys:
-    """The grammar of optimizer keys, parsed against the parameters' FQNs.
-
-    Keys are section-relative (``state.<fqn>.<name>``,
-    ``param_groups.<fqn>.<option>``, ``scalars.<fqn>``) or follow a root and
-    ``optim.``; each is split where the longest known FQN ends.
-
-    Args:
-        fqns: The FQNs of the parameters whose keys are parsed.
-
-    Attributes:
-        fqns: The known FQNs, as a frozenset.
-    """
+    """Optimizer keys split where the longest of the known ``fqns`` ends."""
 
     def __init__(self, fqns: Iterable[str]) -> None:
         self.fqns = frozenset(fqns)
@@ -534,16 +499,8 @@ class OptimKeys:
 
     @classmethod
     def of_keys(cls, keys: Iterable[str], model_fqns: Iterable[str] = ()) -> OptimKeys:
-        """The parser for the FQNs a set of keys names.
-
-        ``scalars.<fqn>`` names its FQN whole; a ``param_groups`` key no known
-        FQN parses (torchtitan's layout) names all but its last segment (an
-        option is an identifier). State keys name no FQN on their own.
-
-        Args:
-            keys: Keys, section-relative or under ``<root>optim.``.
-            model_fqns: Further known FQNs (a torchtitan checkpoint's model keys).
-        """
+        """The parser for the FQNs that ``scalars.`` and ``param_groups.`` keys name."""
+        # A param_groups key no known FQN parses (torchtitan's) ends in its option.
         named = [pair for pair in map(_naming_section, keys) if pair is not None]
         known = cls([*model_fqns, *(rest for s, rest in named if s == "scalars")])
         derived = {  # the option: after the last dot
@@ -554,10 +511,7 @@ class OptimKeys:
         return cls(known.fqns | (derived - {""}))
 
     def parse(self, key: str) -> tuple[str, str, str] | None:
-        """``(section, fqn, name)`` of a section-relative key, or None.
-
-        The name is ``""`` for ``scalars``; None for another section or FQN.
-        """
+        """``(section, fqn, name)`` of a section-relative key (name ``""``: scalars)."""
         section, _, rest = key.partition(".")
         if section not in _SECTIONS:
             return None
@@ -570,11 +524,7 @@ class OptimKeys:
         return None
 
     def split(self, key: str) -> tuple[str, str, str, str] | None:
-        """``(root, section, fqn, name)`` of a whole key, or None.
-
-        ``app.optim.state.layers.0.w.precond.L`` gives
-        ``("app.", "state", "layers.0.w", "precond.L")``.
-        """
+        """``(root, section, fqn, name)`` of a whole key (``app.optim.state.w.L``)."""
         for match in _OPTIM_SECTION.finditer(key):
             parsed = self.parse(key[match.end() :])
             if parsed is not None:
@@ -657,19 +607,7 @@ def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
 
 
 def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
-    """Keys of optimizer state to skip: their parameter had none when saved.
-
-    Such a parameter (its gradient stayed None) has ``optim.scalars.<fqn>``
-    but no ``optim.state.<fqn>.*``, while DCP's ``get_state_dict`` creates
-    state for it in the optimizer loaded into.
-
-    Args:
-        wanted: The dotted keys of the state_dict to load into.
-        saved: The checkpoint's keys.
-
-    Returns:
-        The keys of ``wanted`` whose parameter had no state in the checkpoint.
-    """
+    """Keys of ``wanted`` to skip: their parameter was saved with scalars, no state."""
     saved, wanted = set(saved), list(wanted)
     keys = OptimKeys.of_keys([*wanted, *saved])
 
@@ -707,15 +645,7 @@ def _check_storable(
 
 
 def check_layout_version(version: object, where: str) -> None:
-    """Refuses a checkpoint whose optimizer layout this pippy does not read.
-
-    Args:
-        version: The layout recorded with the checkpoint (None: layout 1).
-        where: The checkpoint, for the message (``"step-20"``).
-
-    Raises:
-        CheckpointError: ``version`` is neither None nor :data:`LAYOUT_VERSION`.
-    """
+    """Refuses (CheckpointError) a layout not None (1) or :data:`LAYOUT_VERSION`."""
     if version is None or (type(version) is int and version == LAYOUT_VERSION):
         return
     newer = type(version) is int and version > LAYOUT_VERSION
@@ -785,17 +715,7 @@ def _torchtitan_optim_keys(keys: Iterable[str]) -> OptimKeys:
 
 
 def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
-    """Names a torchtitan key in pippy's layout.
-
-    Args:
-        key: A key of a torchtitan checkpoint.
-        keys: The parser of its optimizer keys; without it, the key is parsed
-            alone.
-
-    Returns:
-        The pippy key its value goes into (a parameter's options and ``step``
-        all go into its ``optim.scalars.<fqn>``).
-    """
+    """The pippy key a torchtitan key's value goes into (``keys``: its parser)."""
     if not key.startswith("optimizer."):
         if key == "train_state.step":
             return "step"
@@ -815,14 +735,7 @@ def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
 
 
 def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Renames a flat torchtitan state_dict into pippy's layout.
-
-    Args:
-        flat: ``{torchtitan key: value}``, e.g. read from a torchtitan step.
-
-    Returns:
-        ``{pippy key: value}``; tensors are the same objects.
-    """
+    """Renames a flat torchtitan state_dict into pippy's layout (same tensors)."""
     out: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     for key, value in flat.items():
@@ -841,22 +754,7 @@ def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
 def to_torchtitan(
     flat: Mapping[str, Any], *, param_groups: bool = False
 ) -> dict[str, Any]:
-    """Renames a flat pippy state_dict into torchtitan's layout.
-
-    Args:
-        flat: ``{pippy key: value}``, e.g. ``read_checkpoint(step)``.
-        param_groups: Also keep each parameter's param group index as one
-            ``train_state.pippy_param_groups`` item (torchtitan's loads ignore
-            it): for writing a checkpoint, not for naming keys to read.
-
-    Returns:
-        ``{torchtitan key: value}``; tensors are the same objects, 0-dim
-        optimizer state a new tensor of the saved dtype.
-
-    Raises:
-        ValueError: A key would not read back as itself (a root key outside
-            any section, a top-level module named like a torchtitan section).
-    """
+    """Renames a pippy state_dict to torchtitan's; ValueError: a key can't map back."""
     out: dict[str, Any] = {}
     optim = {
         k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")
