@@ -52,12 +52,13 @@ class KeptBufferStager:
     ``Tensor.copy_`` into the buffer kept under the tensor's path, made anew when
     its shape, strides, dtype or ``requires_grad`` change. A DTensor is staged as
     its local shard, rewrapped without a collective; anything else is deep-copied.
-    It follows DCP's ``AsyncStager`` protocol. ``in_background``, the bytes are
-    copied in the stager's thread, after the work queued on the caller's CUDA
-    stream (on a side stream), and nothing may change the tensors in place until
-    the returned ``Future`` is done. ``pin_memory`` (default: CUDA available) copies
-    from an accelerator without blocking each copy. The buffers hold a second copy
-    of the state until :meth:`close`; two paths sharing a tensor are copied twice.
+    It follows DCP's ``AsyncStager`` protocol (``dcp.async_save`` takes it too).
+    ``in_background``, the bytes are copied in the stager's thread, after the work
+    queued on the caller's CUDA stream (on a side stream), and nothing may change
+    the tensors in place until the returned ``Future`` is done. ``pin_memory``
+    (default: whether CUDA is available) pins the buffers, so that copies from an
+    accelerator do not block one by one. The buffers hold a second copy of the
+    state until :meth:`close`; two paths sharing a tensor are copied twice.
     """
 
     should_synchronize_after_execute = False

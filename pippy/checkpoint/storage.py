@@ -51,7 +51,8 @@ class Storage(Protocol):
     """What pippy does with a checkpoint's files, on one kind of storage.
 
     Locations are of the storage's own kind (``Path`` or URL ``str``). Writes are
-    durable when they return; ``atomic_rename`` tells whether :meth:`publish` is.
+    durable when they return; ``atomic_rename`` tells whether :meth:`publish` is
+    atomic, as publishing a step requires.
     """
 
     atomic_rename: bool
@@ -126,7 +127,7 @@ class Storage(Protocol):
 
 
 def storage_for(location: Location) -> Storage:
-    """The storage of ``location`` (fsspec for a URL); refuses a URL without client."""
+    """The storage of ``location`` (fsspec for a URL); refuses a URL it cannot open."""
     if is_url(location):
         return FsspecStorage(os.fspath(location))
     return LocalStorage()
