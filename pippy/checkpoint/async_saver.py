@@ -1,15 +1,9 @@
 """``AsyncSaver``: saves in the background, one save in flight at a time.
 
-The save sequence of :func:`~pippy.checkpoint.save_stage`, split in time: at
-the call, what :func:`~pippy.checkpoint.api.take_state` does on each rank
-alone; the copy of the state (:class:`KeptBufferStager`), in a thread of its
-own until the saved optimizers' next ``step``; in a background thread, the
-rest of ``take_state`` (the wait for every rank, and the planner that checks
-across ranks in DCP's planning), then the parts
-:func:`~pippy.checkpoint.api.publish_step` is made of (``dcp.save``
-through its :class:`~pippy.checkpoint.api.StepWriter`, which stages
-the step in DCP's planning and publishes it in its ``finish``, or discards
-it on a failure).
+:func:`~pippy.checkpoint.save_stage` split in time: the state is taken at the
+call, copied by :class:`KeptBufferStager` in a thread of its own until the
+saved optimizers' next ``step``, then checked across ranks, written and
+published (as :func:`~pippy.checkpoint.api.publish_step`) in a background thread.
 """
 
 from __future__ import annotations
@@ -54,30 +48,17 @@ _ATOMIC = (int, float, bool, str, type(None))  # values deepcopy returns as they
 class KeptBufferStager:
     """Copies a state_dict's tensors into CPU buffers kept from one save to the next.
 
-    DCP's ``DefaultStager`` keeps its buffers too, but deep-copies each
-    tensor generically (a new tensor, a storage lookup, attribute checks;
-    ``bench/README.md`` measures both); this stager costs a bare
-    ``Tensor.copy_`` into the buffer kept under the tensor's path
-    (``("model", "layers.0.w")``), made anew where its shape, strides, dtype
-    or ``requires_grad`` changed. A DTensor is staged as its local shard,
-    wrapped again with the same mesh and placements (no collective);
-    anything else is deep-copied. It follows DCP's ``AsyncStager`` protocol,
-    so ``dcp.async_save`` takes it too. ``in_background``, everything but
-    the tensors' bytes is copied at the call, the bytes in a thread of the
-    stager's own, after the work queued on the caller's CUDA stream (on a
-    side stream; the sources are kept alive until the copy is done).
-
-    Args:
-        pin_memory: Allocate the buffers in pinned memory and copy from an
-            accelerator without blocking each copy (one synchronization at
-            the end). Default: whether CUDA is available.
-        in_background: Copy the tensors' bytes in the background:
-            :meth:`stage` returns a ``Future`` of the copy, and nothing may
-            change the tensors in place until it is done.
-
-    Note:
-        The buffers hold a second copy of the state until :meth:`close`.
-        Two paths that share one tensor are copied twice.
+    Cheaper than DCP's ``DefaultStager`` (which deep-copies each tensor): a bare
+    ``Tensor.copy_`` into the buffer kept under the tensor's path, made anew when
+    its shape, strides, dtype or ``requires_grad`` change. A DTensor is staged as
+    its local shard, rewrapped without a collective; anything else is deep-copied.
+    It follows DCP's ``AsyncStager`` protocol (``dcp.async_save`` takes it too).
+    ``in_background``, the bytes are copied in the stager's thread, after the work
+    queued on the caller's CUDA stream (on a side stream), and nothing may change
+    the tensors in place until the returned ``Future`` is done. ``pin_memory``
+    (default: whether CUDA is available) pins the buffers, so that copies from an
+    accelerator do not block one by one. The buffers hold a second copy of the
+    state until :meth:`close`; two paths sharing a tensor are copied twice.
     """
 
     should_synchronize_after_execute = False
@@ -102,19 +83,11 @@ class KeptBufferStager:
         *,
         later: Callable[[], Mapping[str, Any]] | None = None,
     ) -> dict[str, Any] | Future[dict[str, Any]]:
-        """A copy of ``state_dict`` whose tensors live in the kept CPU buffers.
+        """A copy of ``state_dict`` in the buffers, or (``in_background``) its Future.
 
-        Args:
-            state_dict: A nested state_dict (dicts, lists and tuples of
-                tensors, DTensors and other values).
-            later: ``in_background`` only: takes more of the state_dict in the
-                stager's thread, before the copy (its entries come first);
-                what it reads must not change until the copy is done.
-
-        Returns:
-            The copy, of the same structure, or (``in_background``) a
-            ``Future`` of it; its tensors are valid until the next
-            :meth:`stage` or :meth:`close`.
+        Its tensors are valid until the next :meth:`stage` or :meth:`close`.
+        ``later`` (``in_background`` only) takes more of the state_dict in the
+        stager's thread before the copy; what it reads must not change until then.
         """
         if self._staging is not None:  # the buffers are free again (its error told)
             wait([self._staging])
@@ -211,37 +184,28 @@ class KeptBufferStager:
 class AsyncSaver:
     """Saves in the background, one save at a time, as DCP's ``async_save``.
 
-    ``save`` blocks only while it takes the state and registers the save; the
-    checkpoint holds the values of the moment of the call. The default stager
-    (:class:`KeptBufferStager`) copies the state into kept buffers in the
-    background (staging), while the next forward and backward run; for a
+    ``save`` blocks only while it takes the state; the checkpoint holds the
+    values of the call. The default stager (:class:`KeptBufferStager`) copies
+    the state into kept buffers while the next forward and backward run; for a
     ``StageState`` it also takes the model's and optimizers' state_dicts there
-    (the step, the LR schedulers', extra state and the param groups' options are
-    taken at the call; a parameter or buffer the module replaces meanwhile is
-    saved as it was), except before the optimizers have state, and under FSDP or
-    an optimizer with its own ``state_dict``. Nothing may change the saved
-    tensors in place until that copy is done: for a ``StageState``, ``save``
-    hooks its optimizers' ``step`` (``register_step_pre_hook``), so that
-    ``optimizer.step()`` waits for the copy exactly as long as needed (the hook
-    is removed once the copy is done, by the next call of the saver); anything
-    else that writes to the saved tensors (a manual ``p.add_()``, a module that
-    updates its buffers in ``forward``, as BatchNorm's running statistics) must
-    call :meth:`wait_for_staging` first. A plain state_dict has no optimizer to
-    hook: its ``save`` returns once copied.
+    (the step, LR schedulers, extra state and param groups' options are taken
+    at the call; a parameter or buffer replaced meanwhile is saved as it was),
+    except before the optimizers have state (DCP makes it with a step), under
+    FSDP (it swaps parameters in forward), or with an optimizer's own
+    ``state_dict``. Nothing may change the saved tensors in place until the
+    copy is done: ``save`` hooks a ``StageState``'s optimizers' ``step`` to
+    wait for it; anything else that writes them (a manual ``p.add_()``,
+    BatchNorm's running statistics) must call :meth:`wait_for_staging` first.
+    A plain state_dict's ``save`` returns once copied.
 
-    Everything else runs in one background thread, over a gloo group of its
-    own (async saves must not share a group with training collectives, and
-    CPU-capable collectives need gloo): the checks across ranks of
-    :func:`~pippy.checkpoint.save_stage` (each rank waits for the others,
-    keys, replicas), the step's staging folder, the write (``dcp.save``), and
-    the publishing, as by :func:`~pippy.checkpoint.api.publish_step`,
-    as soon as the step is on disk on every rank. :meth:`poll`, called once
-    per training step, reports it, or raises its failure or refusal, on
-    every rank at the same step, without waiting; the next ``save``,
-    :meth:`wait` (which a load must call first) and :meth:`close` wait for
-    it. Two saves in flight on one gloo group crash (torch 2.13: "Connection
-    reset by peer"), hence one at a time. Each published step is logged
-    (INFO, on rank 0) with the seconds since its ``save``.
+    The rest runs in one background thread over a gloo group of its own (async
+    saves must not share a group with training collectives): the checks of
+    :func:`~pippy.checkpoint.save_stage`, the staging folder, ``dcp.save`` and the
+    publishing. :meth:`poll`, once per training step, reports it or raises its
+    failure on every rank at the same step, without waiting; the next ``save``,
+    :meth:`wait` (which a load must call first) and :meth:`close` wait for it. Two
+    saves in flight on one gloo group crash (torch 2.13: "Connection reset by
+    peer"), hence one at a time. Rank 0 logs each published step (INFO).
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -249,26 +213,20 @@ class AsyncSaver:
         process_group: A gloo group of the ranks that save, used by no other
             collective; None creates one over all ranks.
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
-        async_stager: How state is copied; None keeps one
-            :class:`KeptBufferStager` that copies in the background (see
-            the note).
-        timeout: Seconds (or a ``timedelta``) the background save waits for
-            every rank to start saving, as
-            :func:`~pippy.checkpoint.api.take_state`; None waits without a
-            deadline. The write itself has no deadline of its own.
+        async_stager: How state is copied; None keeps one background
+            :class:`KeptBufferStager`.
+        timeout: Seconds (or a ``timedelta``) the background save waits for every
+            rank to start saving, as :func:`~pippy.checkpoint.api.take_state`;
+            None waits without a deadline. The write itself has none.
 
     Raises:
         ValueError: ``timeout`` is not a positive number.
 
     Note:
-        The default stager copies the state into CPU buffers that are
-        allocated at the first save and kept for the next ones, so a rank
-        holds a second copy of its state for as long as the saver lives:
-        budget the state's size again per rank (on a GPU, pinned memory;
-        the copy runs on a side stream). DCP's plan caching
-        (``enable_plan_caching``) is not used: torch 2.13 compares plans
-        without dtypes, so after a dtype change it writes the old dtype into
-        ``.metadata`` and loads convert silently.
+        The default stager's CPU buffers (pinned on a GPU) live as long as the
+        saver: budget the state's size again per rank. DCP's plan caching is not
+        used: torch 2.13 compares plans without dtypes, so after a dtype change
+        it writes the old dtype into ``.metadata`` and loads convert silently.
     """
 
     def __init__(
@@ -294,11 +252,9 @@ class AsyncSaver:
         self._told: Future | None = None  # a failed save save() raised itself
         # The one thread that writes and publishes, one save after the other.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
-        # poll() agrees on progress over a gloo group of its own (the save's
-        # background thread uses process_group), made here on every rank at
-        # once: made later, in poll(), its creation would wait on the store
-        # while the background thread waits there too, through the same
-        # client, and the two ranks would each wait for the other.
+        # poll()'s own gloo group, made here on every rank at once: made in
+        # poll(), it would wait on the store behind the background thread's
+        # wait on the same client, and two ranks would wait for each other.
         self._poll_group = (
             dist.new_group(backend="gloo") if dist.is_initialized() else None
         )
@@ -310,40 +266,32 @@ class AsyncSaver:
     def save(
         self, state: StageState | Mapping[str, Any], step: int | None = None
     ) -> Any:
-        """Waits for the previous save, then starts saving ``state``.
+        """Waits for the previous save, then starts saving ``state``, on every rank.
 
-        At the call, on each rank alone: the state is taken (its step
-        checked; see the class for what is taken later) and the stager
-        starts copying it; the copy runs on while
-        ``save`` returns, and a ``StageState``'s ``optimizer.step()`` waits
-        for it (see the class). The rest runs in the background
-        (see the class): first the checks that need every rank, as in
-        :func:`~pippy.checkpoint.save_stage` (the keys across ranks, and
-        whether taking the state failed anywhere); a refusal there is raised
-        on every rank by the next :meth:`poll`, :meth:`wait` or ``save``, and
-        nothing is written. Python's garbage collector is paused until it
-        returns, as in :func:`~pippy.checkpoint.save_stage`; the background
-        is not. Call it on every rank at once.
+        At the call, on each rank alone, the state is taken (its step checked) and the
+        copy starts (see the class). A refusal by the checks across ranks in the
+        background is raised on every rank by the next :meth:`poll`, :meth:`wait` or
+        ``save``, and nothing is written. Python's garbage collector is paused until
+        it returns (not in the background).
 
         Args:
             state: The stage's ``StageState``, or a nested state_dict (e.g.
                 ``StageState.state_dict()``).
-            step: The step it holds, published as ``step-<step>``; defaults
-                to ``state.step`` for a ``StageState``.
+            step: The step it holds, published as ``step-<step>``; defaults to
+                ``state.step`` for a ``StageState``.
 
         Returns:
             The step folder it will be published as.
 
         Raises:
-            ValueError: This rank's state holds another step; nothing is
-                written (the other ranks raise a ``CheckpointError`` naming
-                it, by their next :meth:`poll`, :meth:`wait` or ``save``).
-                A plain state_dict came without a step (on every rank alike).
+            ValueError: This rank's state holds another step (the other ranks raise
+                a ``CheckpointError`` naming it, by their next :meth:`poll`,
+                :meth:`wait` or ``save``), or a plain state_dict came without a step
+                (on every rank alike); nothing is written.
             CheckpointError, KeyCollisionError, CheckpointDirError,
-                CheckpointTimeout: The previous save failed or was refused
-                (see :meth:`wait`); ``CheckpointError`` also where copying
-                a plain state_dict failed (see :meth:`wait_for_staging`).
-                What the stager takes in the background raises there, as
+                CheckpointTimeout: The previous save failed or was refused (see
+                :meth:`wait`); ``CheckpointError`` also where copying a plain
+                state_dict failed. What is taken in the background raises in
                 :meth:`wait_for_staging` (or the hooked ``optimizer.step()``).
         """
         self.wait()
@@ -360,9 +308,8 @@ class AsyncSaver:
         except Exception as e:  # the others learn of it in the background
             taken = e
         if isinstance(taken, Exception):
-            # The others' saves stop in the background, and learn of it by
-            # their next poll(); this rank's poll() keeps them company, its
-            # wait() says nothing more (its error is this one).
+            # The others learn of it by their next poll(), which this rank's
+            # poll() joins; its wait() then says nothing more.
             failed = self._executor.submit(self._write, taken, step)
             wait([failed])
             self._pending, self._told = (failed, None, step), failed
@@ -386,13 +333,7 @@ class AsyncSaver:
     def _deferred(
         self, state: StageState | Mapping[str, Any], step: int
     ) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]] | None:
-        """The state taken now, and its model and optimizer sections taken later.
-
-        None where they must be taken now: a plain state_dict, a stager, an
-        optimizer or a ``StageState.state_dict`` of another kind, optimizer
-        state still to be made
-        (DCP makes it with a step), FSDP (it swaps parameters in forward).
-        """
+        """``(taken now, taker of the model and optimizer sections)``, or None."""
         if not (
             isinstance(state, StageState)
             and type(state).state_dict is StageState.state_dict
@@ -477,14 +418,13 @@ class AsyncSaver:
     def wait_for_staging(self) -> None:
         """Waits until the state of the save in flight has been copied.
 
-        Call it before anything but the saved optimizers' ``step`` changes
-        the saved tensors in place (``optimizer.step()`` waits by itself).
+        Call it before anything but the saved optimizers' ``step`` changes the saved
+        tensors in place.
 
         Raises:
-            CheckpointError: Staging failed, or taking the state in the
-                background did (as ``StageState.state_dict``, or the
-                module's state_dict keys changed since the call); the step
-                is not published.
+            CheckpointError: Staging, or taking the state in the background, failed
+                (also if the module's state_dict keys changed since the call); the
+                step is not published.
         """
         try:
             self._staged()
@@ -540,15 +480,10 @@ class AsyncSaver:
             return upload.result()
 
     def poll(self) -> Any:
-        """Whether the save in flight is published on every rank; never waits.
+        """The step folder once published on every rank, else None; never waits.
 
-        Call it on every rank once per training step: each rank says whether
-        its save is done (one ``all_reduce`` of one number, on a gloo group
-        over all ranks made with the saver), so that all learn of it, or
-        of its failure, at the same step.
-
-        Returns:
-            The published step folder, or None.
+        Call it on every rank once per training step: one ``all_reduce`` of one
+        number, on the saver's own gloo group, so all learn of it at the same step.
 
         Raises:
             CheckpointError: As :meth:`wait`.

@@ -78,13 +78,10 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 
 
 def renaming_hooks(module: nn.Module) -> list[str]:
-    """Names the submodules whose state_dict hooks rename their keys.
+    """One line per submodule whose state_dict hooks rename its keys.
 
-    DCP's state_dict helpers fail on such a key (torchtitan's fused QKV split
-    into ``wq``, ``wk``, ``wv``) with a bare ``AttributeError``.
-
-    Returns:
-        One line per such submodule: its FQN, class, hook and a renamed key.
+    DCP's helpers fail on such a key (torchtitan's fused QKV split into ``wq``,
+    ``wk``, ``wv``) with a bare ``AttributeError``.
     """
     found = []
     for name, sub in module.named_modules():
@@ -107,12 +104,11 @@ def renaming_hooks(module: nn.Module) -> list[str]:
 def check_untied(model: nn.Module) -> None:
     """Refuses a model with tied weights before it is split into stages.
 
-    A tied parameter (an output head tied to the embedding) ends up on two
-    stages after a split, each training its own copy, and pippy does not keep
-    them in sync. Call it on the un-split (for example meta) model.
+    A tied parameter (an output head tied to the embedding) ends up on two stages
+    after a split, each training its own copy; pippy does not keep them in sync.
 
     Args:
-        model: The un-split model.
+        model: The un-split (for example meta) model.
 
     Raises:
         TiedParametersError: Naming each pair of FQNs that share a parameter.
@@ -132,10 +128,9 @@ def restore_non_persistent_buffers(
 ) -> list[str]:
     """Makes the model's non-persistent buffers non-persistent in a traced stage.
 
-    ``torch.distributed.pipelining.pipeline`` registers every buffer of the
-    traced model as persistent on each stage that uses it, so a RoPE table
-    would be the same key on every stage. This re-registers those buffers as
-    non-persistent, in place.
+    ``torch.distributed.pipelining.pipeline`` registers every buffer as persistent
+    on each stage that uses it, so a RoPE table would be the same key on every
+    stage. This re-registers them as non-persistent, in place.
 
     Args:
         stage_module: The stage's module (``pipe.build_stage(...).submod``).
@@ -442,16 +437,7 @@ def offer_keys(
     mesh: DeviceMesh | None = None,
     pp_dim: str = "pp",
 ) -> dict[str, Any] | None:
-    """:func:`check_keys`'s first half, for a caller that gathers it itself.
-
-    Then :func:`refuse_losses` on the gathered offers. Args as :func:`check_keys`.
-
-    Returns:
-        This rank's offer (it pickles), or None without a process group.
-
-    Raises:
-        ValueError: As :func:`check_keys`.
-    """
+    """This rank's part of :func:`check_keys`, to gather; None without a group."""
     if not dist.is_initialized():
         return None
     world_size = dist.get_world_size(process_group)
@@ -466,12 +452,7 @@ def offer_keys(
 def refuse_losses(
     gathered: list[Any], *, process_group: dist.ProcessGroup | None = None
 ) -> None:
-    """:func:`check_keys`'s second half: every rank's offer, by group rank, judged.
-
-    Raises:
-        KeyCollisionError, DivergedReplicasError, NestedStateError: As
-            :func:`check_keys`.
-    """
+    """The rest of :func:`check_keys`: judges every rank's offer, by group rank."""
     if not dist.is_initialized():
         return
     offers = {

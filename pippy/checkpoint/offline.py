@@ -1,15 +1,9 @@
 """A checkpoint in one process: read whole, loaded into the un-split model, exported.
 
 The stages' keys are the un-split model's FQNs, so their union is the whole
-model: no process group and no pipeline are needed to read it
-(:func:`read_checkpoint`, :func:`load_model`). :func:`export_hf` writes a
-folder ``from_pretrained`` opens: ``config.json`` and ``model.safetensors``,
-or, above the shard size, ``model-0000i-of-0000n`` shards and
-``model.safetensors.index.json``, written with ``safetensors`` directly (DCP's
-own Hugging Face consolidation mishandles integer and bool tensors in torch
-2.13, pytorch/pytorch#192485). :func:`convert_layout` rewrites a checkpoint
-in pippy's or torchtitan's layout as the other; :func:`diff_state_dicts`
-compares two state_dicts bit for bit.
+model, read with no process group or pipeline. :func:`export_hf` writes
+``safetensors`` directly (DCP's Hugging Face consolidation mishandles integer
+and bool tensors in torch 2.13, pytorch/pytorch#192485).
 """
 
 from __future__ import annotations
@@ -61,24 +55,25 @@ def read_checkpoint(
 ) -> dict[str, Any]:
     """Reads a whole checkpoint, or the keys under a prefix, in this process.
 
-    Keys come back flat, in pippy's names (a torchtitan checkpoint's too),
-    with ``prefix`` removed: ``prefix="model."`` gives the un-split model's
-    ``state_dict``. With or without a process group, this rank alone reads,
-    with no collective, through the safe reader and planner.
+    Keys come back flat, in pippy's names (a torchtitan checkpoint's too), with
+    ``prefix`` removed: ``prefix="model."`` gives the un-split model's
+    ``state_dict``. This rank alone reads, with no collective, through the safe
+    reader and planner.
 
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
         prefix: Only keys starting with this are read.
         keys: If given, only these keys (without ``prefix``) are read; those
             not in the checkpoint are left out of the result.
-        trusted: See :class:`SafeFileSystemReader`.
-        verify: As :func:`load_stage`.
+        trusted: See :class:`~pippy.checkpoint.safe_load.SafeFileSystemReader`.
+        verify: As :func:`~pippy.checkpoint.load_stage`.
 
     Returns:
         ``{key: tensor or value}``; tensors on the CPU, in their saved dtype.
 
     Raises:
-        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
+        CheckpointNotFoundError, UnsafeCheckpointError: As
+            :func:`~pippy.checkpoint.safe_load.read_metadata`.
         KeyError: No key starts with ``prefix``.
         CheckpointError: A data file is missing or damaged.
     """
@@ -148,21 +143,17 @@ def load_model(
             must be the same (strict).
         optimizer: If given, its state is loaded too; build it over
             ``model.parameters()`` first.
-        trusted: See :class:`SafeFileSystemReader`.
-        verify: As :func:`load_stage`.
+        trusted: As :func:`read_checkpoint`.
+        verify: As :func:`~pippy.checkpoint.load_stage`.
 
     Returns:
         The step the checkpoint was saved at.
 
     Raises:
-        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_metadata`.
-        CheckpointError: Keys missing on either side, or shapes that differ;
-            or parameters tied in ``model`` hold different values in the
-            checkpoint.
-
-    Note:
-        Tied keys are compared before loading: loading each writes the same
-        tensor, and the last one read would win.
+        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`read_checkpoint`.
+        CheckpointError: Keys missing on either side, or shapes that differ; or
+            parameters tied in ``model`` hold different values in the checkpoint
+            (checked before loading, where the last one read would win).
     """
     _check_ties(path, model, trusted, verify)
     state = StageState(model, optimizer)
@@ -179,16 +170,11 @@ _NTOKENS = "train_state.ntokens_seen"
 
 
 def parse_size(text: str) -> int:
-    """Parses a size such as ``5GB``, ``500MiB`` or ``1000`` (bytes).
-
-    Args:
-        text: A number, optionally followed by B, KB, MB, GB, KiB, MiB or GiB.
-
-    Returns:
-        The size in bytes.
+    """Parses a size such as ``5GB``, ``500MiB`` or ``1000`` into bytes.
 
     Raises:
-        ValueError: ``text`` is not such a size, or it is not positive.
+        ValueError: ``text`` is not a positive number, optionally followed by B,
+            KB, MB, GB, KiB, MiB or GiB.
     """
     match = _SIZE.match(text)
     if not match or float(match.group(1)) <= 0:
@@ -255,19 +241,19 @@ def export_hf(
 ) -> list[Any]:
     """Writes a step's model weights as a folder ``from_pretrained`` opens.
 
-    Written beside ``out`` and renamed when complete: a failed export leaves
-    nothing at ``out``.
+    ``config.json`` and ``model.safetensors``, or above ``max_shard_size``
+    ``model-0000i-of-0000n.safetensors`` shards and their index. Written beside
+    ``out`` and renamed when complete: a failed export leaves nothing at ``out``.
 
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
         out: The folder to write; it must not exist unless ``force``.
-        config: The model's Hugging Face config, a dict or a ``config.json``
-            path.
+        config: The model's Hugging Face config, a dict or a ``config.json`` path.
         max_shard_size: Above this many bytes, write shards and an index.
         dtype: If given, floating-point tensors are converted to it.
         force: Replace an existing ``out``.
-        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
-        verify: See :func:`~pippy.checkpoint.load_stage`.
+        trusted: As :func:`read_checkpoint`.
+        verify: As :func:`~pippy.checkpoint.load_stage`.
 
     Returns:
         The files written, inside ``out``.
@@ -308,12 +294,9 @@ def model_weights(
     trusted: bool | None = None,
     verify: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """A step's model weights (keys under ``model.``, prefix removed), to write out.
+    """A step's model weights, ``{fqn: contiguous CPU tensor}`` (``model.`` removed).
 
     Args and errors as :func:`export_hf`.
-
-    Returns:
-        ``{fqn: contiguous tensor}``, on the CPU.
     """
     weights = {}
     state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
@@ -349,28 +332,28 @@ def convert_layout(
 ) -> int:
     """Writes a checkpoint in the other layout: pippy's or torchtitan's.
 
-    Reads every key in one process and saves it with ``dcp.save`` under the
-    other layout's names (see :mod:`~pippy.checkpoint.state`), published as
-    ``out`` when complete. torchtitan's ``train_state.ntokens_seen``, which
-    pippy does not keep, is written as 0, and a 0 is dropped converting back,
-    so a round trip gives the same keys and values.
+    Reads every key in one process and saves it with ``dcp.save`` under the other
+    layout's names (see :mod:`~pippy.checkpoint.state`), published as ``out`` when
+    complete. torchtitan's ``train_state.ntokens_seen``, which pippy does not
+    keep, is written as 0 and a 0 dropped converting back, so a round trip gives
+    the same keys and values.
 
     Args:
         path: A ``step-<N>`` folder in either layout.
-        out: The step folder to write (``<folder>/step-<N>`` for
-            torchtitan's ``CheckpointManager``); it must not exist.
+        out: The step folder to write (``<folder>/step-<N>`` for torchtitan's
+            ``CheckpointManager``); it must not exist.
         to: ``"pippy"`` or ``"torchtitan"``.
-        trusted: See :class:`~pippy.checkpoint.SafeFileSystemReader`.
-        verify: See :func:`~pippy.checkpoint.load_stage` (a torchtitan
-            checkpoint has no manifest: pass False).
+        trusted: As :func:`read_checkpoint`.
+        verify: As :func:`~pippy.checkpoint.load_stage` (a torchtitan checkpoint
+            has no manifest: pass False).
 
     Returns:
         The number of items written.
 
     Raises:
         FileExistsError: ``out`` exists.
-        ValueError: ``to`` is not a layout, or a key has no place in
-            torchtitan's (see :func:`~pippy.checkpoint.state.to_torchtitan`).
+        ValueError: ``to`` is not a layout, or a key has no place in torchtitan's
+            (see :func:`~pippy.checkpoint.state.to_torchtitan`).
         CheckpointError: As :func:`read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):

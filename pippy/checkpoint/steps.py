@@ -1,30 +1,17 @@
 """A step's files: its folder, ``.metadata`` and ``manifest.json``.
 
-A run's checkpoint folder holds ``step-<N>`` folders, one per save. Ranks
-write into a hidden staging folder, ``.step-<N>.partial-<token>``, that rank 0
-renames to ``step-<N>`` once DCP's coordinator has written ``.metadata``: a
-rename is atomic on a POSIX file system, so a step folder is either complete
-or absent; the rename and the folders are fsynced, so it stays so after a
-power loss. The token is new for every save, so that no save ever writes into
-or deletes a staging folder it did not create. On an object store (an fsspec
-URL: ``s3://``, ``gs://``), which has no rename, a step is written in place
-under its final name, and its ``manifest.json``, written last in one PUT, is
-its commit record: a step folder without it is never taken as complete or
-newest, loaded, or counted by retention.
+A run's checkpoint folder holds one ``step-<N>`` folder per save. On POSIX,
+ranks write into a hidden ``.step-<N>.partial-<token>`` (a new token per save,
+so no save touches another's) that rank 0 renames to ``step-<N>`` after DCP's
+coordinator wrote ``.metadata``: atomic and fsynced, so a step is complete or
+absent, even after a power loss. On an object store (an fsspec URL: no rename)
+a step is written in place; ``manifest.json``, written last in one PUT, is its
+commit record. Retention first takes a step out of view in one operation
+(renamed to ``.step-<N>.deleting-<token>``, or its manifest deleted).
 
-Retention never leaves part of a step under a step's name: on a POSIX file
-system it renames the step aside to ``.step-<N>.deleting-<token>`` (one
-atomic, fsynced rename) before deleting its files; a kill between the two
-leaves that folder, which no step scan lists and the folder's next owner
-deletes (:func:`remove_staging`). On an object store it deletes the commit
-record first: a kill leaves an uncommitted step.
-
-DCP stores no checksums, and ``torch.load`` never checks the zip CRC-32 that
-``torch.save`` computes (its zip reader is built with CRC checks disabled:
-pytorch/pytorch#126952), so a flipped bit, a truncated item or a rank file
-swapped for another of equal size loads without a word. :class:`ManifestWriter`
-checksums each item (CRC-32C) as it is written, and the coordinator writes
-``manifest.json`` beside ``.metadata``:
+DCP stores no checksums and ``torch.load`` never checks the zip CRC-32
+(pytorch/pytorch#126952), so :class:`ManifestWriter` records a CRC-32C per
+item; ``optim_layout`` is :data:`~pippy.checkpoint.state.LAYOUT_VERSION`:
 
 .. code-block:: json
 
@@ -34,27 +21,11 @@ checksums each item (CRC-32C) as it is written, and the coordinator writes
      "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
 
-``optim_layout`` is :data:`~pippy.checkpoint.state.LAYOUT_VERSION` (absent:
-layout 1); ``written_by`` the torch and pippy that wrote the step; ``files``
-each data file's size in bytes. A folder whose name says another step than
-its manifest is never taken for that step. Reading the JSON runs no code.
-
-Before a load reads a byte, :func:`check_structure` refuses a ``.metadata``
-whose data files are not plain names inside the step folder or whose items
-do not fit their places, and :func:`find_damage` lists data files missing or
-short. ``.metadata`` pickles torch's own classes, whose fields change between
-releases: torch 2.15 adds ``strides`` to ``TensorProperties`` (6 fields),
-which torch 2.10 to 2.14's ``__setstate__`` cannot unpack (5).
-:class:`CompatTensorProperties` drops the fields the running torch lacks (a
-tensor's bytes are a ``torch.save`` record of their own, strides included).
-A ``.metadata`` that still cannot be read, where the manifest says a newer
-torch wrote it, is refused by :func:`newer_torch_refusal` with the versions
-named.
-
-The functions here ask the storage from the process that calls them; in a
-job, rank 0 asks and broadcasts the answer
-(:func:`~pippy.checkpoint.find_latest_step` itself, publishing and ownership
-around the others; see :mod:`~pippy.checkpoint.safe_load`).
+A folder whose name says another step than its manifest is never taken for
+that step. ``.metadata`` pickles torch classes whose fields change: torch
+2.15's ``TensorProperties`` has 6, which 2.10 to 2.14 cannot unpack (5);
+:class:`CompatTensorProperties` drops the extra ones. Functions here ask the
+storage from the calling process; in a job rank 0 asks and broadcasts.
 
 Private torch names pippy relies on, each tested in
 test/test_torch_internals.py on torch 2.10 to 2.15
@@ -133,7 +104,6 @@ logger = logging.getLogger(__name__)
 
 #: DCP's index of a step's items, written last: a step folder without it is partial.
 METADATA_FILE = ".metadata"
-#: The manifest's file name inside a step folder.
 MANIFEST_FILE = "manifest.json"
 _FORMAT = "pippy-manifest/1"
 
@@ -144,26 +114,12 @@ _LEFTOVERS = (".step-*.partial-*", ".step-*.deleting-*")
 
 
 def step_dir(checkpoint_dir: Location, step: int) -> Any:
-    """Returns the folder of one step's checkpoint: ``<checkpoint_dir>/step-<step>``.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder: a local path or a URL.
-        step: Number of optimizer steps taken when the checkpoint was saved.
-
-    Returns:
-        A ``Path`` for a local folder, a ``str`` for a URL.
-    """
+    """``<checkpoint_dir>/step-<step>``: a ``Path`` locally, a ``str`` for a URL."""
     return storage_for(checkpoint_dir).join(checkpoint_dir, f"step-{step}")
 
 
 def is_complete(path: Location) -> bool:
-    """Tells whether a step folder holds a complete checkpoint.
-
-    DCP's coordinator writes ``.metadata`` only after every rank has written
-    its data, so a folder without it was interrupted mid-save. On an object
-    store, where a step is written in place, its commit record
-    (``manifest.json``, written after ``.metadata``) must exist too.
-    """
+    """Whether a step folder has ``.metadata`` (and, on an object store, a manifest)."""
     storage = storage_for(path)
     marks = [METADATA_FILE] + [MANIFEST_FILE] * (not storage.atomic_rename)
     return all(storage.size(storage.join(path, m)) is not None for m in marks)
@@ -176,19 +132,7 @@ def parse_step(path: Location) -> int | None:
 
 
 def list_steps(checkpoint_dir: Location) -> dict[int, Any]:
-    """Lists the step folders of a checkpoint folder, complete or not.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
-
-    Returns:
-        ``{step: folder}`` sorted by step; empty if the folder does not exist.
-
-    Raises:
-        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder, or
-            holds a step folder under a name pippy does not write
-            (``step-08`` beside, or instead of, ``step-8``).
-    """
+    """``{step: folder}`` of all step folders; refuses a file or a ``step-08``."""
     storage = storage_for(checkpoint_dir)
     if storage.size(checkpoint_dir) is not None:
         raise CheckpointDirError(
@@ -221,21 +165,7 @@ def _holds_its_step(path: Location) -> bool:
 
 
 def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
-    """The newest complete step folder, and the newer ones passed over.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder; it may not exist yet.
-
-    Returns:
-        ``(folder or None, skipped)``: as
-        :func:`~pippy.checkpoint.find_latest_step`, with the step folders
-        newer than it that are incomplete or hold another step.
-
-    Raises:
-        CheckpointDirError: As :func:`~pippy.checkpoint.find_latest_step`.
-        UnsafeCheckpointError: The manifest of a step it reaches is a link
-            leading out of the step folder.
-    """
+    """``(newest complete step folder or None, newer ones passed over)``."""
     skipped: list[str] = []
     for path in reversed(list_steps(checkpoint_dir).values()):
         if is_complete(path) and _holds_its_step(path):
@@ -247,28 +177,10 @@ def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
 def remove_old_steps(
     checkpoint_dir: Location, keep_last: int, *, keep: Location | None = None
 ) -> list[Any]:
-    """Deletes all but the newest ``keep_last`` complete step folders.
+    """Deletes all but the newest ``keep_last`` complete steps, never ``keep``.
 
-    Steps are ranked by the step they hold (their manifest's), which is their
-    name's: a folder whose manifest names another step (copied or renamed),
-    or is a link leading out of it, is neither counted nor deleted.
-    Incomplete folders are left alone (they may be a save in progress). Each
-    step is taken out of view in one operation before its files are deleted
-    (renamed aside on a POSIX file system, its commit record deleted on an
-    object store), so a kill meanwhile never leaves part of a step under its
-    name. It runs in this process alone: in a job,
-    :meth:`~pippy.checkpoint.api.StepWriter.publish` calls it on rank 0.
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder.
-        keep_last: How many complete steps to keep; at least 1.
-        keep: A step folder never deleted (the one just published).
-
-    Returns:
-        The folders deleted.
-
-    Raises:
-        ValueError: ``keep_last`` is less than 1.
+    Incomplete folders (maybe a save in progress) and folders whose manifest names
+    another step or links out are left alone. In a job, rank 0 alone calls it.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}")
@@ -284,7 +196,7 @@ def remove_old_steps(
 
 
 def _counted(path: Location) -> bool:
-    """Whether retention counts a step; one whose manifest links out is left alone."""
+    """Whether retention counts a step; one whose manifest links out is not."""
     try:
         return is_complete(path) and _holds_its_step(path)
     except UnsafeCheckpointError:
@@ -306,19 +218,7 @@ def _remove_step(storage: Any, path: Any) -> None:
 
 
 def remove_staging(checkpoint_dir: Location) -> list[str]:
-    """Deletes a dead job's leftovers in ``checkpoint_dir``.
-
-    They are its staging folders (``.step-<N>.partial-<token>``) and the
-    steps its retention had taken out of view but not yet deleted
-    (``.step-<N>.deleting-<token>``). Only the folder's owner may call it
-    (see :class:`~pippy.checkpoint.FolderOwner`, which does, on rank 0).
-
-    Args:
-        checkpoint_dir: The run's checkpoint folder.
-
-    Returns:
-        The names removed.
-    """
+    """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
     storage = storage_for(checkpoint_dir)
     removed = []
     for pattern in _LEFTOVERS:
@@ -340,13 +240,8 @@ class _Checksummed:
 class Manifest:
     """What one save wrote, as recorded in ``manifest.json``.
 
-    Attributes:
-        step: The step the save holds.
-        files: Size in bytes of each data file, by file name.
-        items: ``(file, offset, length)`` of each item, to its key and CRC-32C.
-        optim_layout: The optimizer layout version recorded (None: layout 1).
-        written_by: The ``torch`` and ``pippy`` versions that wrote the step
-            (may be empty).
+    ``items`` maps ``(file, offset, length)`` to ``(key, crc32c)``; ``files`` gives
+    sizes in bytes; ``optim_layout`` None means layout 1.
     """
 
     step: int
@@ -377,28 +272,13 @@ def _crc32c_of(folder: Location, ranges: Iterable[tuple[str, int, int]]) -> dict
 class ManifestWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
 
-    Each rank takes every item's CRC-32C as it is written (from the file
-    system's streams; read back only if a given file system records none);
-    the checksums reach the coordinator with DCP's write results, and it
-    writes ``manifest.json`` after ``.metadata``. Plain ``dcp.load`` ignores
-    the file. Items are written without ``torch.save``'s own CRC-32 (see the
-    note), in the writing thread only. Files and renames are fsynced
-    (:class:`~pippy.checkpoint.storage.DurableFileSystem`).
-
-    Args:
-        path: The folder to write (the ``checkpoint_id``).
-        step: The step being saved, recorded in the manifest.
-        **kwargs: Passed to ``FileSystemWriter`` (``thread_count``, ...).
-
-    Attributes:
-        written: After the save, ``(tensors, bytes)`` this rank wrote, bytes
-            as in its file (with ``torch.save`` framing).
-
-    Note:
-        The items' zip records carry no CRC-32 (zero fields), which
-        ``torch.load`` never checks (see the module docstring) but a zip tool
-        reports. On torch 2.10 and 2.11, whose setting is per process, they
-        keep it (:func:`~pippy.checkpoint.storage.no_crc32`).
+    Each rank takes every item's CRC-32C as it is written (read back only if the
+    file system recorded none); the checksums reach the coordinator in DCP's write
+    results, and it writes ``manifest.json`` after ``.metadata``. Items carry no
+    ``torch.save`` CRC-32 (zero fields, which a zip tool reports; kept on torch
+    2.10 and 2.11, where the setting is per process). Files and renames are fsynced.
+    ``written`` is, after the save, ``(tensors, bytes)`` this rank wrote (bytes with
+    ``torch.save`` framing); ``**kwargs`` go to ``FileSystemWriter``.
     """
 
     def __init__(
@@ -421,14 +301,7 @@ class ManifestWriter(FileSystemWriter):
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
-        """Writes this rank's items as DCP does, then checksums them as written.
-
-        Under :mod:`~pippy.checkpoint.stall`, progress is recorded and the
-        rank then waits for the others.
-
-        Raises:
-            CheckpointTimeout: Some rank did not finish writing in time.
-        """
+        """Writes and checksums this rank's items, under the stall watch if one runs."""
         waits = stall.active()
         if waits is None:
             return self._write_checksummed(plan, planner)
@@ -493,23 +366,13 @@ class ManifestWriter(FileSystemWriter):
             "files": dict(sorted(files.items())),
             "items": items,
         }
-        # dumps, not dump: json.dump streams through the pure-Python encoder,
-        # about 10x slower than the C one dumps uses.
+        # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
         data = json.dumps(manifest, separators=(",", ":")).encode()
         storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
 
 
 def read_manifest(folder: Location) -> Manifest | None:
-    """Reads a step folder's ``manifest.json``.
-
-    Returns:
-        The manifest, or None if the step folder has none.
-
-    Raises:
-        UnsafeCheckpointError: ``manifest.json`` is a link leading out of the
-            step folder.
-        CheckpointError: The manifest is not valid JSON of this format.
-    """
+    """A step folder's ``manifest.json``, or None; refuses a link out or damage."""
     storage = storage_for(folder)
     path = step_file(storage, folder, MANIFEST_FILE)
     if storage.size(path) is None:
@@ -546,19 +409,7 @@ def _count(value: Any) -> int:
 def check_manifest(
     folder: Location, step: int | None, ranges: Mapping[tuple[str, int, int], str]
 ) -> Manifest:
-    """Reads a step's manifest and checks it against the folder.
-
-    Args:
-        folder: The step folder.
-        step: The step its name says (None for another name).
-        ranges: ``{(file, offset, length): key}`` of ``.metadata``'s items.
-
-    Raises:
-        UnsafeCheckpointError: As :func:`read_manifest`.
-        CheckpointError: There is no manifest; it names another step or an
-            unknown optimizer layout; or it disagrees with the files' sizes
-            or ``.metadata``'s items.
-    """
+    """Reads a step's manifest; refuses one absent or at odds with the folder."""
     manifest = read_manifest(folder)
     if manifest is None:
         raise CheckpointError(
@@ -601,12 +452,7 @@ def check_manifest(
 def verify_ranges(
     folder: Location, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
 ) -> None:
-    """Checks byte ranges of a step's files against their manifest checksums.
-
-    Raises:
-        CheckpointError: A range the manifest lacks, or whose bytes do not
-            match their checksum, naming the key and file.
-    """
+    """Checks ``(file, offset, length)`` byte ranges against the manifest's CRCs."""
     for place, key in ranges.items():
         _check_listed(manifest, place, key)
     crcs = _crc32c_of(folder, ranges)
@@ -618,11 +464,7 @@ def verify_ranges(
 def verify_item(
     manifest: Manifest, place: tuple[str, int, int], key: str, data: bytes
 ) -> None:
-    """Checks one item's bytes, as read, against its manifest checksum.
-
-    Raises:
-        CheckpointError: As :func:`verify_ranges`.
-    """
+    """Checks one item's bytes, as read, against its manifest checksum."""
     _check_listed(manifest, place, key)
     if google_crc32c.value(data) != manifest.items[place][1]:
         raise _mismatch(key, place[0])
@@ -650,20 +492,7 @@ def _mismatch(key: str, name: str) -> CheckpointError:
 
 
 def find_damage(path: Location, metadata: Metadata) -> list[str]:
-    """Lists the data files that ``.metadata`` names but are missing or short.
-
-    A step is published whole, so this finds damage done afterwards (a file
-    deleted, a copy cut short), which DCP would meet mid-load on some ranks.
-
-    Args:
-        path: A step folder.
-        metadata: Its metadata, from
-            :func:`~pippy.checkpoint.safe_load.read_metadata`.
-
-    Returns:
-        One line per damaged file (``"__1_0.distcp is missing"``); empty if
-        every file is there and at least as long as its items.
-    """
+    """One line per data file ``.metadata`` names that is missing or short."""
     storage = storage_for(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -699,14 +528,7 @@ def _data_file(storage: Storage, folder: Location, name: Any) -> Any:
 
 
 def check_structure(folder: Location, metadata: Metadata) -> None:
-    """Refuses metadata whose items are not where, or not as large as, it says.
-
-    Raises:
-        CheckpointError: A table is malformed, an item has no valid place,
-            a tensor's chunks do not fill its shape, or an item is larger
-            than its place in the file.
-        UnsafeCheckpointError: A data file is not a plain name inside ``folder``.
-    """
+    """Refuses ``.metadata`` whose items are not where, or not as large as, it says."""
     files = storage_for(folder)
     damaged = f"{os.fspath(files.join(folder, METADATA_FILE))!r} is damaged"
     try:
@@ -804,16 +626,7 @@ def written_by() -> dict[str, str]:
 def newer_torch_refusal(
     metadata_file: str, writer: object, error: Exception
 ) -> CheckpointError | None:
-    """The error for a ``.metadata`` a newer torch wrote and this one cannot read.
-
-    Args:
-        metadata_file: The file, for the message.
-        writer: The torch version the step's manifest records (None if none).
-        error: What unpickling raised.
-
-    Returns:
-        The error, or None unless ``writer`` is newer than this torch.
-    """
+    """The error if a torch newer than this one wrote ``.metadata``; else None."""
     if not isinstance(writer, str):
         return None
     try:

@@ -1,21 +1,15 @@
 """The storage seam: every path and file operation of a checkpoint, in one place.
 
-A checkpoint's location is a local folder (a ``str`` or ``os.PathLike``; it
-stays a :class:`~pathlib.Path`) or an fsspec URL (``s3://``, ``gs://``,
-``memory://``, ``file://``; it stays a ``str``: ``Path("memory://run")`` would
-fold it into the local folder ``memory:/run``). :func:`storage_for` picks the
-:class:`Storage` of a location; nothing outside this module opens, renames,
-links or deletes a checkpoint's files.
-
-:class:`LocalStorage` writes durably, in the order that survives a power loss:
-write, flush, ``fsync`` the file, rename, ``fsync`` the folder that holds the
-new name; :class:`DurableFileSystem` gives DCP's own writer the same order
-(torch 2.13's ``FileSystemWriter`` fsyncs ``.metadata`` before its buffer is
-flushed and never fsyncs a folder). :class:`FsspecStorage` reads any fsspec
-URL; object stores have no atomic rename (S3 copies, then deletes), so
-:mod:`~pippy.checkpoint.steps` writes a step there in place and commits it
-with its manifest, written last in one PUT, and :func:`check_publishable`
-refuses them for what only a rename publishes whole (a Hugging Face folder).
+A location is a local folder (kept a :class:`~pathlib.Path`) or an fsspec URL
+(kept a ``str``: ``Path("memory://run")`` would become ``memory:/run``).
+:func:`storage_for` picks its :class:`Storage`; nothing outside this module
+opens, renames, links or deletes a checkpoint's files. :class:`LocalStorage`
+writes in the order that survives a power loss (write, flush, fsync, rename,
+fsync the folder); :class:`DurableFileSystem` gives DCP's writer the same
+(torch 2.13's ``FileSystemWriter`` fsyncs ``.metadata`` before flushing it and
+never fsyncs a folder). Object stores have no atomic rename (S3 copies, then
+deletes), so a step there is committed by its manifest, and
+:func:`check_publishable` refuses them where only a rename would do.
 """
 
 from __future__ import annotations
@@ -56,10 +50,9 @@ def is_url(location: Location) -> bool:
 class Storage(Protocol):
     """What pippy does with a checkpoint's files, on one kind of storage.
 
-    Locations passed in and returned are of the storage's own kind: ``Path``
-    for :class:`LocalStorage`, URL strings for :class:`FsspecStorage`.
-    Writes are durable when they return; ``atomic_rename`` tells whether
-    :meth:`publish` is atomic, as a step's publication requires.
+    Locations are of the storage's own kind (``Path`` or URL ``str``). Writes are
+    durable when they return; ``atomic_rename`` tells whether :meth:`publish` is
+    atomic, as publishing a step requires.
     """
 
     atomic_rename: bool
@@ -134,35 +127,14 @@ class Storage(Protocol):
 
 
 def storage_for(location: Location) -> Storage:
-    """The storage that holds ``location``: fsspec for a URL, else the local one.
-
-    Args:
-        location: A local path, or an fsspec URL.
-
-    Returns:
-        A :class:`LocalStorage` or an :class:`FsspecStorage`.
-
-    Raises:
-        CheckpointDirError: A URL whose client is missing or unknown.
-    """
+    """The storage of ``location`` (fsspec for a URL); refuses a URL it cannot open."""
     if is_url(location):
         return FsspecStorage(os.fspath(location))
     return LocalStorage()
 
 
 def check_publishable(location: Location) -> Storage:
-    """The storage of ``location``, if steps can be published there safely.
-
-    Args:
-        location: A run's checkpoint folder, or a folder to export into.
-
-    Returns:
-        Its storage.
-
-    Raises:
-        CheckpointDirError: The storage has no atomic rename (an object
-            store), so a reader could see half a folder: refused, in one line.
-    """
+    """The storage of ``location``; refused if it lacks an atomic rename."""
     storage = storage_for(location)
     if not storage.atomic_rename:
         raise CheckpointDirError(
@@ -174,25 +146,10 @@ def check_publishable(location: Location) -> Storage:
 
 
 def step_file(storage: Storage, folder: Location, name: str) -> Any:
-    """The file ``name`` of the step ``folder``; refused if it links out of it.
+    """``folder/name``; refused if it is a link out of the step folder.
 
-    Every file of a step that pippy reads (``.metadata``, ``manifest.json``,
-    the data files) is taken through it. A link inside the step folder to a
-    file elsewhere would otherwise be read wherever it points; no checkpoint
-    written by DCP or pippy holds one. Object stores have no links; an
-    fsspec URL (``file://`` too) is taken as it is.
-
-    Args:
-        storage: The storage of ``folder``.
-        folder: A step folder.
-        name: A plain file name in it.
-
-    Returns:
-        ``folder/name``, of the storage's kind (the link's name, not its target).
-
-    Raises:
-        UnsafeCheckpointError: ``folder/name`` is a link leading out of
-            ``folder``; the message names the file and where it points.
+    Every file pippy reads from a step goes through it; no checkpoint DCP or pippy
+    writes holds such a link. Object stores have no links.
     """
     path = storage.join(folder, name)
     target = storage.same_place(path)
@@ -217,27 +174,16 @@ def glob(storage: Storage, folder: Location, pattern: str) -> list[Any]:
 
 # Checksums as written: a CRC-32C per item, in place of torch.save's CRC-32.
 
-#: Whether torch keeps ``torch.save``'s CRC-32 setting per thread: from torch
-#: 2.12 on (a ContextVar in its config module); torch 2.10 and 2.11 have one
-#: setting for the whole process.
+#: Whether ``torch.save``'s CRC-32 setting is per thread (a ContextVar from 2.12).
 CRC32_PER_THREAD = TorchVersion(torch.__version__) >= "2.12"
 
 
 @contextmanager
 def no_crc32() -> Iterator[None]:
-    """This thread's ``torch.save`` skips its CRC-32 for the block.
+    """This thread's ``torch.save`` skips its CRC-32 (the manifest has CRC-32C).
 
-    ``torch.load`` never checks it (pytorch/pytorch#126952); pippy's manifest
-    holds a CRC-32C of every item instead. torch keeps the setting per thread
-    from 2.12 on, so a ``torch.save`` elsewhere in the process, meanwhile, is
-    unaffected.
-
-    Note:
-        On torch 2.10 and 2.11 (:data:`CRC32_PER_THREAD` false) the block
-        changes nothing: there the setting is the whole process's, so turning
-        it off would drop the CRC-32 of every other thread's ``torch.save``
-        meanwhile, and two writer threads restoring it in turn could leave it
-        off for good.
+    A no-op on torch 2.10 and 2.11, where the setting is the whole process's: other
+    threads' saves would lose it, and two writer threads could leave it off.
     """
     if not CRC32_PER_THREAD:
         yield
@@ -313,16 +259,11 @@ class _Crc32cStream:
 def checksummed(fs: FileSystemBase, path: str | os.PathLike, raw: Any) -> Iterator[Any]:
     """``raw``, a stream DCP writes ``path`` through, recording each item's CRC-32C.
 
-    DCP's writer calls ``tell()`` before and after each item, so each span
-    between two calls is one item: its ``(file, offset, length)`` goes into
-    ``fs.crcs`` with the CRC-32C of its bytes as they were written, which
-    :class:`~pippy.checkpoint.steps.ManifestWriter` takes for its manifest
-    instead of reading the items back. The ~40 small records ``torch.save``
-    writes per item are gathered, then checksummed and passed on in one write.
-    Meanwhile this thread's ``torch.save`` skips its own CRC-32
-    (:func:`no_crc32`). Use it inside the block that closes ``raw``: at its
-    end, what it holds back is written to ``raw`` (DCP closes a data file's
-    stream itself, but not ``.metadata``'s).
+    DCP's writer calls ``tell()`` around each item, so each span between two calls
+    is one item; its ``(file, offset, length)`` and CRC-32C go into ``fs.crcs``.
+    ``torch.save``'s ~40 small records per item are gathered into one write. Use
+    it inside the block that closes ``raw``: what it holds back is written at its
+    end (DCP closes a data file's stream, but not ``.metadata``'s).
     """
     record = fs.__dict__.setdefault("crcs", {})
     stream = _Crc32cStream(raw, os.path.basename(os.fspath(path)), record)
@@ -360,15 +301,9 @@ class _DurableWriter(io.BufferedWriter):
 
 
 class DurableFileSystem(FileSystem):
-    """DCP's local ``FileSystem``, durable, each item checksummed as written.
+    """DCP's local ``FileSystem``: fsync at close and after a rename, items checksummed.
 
-    A file written is fsynced after its last byte, at close; a rename fsyncs
-    the folder that holds the new name (``.metadata``); writes go through
-    :func:`checksummed`, without ``torch.save``'s CRC-32.
-
-    Attributes:
-        crcs: ``(file, offset, length)`` of each item written, to its
-            CRC-32C, taken as it was written.
+    ``crcs`` maps each item's ``(file, offset, length)`` to its CRC-32C as written.
     """
 
     crcs: dict[tuple[str, int, int], int]
@@ -453,11 +388,7 @@ class LocalStorage:
 
     @contextmanager
     def open_atomic(self, location: Location) -> Iterator[IO[bytes]]:
-        """Writes a temporary file, fsyncs it, renames it, fsyncs the folder.
-
-        If the block raises, the temporary file is removed and ``location``
-        is untouched.
-        """
+        """Writes a temp file, fsyncs, renames, fsyncs the folder; on error, nothing."""
         path = Path(location)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
@@ -490,11 +421,7 @@ class LocalStorage:
         return True
 
     def publish(self, source: Location, target: Location) -> None:
-        """Renames ``source`` to ``target`` and fsyncs what makes it durable.
-
-        A folder's own entries are fsynced before the rename, and the folder
-        holding ``target`` after it.
-        """
+        """Renames, fsyncing a folder's entries before and the target's holder after."""
         source, target = Path(source), Path(target)
         if source.is_dir():
             _fsync_dir(source)
@@ -545,15 +472,7 @@ class _FsspecFileSystem(FsspecFileSystem):
 
 
 class FsspecStorage:
-    """Any fsspec URL; its client comes from the protocol's optional extra.
-
-    Args:
-        url: A location on the storage, e.g. ``s3://bucket/run``.
-
-    Raises:
-        CheckpointDirError: The protocol is unknown to fsspec, or its client
-            is not installed (the message names the extra to install).
-    """
+    """Any fsspec URL; refuses an unknown protocol or a missing client."""
 
     atomic_rename = False
 
@@ -571,11 +490,7 @@ class FsspecStorage:
             raise CheckpointDirError(f"{url!r} is not a storage URL: {e}") from None
 
     def _path(self, location: Location) -> str:
-        """The path fsspec's file system takes (the URL without its protocol).
-
-        Listings fsspec cached are dropped first: other processes (the other
-        ranks, another job) write the same folder.
-        """
+        """The URL without its protocol, fsspec's cached listings of it dropped."""
         path = cast(str, self.fs._strip_protocol(os.fspath(location)))
         self.fs.invalidate_cache(path)
         return path
@@ -637,12 +552,7 @@ class FsspecStorage:
         self.write_atomic(location, buffer.getvalue())
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
-        """Creates the object unless it exists, atomically.
-
-        fsspec's ``"xb"`` mode: on S3 a conditional PUT (``If-None-Match: *``),
-        which a store that honours it refuses when the object exists (s3fs
-        raises an ``OSError``, "pre-conditions ... did not hold").
-        """
+        """Creates the object unless it exists, atomically (S3: ``If-None-Match``)."""
         path = self._path(location)
         try:
             with self.fs.open(path, "xb") as f:
@@ -655,10 +565,7 @@ class FsspecStorage:
         return True
 
     def version(self, location: Location) -> str | None:
-        """The version tag of the object at ``location`` (S3: its ETag), or None.
-
-        None too where the store gives none, or nothing is there.
-        """
+        """The object's version tag (S3: its ETag); None if none or nothing there."""
         try:
             info = self.fs.info(self._path(location))
         except FileNotFoundError:
@@ -669,15 +576,11 @@ class FsspecStorage:
     def replace_if_unchanged(
         self, location: Location, data: bytes, version: str | None
     ) -> str | None:
-        """Overwrites the object in one PUT if it is still at ``version``.
+        """Overwrites the object in one PUT if still at ``version``; the new tag.
 
-        On S3 a conditional PUT (``If-Match``, honoured by AWS S3 since 2024
-        and by SeaweedFS), so that a writer that stalled cannot overwrite what
-        another wrote meanwhile. Elsewhere (no ``version``) the PUT is plain.
-
-        Returns:
-            The new version tag ("" where the store gives none), or None if
-            the object changed or is gone: nothing was written.
+        On S3 a conditional PUT (``If-Match``, honoured by AWS S3 and SeaweedFS), so a
+        writer that stalled cannot overwrite another's; elsewhere a plain PUT (tag "").
+        None if the object changed or is gone: nothing was written.
         """
         path = self._path(location)
         if version is None or self.protocol not in _CONDITIONAL:
