@@ -29,6 +29,7 @@ from pippy.checkpoint.offline import (
     export_hf,
     model_weights,
     parse_size,
+    verify_step,
 )
 from pippy.checkpoint.safe_load import read_metadata, resolve_trusted
 from pippy.checkpoint.state import detect_layout
@@ -139,7 +140,7 @@ def _inspect(args: argparse.Namespace) -> None:
     damage = find_damage(folder, metadata)
     if args.verify and not damage:
         try:
-            verified = checkpoint.verify_step(folder, trusted=args.trusted)
+            verified = verify_step(folder, trusted=args.trusted)
             print(f"verified: {folder}: {verified} items match its {MANIFEST_FILE}")
         except checkpoint.UnsafeCheckpointError:
             raise  # not damage: refused, in one line

@@ -88,7 +88,7 @@ def test_a_flipped_bit_in_a_tensor_loads_silently_in_dcp_and_is_refused(tmp_path
     ):
         checkpoint.load_stage(linear_state(), folder)
     with pytest.raises(checkpoint.CheckpointError, match="'model.weight'"):
-        checkpoint.verify_step(folder)
+        offline.verify_step(folder)
 
 
 def test_a_flipped_bit_in_the_step_is_refused(tmp_path):

@@ -284,7 +284,7 @@ def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, 
                     "__0_0.distcp",
                     "manifest.json",
                 ], f"kill at deletion {kill_at}: {name} is partial"
-                assert checkpoint.verify_step(folder) == 9
+                assert offline.verify_step(folder) == 9
             assert steps == ["step-2", "step-3"]
             assert re.fullmatch(r"\.step-1\.deleting-[0-9a-f]{12}", names[1])
             assert names[0] == ".owner.json" and len(names) == 4

@@ -182,7 +182,7 @@ def test_convert_writes_through_the_save_sequence(tmp_path):
     offline.convert_layout(tmp_path / "run" / "step-4", out, to="torchtitan")
     assert read_manifest(out).step == 4  # its manifest, and loads verify it
     assert sorted(p.name for p in (tmp_path / "titan").iterdir()) == ["step-4"]
-    assert checkpoint.verify_step(out) == len(read_manifest(out).items)
+    assert offline.verify_step(out) == len(read_manifest(out).items)
 
 
 @pytest.fixture(scope="module")

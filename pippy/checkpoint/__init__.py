@@ -16,8 +16,9 @@ spells ``dcp.save`` and ``dcp.load`` out uses their pieces::
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
 Also exported: :class:`AsyncSaver`, :class:`FolderOwner`, :class:`StopSignal`,
-:func:`stop_with_launcher`, :func:`fail_together`, :func:`verify_step` and the
-errors; the offline tools (one process) are in :mod:`pippy.checkpoint.offline`.
+:func:`stop_with_launcher`, :func:`fail_together` and the errors; the
+offline tools (one process: read, export, convert, verify a step) are in
+:mod:`pippy.checkpoint.offline`.
 The modules, one idea each:
 
 * ``api``: the save and the load sequence, and their pieces.
@@ -62,7 +63,7 @@ from pippy.checkpoint.errors import (
     fail_together,
 )
 from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
-from pippy.checkpoint.safe_load import find_latest_step, verify_step
+from pippy.checkpoint.safe_load import find_latest_step
 from pippy.checkpoint.state import StageState
 
 __all__ = [
@@ -89,5 +90,4 @@ __all__ = [
     "save_stage",
     "stop_with_launcher",
     "take_state",
-    "verify_step",
 ]

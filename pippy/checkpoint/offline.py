@@ -1,7 +1,8 @@
 """A checkpoint in one process: read whole, loaded into the un-split model, exported.
 
 The stages' keys are the un-split model's FQNs, so their union is the whole
-model, read with no process group or pipeline. :func:`export_hf` writes
+model, read with no process group or pipeline; :func:`verify_step` checks a
+step's every item against its manifest. :func:`export_hf` writes
 ``safetensors`` directly (DCP's Hugging Face consolidation mishandles integer
 and bool tensors in torch 2.13, pytorch/pytorch#192485).
 """
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
 from pippy.checkpoint.checks import diff_state_dicts, tied_groups
 from pippy.checkpoint.errors import CheckpointError, explain_failures
+from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import (
     PIPPY,
     TORCHTITAN,
@@ -42,6 +44,7 @@ __all__ = [
     "export_hf",
     "load_model",
     "read_checkpoint",
+    "verify_step",
 ]
 
 
