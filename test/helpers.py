@@ -151,16 +151,21 @@ class Job:
             self.proc.wait(timeout=30)
 
 
-def torchrun(nproc, script, *args, timeout=240, expect_ok=True):
+def torchrun(nproc, script, *args, timeout=240, expect_ok=True, env=None):
     """Runs `script` on `nproc` gloo ranks with torchrun; returns the process.
 
     Each launch gets a timeout, so a hung collective fails the test instead of
     stalling the suite. With expect_ok, a non-zero exit fails the test and shows
-    the tail of the output.
+    the tail of the output. `env`: variables to set beside the test's own.
     """
     cmd = _torchrun_command(nproc, script, args)
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=_ENV, cwd=ROOT
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**_ENV, **(env or {})},
+        cwd=ROOT,
     )
     if expect_ok and proc.returncode != 0:
         pytest.fail(

@@ -10,6 +10,7 @@ a sum over replicas, so the order of accumulation changes: there the tensors
 agree to a relative RESHARD_RTOL and the printed losses to their 4 decimals.
 """
 
+import os
 import re
 import shutil
 
@@ -28,6 +29,7 @@ from helpers import (
     TINY_FLAGS,
     loss_lines,
     plain_read,
+    torchrun,
     torchrun_together,
 )
 
@@ -227,6 +229,28 @@ def test_impossible_layouts_are_one_error_line_naming_the_flag(
     with pytest.raises(SystemExit):
         pippy_dcp.parse_args(flags)
     assert capsys.readouterr().err == ""
+
+
+def test_a_flag_error_is_printed_even_when_rank_0_starts_last(tmp_path):
+    """Under torchrun, a rank that exits stops the others: the ranks that do not
+    print the error wait to be stopped, so rank 0, started 8 s late here (a
+    sitecustomize.py of the test's), still prints it."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(8)\n"
+    )
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    run = torchrun(
+        4,
+        EXAMPLE,
+        *TINY_FLAGS,
+        "--n-layers",
+        "3",
+        env={"PYTHONPATH": os.pathsep.join(path)},
+        expect_ok=False,
+    )
+    assert run.returncode != 0
+    message = "argument --n-layers: 3 layers cannot fill 4 stages"
+    assert run.stderr.count(f"pippy_dcp.py: error: {message}\n") == 1
 
 
 def test_stages_per_rank_alone_takes_a_looped_schedule(monkeypatch):

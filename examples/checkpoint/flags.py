@@ -1,13 +1,15 @@
 """The command line of pippy_dcp.py: standard library only, checked before torch loads.
 
-Every rank parses the same flags; only rank 0 prints an error (each rank exits
-2), and each message names the one flag that is wrong.
+Every rank parses the same flags; only rank 0 prints an error and exits 2 (the
+others wait until torchrun stops them), and each message names the one flag
+that is wrong.
 """
 
 import argparse
 import os
 import signal
 import sys
+import time
 
 LOOPED = ("interleaved-1f1b", "looped-bfs", "zero-bubble")
 SCHEDULES = ("gpipe", "1f1b", *LOOPED)
@@ -18,8 +20,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse, printing its error on rank 0 only."""
 
     def error(self, message: str):
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(2)  # rank 0 says it, once
+        if os.environ.get("RANK", "0") != "0":  # rank 0 says it, once
+            if "TORCHELASTIC_RUN_ID" in os.environ:
+                # Under torchrun, wait to be stopped when rank 0 exits: a rank
+                # exiting first gets rank 0 stopped, maybe before it printed.
+                time.sleep(60)
+            sys.exit(2)
         super().error(message)
 
 
