@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from harness import (
+    FLAT_OPTIM,
     STEP,
     Case,
     Ctx,
@@ -26,6 +27,7 @@ from harness import (
     tensors_of,
 )
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
 from writers import (
     Crc32Writer,
     Marks,
@@ -49,6 +51,7 @@ def sync_save(
     planner: DefaultSavePlanner | None = None,
     *,
     writer: type[Marks] = TimedWriter,
+    flat: bool = False,
     **writer_kwargs: Any,
 ) -> dict[str, float]:
     """``save_stage``'s sequence into ``folder``, its time split into parts.
@@ -58,6 +61,8 @@ def sync_save(
     ``writer``: that writer with marks, or a variant of ``writers.py``, built
     with ``writer_kwargs`` (``thread_count``, ...); DCP's own writer
     (:class:`PlainTimedWriter`) writes ``step-<N>`` in place, unstaged.
+    ``flat``: the optimizer keyed as DCP's helpers flatten it (torchtitan's
+    keys: an item per option and per 0-dim ``step``), not packed.
 
     Returns:
         Seconds of each part: ``pippy`` (``state_dict()`` and the planner's
@@ -67,7 +72,8 @@ def sync_save(
         manifest, publishing, outcome back to every rank).
     """
     start = time.perf_counter()
-    state_dict, step, checked = checkpoint.take_state(state, step=STEP, planner=planner)
+    taken = flat_state(state) if flat else state
+    state_dict, step, checked = checkpoint.take_state(taken, step=STEP, planner=planner)
     if writer is PlainTimedWriter:
         storage = writer(folder / f"step-{step}", **writer_kwargs)
     else:
@@ -82,6 +88,12 @@ def sync_save(
         "dcp_write": marks["written"] - marks["write"],
         "dcp_finish": after - marks["written"],
     }
+
+
+def flat_state(state: checkpoint.StageState) -> dict[str, Any]:
+    """The stage's state with the optimizer flattened, as torchtitan saves it."""
+    model, optim = get_state_dict(state.module, state.optimizer, options=FLAT_OPTIM)
+    return {"model": model, "optim": optim, "step": state.step}
 
 
 def sync_method(ctx: Ctx, name: str, **variant: Any) -> Method:
@@ -366,6 +378,7 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
     args = (ctx.case, ctx.rank, ctx.world, loaded, cold)
     return {
         "pippy_sync": sync_method(ctx, "pippy_sync"),
+        "pippy_sync_flat": sync_method(ctx, "pippy_sync_flat", flat=True),
         "pippy_sync_crc32": sync_method(ctx, "pippy_sync_crc32", writer=Crc32Writer),
         "pippy_sync_threads2": sync_method(ctx, "pippy_sync_threads2", thread_count=2),
         "pippy_sync_nomanifest": sync_method(

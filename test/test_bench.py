@@ -19,6 +19,7 @@ from helpers import ROOT
 
 SAVE_METHODS = {
     "pippy_sync",
+    "pippy_sync_flat",
     "pippy_sync_crc32",
     "pippy_sync_threads2",
     "pippy_async_tuned",
@@ -127,6 +128,9 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(started):
         "load_reshard / load_same",
         "pippy_sync s/byte more keys / base",
         "pippy_sync / pippy_sync_nomanifest",
+        "pippy_sync / dcp_save",
+        "pippy_sync / pippy_sync_flat",
+        "load_same / load_same_dcp",
         "load_same / load_same_unverified",
         "load_same_unverified / load_same_dcp",
         "load_same / load_torch_stage",
