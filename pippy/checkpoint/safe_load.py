@@ -30,6 +30,7 @@ it); without a process group the process answers alone. On rank 0:
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -531,7 +532,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.trusted = resolve_trusted(trusted)
         self.must_read = must_read
-        self.optim_keys = OptimKeys(())  # set up with the keys by set_up_planner
+        self._keys: list[str] = []  # wanted and saved, set up by set_up_planner
         # A key's name in pippy's layout, for messages; set up likewise.
         self.layout_name: Callable[[str], str] = str
 
@@ -544,15 +545,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Removes the state of parameters saved without any, then sets up DCP's."""
         wanted = [key for key, _ in named_leaves(state_dict)]
         saved = metadata.state_dict_metadata if metadata is not None else {}
-        self.optim_keys = OptimKeys.of_keys([*wanted, *saved])
+        self._keys = [*wanted, *saved]
+        self.__dict__.pop("_optim_keys", None)  # a parser of other keys, if any
         self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
         if metadata is not None:
             _drop_leaves(state_dict, stateless_keys(wanted, saved))
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
+    @functools.cached_property
+    def _optim_keys(self) -> OptimKeys:
+        """The parser of this load's optimizer keys (built when a message needs it)."""
+        return OptimKeys.of_keys(self._keys)
+
     def _optim_section(self, key: str) -> str | None:
         """The optimizer section of a dotted key (``state``, ...), or None."""
-        parsed = self.optim_keys.split(key)
+        parsed = self._optim_keys.split(key)
         return None if parsed is None else parsed[1]
 
     def create_local_plan(self) -> LoadPlan:
@@ -711,24 +718,32 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         )
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Checks one non-tensor item under ``weights_only`` rules, then loads it."""
-        if not self.trusted:
-            try:
-                torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as e:
-                storage = self.metadata.storage_data if self.metadata else {}
-                info = storage.get(read_item.storage_index)
-                where = getattr(info, "relative_path", "its data file")
-                what = f"item {read_item.dest_index.fqn!r} of {where}"
-                match = re.search(r"GLOBAL ([\w.]+)", str(e))
-                if match is None:  # not a refused global: the bytes are damaged
-                    raise CheckpointError(f"{what} is damaged: {e}") from None
-                error = _refusal(what, match.group(1))
-                if self._optim_section(read_item.dest_index.fqn) == "scalars":
-                    error = UnsafeCheckpointError(f"{error} {_allow_hint(match[1])}")
-                raise error from None
-            value.seek(0)
-        super().load_bytes(read_item, value)
+        """Unpickles a non-tensor item once (weights_only unless trusted), in place."""
+        fqn = read_item.dest_index.fqn
+        try:
+            item = torch.load(value, weights_only=not self.trusted)
+        except pickle.UnpicklingError as e:
+            if self.trusted:
+                raise
+            storage = self.metadata.storage_data if self.metadata else {}
+            info = storage.get(read_item.storage_index)
+            where = getattr(info, "relative_path", "its data file")
+            what = f"item {fqn!r} of {where}"
+            match = re.search(r"GLOBAL ([\w.]+)", str(e))
+            if match is None:  # not a refused global: the bytes are damaged
+                raise CheckpointError(f"{what} is damaged: {e}") from None
+            error = _refusal(what, match.group(1))
+            if self._optim_section(fqn) == "scalars":
+                error = UnsafeCheckpointError(f"{error} {_allow_hint(match[1])}")
+            raise error from None
+        if not self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it
+            self.state_dict[fqn] = item
+            return
+        *path, last = self.mappings[fqn]
+        parent: Any = self.original_state_dict  # dicts and lists along the path
+        for key in path:
+            parent = parent[key]
+        parent[last] = item
 
 
 def open_reader(

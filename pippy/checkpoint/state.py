@@ -608,7 +608,10 @@ def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
 
 def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
     """Keys of ``wanted`` to skip: their parameter was saved with scalars, no state."""
-    saved, wanted = set(saved), list(wanted)
+    saved = set(saved)
+    wanted = [k for k in wanted if k not in saved]  # a saved key's parameter has state
+    if not wanted:
+        return set()
     keys = OptimKeys.of_keys([*wanted, *saved])
 
     def state_of(key: str) -> tuple[str, str] | None:  # its (root, fqn)
