@@ -21,7 +21,7 @@ def main(out: str) -> None:
     made its own yet, and both learn of rank 1's signal at the same call."""
     dist.init_process_group("gloo")
     rank, out = dist.get_rank(), Path(out)
-    stop = checkpoint.StopSignal((signal.SIGUSR1,))
+    stop = checkpoint.job.StopSignal((signal.SIGUSR1,))
     answers = []
     for call in range(4):
         if rank == 1:  # waits until rank 0 has returned from this very call

@@ -289,7 +289,7 @@ def test_a_stalled_owner_commits_no_background_save_after_losing_its_lease(
     try:
         step = catch_mid_save(a, fs, key, steps=(4, 6))
         wait_for_lease_to_expire(fs, key)
-        with checkpoint.FolderOwner(run):  # another job, here: takes it over
+        with checkpoint.job.FolderOwner(run):  # another job, here: takes it over
             state = helpers.linear_state()
             state.step = 100
             checkpoint.save_stage(state, run)
@@ -350,7 +350,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
             dcp.save(state_dict, storage_writer=writer, planner=planner)
 
     # Before a save: refused before anything is written.
-    with checkpoint.FolderOwner(run, lease_seconds=600):
+    with checkpoint.job.FolderOwner(run, lease_seconds=600):
         save(1)
         take_over()
         with pytest.raises(checkpoint.CheckpointDirInUseError) as e:
@@ -365,7 +365,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     assert not fs.exists(f"{key}/step-2")
     # During a save: its data is written, its commit record is not.
     fs.rm(key, recursive=True)
-    with checkpoint.FolderOwner(run, lease_seconds=600):
+    with checkpoint.job.FolderOwner(run, lease_seconds=600):
         with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
             save(3, during=take_over)
     assert fs.exists(f"{key}/step-3/__0_0.distcp")  # not removed: a store's
@@ -373,7 +373,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     assert not fs.exists(f"{key}/step-3/manifest.json")
     # After its commit: retention (--keep-last 1) deletes nothing.
     fs.rm(key, recursive=True)
-    with checkpoint.FolderOwner(run, lease_seconds=600):
+    with checkpoint.job.FolderOwner(run, lease_seconds=600):
         save(4)
         with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
             save(5, committed=take_over, keep_last=1)
@@ -391,12 +391,12 @@ def test_a_lease_that_is_no_number_of_seconds_is_refused_in_one_line(
     for text in ("soon", "0", "-5", "nan"):
         monkeypatch.setenv(LEASE_ENV, text)
         with pytest.raises(ValueError) as e:
-            checkpoint.FolderOwner(run).acquire()
+            checkpoint.job.FolderOwner(run).acquire()
         assert str(e.value) == (
             f"PIPPY_LEASE_SECONDS={text!r} is not a lease: give a number of "
             "seconds above 0, or leave it unset for the default of 60"
         )
     monkeypatch.delenv(LEASE_ENV)
     with pytest.raises(ValueError, match="^lease_seconds=0 is not a lease"):
-        checkpoint.FolderOwner(run, lease_seconds=0).acquire()
+        checkpoint.job.FolderOwner(run, lease_seconds=0).acquire()
     assert not fs.exists("pippy-test/bad-lease")

@@ -541,21 +541,21 @@ def dead_pid():
 
 
 def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, caplog):
-    with checkpoint.FolderOwner(tmp_path) as first:
+    with checkpoint.job.FolderOwner(tmp_path) as first:
         record = json.loads((tmp_path / OWNER_FILE).read_text())
         assert record["pid"] == os.getpid() and record["token"] == first.token
         with pytest.raises(
             checkpoint.CheckpointDirInUseError,
             match=f"in use by another job \\(host '.*', pid {os.getpid()}, started",
         ):
-            checkpoint.FolderOwner(tmp_path).acquire()
+            checkpoint.job.FolderOwner(tmp_path).acquire()
     assert not (tmp_path / OWNER_FILE).exists()  # released
 
     record.update(pid=dead_pid(), token="deadjob")
     (tmp_path / OWNER_FILE).write_text(json.dumps(record))
     (tmp_path / ".step-4.partial-0123abcd").mkdir()  # the dead job's half save
     with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
-        with checkpoint.FolderOwner(tmp_path):
+        with checkpoint.job.FolderOwner(tmp_path):
             pass
     assert "taking over" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # owner alone now
@@ -563,10 +563,10 @@ def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, c
     record.update(host="another-host", pid=os.getpid())  # cannot tell: refuse
     (tmp_path / OWNER_FILE).write_text(json.dumps(record))
     with pytest.raises(checkpoint.CheckpointDirInUseError, match="another-host"):
-        checkpoint.FolderOwner(tmp_path).acquire()
+        checkpoint.job.FolderOwner(tmp_path).acquire()
     (tmp_path / OWNER_FILE).write_text("[1]")  # not ours: never taken
     with pytest.raises(checkpoint.CheckpointDirInUseError, match="not an owner record"):
-        checkpoint.FolderOwner(tmp_path).acquire()
+        checkpoint.job.FolderOwner(tmp_path).acquire()
 
 
 @pytest.mark.parametrize("how", ["itself", "inside", "symlink"])
@@ -579,7 +579,7 @@ def test_a_step_folder_is_refused_as_a_run_folder(tmp_path, how):
         checkpoint.CheckpointDirError,
         match="is or lies in the step folder .*, not a run's checkpoint folder",
     ):
-        checkpoint.FolderOwner(root[how]).acquire()
+        checkpoint.job.FolderOwner(root[how]).acquire()
     assert sorted(p.name for p in folder.iterdir()) == [
         ".metadata",
         "__0_0.distcp",

@@ -236,7 +236,7 @@ from pippy import checkpoint
 from pippy.checkpoint.steps import remove_old_steps
 
 root, kill_at = sys.argv[1], int(sys.argv[2])
-checkpoint.FolderOwner(root).acquire()  # killed: a dead job's record is left
+checkpoint.job.FolderOwner(root).acquire()  # killed: a dead job's record is left
 deletions = 0
 
 def kill_at_a_deletion(event, args):
@@ -304,7 +304,7 @@ def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, 
             out = capsys.readouterr().out
             assert f"{root}: 2 step(s)" in out and "deleting" not in out
 
-            with checkpoint.FolderOwner(root):  # the next job: takes over
+            with checkpoint.job.FolderOwner(root):  # the next job: takes over
                 assert sorted(p.name for p in root.iterdir()) == [
                     ".owner.json",
                     "step-2",

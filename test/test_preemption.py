@@ -137,7 +137,7 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
     """In one process: what the job learns, without torchrun and with its env."""
     previous = signal.getsignal(signal.SIGUSR1)
     try:
-        stop = checkpoint.StopSignal((signal.SIGUSR1,))
+        stop = checkpoint.job.StopSignal((signal.SIGUSR1,))
         assert not stop.requested() and stop.reason == ""
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.requested() and stop.reason == "SIGUSR1 received by rank 0"
@@ -176,7 +176,7 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
     previous = signal.getsignal(signal.SIGUSR1)
     try:  # a job that saves on a stop signal is told at once, by StopSignal
         with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.job"):
-            checkpoint.StopSignal((signal.SIGUSR1,))
+            checkpoint.job.StopSignal((signal.SIGUSR1,))
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text

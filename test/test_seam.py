@@ -52,7 +52,7 @@ def test_a_url_is_never_a_local_folder_and_a_save_there_commits_by_record(
     fs = fsspec.filesystem(url.split("://")[0])
     state = linear_state()
     try:
-        with checkpoint.FolderOwner(url):
+        with checkpoint.job.FolderOwner(url):
             for step in (1, 2):
                 state.step = step
                 checkpoint.save_stage(state, url, keep_last=1)

@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import pippy
+import pippy.checkpoint.job
 import pippy.checkpoint.offline
 from pippy import checkpoint
 
@@ -289,10 +290,10 @@ def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
     return not failed.item()
 
 
-def stop_on_signals(args) -> checkpoint.StopSignal:
+def stop_on_signals(args) -> checkpoint.job.StopSignal:
     """--stop-signals end training with a save; rank 0 shows torchrun's deadline
     for it when one is set (and StopSignal warns of restarts that would hang)."""
-    stop = checkpoint.StopSignal(args.stop_signals)
+    stop = checkpoint.job.StopSignal(args.stop_signals)
     if dist.get_rank() == 0 and stop.deadline and stop.deadline.explicit:
         names = ", ".join(s.name for s in args.stop_signals)
         seconds, source = stop.deadline.seconds, stop.deadline.source
@@ -304,9 +305,9 @@ def main(args) -> None:
     # set up distributed: gloo on CPU, nccl on GPU. A rank whose torchrun
     # died stops at once; a SIGTERM or SIGUSR1 ends training with a save
     rank, device = parallel.setup_distributed()
-    checkpoint.stop_with_launcher()
+    checkpoint.job.stop_with_launcher()
     stop = stop_on_signals(args)
-    owner = checkpoint.FolderOwner(args.checkpoint_dir)
+    owner = checkpoint.job.FolderOwner(args.checkpoint_dir)
     try:
         # lay the ranks out on a (dp, pp) mesh; build and split the model, the
         # schedule, and the state to checkpoint. A failure on one rank stops

@@ -15,10 +15,12 @@ spells ``dcp.save`` and ``dcp.load`` out uses their pieces::
         reader, planner = open_step(path)  # checked on rank 0 before any read
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
-Also exported: :class:`AsyncSaver`, :class:`FolderOwner`, :class:`StopSignal`,
-:func:`stop_with_launcher`, :func:`fail_together` and the errors; the
-offline tools (one process: read, export, convert, verify a step) are in
-:mod:`pippy.checkpoint.offline`.
+Also exported: :class:`AsyncSaver`, :func:`fail_together` and the errors.
+The job guards (:class:`~pippy.checkpoint.job.FolderOwner`,
+:class:`~pippy.checkpoint.job.StopSignal`,
+:func:`~pippy.checkpoint.job.stop_with_launcher`) are in
+:mod:`pippy.checkpoint.job`; the offline tools (one process: read, export,
+convert, verify a step) in :mod:`pippy.checkpoint.offline`.
 The modules, one idea each:
 
 * ``api``: the save and the load sequence, and their pieces.
@@ -62,7 +64,6 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     fail_together,
 )
-from pippy.checkpoint.job import FolderOwner, StopSignal, stop_with_launcher
 from pippy.checkpoint.safe_load import find_latest_step
 from pippy.checkpoint.state import StageState
 
@@ -74,11 +75,9 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointTimeout",
     "DivergedReplicasError",
-    "FolderOwner",
     "KeyCollisionError",
     "NestedStateError",
     "StageState",
-    "StopSignal",
     "TiedParametersError",
     "UnsafeCheckpointError",
     "fail_together",
@@ -88,6 +87,5 @@ __all__ = [
     "open_step",
     "publish_step",
     "save_stage",
-    "stop_with_launcher",
     "take_state",
 ]

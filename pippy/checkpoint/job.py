@@ -57,6 +57,8 @@ from pippy.checkpoint.storage import (
     storage_for,
 )
 
+__all__ = ["FolderOwner", "StopSignal", "stop_with_launcher"]
+
 logger = logging.getLogger(__name__)
 
 #: The owner record in a run's checkpoint folder.

@@ -19,7 +19,7 @@ and the staging folder they write (``test/test_one_rank_decides.py`` counts
 it); without a process group the process answers alone. On rank 0:
 
 * is the folder free, who owns it, take it over:
-  :class:`~pippy.checkpoint.FolderOwner` (``acquire``; ``release`` on rank 0 alone);
+  :class:`~pippy.checkpoint.job.FolderOwner` (``acquire``; ``release`` on rank 0 alone);
 * which steps are complete, the newest (that verifies): :func:`find_latest_step`;
 * is the step new, what to move aside, publish it, what to delete
   (``keep_last``): :class:`~pippy.checkpoint.api.StepWriter`, in DCP's planning
@@ -864,7 +864,7 @@ def find_latest_step(
         verified: Verify complete steps from the newest down until one
             passes, reading every byte of each on rank 0 (see
             :func:`verify_step`); call it as the folder's owner
-            (:class:`~pippy.checkpoint.FolderOwner`).
+            (:class:`~pippy.checkpoint.job.FolderOwner`).
         process_group: The ranks; the default group if None. Without an
             initialized process group, this process answers alone.
 
