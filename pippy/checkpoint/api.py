@@ -58,7 +58,7 @@ from pippy.checkpoint.state import (
 )
 from pippy.checkpoint.steps import (
     ManifestWriter,
-    _holds_its_step,
+    holds_its_step,
     is_complete,
     list_steps,
     remove_old_steps,
@@ -300,7 +300,7 @@ class StepWriter(ManifestWriter):
         storage, final = storage_for(self.checkpoint_dir), self.final
         check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
         list_steps(self.checkpoint_dir)  # a file where the folder should be: say so
-        if is_complete(final) and _holds_its_step(final):
+        if is_complete(final) and holds_its_step(final):
             raise CheckpointDirError(
                 f"{os.fspath(final)!r} already exists; checkpoints are never "
                 "overwritten. Resume from it, or save into another checkpoint "

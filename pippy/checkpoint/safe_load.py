@@ -79,10 +79,10 @@ from pippy.checkpoint.steps import (
     METADATA_FILE,
     CompatTensorProperties,
     Manifest,
-    _holds_its_step,
     check_manifest,
     check_structure,
     find_damage,
+    holds_its_step,
     is_complete,
     list_steps,
     newer_torch_refusal,
@@ -798,7 +798,7 @@ def newest_verified_step(
             if isinstance(why, CheckpointError):
                 raise why
             skipped[name] = why
-            damaged += [path] if is_complete(path) and _holds_its_step(path) else []
+            damaged += [path] if is_complete(path) and holds_its_step(path) else []
         if not damaged:
             return None, skipped
         reasons = "; ".join(f"{n}: {w}" for n, w in skipped.items())
@@ -815,7 +815,7 @@ def _why_not_verified(path: Any) -> str | CheckpointError | None:
     """Why a step cannot be resumed from; None if it verifies, an error to raise."""
     if not is_complete(path):
         return "incomplete (no .metadata: its save did not finish)"
-    if not _holds_its_step(path):
+    if not holds_its_step(path):
         return "its manifest names another step"
     try:
         if read_manifest(path) is None:

@@ -153,7 +153,7 @@ def list_steps(checkpoint_dir: Location) -> dict[int, Any]:
     return dict(sorted(steps.items()))
 
 
-def _holds_its_step(path: Location) -> bool:
+def holds_its_step(path: Location) -> bool:
     """False if its manifest names another step or is damaged; raises if unsafe."""
     try:
         manifest = read_manifest(path)
@@ -168,7 +168,7 @@ def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
     """``(newest complete step folder or None, newer ones passed over)``."""
     skipped: list[str] = []
     for path in reversed(list_steps(checkpoint_dir).values()):
-        if is_complete(path) and _holds_its_step(path):
+        if is_complete(path) and holds_its_step(path):
             return path, skipped
         skipped.append(os.fspath(path))
     return None, skipped
@@ -198,7 +198,7 @@ def remove_old_steps(
 def _counted(path: Location) -> bool:
     """Whether retention counts a step; one whose manifest links out is not."""
     try:
-        return is_complete(path) and _holds_its_step(path)
+        return is_complete(path) and holds_its_step(path)
     except UnsafeCheckpointError:
         return False
 
