@@ -317,10 +317,16 @@ def torch_checkpointing(ctx: Ctx, name: str, is_async: bool) -> Peer:
     buffered I/O) saving ``{"model", "optim", "step"}``; its load fills a new
     stage's tensors in place, then AdamW's ``load_state_dict``."""
     import torch_checkpointing as tc
+    from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
+    # Its writer process, spawned, imports this bench: 30 s (the default) to
+    # start is too short on a loaded machine (the tests share two cores).
+    process = CheckpointProcessConfig(subprocess_init_timeout_secs=600)
     saver = (
-        tc.AsyncCheckpointSaverConfig() if is_async else tc.SyncCheckpointSaverConfig()
+        tc.AsyncCheckpointSaverConfig(process_config=process)
+        if is_async
+        else tc.SyncCheckpointSaverConfig()
     )
     manager = tc.CheckpointManager(
         tc.CheckpointManager.Config(
