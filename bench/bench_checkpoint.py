@@ -3,10 +3,11 @@
 One command launches its own ranks (``python -m torch.distributed.run``) for
 P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
 
-* ``pippy_sync``: ``checkpoint.save_stage`` (``StageState.state_dict()``,
-  ``check_keys``, ``publish_step``, ``dcp.save`` on every rank), with pippy's
-  ``ManifestWriter`` (``torch.save``'s CRC-32 off, a CRC-32C of every item
-  in ``manifest.json``) noting when its writes start and end.
+* ``pippy_sync``: ``checkpoint.save_stage``'s pieces: ``take_state`` (the
+  ``StageState.state_dict()`` and the planner that checks its keys across
+  ranks), then ``dcp.save`` through pippy's ``StepWriter`` (``torch.save``'s
+  CRC-32 off, a CRC-32C of every item in ``manifest.json``, the step staged
+  and published in its ``finish``), noting when its writes start and end.
 * The options tried, each ``pippy_sync`` with one change (``writers.py``):
   ``pippy_sync_crc32``: ``torch.save``'s CRC-32 left on (pippy before);
   ``pippy_sync_threads2``: ``thread_count=2``;
@@ -14,11 +15,19 @@ P = 2 and P = 4 pipeline stages and, at each model size, times in one run:
   written in place: no staging).
 * ``dcp_save``: plain ``dcp.save`` of the same ``state_dict()`` with DCP's own
   writer and planner: what target 1's fixed costs are judged against.
-* ``pippy_async_tuned``: the example's async save, ``state_dict()`` and
-  ``checkpoint.AsyncSaver.save`` (which checks the keys) on a gloo group of its
-  own, one saver (and its stager's buffers) kept across saves: ``blocked``
-  until ``save`` returns, ``wall`` until ``wait`` has published the step.
-* ``torch_save_stage``: ``torch.save`` of each stage's state_dict, all at once.
+* ``pippy_async_tuned``: the example's async save, ``AsyncSaver.save(state)``
+  on a gloo group of its own, one saver (and its stager's buffers) kept
+  across saves: ``blocked`` until ``save`` returns, ``wall`` until ``wait``
+  has published the step.
+* The peers (``peers.py``), each saving the same stage: ``dcp_async_save``
+  (plain ``dcp.async_save``, DCP's ``FileSystemWriter``, on the same gloo
+  group); when installed, torchtitan's ``CheckpointManager`` (``tt_sync``,
+  ``tt_async``; its load ``tt_load``) and torch_checkpointing's
+  (``tc_sync``, ``tc_async``; ``tc_load``). Before the timed repeats each
+  async save is checked once: every saved tensor changed in place as soon
+  as the save returned (after what the checkpointer documents first), the
+  step read back and compared bitwise with the values of the call.
+* ``torch_save_stage``: ``torch.save`` of each stage's state_dicts, all at once.
 * ``gather_rank0``: the stages' tensors sent to rank 0, one ``torch.save``.
 * ``raw_write``: the ceiling: the same bytes by the same writers, one file
   each. ``copy_fresh`` / ``copy_reuse``: the floor of async staging: a bare
@@ -48,9 +57,9 @@ the rank had just before the method.
 repeats. ``--fixed-cost``: stages of 0.5 MB (16 layers) on P = 2, 4, 8 and
 16 ranks, where a save's time is its fixed cost. The output folder gets
 ``results.json`` (every repeat, medians, ratios, target checks),
-``results.md`` (the tables) and ``results.png`` (time against bytes per
-method). Compare the ratios of one run, never absolute
-times across runs.
+``results.md`` (the tables), ``results.png`` (time against bytes per
+method) and ``peers.png`` (pippy against the peers). Compare the ratios of
+one run, never absolute times across runs.
 """
 
 from __future__ import annotations
@@ -76,11 +85,11 @@ from harness import (
     STEP,
     Case,
     Ctx,
-    Method,
     all_ranks,
     barrier,
     build_state,
     case_tag,
+    is_load,
     log,
     make_cases,
     memory_kb,
@@ -89,6 +98,7 @@ from harness import (
     verify_load,
 )
 from methods import load_into_fresh, load_unsplit, save_methods, torch_load_full
+from peers import check, peers
 from report import write_report
 
 from pippy import checkpoint
@@ -120,25 +130,35 @@ def write_rows(opts: argparse.Namespace, rows: list[dict]) -> None:
         dist.destroy_process_group()
 
 
-def verify_tuned(ctx: Ctx, methods: dict[str, Method]) -> float:
-    """Checks that the kept-saver saves load back.
+def check_peers(ctx: Ctx) -> dict[str, dict]:
+    """Each peer's save checked once, before (and warming) the timed repeats.
 
-    This also fills the kept stager's buffers, so that the tuned async repeats
-    measure the steady state.
+    A sync save must load back bitwise (else this raises); an async one is
+    recorded: whether it held the values of its call (``held_at_call``; for
+    torch_checkpointing also without its ``lock()``: ``held_unguarded``).
 
     Returns:
-        MB that the kept stager holds on, the most of any
-        rank: its RSS after these saves less before.
+        Per method: those, and ``kept_mb``: the RSS the save left behind on a
+        rank (kept stagers and buffers), the most of any rank.
     """
-    reset_peak_memory()
-    before = memory_kb("VmRSS")
-    for name in ("pippy_async_tuned",):
-        methods[name].run()
-        path = step_dir(ctx.work / name, STEP)
-        verify_load(ctx.state, path, ctx.case, ctx.rank, ctx.world)
-        methods[name].cleanup()
-    reset_peak_memory()
-    return max(all_ranks((memory_kb("VmRSS") - before) * 1024 / MB))
+    found: dict[str, dict] = {}
+    for name, peer in ctx.peers.items():
+        if is_load(name):
+            continue  # read by the same load as its save's check
+        reset_peak_memory()
+        before = memory_kb("VmRSS")
+        held = check(ctx, name, peer)
+        if not peer.is_async and not held:
+            raise RuntimeError(f"{name}'s checkpoint does not load back bitwise")
+        found[name] = {"held_at_call": held} if peer.is_async else {}
+        if name == "tc_async":
+            found[name]["held_unguarded"] = check(ctx, name, peer, guarded=False)
+        reset_peak_memory()
+        kept = (memory_kb("VmRSS") - before) * 1024 / MB
+        found[name]["kept_mb"] = max(all_ranks(kept))
+        if ctx.rank == 0:
+            log.info("checked %s: %s", name, found[name])
+    return found
 
 
 def phase_save(opts: argparse.Namespace) -> None:
@@ -150,17 +170,22 @@ def phase_save(opts: argparse.Namespace) -> None:
         work = Path(opts.work_dir) / f"P{world}-{case.label}"
         state = build_state(case, rank, world)
         ctx = Ctx(case, state, rank, world, work, async_group)
+        ctx.peers = peers(ctx)
         keep = Path(opts.keep_dir) / case.label if opts.keep_dir else None
         saved = checkpoint.save_stage(state, work / "ckpt")  # for load_same
         verify_load(state, saved, case, rank, world)
         methods = save_methods(ctx, keep and keep / "full.pt", not opts.warm_cache)
-        held = verify_tuned(ctx, methods)
+        checked = check_peers(ctx)
         tag = case_tag(case, state, world) | {"phase": "save"}
         case_rows = run_repeats(methods, opts.repeats, tag)
         for method in methods.values():
             if method.close:
                 method.close()
-        rows += [r | {"stager_held_mb": held} for r in case_rows]
+        stager_mb = checked["pippy_async_tuned"]["kept_mb"]
+        rows += [
+            r | {"stager_held_mb": stager_mb, **checked.get(r["method"], {})}
+            for r in case_rows
+        ]
         barrier()
         if rank == 0:
             if keep is not None:

@@ -233,6 +233,7 @@ class Ctx:
     work: Path
     async_group: Any = None
     buffers: list[torch.Tensor] = field(default_factory=list)
+    peers: dict[str, Any] = field(default_factory=dict)  # peers.Peer by method
 
     def remover(self, name: str) -> Callable[[], None]:
         """A cleanup that deletes the method's folder once every rank is done."""
@@ -278,6 +279,11 @@ def measure(method: Method) -> dict[str, float]:
     }
 
 
+def is_load(name: str) -> bool:
+    """Whether a method is a load (``load_*``, ``*_load``), timed after the saves."""
+    return name.startswith("load") or name.endswith("_load")
+
+
 def run_repeats(methods: dict[str, Method], repeats: int, tag: dict) -> list[dict]:
     """Each repeat runs every method once: the saves, then the loads.
 
@@ -288,8 +294,8 @@ def run_repeats(methods: dict[str, Method], repeats: int, tag: dict) -> list[dic
     to one method every time.
     """
     rows = []
-    saves = [n for n in methods if not n.startswith("load")]
-    loads = [n for n in methods if n.startswith("load")]
+    saves = [n for n in methods if not is_load(n)]
+    loads = [n for n in methods if is_load(n)]
     for rep in range(repeats):
         shuffle = random.Random(rep).sample
         order = shuffle(saves, len(saves)) + shuffle(loads, len(loads))

@@ -24,8 +24,10 @@ from harness import (
     build_state,
     drop_page_cache,
     fsync_path,
+    is_load,
     tensors_of,
 )
+from peers import load_method, save_method
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from writers import (
@@ -129,54 +131,9 @@ def dcp_save(ctx: Ctx, name: str) -> Method:
     return Method(run=run, cleanup=ctx.remover(name))
 
 
-def async_save(state: checkpoint.StageState, saver: checkpoint.AsyncSaver) -> float:
-    """The example's async save, then ``wait()``: seconds until ``save`` returned."""
-    start = time.perf_counter()
-    saver.save(state.state_dict(), STEP)  # its keys checked by the saver
-    blocked = time.perf_counter() - start
-    saver.wait()  # the save is complete and published
-    return blocked
-
-
-def async_method(ctx: Ctx, name: str, *, tuned: bool) -> Method:
-    """``AsyncSaver`` on the async group; ``tuned``: one kept, else one per save."""
-
-    def new_saver() -> checkpoint.AsyncSaver:
-        return checkpoint.AsyncSaver(ctx.work / name, process_group=ctx.async_group)
-
-    kept = new_saver() if tuned else None
-
-    def run() -> dict:
-        saver = kept or new_saver()
-        try:
-            return {"blocked_s": async_save(ctx.state, saver)}
-        finally:
-            if saver is not kept:
-                saver.close()  # frees its stager, as dcp.async_save frees its own
-
-    close = kept.close if kept else None
-    return Method(run=run, cleanup=ctx.remover(name), close=close)
-
-
 # --------------------------------------------------------------------------
 # The baselines, the ceiling and the floor
 # --------------------------------------------------------------------------
-
-
-def torch_save_stage(ctx: Ctx, name: str) -> Method:
-    """Baseline: each rank ``torch.save``s its model and optimizer state_dicts."""
-
-    def run() -> None:
-        (ctx.work / name).mkdir(parents=True, exist_ok=True)
-        path = ctx.work / name / f"stage-{ctx.rank}.pt"
-        state = {
-            "model": ctx.state.module.state_dict(),
-            "optim": ctx.state.optimizer.state_dict(),
-        }
-        torch.save(state, path)
-        fsync_path(path)
-
-    return Method(run=run, cleanup=ctx.remover(name))
 
 
 def gather_rank0(ctx: Ctx, name: str, keep: Path | None) -> Method:
@@ -338,45 +295,12 @@ def fill_from_flat(nested: dict, flat: dict, prefix: str = "") -> None:
             nested[key] = flat[dotted]
 
 
-def load_torch_stage(ctx: Ctx, cold: bool) -> Method:
-    """Baseline: ``torch.load`` of this rank's ``torch.save``d stage into a new one.
-
-    The file is written (as ``torch_save_stage`` writes it) and the stage and
-    its AdamW are built outside the timed region; ``load_state_dict`` of both
-    is timed, as a resumed run that saved per stage would do it.
-    """
-    holder: dict[str, Any] = {}
-    path = ctx.work / "load_torch_stage" / f"stage-{ctx.rank}.pt"
-
-    def prepare() -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        module, optimizer = ctx.state.module, ctx.state.optimizer
-        torch.save(
-            {"model": module.state_dict(), "optim": optimizer.state_dict()}, path
-        )
-        holder["state"] = build_state(
-            ctx.case, ctx.rank, ctx.world, seed=1, stepped=False
-        )
-        if cold:
-            drop_page_cache(path.parent)
-
-    def run() -> None:
-        state, saved = holder["state"], torch.load(path, weights_only=True)
-        state.module.load_state_dict(saved["model"])
-        state.optimizer.load_state_dict(saved["optim"])
-
-    def cleanup() -> None:
-        holder.clear()
-        ctx.remover("load_torch_stage")()
-
-    return Method(run=run, prepare=prepare, cleanup=cleanup)
-
-
 def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
-    """The save phase's methods by name; its loads read ``work/ckpt``."""
+    """The save phase's methods by name, the peers' whose package imports
+    included; its loads read ``work/ckpt``."""
     loaded = step_dir(ctx.work / "ckpt", STEP)
     args = (ctx.case, ctx.rank, ctx.world, loaded, cold)
-    return {
+    methods = {
         "pippy_sync": sync_method(ctx, "pippy_sync"),
         "pippy_sync_flat": sync_method(ctx, "pippy_sync_flat", flat=True),
         "pippy_sync_crc32": sync_method(ctx, "pippy_sync_crc32", writer=Crc32Writer),
@@ -385,8 +309,6 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
             ctx, "pippy_sync_nomanifest", writer=PlainTimedWriter
         ),
         "dcp_save": dcp_save(ctx, "dcp_save"),
-        "pippy_async_tuned": async_method(ctx, "pippy_async_tuned", tuned=True),
-        "torch_save_stage": torch_save_stage(ctx, "torch_save_stage"),
         "gather_rank0": gather_rank0(ctx, "gather_rank0", keep),
         "raw_write": raw_write(ctx, "raw_write"),
         "copy_fresh": copy_fresh(ctx),
@@ -394,5 +316,10 @@ def save_methods(ctx: Ctx, keep: Path | None, cold: bool) -> dict[str, Method]:
         "load_same": load_into_fresh(*args),
         "load_same_dcp": load_into_fresh(*args, load=load_plain),
         "load_same_unverified": load_into_fresh(*args, load=load_unverified),
-        "load_torch_stage": load_torch_stage(ctx, cold),
     }
+    for name, peer in ctx.peers.items():
+        if is_load(name):
+            methods[name] = load_method(ctx, name, peer, cold)
+        else:
+            methods[name] = save_method(ctx, name, peer)
+    return methods

@@ -64,3 +64,42 @@ def draw(ax, rows: list[dict], label: Callable[[dict], str], title: str) -> None
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
+
+
+def plot_peers(
+    cases: list[dict[str, dict]], names: tuple[str, ...], path: Path
+) -> None:
+    """``peers.png``: per degree and size, each method's median seconds (log
+    scale); an async save's blocked time darker, a save that did not hold the
+    values of its call hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [m for m in cases if "keys" not in next(iter(m.values()))["case"]]
+    if not cases:
+        return
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 5.5))
+    axes = list(axes) if len(cases) > 1 else [axes]
+    for ax, m in zip(axes, cases, strict=True):
+        shown = [n for n in names if n in m][::-1]  # the first name on top
+        y = range(len(shown))
+        loads = ["load" in n for n in shown]
+        colors = ["tab:green" if load else "tab:blue" for load in loads]
+        held = [m[n].get("held_at_call") is not False for n in shown]
+        ax.barh(y, [m[n]["wall_s"] for n in shown], color=colors, alpha=0.45)
+        for i, n in enumerate(shown):
+            if m[n].get("held_at_call") is not None:
+                ax.barh(i, m[n]["blocked_s"], color="tab:blue", height=0.5)
+            if not held[i]:
+                ax.barh(i, m[n]["wall_s"], fill=False, hatch="//", edgecolor="red")
+        first = next(iter(m.values()))
+        ax.set_yticks(list(y), labels=shown, fontsize=7)
+        ax.set_xscale("log")
+        title = f"P={first['ranks']} {first['case']}"
+        ax.set(title=title, xlabel="seconds, median (dark: blocked)")
+        ax.grid(alpha=0.3, axis="x", which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import MB
-from plot import plot
+from plot import plot, plot_peers
 
 # --------------------------------------------------------------------------
 # Summary: medians, ratios, the issue's targets
@@ -38,6 +38,10 @@ SYNC_VARIANTS = (
     "pippy_sync_threads2",
     "pippy_sync_nomanifest",
 )
+# The peers table: saves (sync, then async) and loads, pippy's first.
+PEER_SAVES = ("pippy_sync", "dcp_save", "tt_sync", "tc_sync", "torch_save_stage")
+PEER_SAVES += ("pippy_async_tuned", "dcp_async_save", "tt_async", "tc_async")
+PEER_LOADS = ("load_same", "load_same_dcp", "tt_load", "tc_load", "load_torch_stage")
 # The parts of a sync save's time that methods.sync_save reports, in order.
 PARTS = ("pippy_s", "dcp_plan_s", "dcp_write_s", "dcp_finish_s")
 # The step's files a save recorded, bytes (the same at every repeat).
@@ -81,6 +85,10 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "extra_rss_mb": statistics.median(r["extra_rss_mb"] for r in group),
                 "extra_rss_max_mb": max(r["extra_rss_mb"] for r in group),
                 "stager_held_mb": group[0].get("stager_held_mb"),
+                **{
+                    k: group[0].get(k)
+                    for k in ("kept_mb", "held_at_call", "held_unguarded")
+                },
                 **{k: group[0][k] for k in FILE_BYTES if k in group[0]},
                 **{
                     k: v
@@ -443,6 +451,54 @@ def memory_table(summary: list[dict]) -> str:
     return markdown(head, rows)
 
 
+def peer_reference(m: dict[str, dict], name: str) -> dict:
+    """What a peer is compared with: ``load_same`` for a load, pippy's async
+    save for an async save, ``pippy_sync`` for a sync one."""
+    if name in PEER_LOADS:
+        return m["load_same"]
+    async_ = m[name].get("held_at_call") is not None
+    return m["pippy_async_tuned" if async_ else "pippy_sync"]
+
+
+def held_cell(s: dict) -> str:
+    """Whether an async save held the values of its call (blank: a sync one)."""
+    if s.get("held_at_call") is None:
+        return ""
+    cell = "yes" if s["held_at_call"] else "**no**"
+    if s.get("held_unguarded") is not None:
+        cell += f"; without lock(): {'yes' if s['held_unguarded'] else '**no**'}"
+    return cell
+
+
+def peers_table(summary: list[dict]) -> str:
+    """Per degree and size: pippy against the checkpointers users would pick
+    instead, each save's and load's median and its ratio to pippy's (see
+    :func:`peer_reference`; an async save's *blocked* to pippy's *blocked*)."""
+    head = ["P", "case", "MB/rank", "method", "s (x pippy)", "blocked s (x pippy)"]
+    head += ["extra MB", "kept MB", "values at call"]
+    rows = []
+    for m in save_cases(summary):
+        for name in (n for n in (*PEER_SAVES, *PEER_LOADS) if n in m):
+            s, ref = m[name], peer_reference(m, name)
+            async_ = s.get("held_at_call") is not None
+            blocked = s["blocked_s"], ref["blocked_s"]
+            kept = s.get("kept_mb")
+            rows.append(
+                [
+                    *case_cells(s),
+                    name,
+                    f"{s['wall_s']:.3f} ({s['wall_s'] / ref['wall_s']:.2f})",
+                    f"{blocked[0]:.4f} ({blocked[0] / blocked[1]:.1f})"
+                    if async_
+                    else "",
+                    f"{s['extra_rss_max_mb']:.0f}",
+                    "" if kept is None else f"{max(kept, 0):.0f}",
+                    held_cell(s),
+                ]
+            )
+    return markdown(head, rows)
+
+
 def rounded(obj: Any) -> Any:
     """Floats to 4 significant digits, for a JSON file of readable size."""
     if isinstance(obj, float):
@@ -464,6 +520,8 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
         f"(one writer, 512 MiB + fsync) {machine['disk_probe_gb_per_s']:.2f} GB/s, "
         f"{machine['seconds']} s in all.\n\n"
         f"## Saves\n\n{headline_table(summary)}\n\n"
+        "## Against other checkpointers (x pippy: over pippy's same kind)\n\n"
+        f"{peers_table(summary)}\n\n"
         "## Fixed cost per save: pippy and a repeat save against plain dcp.save\n\n"
         f"{fixed_cost_table(summary)}\n\n"
         "## Per item, at equal bytes: pippy's save and plain dcp.save\n\n"
@@ -479,5 +537,6 @@ def write_report(rows: list[dict], machine: dict, out: Path) -> None:
     result = {"machine": machine, "summary": summary, "targets": checks, "rows": rows}
     (out / "results.json").write_text(json.dumps(rounded(result), indent=1))
     plot(summary, out / "results.png")
+    plot_peers(save_cases(summary), (*PEER_SAVES, *PEER_LOADS), out / "peers.png")
     print(text)
-    print(f"wrote {out / 'results.json'}, results.md and results.png")
+    print(f"wrote {out / 'results.json'}, results.md, results.png and peers.png")

@@ -6,6 +6,7 @@ checkpoint it loads matched the saved state bitwise (the benchmark raises
 otherwise), and that it reports every target.
 """
 
+import importlib
 import json
 import os
 import signal
@@ -34,7 +35,25 @@ SAVE_METHODS = {
     "load_torch_stage",
     "pippy_sync_nomanifest",
     "dcp_save",
+    "dcp_async_save",
 }
+# The optional peers, timed when their package imports (as the bench decides).
+OPTIONAL = {
+    "torchtitan.components.checkpoint": {"tt_sync", "tt_async", "tt_load"},
+    "torch_checkpointing": {"tc_sync", "tc_async", "tc_load"},
+}
+
+
+def installed_peers():
+    """The optional peers' methods whose package imports here."""
+    found = set()
+    for module, methods in OPTIONAL.items():
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 (the bench skips it alike)
+            continue
+        found |= methods
+    return found
 
 
 class Command:
@@ -114,8 +133,12 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(started):
     out = folder / "out"
     result = json.loads((out / "results.json").read_text())
     ran = {(s["phase"], s["case"], s["method"]) for s in result["summary"]}
+    expected = SAVE_METHODS | installed_peers()
     for case in ("2MB", "2MB-x2keys"):
-        assert {m for p, c, m in ran if (p, c) == ("save", case)} == SAVE_METHODS
+        assert {m for p, c, m in ran if (p, c) == ("save", case)} == expected
+    # pippy's and DCP's async saves hold the values of their call.
+    held = {s["method"]: s["held_at_call"] for s in result["summary"]}
+    assert held["pippy_async_tuned"] is True and held["dcp_async_save"] is True
     assert {m for p, _, m in ran if p == "reshard"} == {"load_same", "load_reshard"}
     assert {m for p, _, m in ran if p == "unsplit"} == {
         "load_unsplit",
@@ -136,8 +159,11 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(started):
         "load_same / load_torch_stage",
     } <= targets
     assert (out / "results.png").stat().st_size > 10_000
+    assert (out / "peers.png").stat().st_size > 10_000
     text = (out / "results.md").read_text()
     assert "## Targets" in text and "## Where a sync save's time goes" in text
+    peers = text.split("## Against other checkpointers")[1].split("##")[0]
+    assert all(f"| {m} |" in peers for m in expected & {"dcp_async_save", "tt_load"})
     assert (
         "## Fixed cost per save: pippy and a repeat save against plain dcp.save" in text
     )
