@@ -107,9 +107,9 @@ def four_rank_stopped(four_rank_runs):
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """The example on 2 ranks with TINY_RUN_FLAGS, uninterrupted: (folder
-    holding step-3 and step-6, stdout). test_bucket's and test_example's
-    reference; test_convert, test_failures and test_safety start from a copy
-    of its steps. Read it; copy it to change it."""
+    holding step-3 and step-6, stdout). test_bucket's, test_edges' and
+    test_example's reference; test_convert, test_edges, test_failures and
+    test_safety start from a copy of its steps. Read it; copy it to change it."""
     folder = tmp_path_factory.mktemp("tiny-run")
     run = torchrun(2, EXAMPLE, *TINY_RUN_FLAGS, "--checkpoint-dir", folder)
     return folder, run.stdout
