@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -223,20 +224,27 @@ def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
     """Rank 0, the coordinator, killed while step 4 is written: its staging
     folder is removed by the job that takes over, which resumes from step-2."""
     flags = [*BIG, "--steps", "4", "--save-every", "2"]
-    job = Job(
-        *flags,
-        "--checkpoint-dir",
-        tmp_path / "restarted",
-        torchrun_flags=["--max-restarts=1"],
-        env=OWN_STORE,
-    )
-    try:
-        staging = tmp_path / "restarted"
-        job.wait_for(lambda: any(staging.glob(".step-4.partial-*")), timeout=180)
-        os.kill(job.worker(0), signal.SIGKILL)
-        code, out = job.finish(timeout=240)
-    finally:
-        job.kill()
+    # The same run uninterrupted, the reference, runs meanwhile (it only
+    # slows the save that is caught).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        alone = pool.submit(
+            torchrun, 2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "alone"
+        )
+        job = Job(
+            *flags,
+            "--checkpoint-dir",
+            tmp_path / "restarted",
+            torchrun_flags=["--max-restarts=1"],
+            env=OWN_STORE,
+        )
+        try:
+            staging = tmp_path / "restarted"
+            job.wait_for(lambda: any(staging.glob(".step-4.partial-*")), timeout=180)
+            os.kill(job.worker(0), signal.SIGKILL)
+            code, out = job.finish(timeout=240)
+        finally:
+            job.kill()
+        alone = alone.result()
     assert code == 0, out
     assert "[rank 0] taking over" in out
     assert re.search(r"removed \.step-4\.partial-\w+, left by that job", out), out
@@ -245,7 +253,6 @@ def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
         "step-2",
         "step-4",
     ]
-    alone = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "alone")
     assert losses_by_step(out) == losses_by_step(alone.stdout)
     assert_same_tensors(
         tmp_path / "restarted" / "step-4", tmp_path / "alone" / "step-4"
