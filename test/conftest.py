@@ -30,15 +30,18 @@ SHARED_CHECKS = Path(__file__).with_name("shared_checks.py")
 #: launch (shared_checks.py): dist_checks.py's for test_stages (keys, train, ops),
 #: test_failures (async, refusal), test_edges (twins, one_fails) and test_hf
 #: (hf, where transformers is installed); seam_checks.py's for test_seam,
-#: layout_checks.py's for test_parallel. Each script's checks write into a
-#: folder of its own.
+#: layout_checks.py's for test_parallel, test_cost.py's own (save), and
+#: stop_checks.py's for test_preemption (stop: the last, since it leaves a
+#: SIGUSR1 handler behind). Each script's checks write into a folder of its own.
 TWO_RANK_CHECKS = {
     "dist_checks": ["keys", "train", "async", "refusal", "twins", "one_fails", "ops"],
     "seam_checks": ["same", "async_checks", "async_staging"],
     "layout_checks": ["parts"],
+    "test_cost": ["save"],
 }
 if importlib.util.find_spec("transformers") is not None:
     TWO_RANK_CHECKS["dist_checks"].append("hf")
+TWO_RANK_CHECKS["stop_checks"] = ["stop"]
 #: ... and on 4 ranks: dist_checks.py's for test_stages (keys, train) and
 #: test_topology (logits, memory), the operation counts (ops), layout_checks.py's for test_parallel.
 #: memory runs first: it measures the peak RSS of building a stage against

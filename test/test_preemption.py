@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -32,8 +31,6 @@ STEPS = ["--steps", "30", "--save-every", "10"]
 BIG = ["--n-layers", "4", "--dim", "512", "--seq-len", "32"]
 #: Each attempt of a torchrun restart gets a store of its own (see check_restarts).
 OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-#: Two ranks calling StopSignal.requested(), one late by a whole call.
-STOP_CHECKS = Path(__file__).with_name("stop_checks.py")
 
 
 def losses_by_step(out):
@@ -335,12 +332,15 @@ def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
 # --------------------------------------------------------------------------
 
 
-def test_ranks_agree_on_a_stop_without_waiting_for_each_other_each_step(tmp_path):
+def test_ranks_agree_on_a_stop_without_waiting_for_each_other_each_step(
+    two_rank_checks,
+):
     """Each call reads the agreement the previous call started: no rank waits
     for the others in the call that starts it (the old per-step all_reduce
-    deadlocked here), and every rank stops at the same call."""
-    torchrun(2, STOP_CHECKS, tmp_path, timeout=120)
+    deadlocked here), and every rank stops at the same call (stop_checks.py,
+    in the 2-rank launch of checks that conftest.py shares)."""
+    out = two_rank_checks["stop_checks"]
     for rank in (0, 1):
-        assert (tmp_path / f"rank-{rank}").read_text() == (
+        assert (out / f"rank-{rank}").read_text() == (
             "[False, False, True, True] SIGUSR1 received by rank 1"
         )
