@@ -21,6 +21,7 @@ from helpers import (  # noqa: E402
     EXAMPLE,
     FOUR_RANK_FLAGS,
     TINY_RUN_FLAGS,
+    start_s3_server,
     torchrun,
     torchrun_together,
 )
@@ -127,3 +128,15 @@ def tiny_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-run")
     run = torchrun(2, EXAMPLE, *TINY_RUN_FLAGS, "--checkpoint-dir", folder)
     return folder, run.stdout
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A real S3 server (SeaweedFS) for the session's bucket tests, started
+    once: its URL. Each module makes its own bucket or folder on it."""
+    proc, endpoint = start_s3_server(tmp_path_factory.mktemp("s3"))
+    try:
+        yield endpoint
+    finally:
+        proc.kill()  # weed takes ~25 s to stop on SIGTERM; nothing here to keep
+        proc.wait(timeout=30)
