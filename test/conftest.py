@@ -9,6 +9,7 @@ module run alone starts them as well, on first use.
 """
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from helpers import (  # noqa: E402
     EXAMPLE,
     FOUR_RANK_FLAGS,
     TINY_RUN_FLAGS,
+    start_s3_server,
     torchrun,
     torchrun_together,
 )
@@ -30,15 +32,20 @@ SHARED_CHECKS = Path(__file__).with_name("shared_checks.py")
 #: launch (shared_checks.py): dist_checks.py's for test_stages (keys, train, ops),
 #: test_failures (async, refusal), test_edges (twins, one_fails) and test_hf
 #: (hf, where transformers is installed); seam_checks.py's for test_seam,
-#: layout_checks.py's for test_parallel. Each script's checks write into a
-#: folder of its own.
+#: layout_checks.py's for test_parallel, test_cost.py's own (save),
+#: fsdp_checks.py's for test_topology, and stop_checks.py's for test_preemption
+#: (stop: the last, since it leaves a SIGUSR1 handler behind). Each script's
+#: checks write into a folder of its own.
 TWO_RANK_CHECKS = {
     "dist_checks": ["keys", "train", "async", "refusal", "twins", "one_fails", "ops"],
     "seam_checks": ["same", "async_checks", "async_staging"],
     "layout_checks": ["parts"],
+    "test_cost": ["save"],
+    "fsdp_checks": ["fsdp"],
 }
 if importlib.util.find_spec("transformers") is not None:
     TWO_RANK_CHECKS["dist_checks"].append("hf")
+TWO_RANK_CHECKS["stop_checks"] = ["stop"]
 #: ... and on 4 ranks: dist_checks.py's for test_stages (keys, train) and
 #: test_topology (logits, memory), the operation counts (ops), layout_checks.py's for test_parallel.
 #: memory runs first: it measures the peak RSS of building a stage against
@@ -49,19 +56,27 @@ FOUR_RANK_CHECKS = {
 }
 
 
-def launch_checks(tmp_path_factory, nproc, checks):
-    """One launch of `nproc` ranks running `checks`; {script: its folder}."""
+def launch_checks(tmp_path_factory, nproc, checks, given=None):
+    """One launch of `nproc` ranks running `checks`; {script: its folder}.
+    `given`: {script: {name: a folder copied there first}}."""
     out = tmp_path_factory.mktemp(f"checks-{nproc}")
+    for script, folders in (given or {}).items():
+        for name, folder in folders.items():
+            shutil.copytree(folder, out / script / name)
     names = [f"{script}.{check}" for script, names in checks.items() for check in names]
     torchrun(nproc, SHARED_CHECKS, ",".join(names), out, timeout=400)
     return {script: out / script for script in checks}
 
 
 @pytest.fixture(scope="session")
-def two_rank_checks(tmp_path_factory):
+def two_rank_checks(tmp_path_factory, four_rank_checks):
     """{script: the folder of its checks in TWO_RANK_CHECKS}: <check>-rank<R>.json
-    and what the checks saved."""
-    return launch_checks(tmp_path_factory, 2, TWO_RANK_CHECKS)
+    and what the checks saved. Launched after FOUR_RANK_CHECKS: fsdp_checks.py
+    loads the pipeline checkpoint their logits check saved."""
+    pipeline = {"ckpt": four_rank_checks["dist_checks"] / "ckpt"}
+    return launch_checks(
+        tmp_path_factory, 2, TWO_RANK_CHECKS, given={"fsdp_checks": pipeline}
+    )
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +122,21 @@ def four_rank_stopped(four_rank_runs):
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """The example on 2 ranks with TINY_RUN_FLAGS, uninterrupted: (folder
-    holding step-3 and step-6, stdout). test_bucket's and test_example's
-    reference; test_convert, test_failures and test_safety start from a copy
-    of its steps. Read it; copy it to change it."""
+    holding step-3 and step-6, stdout). test_bucket's, test_edges' and
+    test_example's reference; test_convert, test_edges, test_failures and
+    test_safety start from a copy of its steps. Read it; copy it to change it."""
     folder = tmp_path_factory.mktemp("tiny-run")
     run = torchrun(2, EXAMPLE, *TINY_RUN_FLAGS, "--checkpoint-dir", folder)
     return folder, run.stdout
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A real S3 server (SeaweedFS) for the session's bucket tests, started
+    once: its URL. Each module makes its own bucket or folder on it."""
+    proc, endpoint = start_s3_server(tmp_path_factory.mktemp("s3"))
+    try:
+        yield endpoint
+    finally:
+        proc.kill()  # weed takes ~25 s to stop on SIGTERM; nothing here to keep
+        proc.wait(timeout=30)

@@ -445,13 +445,13 @@ def s3_env(endpoint):
     }
 
 
-def s3_bucket(tmp_path_factory):
-    """A module's S3 server with a bucket: yields (s3fs file system, "s3://pippy-test").
+def s3_bucket(endpoint):
+    """A module's bucket on the session's S3 server (conftest.py's s3_endpoint):
+    yields (s3fs file system, "s3://pippy-test").
 
     The server's settings go into this process's environment and the ranks'
     (as a real bucket's would) for as long as the module runs.
     """
-    proc, endpoint = start_s3_server(tmp_path_factory.mktemp("s3"))
     env = s3_env(endpoint)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -464,15 +464,14 @@ def s3_bucket(tmp_path_factory):
     fs = s3fs.S3FileSystem()
     for _ in range(50):  # the filer may still be starting
         try:
-            fs.mkdir("pippy-test")
+            if not fs.exists("pippy-test"):  # another module's, on this server
+                fs.mkdir("pippy-test")
             break
         except OSError:
             time.sleep(0.2)
     try:
         yield fs, "s3://pippy-test"
     finally:
-        proc.kill()  # weed takes ~25 s to stop on SIGTERM; nothing here to keep
-        proc.wait(timeout=30)
         s3fs.S3FileSystem.clear_instance_cache()
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

@@ -1,4 +1,5 @@
-"""Checks of several *_checks.py scripts in one launch of ranks; run by conftest.py.
+"""Checks of several scripts (test/*_checks.py, test_cost.py) in one launch of
+ranks; run by conftest.py.
 
     torchrun --nproc-per-node N test/shared_checks.py SCRIPT.CHECK[,...] OUT_DIR
 

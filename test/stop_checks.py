@@ -1,4 +1,5 @@
-"""StopSignal.requested() on 2 ranks (run by test_preemption.py with torchrun).
+"""StopSignal.requested() on 2 ranks (in the launch of checks that conftest.py
+shares, last: it leaves its SIGUSR1 handler in place).
 
 Rank 1 makes each call only once rank 0 has returned from the same call, so
 a call that waited for the other rank would never return; rank 1 receives
@@ -7,20 +8,15 @@ SIGUSR1 before its second call. Each rank writes its answers and the reason.
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
-
-import torch.distributed as dist
 
 from pippy import checkpoint
 
 
-def main(out: str) -> None:
-    """On 2 ranks (run as a script): rank 0's calls return while rank 1 has not
-    made its own yet, and both learn of rank 1's signal at the same call."""
-    dist.init_process_group("gloo")
-    rank, out = dist.get_rank(), Path(out)
+def check_stop(out: Path, rank: int, world_size: int) -> dict:
+    """Rank 0's calls return while rank 1 has not made its own yet, and both
+    learn of rank 1's signal at the same call."""
     stop = checkpoint.job.StopSignal((signal.SIGUSR1,))
     answers = []
     for call in range(4):
@@ -35,8 +31,8 @@ def main(out: str) -> None:
         if rank == 0:
             (out / f"returned-{call}").touch()
     (out / f"rank-{rank}").write_text(f"{answers} {stop.reason}")
-    dist.destroy_process_group()
+    return {}
 
 
-if __name__ == "__main__":
-    main(sys.argv[1])
+#: For test/shared_checks.py: this module's checks by name.
+CHECKS = {"stop": check_stop}

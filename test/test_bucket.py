@@ -24,8 +24,8 @@ FLAGS = [*TINY_FLAGS, "--save-every", "2", "--keep-last", "2"]
 
 
 @pytest.fixture(scope="module")
-def bucket(tmp_path_factory):
-    yield from helpers.s3_bucket(tmp_path_factory)
+def bucket(s3_endpoint):
+    yield from helpers.s3_bucket(s3_endpoint)
 
 
 def example(run, *flags, ok=True):

@@ -33,8 +33,8 @@ STEPS = ["--steps", "8"]
 
 
 @pytest.fixture(scope="module")
-def bucket(tmp_path_factory):
-    yield from helpers.s3_bucket(tmp_path_factory)
+def bucket(s3_endpoint):
+    yield from helpers.s3_bucket(s3_endpoint)
 
 
 @pytest.fixture(scope="module")

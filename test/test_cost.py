@@ -6,22 +6,20 @@ The checkpoint must still load with plain ``dcp.load`` and DCP's own
 ``FileSystemReader``, bit for bit, and pippy's manifest must still catch a
 flipped byte.
 
-Run as a script by torchrun (``test_cost.py save OUT``), each rank saves a
-stage of its own twice (DCP's default writer thread, and ``thread_count=2``)
-and records what the test checks.
+On 2 ranks (check_save, in the launch of checks that conftest.py shares),
+each rank saves a stage of its own twice (DCP's default writer thread, and
+``thread_count=2``) and records what the test checks.
 """
 
 import io
 import json
 import shutil
-import sys
 import threading
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.serialization import get_crc32_options
@@ -52,10 +50,8 @@ def empty_like(state):
     return torch.zeros_like(state) if isinstance(state, torch.Tensor) else None
 
 
-def run_ranks(out: Path) -> None:
+def check_save(out: Path, rank: int, world_size: int) -> dict:
     """Each rank saves steps 1 and 2 and notes the CRC-32 setting around them."""
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
     state = stage_state(rank)
     # Another thread of the process keeps torch.save's CRC-32 during the save.
     seen, stop = set(), threading.Event()
@@ -72,9 +68,11 @@ def run_ranks(out: Path) -> None:
         stop.set()
         watcher.join()
     checkpoint.save_stage(state, out / "ckpt", step=2, thread_count=2)
-    record = {"crc32_after": get_crc32_options(), "other_thread": sorted(seen)}
-    (out / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.destroy_process_group()
+    return {"crc32_after": get_crc32_options(), "other_thread": sorted(seen)}
+
+
+#: For test/shared_checks.py: this module's checks by name.
+CHECKS = {"save": check_save}
 
 
 def item_ranges(folder):
@@ -100,17 +98,14 @@ def both_stages():
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    from helpers import torchrun
-
-    out = tmp_path_factory.mktemp("cost")
-    torchrun(2, Path(__file__), "save", out, timeout=180)
-    return out
+def saved(two_rank_checks):
+    """The folder check_save saved into, on 2 ranks (conftest.py)."""
+    return two_rank_checks["test_cost"]
 
 
 def test_torch_crc32_is_off_only_while_writing(saved):
     for rank in SEEDS:
-        record = json.loads((saved / f"rank{rank}.json").read_text())
+        record = json.loads((saved / f"save-rank{rank}.json").read_text())
         assert record == {"crc32_after": True, "other_thread": [True]}
     for step in (1, 2):
         folder = step_dir(saved / "ckpt", step)
@@ -148,12 +143,6 @@ def test_manifest_catches_a_flipped_byte(saved, tmp_path):
     dcp.load(state, storage_reader=FileSystemReader(folder), no_dist=True)
     saved_w = stage_state(1)["model"]["layers.1.w"]
     assert not torch.equal(state["model"]["layers.1.w"], saved_w)
-
-
-if __name__ == "__main__":
-    if sys.argv[1] != "save":
-        raise SystemExit(f"unknown mode {sys.argv[1]!r}")
-    run_ranks(Path(sys.argv[2]))
 
 
 def test_the_kept_buffer_stager_copies_bitwise_into_the_same_buffers():

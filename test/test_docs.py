@@ -9,6 +9,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -85,27 +86,50 @@ def test_the_pages_command_lines_of_python_m_pippy_parse():
         parser().parse_args(shlex.split(line, comments=True)[3:])  # exits 2 if not
 
 
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """A page's snippets, run in order in a folder of their own (once for the
+    module, up to the first that fails): ran(page) -> (folder, [process])."""
+    done = {}
+
+    def run(page):
+        if page not in done:
+            folder, procs = tmp_path_factory.mktemp("snippets"), []
+            for i, code in enumerate(snippets(page)):
+                procs.append(run_snippet(code, folder, f"snippet_{i}.py"))
+                if procs[-1].returncode != 0:
+                    break
+            done[page] = folder, procs
+        return done[page]
+
+    return run
+
+
 @pytest.mark.parametrize("page", PAGES)
-def test_snippets_run_as_written(tmp_path, page):
+def test_snippets_run_as_written(ran, page):
+    _, procs = ran(page)
     for i, code in enumerate(snippets(page)):
-        proc = run_snippet(code, tmp_path, f"snippet_{i}.py")
+        proc = procs[i]
         assert proc.returncode == 0, (
             f"{page} snippet {i}:\n{code}\n{proc.stderr[-3000:]}"
         )
 
 
-def test_the_readme_training_script_resumes_bit_for_bit(tmp_path):
+def test_the_readme_training_script_resumes_bit_for_bit(ran, tmp_path):
     """README's "Your own training script": stopped after step 3 (its step-6
     taken away), it resumes there and ends as the uninterrupted run did."""
-    [code] = [
-        c
-        for c in snippets("README.md")
+    [(i, code)] = [
+        (i, c)
+        for i, c in enumerate(snippets("README.md"))
         if c.startswith("# torchrun --nproc-per-node 2 train.py")
     ]
-    first = run_snippet(code, tmp_path)
+    # Its first run, from nothing: the one test_snippets_run_as_written ran.
+    ran_in, procs = ran("README.md")
+    first = procs[i]
     assert first.returncode == 0, first.stderr[-3000:]
     assert "resumed" not in first.stdout
     folder = tmp_path / "my-checkpoints"
+    shutil.copytree(ran_in / "my-checkpoints", folder)
     assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
     (folder / "step-6").rename(tmp_path / "uninterrupted-step-6")
 

@@ -2,6 +2,7 @@
 
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -31,6 +32,21 @@ def load_whole(step_folder):
     return offline.read_checkpoint(step_folder)
 
 
+def stop_and_resume(world_size, flags, resumed, first=None):
+    """The run stopped after step 3 (`first`, if it ran already), then resumed:
+    the resumed run's process."""
+    if first is None:
+        stop = ("--checkpoint-dir", resumed, "--stop-after", 3)
+        first = torchrun(world_size, EXAMPLE, *flags, *stop)
+    assert "stopping after step 3 (--stop-after)" in first.stdout
+    assert "resuming" not in first.stdout
+    for rank in range(world_size):
+        assert f"[rank {rank}] stage {rank}: saved " in first.stdout
+    assert sorted(p.name for p in resumed.iterdir()) == ["step-3"]
+
+    return torchrun(world_size, EXAMPLE, *flags, "--checkpoint-dir", resumed)
+
+
 @pytest.mark.parametrize(
     "world_size, split, schedule", [(4, "manual", "gpipe"), (2, "trace", "1f1b")]
 )
@@ -48,28 +64,15 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
         assert sorted(p.name for p in stopped.iterdir()) == ["step-3"]
         shutil.copytree(stopped, resumed)
         first = subprocess.CompletedProcess([], 0, stdout=out)
+        second = stop_and_resume(world_size, flags, resumed, first)
         straight, out = request.getfixturevalue("four_rank_run")
         third = subprocess.CompletedProcess([], 0, stdout=out)
-    else:  # independent: at once
-        first, third = torchrun_together(
-            (
-                world_size,
-                EXAMPLE,
-                *flags,
-                "--checkpoint-dir",
-                resumed,
-                "--stop-after",
-                3,
-            ),
-            (world_size, EXAMPLE, *flags, "--checkpoint-dir", straight),
-        )
-    assert "stopping after step 3 (--stop-after)" in first.stdout
-    assert "resuming" not in first.stdout
-    for rank in range(world_size):
-        assert f"[rank {rank}] stage {rank}: saved " in first.stdout
-    assert sorted(p.name for p in resumed.iterdir()) == ["step-3"]
-
-    second = torchrun(world_size, EXAMPLE, *flags, "--checkpoint-dir", resumed)
+    else:  # independent: the uninterrupted run goes on meanwhile
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            launch = (world_size, EXAMPLE, *flags, "--checkpoint-dir", straight)
+            third = pool.submit(torchrun, *launch)
+            second = stop_and_resume(world_size, flags, resumed)
+            third = third.result()
     assert f"resuming from {resumed / 'step-3'}" in second.stdout
     assert "step   3 |" not in second.stdout and "step   4 |" in second.stdout
     assert f"verified: {resumed / 'step-6'} loaded into fresh stages" in second.stdout

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import _ENV, EXAMPLE, ROOT, TINY_FLAGS, s3_env, start_s3_server, torchrun
+from helpers import _ENV, EXAMPLE, ROOT, TINY_FLAGS, s3_env, torchrun
 
 STRACE = shutil.which("strace")
 SYSCALLS = "getdents64,openat,newfstatat,statx,stat,lstat,access"
@@ -143,26 +143,26 @@ def bucket_calls(log: str, run: str) -> Counter:
     return calls
 
 
+MAKE_BUCKET = (
+    "import s3fs; fs = s3fs.S3FileSystem(); fs.exists('one') or fs.mkdir('one')"
+)
+
+
 @pytest.fixture
-def bucket(tmp_path):
-    (tmp_path / "s3").mkdir()
-    proc, endpoint = start_s3_server(tmp_path / "s3")
-    env = s3_env(endpoint)
-    try:
-        for _ in range(50):  # the filer may still be starting
-            made = subprocess.run(
-                [sys.executable, "-c", "import s3fs; s3fs.S3FileSystem().mkdir('one')"],
-                env={**_ENV, **env},
-                capture_output=True,
-                timeout=60,
-            )
-            if made.returncode == 0:
-                break
-            time.sleep(0.2)
-        yield env, "s3://one/run"
-    finally:
-        proc.kill()  # nothing to keep; weed takes seconds to stop when asked
-        proc.wait(timeout=30)
+def bucket(s3_endpoint):
+    """A bucket of its own on the session's S3 server (conftest.py)."""
+    env = s3_env(s3_endpoint)
+    for _ in range(50):  # the filer may still be starting
+        made = subprocess.run(
+            [sys.executable, "-c", MAKE_BUCKET],
+            env={**_ENV, **env},
+            capture_output=True,
+            timeout=60,
+        )
+        if made.returncode == 0:
+            break
+        time.sleep(0.2)
+    return env, "s3://one/run"
 
 
 def test_only_rank_0_lists_the_bucket(bucket, tmp_path):

@@ -231,13 +231,34 @@ def test_impossible_layouts_are_one_error_line_naming_the_flag(
     assert capsys.readouterr().err == ""
 
 
+#: The ranks' sitecustomize.py in the test below: rank 0 starts once every
+#: other rank has begun a long sleep (waiting to be stopped), or 8 s late.
+LATE_RANK_0 = """
+import os, time
+from pathlib import Path
+
+here, rank = Path(__file__).parent, os.environ.get("RANK")  # torchrun has none
+if rank == "0":
+    deadline = time.monotonic() + 8
+    while len(list(here.glob("waiting-*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+elif rank is not None:
+    _sleep = time.sleep
+
+    def sleep(seconds):
+        if seconds >= 10:
+            (here / f"waiting-{rank}").touch()
+        _sleep(seconds)
+
+    time.sleep = sleep
+"""
+
+
 def test_a_flag_error_is_printed_even_when_rank_0_starts_last(tmp_path):
     """Under torchrun, a rank that exits stops the others: the ranks that do not
-    print the error wait to be stopped, so rank 0, started 8 s late here (a
-    sitecustomize.py of the test's), still prints it."""
-    (tmp_path / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(8)\n"
-    )
+    print the error wait to be stopped, so rank 0, started after the others
+    are waiting here (LATE_RANK_0), still prints it."""
+    (tmp_path / "sitecustomize.py").write_text(LATE_RANK_0)
     path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
     run = torchrun(
         4,

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import signal
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -31,8 +31,6 @@ STEPS = ["--steps", "30", "--save-every", "10"]
 BIG = ["--n-layers", "4", "--dim", "512", "--seq-len", "32"]
 #: Each attempt of a torchrun restart gets a store of its own (see check_restarts).
 OWN_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-#: Two ranks calling StopSignal.requested(), one late by a whole call.
-STOP_CHECKS = Path(__file__).with_name("stop_checks.py")
 
 
 def losses_by_step(out):
@@ -223,20 +221,27 @@ def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
     """Rank 0, the coordinator, killed while step 4 is written: its staging
     folder is removed by the job that takes over, which resumes from step-2."""
     flags = [*BIG, "--steps", "4", "--save-every", "2"]
-    job = Job(
-        *flags,
-        "--checkpoint-dir",
-        tmp_path / "restarted",
-        torchrun_flags=["--max-restarts=1"],
-        env=OWN_STORE,
-    )
-    try:
-        staging = tmp_path / "restarted"
-        job.wait_for(lambda: any(staging.glob(".step-4.partial-*")), timeout=180)
-        os.kill(job.worker(0), signal.SIGKILL)
-        code, out = job.finish(timeout=240)
-    finally:
-        job.kill()
+    # The same run uninterrupted, the reference, runs meanwhile (it only
+    # slows the save that is caught).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        alone = pool.submit(
+            torchrun, 2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "alone"
+        )
+        job = Job(
+            *flags,
+            "--checkpoint-dir",
+            tmp_path / "restarted",
+            torchrun_flags=["--max-restarts=1"],
+            env=OWN_STORE,
+        )
+        try:
+            staging = tmp_path / "restarted"
+            job.wait_for(lambda: any(staging.glob(".step-4.partial-*")), timeout=180)
+            os.kill(job.worker(0), signal.SIGKILL)
+            code, out = job.finish(timeout=240)
+        finally:
+            job.kill()
+        alone = alone.result()
     assert code == 0, out
     assert "[rank 0] taking over" in out
     assert re.search(r"removed \.step-4\.partial-\w+, left by that job", out), out
@@ -245,7 +250,6 @@ def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
         "step-2",
         "step-4",
     ]
-    alone = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "alone")
     assert losses_by_step(out) == losses_by_step(alone.stdout)
     assert_same_tensors(
         tmp_path / "restarted" / "step-4", tmp_path / "alone" / "step-4"
@@ -328,12 +332,15 @@ def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
 # --------------------------------------------------------------------------
 
 
-def test_ranks_agree_on_a_stop_without_waiting_for_each_other_each_step(tmp_path):
+def test_ranks_agree_on_a_stop_without_waiting_for_each_other_each_step(
+    two_rank_checks,
+):
     """Each call reads the agreement the previous call started: no rank waits
     for the others in the call that starts it (the old per-step all_reduce
-    deadlocked here), and every rank stops at the same call."""
-    torchrun(2, STOP_CHECKS, tmp_path, timeout=120)
+    deadlocked here), and every rank stops at the same call (stop_checks.py,
+    in the 2-rank launch of checks that conftest.py shares)."""
+    out = two_rank_checks["stop_checks"]
     for rank in (0, 1):
-        assert (tmp_path / f"rank-{rank}").read_text() == (
+        assert (out / f"rank-{rank}").read_text() == (
             "[False, False, True, True] SIGUSR1 received by rank 1"
         )

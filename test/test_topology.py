@@ -18,7 +18,7 @@ from pippy.checkpoint.checks import named_leaves
 import parallel
 import pippy_dcp
 from gpt import GPT, ModelArgs
-from helpers import DIST_CHECKS, EXAMPLE, ROOT, TINY_FLAGS, loss_lines, torchrun
+from helpers import EXAMPLE, ROOT, TINY_FLAGS, loss_lines, torchrun
 
 FLAGS = ["--steps", "6", "--save-every", "3"]
 TINY = ModelArgs(4, 32, max_seq_len=32)
@@ -120,20 +120,19 @@ def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
     assert torch.equal(logits, saved["logits"])
 
 
-def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(pipeline_outputs):
-    torchrun(2, DIST_CHECKS, "fsdp", pipeline_outputs)
-    ranks = [
-        json.loads((pipeline_outputs / f"fsdp-rank{r}.json").read_text())
-        for r in range(2)
-    ]
+def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(
+    pipeline_outputs, two_rank_checks
+):
+    # dist_checks.py's fsdp check on 2 ranks, from a copy of the pipeline's
+    # ckpt/, in the launch of checks conftest.py shares.
+    fsdp = two_rank_checks["fsdp_checks"]
+    ranks = [json.loads((fsdp / f"fsdp-rank{r}.json").read_text()) for r in range(2)]
     saved = offline.read_checkpoint(
         pipeline_outputs / "ckpt" / "step-2", prefix="model."
     )
     for rank in range(2):
         assert ranks[rank]["step"] == 2 and ranks[rank]["moments"] == len(saved)
-        loaded = torch.load(
-            pipeline_outputs / f"fsdp-model-{rank}.pt", weights_only=True
-        )
+        loaded = torch.load(fsdp / f"fsdp-model-{rank}.pt", weights_only=True)
         assert offline.diff_state_dicts(loaded, saved) == []
     # The same two steps in one process on the un-split model: FSDP averages
     # gradients over ranks in another order, so the losses agree to 1e-5.
