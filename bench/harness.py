@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_optimizer_state_dict,
+    get_state_dict,
 )
 
 from pippy import checkpoint
@@ -119,11 +119,8 @@ def build_state(
 
 def flat_optim(state: checkpoint.StageState) -> dict[str, Any]:
     """The state_dict with the optimizer as torchtitan and OLMo-core save it."""
-    state_dict = state.state_dict()
-    state_dict["optim"] = get_optimizer_state_dict(
-        state.module, state.optimizer, options=FLAT_OPTIM
-    )
-    return state_dict
+    model, optim = get_state_dict(state.module, state.optimizer, options=FLAT_OPTIM)
+    return {"model": model, "optim": optim, "step": state.step}
 
 
 def tensors_of(state: checkpoint.StageState) -> list[torch.Tensor]:

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from harness import (
-    FLAT_OPTIM,
     STEP,
     Case,
     Ctx,
@@ -23,13 +22,13 @@ from harness import (
     barrier,
     build_state,
     drop_page_cache,
+    flat_optim,
     fsync_path,
     is_load,
     tensors_of,
 )
 from peers import load_method, save_method
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict
 from writers import (
     Crc32Writer,
     Marks,
@@ -74,7 +73,7 @@ def sync_save(
         manifest, publishing, outcome back to every rank).
     """
     start = time.perf_counter()
-    taken = flat_state(state) if flat else state
+    taken = flat_optim(state) if flat else state
     state_dict, step, checked = checkpoint.take_state(taken, step=STEP, planner=planner)
     if writer is PlainTimedWriter:
         storage = writer(folder / f"step-{step}", **writer_kwargs)
@@ -90,12 +89,6 @@ def sync_save(
         "dcp_write": marks["written"] - marks["write"],
         "dcp_finish": after - marks["written"],
     }
-
-
-def flat_state(state: checkpoint.StageState) -> dict[str, Any]:
-    """The stage's state with the optimizer flattened, as torchtitan saves it."""
-    model, optim = get_state_dict(state.module, state.optimizer, options=FLAT_OPTIM)
-    return {"model": model, "optim": optim, "step": state.step}
 
 
 def sync_method(ctx: Ctx, name: str, **variant: Any) -> Method:

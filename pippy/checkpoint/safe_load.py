@@ -30,7 +30,6 @@ it); without a process group the process answers alone. On rank 0:
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import os
@@ -533,6 +532,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.trusted = resolve_trusted(trusted)
         self.must_read = must_read
         self._keys: list[str] = []  # wanted and saved, set up by set_up_planner
+        self._parser: OptimKeys | None = None  # of _keys, built when a message needs it
         # A key's name in pippy's layout, for messages; set up likewise.
         self.layout_name: Callable[[str], str] = str
 
@@ -545,21 +545,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Removes the state of parameters saved without any, then sets up DCP's."""
         wanted = [key for key, _ in named_leaves(state_dict)]
         saved = metadata.state_dict_metadata if metadata is not None else {}
-        self._keys = [*wanted, *saved]
-        self.__dict__.pop("_optim_keys", None)  # a parser of other keys, if any
+        self._keys, self._parser = [*wanted, *saved], None
         self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
         if metadata is not None:
             _drop_leaves(state_dict, stateless_keys(wanted, saved))
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
-    @functools.cached_property
-    def _optim_keys(self) -> OptimKeys:
-        """The parser of this load's optimizer keys (built when a message needs it)."""
-        return OptimKeys.of_keys(self._keys)
-
     def _optim_section(self, key: str) -> str | None:
         """The optimizer section of a dotted key (``state``, ...), or None."""
-        parsed = self._optim_keys.split(key)
+        if self._parser is None:
+            self._parser = OptimKeys.of_keys(self._keys)
+        parsed = self._parser.split(key)
         return None if parsed is None else parsed[1]
 
     def create_local_plan(self) -> LoadPlan:
