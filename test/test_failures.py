@@ -120,6 +120,24 @@ def test_optimizer_scalars_are_one_item_per_parameter_and_load_exactly(tmp_path)
     assert offline.diff_state_dicts(loaded.state_dict(), saved.state_dict()) == []
 
 
+def test_a_verified_load_unpickles_each_item_once(tmp_path, monkeypatch):
+    folder = save(linear_state(), tmp_path)
+    real, calls = torch.load, []
+
+    def counted(*args, **kwargs):  # the real torch.load, counted
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counted)
+    plain = linear_state().state_dict()
+    dcp.load(plain, checkpoint_id=folder)
+    by_dcp = len(calls)
+    calls.clear()
+    load(linear_state(), folder)
+    # DCP's one per item, and the stored step checked against the manifest.
+    assert len(calls) == by_dcp + 1
+
+
 def test_an_optimizer_option_missing_from_the_checkpoint_is_an_error(tmp_path):
     folder = save(linear_state(), tmp_path)  # saved without an LR scheduler
     state = linear_state()
