@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -495,10 +496,45 @@ def _allow_hint(refused: str) -> str:
     )
 
 
+class _NoGlobals(pickle.Unpickler):
+    """pickle's C unpickler, refusing every global: it builds plain values only."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        """Refuses: a global makes the item one for the weights_only unpickler."""
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+#: ``torch.load``'s ``pickle_module`` for :func:`_plain_values`.
+_NO_GLOBALS = SimpleNamespace(
+    __name__="pippy_no_globals",
+    Unpickler=_NoGlobals,
+    load=lambda file, **kwargs: _NoGlobals(file, **kwargs).load(),
+)
+_NOT_PLAIN = object()
+
+
+def _plain_values(value: io.BytesIO) -> Any:
+    """A ``torch.save``d item of plain values, or ``_NOT_PLAIN`` (rewinds then).
+
+    Numbers, strings, lists, dicts and tuples need no global, so
+    pickle's C unpickler builds them with every global refused: nothing is
+    called, as under ``weights_only``, at the speed of plain ``dcp.load``'s
+    ``weights_only=False`` (0.3x ``weights_only``'s time on pippy's packed
+    optimizer scalars). Any other item (a tensor, bytes, a set, a class), or one
+    that fails here, is left to ``weights_only``.
+    """
+    try:
+        return torch.load(value, weights_only=False, pickle_module=_NO_GLOBALS)
+    except Exception:
+        value.seek(0)
+        return _NOT_PLAIN
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
 
-    Non-tensor items are read with ``torch.load(weights_only=True)``. Each
+    Non-tensor items of plain values are unpickled with every global refused,
+    any other with ``torch.load(weights_only=True)``. Each
     requested key is checked (present, shape, dtype) before planning; on the
     coordinator, every checkpoint key under ``must_read`` must be read by some
     rank (a checkpoint with more layers than the model would otherwise load
@@ -717,7 +753,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Unpickles a non-tensor item once (weights_only unless trusted), in place."""
         fqn = read_item.dest_index.fqn
         try:
-            item = torch.load(value, weights_only=not self.trusted)
+            item = _NOT_PLAIN if self.trusted else _plain_values(value)
+            if item is _NOT_PLAIN:
+                item = torch.load(value, weights_only=not self.trusted)
         except pickle.UnpicklingError as e:
             if self.trusted:
                 raise
