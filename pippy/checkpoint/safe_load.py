@@ -381,7 +381,7 @@ class SafeFileSystemReader(FileSystemReader):
             return
         verify_item(self.manifest, (name, offset, length), key, data)
         if key == "step":  # the stored step, the name and the manifest agree
-            step = torch.load(io.BytesIO(data), weights_only=True)
+            step = _restricted_load(io.BytesIO(data))
             if step != self.manifest.step:
                 raise CheckpointError(
                     f"{str(self.folder)!r} holds step {step!r}, its "
@@ -504,30 +504,27 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
 
-#: ``torch.load``'s ``pickle_module`` for :func:`_plain_values`.
+#: ``torch.load``'s ``pickle_module`` for :func:`_restricted_load`.
 _NO_GLOBALS = SimpleNamespace(
     __name__="pippy_no_globals",
     Unpickler=_NoGlobals,
     load=lambda file, **kwargs: _NoGlobals(file, **kwargs).load(),
 )
-_NOT_PLAIN = object()
 
 
-def _plain_values(value: io.BytesIO) -> Any:
-    """A ``torch.save``d item of plain values, or ``_NOT_PLAIN`` (rewinds then).
-
-    Numbers, strings, lists, dicts and tuples need no global, so
-    pickle's C unpickler builds them with every global refused: nothing is
-    called, as under ``weights_only``, at the speed of plain ``dcp.load``'s
-    ``weights_only=False`` (0.3x ``weights_only``'s time on pippy's packed
-    optimizer scalars). Any other item (a tensor, bytes, a set, a class), or one
-    that fails here, is left to ``weights_only``.
-    """
-    try:
-        return torch.load(value, weights_only=False, pickle_module=_NO_GLOBALS)
-    except Exception:
-        value.seek(0)
-        return _NOT_PLAIN
+def _restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
+    """A ``torch.save``d non-tensor item, unpickled with no global it may not name."""
+    # Numbers, strings, lists, dicts and tuples need no global: pickle's C
+    # unpickler builds them with every global refused, so nothing is called (as
+    # under weights_only) at the speed of plain dcp.load's weights_only=False,
+    # 0.3x weights_only's time on the packed optimizer scalars. Anything else
+    # (a tensor, bytes, a set, a class) goes to weights_only.
+    if not trusted:
+        try:
+            return torch.load(value, weights_only=False, pickle_module=_NO_GLOBALS)
+        except Exception:
+            value.seek(0)
+    return torch.load(value, weights_only=not trusted)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -753,9 +750,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Unpickles a non-tensor item once (weights_only unless trusted), in place."""
         fqn = read_item.dest_index.fqn
         try:
-            item = _NOT_PLAIN if self.trusted else _plain_values(value)
-            if item is _NOT_PLAIN:
-                item = torch.load(value, weights_only=not self.trusted)
+            item = _restricted_load(value, self.trusted)
         except pickle.UnpicklingError as e:
             if self.trusted:
                 raise
