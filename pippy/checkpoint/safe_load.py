@@ -191,13 +191,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_metadata_file(folder: Location, trusted: bool) -> Metadata:
-    """A step's ``.metadata``, unpickled (allow-listed unless trusted)."""
+def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, bytes]:
+    """A step's ``.metadata`` unpickled (allow-listed unless trusted), its bytes."""
     storage = storage_for(folder)
     path = step_file(storage, folder, METADATA_FILE)
     try:
-        with storage.open_read(path) as metadata_file:
-            metadata = _MetadataUnpickler(metadata_file, str(path), trusted).load()
+        data = storage.read_bytes(path)
+        metadata = _MetadataUnpickler(io.BytesIO(data), str(path), trusted).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
@@ -209,7 +209,7 @@ def _read_metadata_file(folder: Location, trusted: bool) -> Metadata:
         raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata")
-    return metadata
+    return metadata, data
 
 
 def _manifest_or_none(folder: Location) -> Manifest | None:
@@ -250,6 +250,7 @@ class SafeFileSystemReader(FileSystemReader):
     """
 
     manifest: Manifest | None
+    metadata_bytes: bytes  # .metadata as read, which rank 0 broadcasts
 
     def __init__(
         self,
@@ -274,7 +275,7 @@ class SafeFileSystemReader(FileSystemReader):
                 f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
                 "its save did not finish); use an earlier step"
             )
-        self.metadata = _read_metadata_file(folder, self.trusted)
+        self.metadata, self.metadata_bytes = _read_metadata_file(folder, self.trusted)
         check_structure(folder, self.metadata)
         if not check_files:
             return
@@ -307,13 +308,16 @@ class SafeFileSystemReader(FileSystemReader):
         path: str | os.PathLike,
         *,
         trusted: bool,
-        metadata: Metadata,
+        metadata_bytes: bytes,
         manifest: Manifest | None,
     ) -> SafeFileSystemReader:
-        """A reader of a step another rank read and checked; reads nothing."""
+        """A reader of a step another rank read and checked, given its bytes."""
         reader = cls.__new__(cls)
         reader._open(path, trusted)
-        reader.metadata, reader.manifest = metadata, manifest
+        name = str(reader.folder)
+        unpickler = _MetadataUnpickler(io.BytesIO(metadata_bytes), name, trusted)
+        reader.metadata, reader.manifest = unpickler.load(), manifest
+        reader.metadata_bytes = metadata_bytes
         return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -796,14 +800,16 @@ def open_reader(
             path, trusted=trusted, check_files=check_files, verify=verify
         )
         made.append(reader)
-        return reader.trusted, reader.metadata, reader.manifest
+        # .metadata's bytes, not the object: pickling DCP's Metadata again
+        # costs rank 0 more than the others' unpickling it
+        return reader.trusted, reader.metadata_bytes, reader.manifest
 
     checked = on_coordinator(f"cannot read {os.fspath(path)}", check, process_group)
     if made:
         return made[0]
-    trusted, metadata, manifest = checked
+    trusted, metadata_bytes, manifest = checked
     return SafeFileSystemReader.checked(
-        path, trusted=trusted, metadata=metadata, manifest=manifest
+        path, trusted=trusted, metadata_bytes=metadata_bytes, manifest=manifest
     )
 
 
