@@ -62,11 +62,14 @@ class Command:
     def __init__(self, folder, cmd, timeout):
         self.deadline = time.monotonic() + timeout
         self.stdout, self.stderr = folder / "stdout.txt", folder / "stderr.txt"
+        # gpu_check.sh runs `python`: this interpreter, in a venv or not
+        path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
         with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
             self.proc = subprocess.Popen(
                 list(map(str, cmd)),
                 cwd=ROOT,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                env=env,
                 stdout=out,
                 stderr=err,
                 start_new_session=True,  # its own group: cleaned up by its id
