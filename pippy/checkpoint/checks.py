@@ -279,13 +279,12 @@ def _refuse_collisions(offers: Mapping[int, Mapping[str, Any]]) -> None:
 def _refuse_divergence(offers: Mapping[int, Mapping[str, Any]]) -> None:
     """Raises DivergedReplicasError if replicas of one entry hold different values."""
     values: dict[tuple[str, Any, Any], dict[str, list[int]]] = {}
-    for rank, offer in offers.items():
-        for key, digest in offer["digests"].items():
-            replica = (key, offer["stage"], offer["owned"][key])
-            values.setdefault(replica, {}).setdefault(digest, []).append(rank)
     members: dict[int, set[int]] = {}  # the ranks that hold each stage
     for rank, offer in offers.items():
         members.setdefault(offer["stage"], set()).add(rank)
+        for key, digest in offer["digests"].items():
+            replica = (key, offer["stage"], offer["owned"][key])
+            values.setdefault(replica, {}).setdefault(digest, []).append(rank)
     differ: dict[str, list[int]] = {}
     for (key, stage, chunk), by_value in values.items():
         ranks = {r for ranks in by_value.values() for r in ranks}

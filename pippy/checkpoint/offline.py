@@ -86,9 +86,8 @@ def read_checkpoint(
     name = (lambda k: k) if detect_layout(saved) == PIPPY else pippy_name
     state_dict: dict[str, Any] = {}
     for key, item in saved.items():
-        if name(key).startswith(prefix) and (
-            keys is None or name(key)[len(prefix) :] in keys
-        ):
+        fqn = name(key)
+        if fqn.startswith(prefix) and (keys is None or fqn[len(prefix) :] in keys):
             if isinstance(item, TensorStorageMetadata):
                 state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
             else:
@@ -274,8 +273,7 @@ def export_hf(
         text = json.dumps(dict(config), indent=2) + "\n"
         storage.write_atomic(storage.join(tmp, "config.json"), text.encode())
         names = ["config.json", *_write(storage, tmp, weights, max_shard_size)]
-        if storage.exists(out):
-            storage.remove(out)
+        storage.remove(out)  # fine if there is none
         storage.publish(tmp, out)
     finally:
         storage.remove(tmp)

@@ -57,6 +57,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,29 +270,21 @@ class ManifestWriter(FileSystemWriter):
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
-        """Writes and checksums this rank's items, under the stall watch if one runs."""
+        """DCP's ``write_data`` (under the stall watch if one runs), with CRC-32Cs."""
         waits = stall.active()
-        if waits is None:
-            return self._write_checksummed(plan, planner)
-        sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
-        with waits.inside_dcp():
-            return self._write_checksummed(plan, waits.counting(planner, sizes))
-
-    def _write_checksummed(
-        self, plan: SavePlan, planner: SavePlanner
-    ) -> Future[list[WriteResult]]:
-        """DCP's ``write_data``, its results carrying each item's CRC-32C."""
-        results = super().write_data(plan, planner).wait()
-        tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
-        lengths = [r.storage_data.length for r in results if r.index in tensors]
-        self.written = (len(lengths), sum(lengths))
-        ranges = [
-            (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
-            for r in results
-        ]
-        crcs = getattr(self.fs, "crcs", {})
-        if not all(r in crcs for r in ranges):
-            crcs = _crc32c_of(self.path, ranges)
+        if waits is not None:
+            sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
+            planner = waits.counting(planner, sizes)
+        with waits.inside_dcp() if waits is not None else nullcontext():
+            results = super().write_data(plan, planner).wait()
+            tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
+            lengths = [r.storage_data.length for r in results if r.index in tensors]
+            self.written = (len(lengths), sum(lengths))
+            infos = [r.storage_data for r in results]
+            ranges = [(i.relative_path, i.offset, i.length) for i in infos]
+            crcs = getattr(self.fs, "crcs", {})
+            if not all(r in crcs for r in ranges):  # a file system that records none
+                crcs = _crc32c_of(self.path, ranges)
         checked = [  # storage_data (info, crc), for the coordinator
             WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
             for r, k in zip(results, ranges, strict=True)
@@ -588,10 +581,8 @@ def newer_torch_refusal(
     metadata_file: str, writer: object, error: Exception
 ) -> CheckpointError | None:
     """The error if a torch newer than this one wrote ``.metadata``; else None."""
-    if not isinstance(writer, str):
-        return None
     try:
-        newer = TorchVersion(writer) > TorchVersion(str(torch.__version__))
+        newer = isinstance(writer, str) and TorchVersion(writer) > torch.__version__
     except Exception:  # not a version: the manifest is no help here
         return None
     if not newer:
