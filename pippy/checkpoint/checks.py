@@ -58,14 +58,16 @@ def state_dict_size(state_dict: Mapping[str, Any]) -> tuple[int, int]:
     return len(tensors), sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, so that equal NaNs compare equal and -0.0 != 0.0."""
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
 def fingerprint(value: Any) -> str:
     """A short text that differs when a leaf differs: a tensor's SHA-1, else repr."""
     if isinstance(value, torch.Tensor):
-        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8)
-        return (
-            f"{value.dtype}{tuple(value.shape)}"
-            + hashlib.sha1(data.numpy().tobytes()).hexdigest()
-        )
+        sha1 = hashlib.sha1(_raw_bytes(value).cpu().numpy().tobytes()).hexdigest()
+        return f"{value.dtype}{tuple(value.shape)}{sha1}"
     return repr(value)
 
 
@@ -88,9 +90,7 @@ def renaming_hooks(module: nn.Module) -> list[str]:
         hooks = [*sub._state_dict_hooks.values(), *sub._state_dict_pre_hooks.values()]
         if not hooks:
             continue
-        own = {n for n, _ in sub.named_parameters()} | {
-            n for n, _ in sub.named_buffers()
-        }
+        own = dict(sub.named_parameters()).keys() | dict(sub.named_buffers()).keys()
         renamed = sorted(set(sub.state_dict(keep_vars=True)) - own)
         if renamed:
             hook = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
@@ -152,11 +152,6 @@ def restore_non_persistent_buffers(
     return restored
 
 
-def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bytes, so that equal NaNs compare equal and -0.0 != 0.0."""
-    return t.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
 def diff_state_dicts(
     actual: Mapping[str, Any], expected: Mapping[str, Any]
 ) -> list[str]:
@@ -215,8 +210,8 @@ def _digest(value: Any) -> str:
     if not isinstance(value, torch.Tensor):
         return repr(value)
     shard = local(value)
-    data = shard.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return f"{shard.dtype}{tuple(shard.shape)}:{google_crc32c.value(data.numpy()):08x}"
+    crc = google_crc32c.value(_raw_bytes(shard).cpu().numpy())
+    return f"{shard.dtype}{tuple(shard.shape)}:{crc:08x}"
 
 
 def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
@@ -235,55 +230,6 @@ def _holds_state(value: Any, owned: tuple[str, ...]) -> bool:
     if any(k in owned for k in value) or {"state", "param_groups"} <= value.keys():
         return True
     return any(_holds_state(v, owned) for v in value.values())
-
-
-def _nested(state_dict: Mapping[str, Any], owned: tuple[str, ...]) -> list[str]:
-    """Sections other than ``owned`` that hold model or optimizer state."""
-    return [
-        section
-        for section, value in state_dict.items()
-        if section not in owned and _holds_state(value, owned)
-    ]
-
-
-def _offer(
-    state_dict: Mapping[str, Any],
-    owned: tuple[str, ...],
-    mesh: DeviceMesh | None,
-    pp_dim: str,
-) -> dict[str, Any]:
-    """What this rank offers DCP: owned keys, shared values, replica digests."""
-    dp_dims: tuple[str, ...] = ()
-    stage = dist.get_rank()
-    if mesh is not None:
-        names = mesh.mesh_dim_names or ()
-        if pp_dim not in names:
-            raise ValueError(f"the mesh has no {pp_dim!r} dim (it has {names})")
-        stage = mesh.get_local_rank(pp_dim)
-        dp_dims = tuple(
-            n for n in names if n != pp_dim and mesh.size(names.index(n)) > 1
-        )
-    leaves = [
-        (k, v)
-        for s in owned
-        if s in state_dict
-        for k, v in named_leaves(state_dict[s], f"{s}.")
-    ]
-    return {
-        "stage": stage,
-        "meshed": mesh is not None,
-        "owned": {k: _chunk(v) for k, v in leaves},
-        "digests": {
-            k: _digest(v) for k, v in leaves if dp_dims and _replicated(v, dp_dims)
-        },
-        "shared": {
-            k: fingerprint(v)
-            for s in state_dict
-            if s not in owned
-            for k, v in named_leaves({s: state_dict[s]})
-        },
-        "nested": _nested(state_dict, owned),
-    }
 
 
 def _refuse_nested(offers: Mapping[int, Mapping[str, Any]]) -> None:
@@ -333,13 +279,12 @@ def _refuse_collisions(offers: Mapping[int, Mapping[str, Any]]) -> None:
 def _refuse_divergence(offers: Mapping[int, Mapping[str, Any]]) -> None:
     """Raises DivergedReplicasError if replicas of one entry hold different values."""
     values: dict[tuple[str, Any, Any], dict[str, list[int]]] = {}
-    for rank, offer in offers.items():
-        for key, digest in offer["digests"].items():
-            replica = (key, offer["stage"], offer["owned"][key])
-            values.setdefault(replica, {}).setdefault(digest, []).append(rank)
     members: dict[int, set[int]] = {}  # the ranks that hold each stage
     for rank, offer in offers.items():
         members.setdefault(offer["stage"], set()).add(rank)
+        for key, digest in offer["digests"].items():
+            replica = (key, offer["stage"], offer["owned"][key])
+            values.setdefault(replica, {}).setdefault(digest, []).append(rank)
     differ: dict[str, list[int]] = {}
     for (key, stage, chunk), by_value in values.items():
         ranks = {r for ranks in by_value.values() for r in ranks}
@@ -446,7 +391,41 @@ def offer_keys(
             f"the mesh spans {mesh.size()} ranks and {world_size} ranks save: pass "
             "the whole mesh (for example its ('dp', 'pp') dims), not a slice of it"
         )
-    return _offer(state_dict, owned, mesh, pp_dim)
+    dp_dims: tuple[str, ...] = ()
+    stage = dist.get_rank()
+    if mesh is not None:
+        names = mesh.mesh_dim_names or ()
+        if pp_dim not in names:
+            raise ValueError(f"the mesh has no {pp_dim!r} dim (it has {names})")
+        stage = mesh.get_local_rank(pp_dim)
+        dp_dims = tuple(
+            n for n in names if n != pp_dim and mesh.size(names.index(n)) > 1
+        )
+    leaves = [
+        (k, v)
+        for s in owned
+        if s in state_dict
+        for k, v in named_leaves(state_dict[s], f"{s}.")
+    ]
+    return {
+        "stage": stage,
+        "meshed": mesh is not None,
+        "owned": {k: _chunk(v) for k, v in leaves},
+        "digests": {
+            k: _digest(v) for k, v in leaves if dp_dims and _replicated(v, dp_dims)
+        },
+        "shared": {
+            k: fingerprint(v)
+            for s in state_dict
+            if s not in owned
+            for k, v in named_leaves({s: state_dict[s]})
+        },
+        "nested": [  # sections other than owned that hold model or optimizer state
+            s
+            for s, v in state_dict.items()
+            if s not in owned and _holds_state(v, owned)
+        ],
+    }
 
 
 def refuse_losses(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import save
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -85,9 +86,8 @@ def read_checkpoint(
     name = (lambda k: k) if detect_layout(saved) == PIPPY else pippy_name
     state_dict: dict[str, Any] = {}
     for key, item in saved.items():
-        if name(key).startswith(prefix) and (
-            keys is None or name(key)[len(prefix) :] in keys
-        ):
+        fqn = name(key)
+        if fqn.startswith(prefix) and (keys is None or fqn[len(prefix) :] in keys):
             if isinstance(item, TensorStorageMetadata):
                 state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
             else:
@@ -203,28 +203,19 @@ def _write(
     storage: Storage, folder: Location, weights: dict[str, torch.Tensor], limit: int
 ) -> list[str]:
     """Writes the safetensors file(s), and the index when there are several."""
-    from safetensors.torch import save
-
     shards = _shards(weights, limit)
-    if len(shards) == 1:
+    n = len(shards)
+    names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    if n == 1:
         names = ["model.safetensors"]
     else:
-        n = len(shards)
-        names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        index = {
-            "metadata": {
-                "total_size": sum(
-                    t.numel() * t.element_size() for t in weights.values()
-                )
-            },
-            "weight_map": {
-                k: name for name, keys in zip(names, shards, strict=True) for k in keys
-            },
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        where = {
+            k: name for name, keys in zip(names, shards, strict=True) for k in keys
         }
-        storage.write_atomic(
-            storage.join(folder, "model.safetensors.index.json"),
-            json.dumps(index, indent=2).encode(),
-        )
+        index = {"metadata": {"total_size": total}, "weight_map": where}
+        data = json.dumps(index, indent=2).encode()
+        storage.write_atomic(storage.join(folder, "model.safetensors.index.json"), data)
     for name, keys in zip(names, shards, strict=True):
         data = save({k: weights[k] for k in keys}, metadata={"format": "pt"})
         storage.write_atomic(storage.join(folder, name), data)
@@ -282,8 +273,7 @@ def export_hf(
         text = json.dumps(dict(config), indent=2) + "\n"
         storage.write_atomic(storage.join(tmp, "config.json"), text.encode())
         names = ["config.json", *_write(storage, tmp, weights, max_shard_size)]
-        if storage.exists(out):
-            storage.remove(out)
+        storage.remove(out)  # fine if there is none
         storage.publish(tmp, out)
     finally:
         storage.remove(tmp)

@@ -1,13 +1,11 @@
 """A step's files: its folder, ``.metadata`` and ``manifest.json``.
 
-A run's checkpoint folder holds one ``step-<N>`` folder per save. On POSIX,
-ranks write into a hidden ``.step-<N>.partial-<token>`` (a new token per save,
-so no save touches another's) that rank 0 renames to ``step-<N>`` after DCP's
-coordinator wrote ``.metadata``: atomic and fsynced, so a step is complete or
-absent, even after a power loss. On an object store (an fsspec URL: no rename)
-a step is written in place; ``manifest.json``, written last in one PUT, is its
-commit record. Retention first takes a step out of view in one operation
-(renamed to ``.step-<N>.deleting-<token>``, or its manifest deleted).
+A run's checkpoint folder holds one ``step-<N>`` folder per save, published
+whole by :func:`~pippy.checkpoint.api.publish_step`. On an object store (an
+fsspec URL: no rename) a step is written in place; ``manifest.json``, written
+last in one PUT, is its commit record. A folder whose name says another step
+than its manifest is never taken for that step. Functions here ask the storage
+from the calling process; in a job rank 0 asks and broadcasts.
 
 DCP stores no checksums and ``torch.load`` never checks the zip CRC-32
 (pytorch/pytorch#126952), so :class:`ManifestWriter` records a CRC-32C per
@@ -20,12 +18,6 @@ item; ``optim_layout`` is :data:`~pippy.checkpoint.state.LAYOUT_VERSION`:
      "files": {"__0_0.distcp": 5123456, "...": 0},
      "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
-
-A folder whose name says another step than its manifest is never taken for
-that step. ``.metadata`` pickles torch classes whose fields change: torch
-2.15's ``TensorProperties`` has 6, which 2.10 to 2.14 cannot unpack (5);
-:class:`CompatTensorProperties` drops the extra ones. Functions here ask the
-storage from the calling process; in a job rank 0 asks and broadcasts.
 
 Private torch names pippy relies on, each tested in
 test/test_torch_internals.py on torch 2.10 to 2.15
@@ -65,6 +57,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +84,6 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
-    DurableFileSystem,
     Location,
     Storage,
     glob,
@@ -187,8 +179,17 @@ def remove_old_steps(
     storage = storage_for(checkpoint_dir)
     complete = [p for p in list_steps(checkpoint_dir).values() if _counted(p)]
     old = [p for p in complete[:-keep_last] if p != keep]
-    for path in old:
-        _remove_step(storage, path)
+    for path in old:  # out of view in one operation, then its files deleted
+        if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
+            token = uuid.uuid4().hex[:12]
+            aside = storage.join(
+                checkpoint_dir, f".{storage.name(path)}.deleting-{token}"
+            )
+            storage.publish(path, aside)
+            storage.remove(aside)
+        else:  # no rename: uncommitted first, then never taken as a step
+            storage.remove(storage.join(path, MANIFEST_FILE))
+            storage.remove(path)
     if old:
         names = ", ".join(storage.name(p) for p in old)
         logger.info("removed %s (keeping the newest %d)", names, keep_last)
@@ -203,20 +204,6 @@ def _counted(path: Location) -> bool:
         return False
 
 
-def _remove_step(storage: Any, path: Any) -> None:
-    """Takes a step out of view in one operation, then deletes its files."""
-    if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
-        aside = storage.join(
-            storage.parent(path),
-            f".{storage.name(path)}.deleting-{uuid.uuid4().hex[:12]}",
-        )
-        storage.publish(path, aside)
-        path = aside
-    else:  # no rename: uncommitted first, then never taken as a step
-        storage.remove(storage.join(path, MANIFEST_FILE))
-    storage.remove(path)
-
-
 def remove_staging(checkpoint_dir: Location) -> list[str]:
     """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
     storage = storage_for(checkpoint_dir)
@@ -226,14 +213,6 @@ def remove_staging(checkpoint_dir: Location) -> list[str]:
             storage.remove(leftover)
             removed.append(storage.name(leftover))
     return removed
-
-
-@dataclass(frozen=True)
-class _Checksummed:
-    """DCP's storage info of one item, with its CRC-32C, for the coordinator."""
-
-    info: Any
-    crc32c: int
 
 
 @dataclass(frozen=True)
@@ -273,62 +252,42 @@ class ManifestWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
 
     Each rank takes every item's CRC-32C as it is written (read back only if the
-    file system recorded none); the checksums reach the coordinator in DCP's write
-    results, and it writes ``manifest.json`` after ``.metadata``. Items carry no
-    ``torch.save`` CRC-32 (zero fields, which a zip tool reports; kept on torch
-    2.10 and 2.11, where the setting is per process). Files and renames are fsynced.
-    ``written`` is, after the save, ``(tensors, bytes)`` this rank wrote (bytes with
+    file system recorded none) and passes it to the coordinator in DCP's write
+    results, which writes ``manifest.json`` after ``.metadata``. ``written`` is,
+    after the save, ``(tensors, bytes)`` this rank wrote (bytes with
     ``torch.save`` framing); ``**kwargs`` go to ``FileSystemWriter``.
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        *,
-        step: int,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        if is_url(path):  # an object store: fsspec's streams, durable at close
-            self.fs = storage_for(path).dcp_filesystem(path)  # type: ignore[assignment]
+        self.fs = storage_for(path).dcp_filesystem(path)  # type: ignore[assignment]
+        if is_url(path):  # fsspec's streams have no fileno: DCP would os.sync()
             self.path = self.fs.init_path(path)
-            self.sync_files = False  # else DCP runs os.sync() per stream
-        else:
-            self.fs = DurableFileSystem()
+            self.sync_files = False
         self.step = step
         self.written = (0, 0)
 
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
-        """Writes and checksums this rank's items, under the stall watch if one runs."""
+        """DCP's ``write_data`` (under the stall watch if one runs), with CRC-32Cs."""
         waits = stall.active()
-        if waits is None:
-            return self._write_checksummed(plan, planner)
-        sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
-        with waits.inside_dcp():
-            return self._write_checksummed(plan, waits.counting(planner, sizes))
-
-    def _write_checksummed(
-        self, plan: SavePlan, planner: SavePlanner
-    ) -> Future[list[WriteResult]]:
-        """DCP's ``write_data``, its results carrying each item's CRC-32C."""
-        results = super().write_data(plan, planner).wait()
-        tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
-        lengths = [r.storage_data.length for r in results if r.index in tensors]
-        self.written = (len(lengths), sum(lengths))
-        ranges = [
-            (r.storage_data.relative_path, r.storage_data.offset, r.storage_data.length)
-            for r in results
-        ]
-        written = getattr(self.fs, "crcs", {})
-        if all(r in written for r in ranges):
-            crcs = {r: written[r] for r in ranges}
-        else:
-            crcs = _crc32c_of(self.path, ranges)
-        checked = [
-            WriteResult(r.index, r.size_in_bytes, _Checksummed(r.storage_data, crc))
-            for r, crc in zip(results, (crcs[k] for k in ranges), strict=True)
+        if waits is not None:
+            sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
+            planner = waits.counting(planner, sizes)
+        with waits.inside_dcp() if waits is not None else nullcontext():
+            results = super().write_data(plan, planner).wait()
+            tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
+            lengths = [r.storage_data.length for r in results if r.index in tensors]
+            self.written = (len(lengths), sum(lengths))
+            infos = [r.storage_data for r in results]
+            ranges = [(i.relative_path, i.offset, i.length) for i in infos]
+            crcs = getattr(self.fs, "crcs", {})
+            if not all(r in crcs for r in ranges):  # a file system that records none
+                crcs = _crc32c_of(self.path, ranges)
+        checked = [  # storage_data (info, crc), for the coordinator
+            WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
+            for r, k in zip(results, ranges, strict=True)
         ]
         future: Future[list[WriteResult]] = Future()
         future.set_result(checked)
@@ -343,7 +302,7 @@ class ManifestWriter(FileSystemWriter):
         for rank_results in results:
             plain.append([])
             for r in rank_results:
-                info, crc = r.storage_data.info, r.storage_data.crc32c
+                info, crc = r.storage_data
                 plain[-1].append(WriteResult(r.index, r.size_in_bytes, info))
                 name, end = info.relative_path, info.offset + info.length
                 files[name] = max(files.get(name, 0), end)
@@ -453,53 +412,45 @@ def verify_ranges(
     folder: Location, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
 ) -> None:
     """Checks ``(file, offset, length)`` byte ranges against the manifest's CRCs."""
-    for place, key in ranges.items():
-        _check_listed(manifest, place, key)
     crcs = _crc32c_of(folder, ranges)
     for place, key in ranges.items():
-        if crcs[place] != manifest.items[place][1]:
-            raise _mismatch(key, place[0])
+        _check_crc(manifest, place, key, crcs[place])
 
 
 def verify_item(
     manifest: Manifest, place: tuple[str, int, int], key: str, data: bytes
 ) -> None:
     """Checks one item's bytes, as read, against its manifest checksum."""
-    _check_listed(manifest, place, key)
-    if google_crc32c.value(data) != manifest.items[place][1]:
-        raise _mismatch(key, place[0])
+    _check_crc(manifest, place, key, google_crc32c.value(data))
 
 
-def _check_listed(manifest: Manifest, place: tuple[str, int, int], key: str) -> None:
-    """Raises if the manifest has no item at ``place``."""
+def _check_crc(
+    manifest: Manifest, place: tuple[str, int, int], key: str, crc: int
+) -> None:
+    """Raises unless the manifest lists the item at ``place`` with CRC-32C ``crc``."""
+    name, offset, length = place
     if place not in manifest.items:
-        name, offset, length = place
         raise CheckpointError(
             f"item {key!r} of {name} (bytes {offset}-{offset + length}) is not "
             f"in {MANIFEST_FILE}: .metadata and the manifest disagree, so the "
             "step is damaged or was edited; load an earlier step"
         )
-
-
-def _mismatch(key: str, name: str) -> CheckpointError:
-    """The error for an item whose bytes do not match their checksum."""
-    return CheckpointError(
-        f"item {key!r} of {name} is damaged: its bytes do not match their "
-        f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
-        "by another). Restore the file, or move the folder out of the "
-        "checkpoint folder to resume from an earlier step"
-    )
+    if crc != manifest.items[place][1]:
+        raise CheckpointError(
+            f"item {key!r} of {name} is damaged: its bytes do not match their "
+            f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
+            "by another). Restore the file, or move the folder out of the "
+            "checkpoint folder to resume from an earlier step"
+        )
 
 
 def find_damage(path: Location, metadata: Metadata) -> list[str]:
     """One line per data file ``.metadata`` names that is missing or short."""
     storage = storage_for(path)
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if name is not None:
-            end = info.offset + info.length
-            needed[name] = max(needed.get(name, 0), end)
+    needed: dict[str, int] = {}  # check_structure passed: each item has a place
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     problems = []
     for name, size in sorted(needed.items()):
         actual = storage.size(storage.join(path, name))
@@ -605,7 +556,10 @@ _FIELDS = len(TensorProperties().__getstate__())
 
 
 class CompatTensorProperties(TensorProperties):
-    """DCP's ``TensorProperties``, also read from a newer torch's longer state."""
+    """DCP's ``TensorProperties``, also read from a newer torch's longer state.
+
+    torch 2.15's has 6 fields, which 2.10 to 2.14 cannot unpack (5).
+    """
 
     def __setstate__(self, state: Any) -> None:
         """Takes the fields this torch knows; drops those a newer torch added."""
@@ -627,10 +581,8 @@ def newer_torch_refusal(
     metadata_file: str, writer: object, error: Exception
 ) -> CheckpointError | None:
     """The error if a torch newer than this one wrote ``.metadata``; else None."""
-    if not isinstance(writer, str):
-        return None
     try:
-        newer = TorchVersion(writer) > TorchVersion(str(torch.__version__))
+        newer = isinstance(writer, str) and TorchVersion(writer) > torch.__version__
     except Exception:  # not a version: the manifest is no help here
         return None
     if not newer:

@@ -1,15 +1,10 @@
 """The storage seam: every path and file operation of a checkpoint, in one place.
 
 A location is a local folder (kept a :class:`~pathlib.Path`) or an fsspec URL
-(kept a ``str``: ``Path("memory://run")`` would become ``memory:/run``).
-:func:`storage_for` picks its :class:`Storage`; nothing outside this module
-opens, renames, links or deletes a checkpoint's files. :class:`LocalStorage`
-writes in the order that survives a power loss (write, flush, fsync, rename,
-fsync the folder); :class:`DurableFileSystem` gives DCP's writer the same
-(torch 2.13's ``FileSystemWriter`` fsyncs ``.metadata`` before flushing it and
-never fsyncs a folder). Object stores have no atomic rename (S3 copies, then
-deletes), so a step there is committed by its manifest, and
-:func:`check_publishable` refuses them where only a rename would do.
+(kept a ``str``: ``Path("memory://run")`` would become ``memory:/run``);
+nothing outside this module opens, renames, links or deletes a checkpoint's
+files. Object stores have no atomic rename (S3 copies, then deletes), so a step
+there is committed by its manifest.
 """
 
 from __future__ import annotations
@@ -59,71 +54,56 @@ class Storage(Protocol):
 
     def join(self, base: Location, *names: str) -> Any:
         """``base/name/...``, of this storage's kind."""
-        ...
 
     def name(self, location: Location) -> str:
         """The last component of ``location``."""
-        ...
 
     def parent(self, location: Location) -> Any:
         """The folder holding ``location``."""
-        ...
 
     def exists(self, location: Location) -> bool:
         """Whether anything is at ``location``."""
-        ...
 
     def is_dir(self, location: Location) -> bool:
         """Whether ``location`` is a folder."""
-        ...
 
     def size(self, location: Location) -> int | None:
         """The size of the file at ``location`` in bytes; None if no file is there."""
-        ...
 
     def listdir(self, location: Location) -> list[str]:
         """The names in folder ``location``, sorted; empty if it does not exist."""
-        ...
 
     def makedirs(self, location: Location) -> None:
         """Creates folder ``location`` and its parents, durably; fine if it exists."""
-        ...
 
     def open_read(self, location: Location) -> IO[bytes]:
         """Opens the file at ``location`` to read bytes."""
-        ...
 
     def read_bytes(self, location: Location) -> bytes:
         """The whole file at ``location``."""
-        ...
 
     def write_atomic(self, location: Location, data: bytes) -> None:
         """Writes ``data`` at ``location`` whole or not at all, durably."""
-        ...
+        with self.open_atomic(location) as f:
+            f.write(data)
 
     def open_atomic(self, location: Location) -> AbstractContextManager[IO[bytes]]:
         """A stream whose bytes appear at ``location`` whole, once the block ends."""
-        ...
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
         """Creates the file ``location`` holding ``data``; False if it exists."""
-        ...
 
     def publish(self, source: Location, target: Location) -> None:
         """Renames ``source`` to ``target`` (a file or folder), durably."""
-        ...
 
     def remove(self, location: Location) -> None:
         """Deletes the file or folder tree at ``location``; fine if it is gone."""
-        ...
 
     def same_place(self, location: Location) -> Any:
         """``location`` with links resolved, to compare two locations."""
-        ...
 
     def dcp_filesystem(self, location: Location) -> FileSystemBase:
         """DCP's ``FileSystemBase`` for files under ``location``."""
-        ...
 
 
 def storage_for(location: Location) -> Storage:
@@ -180,7 +160,7 @@ CRC32_PER_THREAD = TorchVersion(torch.__version__) >= "2.12"
 
 @contextmanager
 def no_crc32() -> Iterator[None]:
-    """This thread's ``torch.save`` skips its CRC-32 (the manifest has CRC-32C).
+    """This thread's ``torch.save`` writes zero CRC-32s (the manifest has CRC-32C).
 
     A no-op on torch 2.10 and 2.11, where the setting is the whole process's: other
     threads' saves would lose it, and two writer threads could leave it off.
@@ -290,19 +270,18 @@ class _DurableWriter(io.BufferedWriter):
 
     def close(self) -> None:
         """Flushes the buffer and fsyncs the file before closing it."""
-        if not self.closed:
-            try:
+        try:
+            if not self.closed:
                 self.flush()
                 os.fsync(self.fileno())
-            finally:
-                super().close()
-        else:
+        finally:
             super().close()
 
 
 class DurableFileSystem(FileSystem):
     """DCP's local ``FileSystem``: fsync at close and after a rename, items checksummed.
 
+    torch 2.13's own fsyncs ``.metadata`` before flushing it and never a folder.
     ``crcs`` maps each item's ``(file, offset, length)`` to its CRC-32C as written.
     """
 
@@ -325,8 +304,8 @@ class DurableFileSystem(FileSystem):
         _fsync_dir(Path(new_path).parent)
 
 
-class LocalStorage:
-    """A POSIX folder: atomic renames, ``fsync`` for durability, hard links."""
+class LocalStorage(Storage):
+    """A POSIX folder: write, flush, fsync, rename, fsync the folder; hard links."""
 
     atomic_rename = True
 
@@ -365,10 +344,7 @@ class LocalStorage:
     def makedirs(self, location: Location) -> None:
         """Creates the folder and missing parents, fsyncing each new name's holder."""
         path = Path(location)
-        missing = []
-        while not path.exists():
-            missing.append(path)
-            path = path.parent
+        missing = [p for p in (path, *path.parents) if not p.exists()]
         for folder in reversed(missing):
             try:
                 folder.mkdir()
@@ -398,11 +374,6 @@ class LocalStorage:
         finally:
             tmp.unlink(missing_ok=True)
         _fsync_dir(path.parent)
-
-    def write_atomic(self, location: Location, data: bytes) -> None:
-        """Writes the bytes whole or not at all, durably (:meth:`open_atomic`)."""
-        with self.open_atomic(location) as f:
-            f.write(data)
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
         """Writes a draft, then hard-links it to ``location`` (atomic, also on NFS)."""
@@ -471,7 +442,7 @@ class _FsspecFileSystem(FsspecFileSystem):
                 yield stream
 
 
-class FsspecStorage:
+class FsspecStorage(Storage):
     """Any fsspec URL; refuses an unknown protocol or a missing client."""
 
     atomic_rename = False
@@ -540,16 +511,12 @@ class FsspecStorage:
         """The whole object at ``location``."""
         return cast(bytes, self.fs.cat_file(self._path(location)))
 
-    def write_atomic(self, location: Location, data: bytes) -> None:
-        """Writes the object in one PUT, which object stores make atomic."""
-        self.fs.pipe_file(self._path(location), data)
-
     @contextmanager
     def open_atomic(self, location: Location) -> Iterator[IO[bytes]]:
-        """Collects the bytes, then writes them in one PUT if the block succeeds."""
+        """Collects the bytes, then writes them in one PUT (atomic on object stores)."""
         buffer = io.BytesIO()
         yield buffer
-        self.write_atomic(location, buffer.getvalue())
+        self.fs.pipe_file(self._path(location), buffer.getvalue())
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
         """Creates the object unless it exists, atomically (S3: ``If-None-Match``)."""
