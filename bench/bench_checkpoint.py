@@ -59,7 +59,10 @@ repeats. ``--fixed-cost``: stages of 0.5 MB (16 layers) on P = 2, 4, 8 and
 ``results.json`` (every repeat, medians, ratios, target checks),
 ``results.md`` (the tables), ``results.png`` (time against bytes per
 method) and ``peers.png`` (pippy against the peers). Compare the ratios of
-one run, never absolute times across runs.
+one run, never absolute times across runs. ``--only METHOD ...`` times just
+those methods of the save phase (e.g. ``load_same load_same_dcp``) and
+skips the other phases; its ``results.md`` is the table of all methods, with
+each method's ratio to ``load_same_dcp`` (``x_dcp_load``) and the others.
 """
 
 from __future__ import annotations
@@ -170,18 +173,19 @@ def phase_save(opts: argparse.Namespace) -> None:
         work = Path(opts.work_dir) / f"P{world}-{case.label}"
         state = build_state(case, rank, world)
         ctx = Ctx(case, state, rank, world, work, async_group)
-        ctx.peers = peers(ctx)
+        ctx.peers = {k: v for k, v in peers(ctx).items() if chosen(opts, k)}
         keep = Path(opts.keep_dir) / case.label if opts.keep_dir else None
         saved = checkpoint.save_stage(state, work / "ckpt")  # for load_same
         verify_load(state, saved, case, rank, world)
         methods = save_methods(ctx, keep and keep / "full.pt", not opts.warm_cache)
+        methods = {k: v for k, v in methods.items() if chosen(opts, k)}
         checked = check_peers(ctx)
         tag = case_tag(case, state, world) | {"phase": "save"}
         case_rows = run_repeats(methods, opts.repeats, tag)
         for method in methods.values():
             if method.close:
                 method.close()
-        stager_mb = checked["pippy_async_tuned"]["kept_mb"]
+        stager_mb = checked.get("pippy_async_tuned", {}).get("kept_mb")
         rows += [
             r | {"stager_held_mb": stager_mb, **checked.get(r["method"], {})}
             for r in case_rows
@@ -194,6 +198,11 @@ def phase_save(opts: argparse.Namespace) -> None:
         del ctx, state, methods
         barrier()
     write_rows(opts, rows)
+
+
+def chosen(opts: argparse.Namespace, method: str) -> bool:
+    """Whether ``--only`` (if given) names the method."""
+    return not opts.only or method in opts.only
 
 
 def phase_reshard(opts: argparse.Namespace) -> None:
@@ -262,6 +271,7 @@ def launch(
         *("--result-file", str(result)),
         *(["--keep-dir", str(opts.keep_dir)] if keep or phase != "save" else []),
         *(["--warm-cache"] if opts.warm_cache else []),
+        *(["--only", *opts.only] if opts.only else []),
     ]
     if nproc:
         launcher = ["-m", "torch.distributed.run", "--standalone"]
@@ -314,7 +324,7 @@ def run_all(opts: argparse.Namespace) -> None:
         for stages in opts.stages:
             cases = cases_of(opts, stages, opts.keys_x)
             rows += launch(opts, "save", stages, cases, keep=stages == top)
-        if top >= 2:
+        if top >= 2 and not opts.only:
             cases = cases_of(opts, top, keys_x=1)
             rows += launch(opts, "reshard", top // 2, cases)
             rows += launch(opts, "unsplit", 0, cases)
@@ -327,6 +337,7 @@ def run_all(opts: argparse.Namespace) -> None:
         "torch": torch.__version__,
         "disk_probe_gb_per_s": disk,
         "seconds": round(time.time() - started),
+        "only": opts.only,
     }
     # The measurements first, so that a failing report loses nothing.
     (out / "rows.json").write_text(json.dumps({"machine": machine, "rows": rows}))
@@ -355,6 +366,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--report", metavar="JSON", help="redo tables and plot from a rows.json")
     add("--timeout", type=float, default=1800, help="seconds per launched phase")
     add("--warm-cache", action="store_true", help="keep files cached before loads")
+    add("--only", nargs="+", metavar="METHOD", help="these save-phase methods alone")
     # Internal: what the driver passes to the ranks it launches.
     add("--phase", choices=["save", "reshard", "unsplit"], help=argparse.SUPPRESS)
     add("--cases", help=argparse.SUPPRESS)
