@@ -505,12 +505,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
 
     Non-tensor items of plain values are unpickled with every global refused,
-    any other with ``torch.load(weights_only=True)``. Each
-    requested key is checked (present, shape, dtype) before planning; on the
-    coordinator, every checkpoint key under ``must_read`` must be read by some
-    rank (a checkpoint with more layers than the model would otherwise load
-    "successfully"). The state of a parameter saved without any is dropped
-    from the state_dict being loaded.
+    any other with ``torch.load(weights_only=True)``. Each requested key is
+    checked (present, shape, dtype) before planning; on the coordinator, every
+    checkpoint key under ``must_read`` must be read by some rank (a checkpoint
+    with more layers than the model would otherwise load "successfully"). The
+    state of a parameter saved without any is dropped from the state_dict
+    being loaded.
 
     Args:
         trusted: True reads any pickle, as ``DefaultLoadPlanner`` does; None
