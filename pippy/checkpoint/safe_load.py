@@ -464,12 +464,6 @@ def _quoted(names: list[str]) -> str:
     return f"{', '.join(names[:-1])} and {names[-1]} sections"
 
 
-def _must_read(sections: set[str]) -> tuple[str, ...]:
-    """The sections as a ``must_read``: pippy's own first, then the extras."""
-    own = ("model.", "optim.", "lr_scheduler.", "step")
-    return tuple(s for s in own if s in sections) + tuple(sorted(sections - {*own}))
-
-
 class _NoGlobals(pickle.Unpickler):
     """pickle's C unpickler, refusing every global: it builds plain values only."""
 
@@ -666,7 +660,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Why the checkpoint's keys that no rank reads are unread, and the fix."""
         name, why = self.layout_name, []
         sections = {_section(name(k)) for k in unread} - {"model.", "optim."}
-        ours = _must_read({_section(name(k)) for k in self.state_dict})
+        # This state's sections as a must_read: pippy's own first, then the extras.
+        pippys = ("model.", "optim.", "lr_scheduler.", "step")
+        have = {_section(name(k)) for k in self.state_dict}
+        ours = tuple(s for s in pippys if s in have) + tuple(sorted(have - {*pippys}))
         if extra := sorted(sections - {"lr_scheduler.", "step"}):
             it, each = ("it", "that") if len(extra) == 1 else ("them", "each")
             why.append(
