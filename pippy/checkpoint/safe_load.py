@@ -738,8 +738,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 error = UnsafeCheckpointError(
                     f"{error} If {name} is a class of yours that a param group "
                     "holds (a dataclass option, say) and you trust it, allow that "
-                    "class alone, before loading: torch.serialization."
-                    f"add_safe_globals([{name}]) ({name} of {module})."
+                    "class alone, before loading: "
+                    f"torch.serialization.add_safe_globals([{name}]) "
+                    f"({name} of {module})."
                 )
             raise error from None
         if not self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it
