@@ -219,10 +219,8 @@ class StageState(Stateful):
                     self.module, self.optimizers, options=OPTIONS
                 )
                 keys = OptimKeys.of_module(self.module)
-                sd = {
-                    "model": model_sd,
-                    "optim": _pack_scalars(optim_sd, self._groups(), keys),
-                }
+                optim = _pack_scalars(optim_sd, self._groups(), keys)
+                sd = {"model": model_sd, "optim": optim}
         sd["step"] = self.step
         if self.lr_schedulers:
             sd["lr_scheduler"] = self._scheduler_state()
