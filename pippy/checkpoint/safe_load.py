@@ -103,30 +103,19 @@ TRUST_ENV = "PIPPY_TRUST_CHECKPOINT"
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _METADATA_GLOBALS = {
-    (_DCP_METADATA, name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
+    (module, name)
+    for module, names in (
+        (_DCP_METADATA, "Metadata MetadataIndex StorageMeta TensorProperties"),
+        (_DCP_METADATA, "TensorStorageMetadata BytesStorageMetadata"),
+        (_DCP_METADATA, "ChunkStorageMetadata _MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+        ("torch", "Size"),
+        ("pathlib", "PosixPath PurePosixPath WindowsPath PureWindowsPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set frozenset slice complex"),
     )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("builtins", "complex"),
+    for name in names.split()
 }
 
 
@@ -145,14 +134,6 @@ def after_reads(apply: Apply) -> Iterator[Apply | None]:
         yield before
     finally:
         _after_reads.apply = before
-
-
-def _run_after_reads(filled: dict[str, Any] | None) -> None:
-    """Runs the block's :func:`after_reads` function on ``filled``, once."""
-    apply = getattr(_after_reads, "apply", None)
-    if apply is not None and filled is not None:
-        _after_reads.apply = None
-        apply(filled)
 
 
 def resolve_trusted(trusted: bool | None) -> bool:
@@ -201,7 +182,10 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
-        manifest = _manifest_or_none(folder)
+        try:
+            manifest = read_manifest(folder)
+        except CheckpointError:  # none, or unreadable: no writer to name
+            manifest = None
         writer = manifest.written_by.get("torch") if manifest else None
         newer = newer_torch_refusal(str(path), writer, e)
         if newer is not None:
@@ -210,14 +194,6 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata")
     return metadata, data
-
-
-def _manifest_or_none(folder: Location) -> Manifest | None:
-    """The step's manifest, or None if it has none or it cannot be read."""
-    try:
-        return read_manifest(folder)
-    except CheckpointError:
-        return None
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -314,10 +290,10 @@ class SafeFileSystemReader(FileSystemReader):
         """A reader of a step another rank read and checked, given its bytes."""
         reader = cls.__new__(cls)
         reader._open(path, trusted)
-        name = str(reader.folder)
-        unpickler = _MetadataUnpickler(io.BytesIO(metadata_bytes), name, trusted)
-        reader.metadata, reader.manifest = unpickler.load(), manifest
-        reader.metadata_bytes = metadata_bytes
+        reader.metadata_bytes, reader.manifest = metadata_bytes, manifest
+        reader.metadata = _MetadataUnpickler(
+            io.BytesIO(metadata_bytes), str(reader.folder), trusted
+        ).load()
         return reader
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -350,7 +326,11 @@ class SafeFileSystemReader(FileSystemReader):
             }
             with waits.inside_dcp():
                 read = self._read_once(plan, waits.counting(planner, sizes))
-        _run_after_reads(getattr(planner, "original_state_dict", None))
+        apply = getattr(_after_reads, "apply", None)
+        filled = getattr(planner, "original_state_dict", None)
+        if apply is not None and filled is not None:  # once per after_reads block
+            _after_reads.apply = None
+            apply(filled)
         return read
 
     def _read_once(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -484,22 +464,6 @@ def _quoted(names: list[str]) -> str:
     return f"{', '.join(names[:-1])} and {names[-1]} sections"
 
 
-def _must_read(sections: set[str]) -> tuple[str, ...]:
-    """The sections as a ``must_read``: pippy's own first, then the extras."""
-    own = ("model.", "optim.", "lr_scheduler.", "step")
-    return tuple(s for s in own if s in sections) + tuple(sorted(sections - {*own}))
-
-
-def _allow_hint(refused: str) -> str:
-    """How to allow one class of a param group's options, named by its global."""
-    module, _, name = refused.rpartition(".")
-    return (
-        f"If {name} is a class of yours that a param group holds (a dataclass "
-        "option, say) and you trust it, allow that class alone, before loading: "
-        f"torch.serialization.add_safe_globals([{name}]) ({name} of {module})."
-    )
-
-
 class _NoGlobals(pickle.Unpickler):
     """pickle's C unpickler, refusing every global: it builds plain values only."""
 
@@ -535,12 +499,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
 
     Non-tensor items of plain values are unpickled with every global refused,
-    any other with ``torch.load(weights_only=True)``. Each
-    requested key is checked (present, shape, dtype) before planning; on the
-    coordinator, every checkpoint key under ``must_read`` must be read by some
-    rank (a checkpoint with more layers than the model would otherwise load
-    "successfully"). The state of a parameter saved without any is dropped
-    from the state_dict being loaded.
+    any other with ``torch.load(weights_only=True)``. Each requested key is
+    checked (present, shape, dtype) before planning; on the coordinator, every
+    checkpoint key under ``must_read`` must be read by some rank (a checkpoint
+    with more layers than the model would otherwise load "successfully"). The
+    state of a parameter saved without any is dropped from the state_dict
+    being loaded.
 
     Args:
         trusted: True reads any pickle, as ``DefaultLoadPlanner`` does; None
@@ -696,7 +660,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Why the checkpoint's keys that no rank reads are unread, and the fix."""
         name, why = self.layout_name, []
         sections = {_section(name(k)) for k in unread} - {"model.", "optim."}
-        ours = _must_read({_section(name(k)) for k in self.state_dict})
+        # This state's sections as a must_read: pippy's own first, then the extras.
+        pippys = ("model.", "optim.", "lr_scheduler.", "step")
+        have = {_section(name(k)) for k in self.state_dict}
+        ours = tuple(s for s in pippys if s in have) + tuple(sorted(have - {*pippys}))
         if extra := sorted(sections - {"lr_scheduler.", "step"}):
             it, each = ("it", "that") if len(extra) == 1 else ("them", "each")
             why.append(
@@ -766,8 +733,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             if match is None:  # not a refused global: the bytes are damaged
                 raise CheckpointError(f"{what} is damaged: {e}") from None
             error = _refusal(what, match.group(1))
-            if self._optim_section(fqn) == "scalars":
-                error = UnsafeCheckpointError(f"{error} {_allow_hint(match[1])}")
+            if self._optim_section(fqn) == "scalars":  # a param group's option
+                module, _, name = match[1].rpartition(".")
+                error = UnsafeCheckpointError(
+                    f"{error} If {name} is a class of yours that a param group "
+                    "holds (a dataclass option, say) and you trust it, allow that "
+                    "class alone, before loading: "
+                    f"torch.serialization.add_safe_globals([{name}]) "
+                    f"({name} of {module})."
+                )
             raise error from None
         if not self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it
             self.state_dict[fqn] = item
@@ -783,26 +757,20 @@ def open_reader(
     path: Location,
     *,
     trusted: bool | None = None,
-    check_files: bool = True,
     verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
 ) -> SafeFileSystemReader:
     """A :class:`SafeFileSystemReader` made on rank 0, its metadata broadcast."""
     if no_dist or not dist.is_initialized():
-        return SafeFileSystemReader(
-            path, trusted=trusted, check_files=check_files, verify=verify
-        )
+        return SafeFileSystemReader(path, trusted=trusted, verify=verify)
     made: list[SafeFileSystemReader] = []
 
     def check() -> Any:  # on rank 0; a CheckpointError reaches every rank as itself
-        reader = SafeFileSystemReader(
-            path, trusted=trusted, check_files=check_files, verify=verify
-        )
-        made.append(reader)
+        made.append(SafeFileSystemReader(path, trusted=trusted, verify=verify))
         # .metadata's bytes, not the object: pickling DCP's Metadata again
         # costs rank 0 more than the others' unpickling it
-        return reader.trusted, reader.metadata_bytes, reader.manifest
+        return made[0].trusted, made[0].metadata_bytes, made[0].manifest
 
     checked = on_coordinator(f"cannot read {os.fspath(path)}", check, process_group)
     if made:

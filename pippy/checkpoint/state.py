@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
 
 from pippy.checkpoint.checks import fingerprint, named_leaves, renaming_hooks
@@ -182,11 +182,9 @@ class StageState(Stateful):
             )
         if self.lr_schedulers and not self.optimizers:
             raise ValueError("an LR scheduler needs the optimizer it schedules")
-        if len(self.optimizers) > 1 and len(self.optimizers) != len(self.modules):
+        if len(self.optimizers) not in (0, 1, len(self.modules)):
             raise ValueError("give one optimizer, or one per module")
-        if len(self.lr_schedulers) > 1 and len(self.lr_schedulers) != len(
-            self.optimizers
-        ):
+        if len(self.lr_schedulers) not in (0, 1, len(self.optimizers)):
             raise ValueError("give one LR scheduler, or one per optimizer")
 
     @property
@@ -221,10 +219,8 @@ class StageState(Stateful):
                     self.module, self.optimizers, options=OPTIONS
                 )
                 keys = OptimKeys.of_module(self.module)
-                sd = {
-                    "model": model_sd,
-                    "optim": _pack_scalars(optim_sd, self._groups(), keys),
-                }
+                optim = _pack_scalars(optim_sd, self._groups(), keys)
+                sd = {"model": model_sd, "optim": optim}
         sd["step"] = self.step
         if self.lr_schedulers:
             sd["lr_scheduler"] = self._scheduler_state()
@@ -237,8 +233,7 @@ class StageState(Stateful):
         fqn_of = _param_fqns(self.module)
         return {
             fqn_of[p]: i
-            for optimizer in self.optimizers
-            for i, group in enumerate(optimizer.param_groups)
+            for i, group in self._all_groups()
             for p in group["params"]
             if p in fqn_of
         }
@@ -426,11 +421,6 @@ class StageState(Stateful):
                     )
 
 
-def _unwrapped(module: nn.Module) -> nn.Module:
-    """The module a DDP wrapper holds (its keys have no ``module.`` prefix)."""
-    return module.module if isinstance(module, DistributedDataParallel) else module
-
-
 def _check_one(held: Any, new: Any, fqn: str) -> None:
     """Refuses two different tensors saved under one FQN."""
     if held is not None and held is not new:
@@ -470,7 +460,8 @@ def merge_parts(parts: Sequence[nn.Module]) -> nn.Module:
     """The parts as one module holding all their entries (no forward; no copies)."""
     if not parts:
         raise ValueError("merge_parts needs at least one stage module")
-    return _merge([_unwrapped(p) for p in parts], "")
+    # A DDP wrapper's keys have no ``module.`` prefix: merge what it holds.
+    return _merge([p.module if isinstance(p, DDP) else p for p in parts], "")
 
 
 def _naming_section(key: str) -> tuple[str, str] | None:
@@ -537,14 +528,11 @@ class OptimKeys:
 
 
 def _pack_scalars(
-    optim_sd: dict[str, Any],
-    groups: dict[str, int] | None = None,
-    keys: OptimKeys | None = None,
+    optim_sd: Mapping[str, Any], groups: Mapping[str, int], keys: OptimKeys
 ) -> dict[str, Any]:
     """Puts a parameter's non-tensor optimizer entries in one ``scalars.<fqn>`` item."""
     # DCP writes each entry as an item at a fixed cost (a torch.save, a plan and
     # a metadata entry): AdamW gets 3 items per parameter instead of 14.
-    keys = OptimKeys.of_keys(optim_sd) if keys is None else keys
     packed: dict[str, Any] = {}
     scalars: dict[str, list[list[Any]]] = {}
     for key, value in optim_sd.items():
@@ -562,7 +550,7 @@ def _pack_scalars(
         if isinstance(value, torch.Tensor):
             entry = [entry[0], value.item(), str(value.dtype).removeprefix("torch.")]
         scalars.setdefault(fqn, []).append(entry)
-    for fqn, index in (groups or {}).items():
+    for fqn, index in groups.items():
         if fqn in scalars:
             scalars[fqn].append(["group", index])
     packed.update((f"scalars.{fqn}", entries) for fqn, entries in scalars.items())
@@ -708,15 +696,6 @@ def detect_layout(keys: Iterable[str]) -> str:
     return PIPPY if any(k.startswith("model.") for k in keys) else TORCHTITAN
 
 
-def _torchtitan_optim_keys(keys: Iterable[str]) -> OptimKeys:
-    """The parser of a torchtitan checkpoint's optimizer keys, less ``optimizer.``."""
-    keys = list(keys)
-    return OptimKeys.of_keys(
-        (k.removeprefix("optimizer.") for k in keys if k.startswith("optimizer.")),
-        model_fqns=(k for k in keys if not k.startswith(_TT_SECTIONS)),
-    )
-
-
 def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
     """The pippy key a torchtitan key's value goes into (``keys``: its parser)."""
     if not key.startswith("optimizer."):
@@ -749,7 +728,8 @@ def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
         elif key != _PARAM_GROUPS:
             out[pippy_name(key)] = value
     groups = {fqn: index for fqn, index in flat.get(_PARAM_GROUPS) or ()}
-    packed = _pack_scalars(optim, groups, keys=_torchtitan_optim_keys(flat))
+    model_fqns = (k for k in flat if not k.startswith(_TT_SECTIONS))
+    packed = _pack_scalars(optim, groups, OptimKeys.of_keys(optim, model_fqns))
     out.update((f"optim.{k}", v) for k, v in packed.items())
     return out
 
