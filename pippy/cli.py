@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from safetensors.torch import save
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
@@ -234,7 +235,7 @@ def _export_hf(args: argparse.Namespace, folder: Any) -> None:
         args.out,
         config=args.hf_config,
         max_shard_size=parse_size(args.max_shard_size),
-        dtype=_DTYPES[args.dtype] if args.dtype else None,
+        dtype=_DTYPES.get(args.dtype),
         force=args.force,
         trusted=args.trusted,
         verify=not args.allow_no_manifest,
@@ -259,15 +260,13 @@ def _export(args: argparse.Namespace) -> None:
     _, folder = _resolve(args.path, None)
     weights = model_weights(
         folder,
-        dtype=_DTYPES[args.dtype] if args.dtype else None,
+        dtype=_DTYPES.get(args.dtype),
         trusted=args.trusted,
         verify=not args.allow_no_manifest,
     )
     # Atomic: a failed export leaves no partial file.
     with storage.open_atomic(out) as f:
         if fmt == "safetensors":
-            from safetensors.torch import save
-
             f.write(save(weights, metadata={"format": "pt"}))
         else:
             torch.save(weights, f)
