@@ -1,12 +1,9 @@
 """The one save sequence and the one load sequence, and the pieces they are made of.
 
-:func:`save_stage` is :func:`take_state`, then ``dcp.save`` inside
-:func:`publish_step`; :func:`load_stage` is ``dcp.load`` through
-:func:`open_step`'s reader and planner inside :func:`load_into` (the snippet is
-in :mod:`pippy.checkpoint`). ``AsyncSaver``, the command line and the reference
-example use the same pieces. The checks across ranks run inside DCP's own
-planning, with no collective of pippy's (:class:`CheckedSavePlanner`); a step
-is staged and published inside ``dcp.save`` (:class:`StepWriter`).
+The pieces are spelled out in :mod:`pippy.checkpoint`'s snippet. The checks
+across ranks run inside DCP's own planning, with no collective of pippy's
+(:class:`CheckedSavePlanner`); a step is staged and published inside
+``dcp.save`` (:class:`StepWriter`).
 """
 
 from __future__ import annotations
