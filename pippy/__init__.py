@@ -50,24 +50,11 @@ __all__ = [
     "split_model",
 ]
 
-#: What pippy re-exports from torch.distributed.pipelining, imported on first
-#: use: it brings in torch's compiler stack (about a second per process), which
-#: a process that only checkpoints (the CLI, a rank that saves) never needs.
-_PIPELINING = {
-    "Pipe",
-    "PipelineStage",
-    "Schedule1F1B",
-    "ScheduleDualPipeV",
-    "ScheduleGPipe",
-    "ScheduleInterleaved1F1B",
-    "ScheduleInterleavedZeroBubble",
-    "ScheduleLoopedBFS",
-    "ScheduleZBVZeroBubble",
-    "SplitPoint",
-    "build_stage",
-    "pipe_split",
-    "pipeline",
-}
+#: What pippy re-exports from torch.distributed.pipelining (the names of __all__
+#: not bound above), imported on first use: it brings in torch's compiler stack
+#: (about a second per process), which a process that only checkpoints (the CLI,
+#: a rank that saves) never needs.
+_PIPELINING = {name for name in __all__ if name not in globals()}
 
 
 def __getattr__(name: str) -> Any:

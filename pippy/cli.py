@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from safetensors.torch import save
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
@@ -28,7 +29,6 @@ from pippy.checkpoint.offline import (
     convert_layout,
     export_hf,
     model_weights,
-    parse_size,
     verify_step,
 )
 from pippy.checkpoint.safe_load import read_metadata, resolve_trusted
@@ -46,6 +46,9 @@ from pippy.checkpoint.storage import storage_for
 __all__ = ["main", "parser"]
 
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
 # What bad paths and checkpoints raise; main reports them in one line.
 _ERRORS = (
@@ -56,6 +59,14 @@ _ERRORS = (
     EOFError,
     pickle.UnpicklingError,
 )
+
+
+def _parse_size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MiB`` or ``1000``; else ValueError."""
+    match = _SIZE.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 1000")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
 def _human(n: float) -> str:
@@ -233,8 +244,8 @@ def _export_hf(args: argparse.Namespace, folder: Any) -> None:
         folder,
         args.out,
         config=args.hf_config,
-        max_shard_size=parse_size(args.max_shard_size),
-        dtype=_DTYPES[args.dtype] if args.dtype else None,
+        max_shard_size=_parse_size(args.max_shard_size),
+        dtype=_DTYPES.get(args.dtype),
         force=args.force,
         trusted=args.trusted,
         verify=not args.allow_no_manifest,
@@ -259,15 +270,13 @@ def _export(args: argparse.Namespace) -> None:
     _, folder = _resolve(args.path, None)
     weights = model_weights(
         folder,
-        dtype=_DTYPES[args.dtype] if args.dtype else None,
+        dtype=_DTYPES.get(args.dtype),
         trusted=args.trusted,
         verify=not args.allow_no_manifest,
     )
     # Atomic: a failed export leaves no partial file.
     with storage.open_atomic(out) as f:
         if fmt == "safetensors":
-            from safetensors.torch import save
-
             f.write(save(weights, metadata={"format": "pt"}))
         else:
             torch.save(weights, f)

@@ -1,12 +1,9 @@
 """The one save sequence and the one load sequence, and the pieces they are made of.
 
-:func:`save_stage` is :func:`take_state`, then ``dcp.save`` inside
-:func:`publish_step`; :func:`load_stage` is ``dcp.load`` through
-:func:`open_step`'s reader and planner inside :func:`load_into` (the snippet is
-in :mod:`pippy.checkpoint`). ``AsyncSaver``, the command line and the reference
-example use the same pieces. The checks across ranks run inside DCP's own
-planning, with no collective of pippy's (:class:`CheckedSavePlanner`); a step
-is staged and published inside ``dcp.save`` (:class:`StepWriter`).
+The pieces are spelled out in :mod:`pippy.checkpoint`'s snippet. The checks
+across ranks run inside DCP's own planning, with no collective of pippy's
+(:class:`CheckedSavePlanner`); a step is staged and published inside
+``dcp.save`` (:class:`StepWriter`).
 """
 
 from __future__ import annotations
@@ -87,7 +84,6 @@ class CheckedSavePlanner(SavePlanner):
         *,
         mesh: DeviceMesh | None = None,
         process_group: dist.ProcessGroup | None = None,
-        failure: Exception | None = None,
     ) -> None:
         if getattr(planner, "_enable_plan_caching", False):
             raise ValueError(
@@ -97,7 +93,8 @@ class CheckedSavePlanner(SavePlanner):
                 "pass a planner without it"
             )
         self.planner = planner or DefaultSavePlanner()
-        self.mesh, self.process_group, self.failure = mesh, process_group, failure
+        self.mesh, self.process_group = mesh, process_group
+        self.failure: Exception | None = None  # set where taking the state failed
         self._state_dict: dict[str, Any] = {}
 
     def set_up_planner(
@@ -183,13 +180,12 @@ def take_state(
             ``DivergedReplicasError`` and ``NestedStateError``), on every rank.
     """
     step = step_of(state, step)
+    stall.seconds(timeout)  # refused at once; the waits are the save's
     state_dict, checked = take_together(
-        lambda: state_to_save(state, step)[0],
-        action=f"saving step-{step}",
+        lambda: state_to_save(state, step),
         process_group=process_group,
         mesh=mesh,
         planner=planner,
-        timeout=timeout,
     )
     return state_dict, step, checked
 
@@ -197,22 +193,19 @@ def take_state(
 def take_together(
     take: Callable[[], dict[str, Any]],
     *,
-    action: str,
     process_group: dist.ProcessGroup | None,
     mesh: DeviceMesh | None,
     planner: SavePlanner | None = None,
-    timeout: Timeout,
 ) -> tuple[dict[str, Any], CheckedSavePlanner]:
     """:func:`take_state` of ``take()``; its failure goes into the planner."""
-    stall.seconds(timeout)  # refused at once; the waits are the save's
-    ranks: dict[str, Any] = {"process_group": process_group}
+    checked = CheckedSavePlanner(planner, mesh=mesh, process_group=process_group)
     try:
-        state_dict = take()
+        return take(), checked
     except Exception as e:
         if not dist.is_initialized():  # no rank waits for this one
             raise
-        return {}, CheckedSavePlanner(planner, failure=e, **ranks)
-    return state_dict, CheckedSavePlanner(planner, mesh=mesh, **ranks)
+        checked.failure = e
+        return {}, checked
 
 
 def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
@@ -224,16 +217,13 @@ def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
     return step
 
 
-def state_to_save(
-    state: StageState | Mapping[str, Any], step: int | None
-) -> tuple[dict[str, Any], int]:
-    """:func:`take_state`'s part that each rank runs alone: the state and its step."""
-    step = step_of(state, step)
+def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str, Any]:
+    """:func:`take_state`'s part that each rank runs alone: the state, as ``step``."""
     state_dict = state.state_dict() if isinstance(state, StageState) else dict(state)
     stored = state_dict.get("step")
     if isinstance(stored, int) and stored != step:
         raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
-    return state_dict, step
+    return state_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +264,7 @@ class StepWriter(ManifestWriter):
         self.final = step_dir(checkpoint_dir, step)
         super().__init__(self.final, step=step, **kwargs)
         self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
+        self.storage = storage_for(checkpoint_dir)
         self.staging: Any = None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -282,12 +273,12 @@ class StepWriter(ManifestWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """DCP's plans, each carrying the staging folder made here."""
-        storage = storage_for(self.checkpoint_dir)
-        pattern = storage.join(self.checkpoint_dir, f".step-{self.step}.partial-*")
         try:
             self.staging = self._make_staging()
         except OSError as e:
-            raise dir_error(f"cannot create {pattern}", e) from e
+            pattern = f".step-{self.step}.partial-*"
+            where = self.storage.join(self.checkpoint_dir, pattern)
+            raise dir_error(f"cannot create {where}", e) from e
         return [
             dataclasses.replace(
                 p, storage_data=_Staged(p.storage_data.prefix, self.staging)
@@ -297,7 +288,7 @@ class StepWriter(ManifestWriter):
 
     def _make_staging(self) -> Any:
         """On the coordinator: checks that the step is new, makes its staging folder."""
-        storage, final = storage_for(self.checkpoint_dir), self.final
+        storage, final = self.storage, self.final
         check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
         list_steps(self.checkpoint_dir)  # a file where the folder should be: say so
         if is_complete(final) and holds_its_step(final):
@@ -344,12 +335,11 @@ class StepWriter(ManifestWriter):
 
     def publish(self) -> None:
         """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
-        storage = storage_for(self.final)
-        name = storage.name(self.final)
+        name = self.storage.name(self.final)
         try:
             check_lease(self.checkpoint_dir)
             if self.staging != self.final:  # on a store: committed by its record
-                storage.publish(self.staging, self.final)
+                self.storage.publish(self.staging, self.final)
             if self.keep_last is None:
                 return
             removed = remove_old_steps(
@@ -358,13 +348,13 @@ class StepWriter(ManifestWriter):
         except OSError as e:
             raise dir_error(f"cannot publish {name}", e) from e
         if removed:
-            names = ", ".join(storage.name(p) for p in removed)
+            names = ", ".join(self.storage.name(p) for p in removed)
             logger.info("published %s, removed %s", name, names)
 
     def discard(self) -> None:
         """Removes a failed save's staging folder, unless this job lost the lease."""
         if self.staging is not None and not lease_lost(self.checkpoint_dir):
-            storage_for(self.staging).remove(self.staging)
+            self.storage.remove(self.staging)
 
 
 @contextmanager
@@ -432,14 +422,13 @@ def publish_step(
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic GC off for the block: a save's many objects would trigger it."""
-    if not gc.isenabled():
-        yield
-        return
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 @gc_paused()

@@ -303,7 +303,7 @@ class AsyncSaver:
                 assert isinstance(self._stager, KeptBufferStager)
                 taken: Any = self._stager.stage(deferred[0], later=deferred[1])
             else:
-                state_dict, step = state_to_save(state, step)
+                state_dict = state_to_save(state, step)
                 taken = self._stager.stage(state_dict)
         except Exception as e:  # the others learn of it in the background
             taken = e
@@ -397,9 +397,7 @@ class AsyncSaver:
 
         action = f"saving step-{step}"
         with stall.waiting(action, "write", self.timeout, group):
-            copy, planner = take_together(
-                copied, action=action, process_group=group, mesh=self.mesh, timeout=None
-            )
+            copy, planner = take_together(copied, process_group=group, mesh=self.mesh)
             writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
             try:
                 dcp.save(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import uuid
 import warnings
 from collections.abc import Collection, Mapping
@@ -165,24 +164,8 @@ def load_model(
     return state.step
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
 #: torchtitan's count of tokens trained on, which pippy does not keep.
 _NTOKENS = "train_state.ntokens_seen"
-
-
-def parse_size(text: str) -> int:
-    """Parses a size such as ``5GB``, ``500MiB`` or ``1000`` into bytes.
-
-    Raises:
-        ValueError: ``text`` is not a positive number, optionally followed by B,
-            KB, MB, GB, KiB, MiB or GiB.
-    """
-    match = _SIZE.match(text)
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 1000")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
 
 
 def _shards(weights: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
