@@ -25,7 +25,7 @@ A stage built another way (a split of one's own, or ``pippy.pipeline``'s
 tracer) has two checks of its own: :func:`check_untied` refuses a model with
 tied weights before it is split, and :func:`restore_non_persistent_buffers`
 takes back out of a traced stage's ``state_dict`` the buffers the model kept
-out of it (both defined in :mod:`pippy.checkpoint.checks`).
+out of it.
 """
 
 from __future__ import annotations
@@ -38,11 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pippy.checkpoint.checks import (
-    check_untied,
-    restore_non_persistent_buffers,
-    tied_groups,
-)
+from pippy.checkpoint.checks import tied_groups
 from pippy.checkpoint.errors import TiedParametersError
 
 __all__ = [
@@ -59,6 +55,57 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def check_untied(model: nn.Module) -> None:
+    """Refuses a model with tied weights before it is split into stages.
+
+    A tied parameter (an output head tied to the embedding) ends up on two stages
+    after a split, each training its own copy; pippy does not keep them in sync.
+
+    Args:
+        model: The un-split (for example meta) model.
+
+    Raises:
+        TiedParametersError: Naming each pair of FQNs that share a parameter.
+    """
+    ties = [f"{n!r} is {g[0]!r}" for g in tied_groups(model) for n in g[1:]]
+    if ties:
+        raise TiedParametersError(
+            f"tied weights: {', '.join(ties)}. Split into pipeline stages, each "
+            "stage would train its own copy and the checkpoint would keep one. "
+            "pippy does not synchronise tied weights across stages: untie them "
+            "(give each module its own nn.Parameter) before splitting."
+        )
+
+
+def restore_non_persistent_buffers(
+    stage_module: nn.Module, model: nn.Module
+) -> list[str]:
+    """Makes the model's non-persistent buffers non-persistent in a traced stage.
+
+    ``torch.distributed.pipelining.pipeline`` registers every buffer as persistent
+    on each stage that uses it, so a RoPE table would be the same key on every
+    stage. This re-registers them as non-persistent, in place.
+
+    Args:
+        stage_module: The stage's module (``pipe.build_stage(...).submod``).
+        model: The un-split model that was traced.
+
+    Returns:
+        The FQNs of the buffers re-registered.
+    """
+    stage_buffers = dict(stage_module.named_buffers())
+    restored = []
+    for owner_name, owner in model.named_modules():
+        for name in owner._non_persistent_buffers_set:
+            fqn = f"{owner_name}.{name}" if owner_name else name
+            if fqn in stage_buffers:
+                stage_owner = stage_module.get_submodule(fqn.rpartition(".")[0])
+                stage_owner.register_buffer(name, stage_buffers[fqn], persistent=False)
+                restored.append(fqn)
+    logger.debug("re-registered non-persistent buffers %s", restored)
+    return restored
 
 
 class StageBuildError(ValueError):

@@ -10,10 +10,10 @@ import torch.distributed.checkpoint as dcp
 from pippy import SplitPoint, checkpoint, pipeline
 from pippy.checkpoint import offline
 from pippy.checkpoint.api import publish_step
-from pippy.checkpoint.checks import check_untied, restore_non_persistent_buffers
 from pippy.checkpoint.errors import TiedParametersError
 from pippy.checkpoint.safe_load import read_metadata
 from pippy.checkpoint.steps import is_complete, list_steps
+from pippy.stages import check_untied, restore_non_persistent_buffers
 
 from helpers import tiny_gpt
 
