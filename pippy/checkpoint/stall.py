@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from pippy.checkpoint.errors import CheckpointTimeout
+from pippy.checkpoint.errors import CheckpointTimeout, name_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,6 @@ def active() -> Waits | None:
     return getattr(_active, "waits", None)
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``rank 1`` or ``ranks 1, 3``."""
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
-
-
 class Waits:
     """One save or load on this rank (``action``: ``"saving step-20"``), watched."""
 
@@ -119,14 +114,16 @@ class Waits:
         self.mark: tuple[int, str] | None = None
         self._begun, self._posted, self._marked = self.since, False, False
         self._closed, self._changed = False, threading.Condition()
-        self._timeouts = _bound(group, self.timeout)
+        # The old bounds; with a timeout, group's collectives wait that + 0.5 s.
+        self._timeouts: list[tuple[Any, Any]] = []
+        if self.timeout is not None:
+            for device in group._device_types:
+                backend = group._get_backend(device)
+                self._timeouts.append((backend, backend.options._timeout))
+            group.set_timeout(timedelta(seconds=self.timeout + ABORT_WAIT_S))
         self._thread = threading.Thread(target=self._watch, name="pippy-stall")
         self._thread.daemon = True
         self._thread.start()
-
-    def record(self, done: int, total: int, nbytes: int, total_bytes: int) -> None:
-        """Notes how far this rank is (items and bytes), in memory."""
-        self.progress = (done, total, nbytes, total_bytes)
 
     def arrive(self) -> None:
         """Notes arrival; CheckpointTimeout if another rank's deadline passed."""
@@ -236,7 +233,7 @@ class Waits:
             saving = self.action.startswith("saving")
             undone = "step is not published" if saving else "stage is not loaded"
             message = (
-                f"{self.reached}|{self.action} timed out: {_ranks(late)} did not "
+                f"{self.reached}|{self.action} timed out: {name_ranks(late)} did not "
                 f"arrive at {point} within {self.timeout:g} s ({line}). The "
                 f"{undone}; find what holds them (a slow disk, a hung process), "
                 "or raise the timeout"
@@ -248,34 +245,23 @@ class Waits:
             logger.warning(
                 "%s: %s not at %s after %.0f s (%s); %s waiting",
                 self.action,
-                _ranks(late),
+                name_ranks(late),
                 point,
                 waited,
                 line,
-                _ranks(there),
+                name_ranks(there),
             )
 
-    def counting(self, planner: Any, sizes: Mapping[Any, int]) -> Any:
-        """``planner``, recording progress as DCP hands it each item."""
-        return _Counting(planner, self, sizes)
-
     @contextmanager
-    def inside_dcp(self) -> Iterator[None]:
-        """Arrives once the body ends, even if it failed."""
+    def counting(self, planner: Any, sizes: Mapping[Any, int]) -> Iterator[Any]:
+        """``planner``, recording progress as DCP hands it each item; then arrives.
+
+        The arrival (:meth:`arrive`) comes once the body ends, even if it failed.
+        """
         try:
-            yield
+            yield _Counting(planner, self, sizes)
         finally:
             self.arrive()
-
-
-def _bound(group: dist.ProcessGroup, timeout: float | None) -> list[Any]:
-    """Bounds the collectives of ``group`` to ``timeout`` + 0.5 s; the old bounds."""
-    if timeout is None:
-        return []
-    backends = [group._get_backend(device) for device in group._device_types]
-    before = [(backend, backend.options._timeout) for backend in backends]
-    group.set_timeout(timedelta(seconds=timeout + ABORT_WAIT_S))
-    return before
 
 
 @contextmanager
@@ -295,13 +281,6 @@ def waiting(
             raise timed_out from None
 
 
-def loading(
-    action: str, timeout: Timeout, process_group: dist.ProcessGroup | None
-) -> Any:
-    """:func:`waiting` for a load, whose reader reports reads to it."""
-    return waiting(action, "read", timeout, process_group)
-
-
 class _Counting:
     """A DCP planner that records, as each item is handed over, how many came before."""
 
@@ -315,7 +294,7 @@ class _Counting:
 
     def _next(self, index: Any) -> None:
         """Records the items before this one as done, then counts this one."""
-        self._waits.record(self._done, len(self._sizes), self._bytes, self._total)
+        self._waits.progress = (self._done, len(self._sizes), self._bytes, self._total)
         self._done += 1
         self._bytes += self._sizes.get(index, 0)
 
