@@ -312,15 +312,13 @@ class AsyncSaver:
             wait([failed])
             self._pending, self._told = (failed, None, step), failed
             raise
-        if (
-            not isinstance(taken, Future)
-            and self._stager.should_synchronize_after_execute
-        ):
+        # A stager that stages in the background gives a Future of the copy.
+        staging = taken if isinstance(taken, Future) else None
+        if staging is None and self._stager.should_synchronize_after_execute:
             self._stager.synchronize_staging()
         upload = self._executor.submit(self._write, taken, step)
-        # A stager that stages in the background gives a Future of the copy.
-        self._pending = (upload, taken if isinstance(taken, Future) else None, step)
-        if isinstance(taken, Future) and isinstance(state, StageState):
+        self._pending = (upload, staging, step)
+        if staging is not None and isinstance(state, StageState):
             self._hooks = [
                 o.register_step_pre_hook(self._staged) for o in state.optimizers
             ]

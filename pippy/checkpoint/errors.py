@@ -143,10 +143,7 @@ def explain_failures(action: str) -> Iterator[None]:
                 | NestedStateError,
             ):
                 raise type(exc)(str(exc)) from None
-        raise _failed_on(
-            action,
-            {r: _line(x) for r, x in failures.items()},
-        ) from None
+        raise _failed_on(action, {r: _line(x) for r, x in failures.items()}) from None
 
 
 @contextmanager

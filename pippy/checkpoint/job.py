@@ -195,13 +195,9 @@ class _OwnerRecord:
         self.storage.makedirs(self.root)
         for _ in range(3):  # another job may take a stale record first
             if self.storage.create_exclusive(self.record, self._encoded()):
-                self._hold()
                 return self.token
             self._take_over()
         raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
-
-    def _hold(self) -> None:
-        """Runs once the record is this job's."""
 
     def _take_over(self) -> None:
         """Removes another job's record where it may be taken over; else refuses."""
@@ -219,9 +215,7 @@ class _OwnerRecord:
 class _LocalRecord(_OwnerRecord):
     """The owner record of a local folder; a dead owner's is taken over."""
 
-    def __init__(self, root: Location, storage: Any) -> None:
-        super().__init__(root, storage)
-        self.created = False  # the folder did not exist: release removes it empty
+    created = False  # the folder did not exist: release removes it empty
 
     def _mine(self) -> dict[str, Any]:
         """This job's record, with what tells whether its process still runs."""
@@ -317,16 +311,14 @@ class StoreLease(_OwnerRecord):
     def acquire(self) -> str:
         """Creates the record or takes an expired one over; renews it; the token."""
         list_steps(self.root)  # an object where the folder should be: say so
-        return super().acquire()
-
-    def _hold(self) -> None:
-        """Registers the lease; renews it every third of its length, in a thread."""
+        token = super().acquire()
         self._version = self.storage.version(self.record)  # just made
         _HELD[_key(self.root)] = self
         self._thread = threading.Thread(
             target=self._renew, name="pippy-lease", daemon=True
         )
-        self._thread.start()
+        self._thread.start()  # renews the lease every third of its length
+        return token
 
     def _take_over(self) -> None:
         """Deletes an expired record, if this job claims it first; else refuses."""
@@ -595,9 +587,8 @@ class StopSignal:
         if self._received_by:
             return True
         if not dist.is_initialized():
-            number = int(self.received or 0)
-            self._received_by = {0: signal.Signals(number)} if number else {}
-            return bool(number)
+            self._received_by = {0: self.received} if self.received else {}
+            return bool(self._received_by)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         stop = False
