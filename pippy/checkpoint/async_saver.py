@@ -109,16 +109,15 @@ class KeptBufferStager:
         self._staging = self._executor.submit(self._fill, pairs, ready, staged, later)
         return self._staging
 
+    @torch.no_grad()
     def _fill(
         self, pairs: list, ready: Any, staged: Any = None, later: Any = None
     ) -> Any:
         """Copies each (buffer, source) pair, ``later``'s too; after ``ready``."""
         if later is not None:
-            with torch.no_grad():
-                staged = {**self._copy(later(), (), pairs), **staged}
+            staged = {**self._copy(later(), (), pairs), **staged}
         side = self._stream if ready is not None else None
-        on_side = torch.cuda.stream(side) if side is not None else nullcontext()
-        with torch.no_grad(), on_side:
+        with torch.cuda.stream(side) if side is not None else nullcontext():
             if side is not None:
                 side.wait_event(ready)  # the sources hold the values of the call
             for buffer, source in pairs:

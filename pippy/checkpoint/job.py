@@ -304,9 +304,8 @@ class StoreLease(_OwnerRecord):
 
     def _valid(self, record: Any) -> bool:
         """A record pippy wrote, with its expiry."""
-        return isinstance(record, dict) and isinstance(
-            record.get("expires"), int | float
-        )
+        expires = record.get("expires") if isinstance(record, dict) else None
+        return isinstance(expires, int | float)
 
     def acquire(self) -> str:
         """Creates the record or takes an expired one over; renews it; the token."""

@@ -87,23 +87,18 @@ class Waits:
     """One save or load on this rank (``action``: ``"saving step-20"``), watched."""
 
     def __init__(
-        self,
-        action: str,
-        point: str,
-        *,
-        timeout: Timeout = None,
-        process_group: dist.ProcessGroup | None = None,
+        self, action: str, point: str, timeout: Timeout, pg: dist.ProcessGroup | None
     ) -> None:
         self.action, self.points = action, ("start", point)
         self.timeout, self.log_every = seconds(timeout), log_every()
         self.enabled = (
             dist.is_initialized()
-            and dist.get_rank(process_group) >= 0
-            and dist.get_world_size(process_group) > 1
+            and dist.get_rank(pg) >= 0
+            and dist.get_world_size(pg) > 1
         )
         if not self.enabled:
             return
-        group = process_group or dist.group.WORLD
+        group = pg or dist.group.WORLD
         assert group is not None  # initialized
         self.group: dist.ProcessGroup = group
         self.rank, self.ranks = dist.get_rank(), dist.get_process_group_ranks(group)
@@ -269,7 +264,7 @@ def waiting(
     action: str, point: str, timeout: Timeout, process_group: dist.ProcessGroup | None
 ) -> Iterator[Waits]:
     """Watches the block (enter before any collective); raises a timeout as itself."""
-    waits = Waits(action, point, timeout=timeout, process_group=process_group)
+    waits = Waits(action, point, timeout, process_group)
     before, _active.waits, failed = active(), waits, True
     try:
         yield waits
