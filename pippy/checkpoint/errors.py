@@ -215,10 +215,9 @@ def on_coordinator(
     if dist.is_initialized():
         src = dist.get_global_rank(process_group, 0) if process_group else 0
         dist.broadcast_object_list(outcome, src=src, group=process_group)
-    if own is not None:
-        raise own
-    if outcome[0] is not None:
-        raise outcome[0]
+    error = own if own is not None else outcome[0]
+    if error is not None:  # this rank's own, else as rank 0 sent it
+        raise error
     return outcome[1]
 
 

@@ -142,10 +142,7 @@ def lease_lost(checkpoint_dir: Location) -> bool:
 
 
 class _OwnerRecord:
-    """A folder's owner record, held by rank 0: created exclusively, removed if ours.
-
-    Subclasses say when another job's record may be taken over.
-    """
+    """A folder's owner record on rank 0; subclasses say when another's is taken."""
 
     #: What the record is, for a message.
     kind = "file"

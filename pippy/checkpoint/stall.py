@@ -249,10 +249,7 @@ class Waits:
 
     @contextmanager
     def counting(self, planner: Any, sizes: Mapping[Any, int]) -> Iterator[Any]:
-        """``planner``, recording progress as DCP hands it each item; then arrives.
-
-        The arrival (:meth:`arrive`) comes once the body ends, even if it failed.
-        """
+        """``planner`` counting DCP's items; then :meth:`arrive`, even if it failed."""
         try:
             yield _Counting(planner, self, sizes)
         finally:
