@@ -657,12 +657,13 @@ def load_into(
         applied = True
         state.load_state_dict(filled)
 
-    with stall.loading(f"loading {path}", timeout, process_group), after_reads(apply):
+    action = f"loading {path}"
+    with stall.waiting(action, "read", timeout, process_group), after_reads(apply):
         state_dict = state.state_dict()
-        with explain_failures(f"loading {path}"):
+        with explain_failures(action):
             yield state_dict
     if not applied:  # not read by pippy's reader: its own all_gather
-        with fail_together(f"loading {path}", process_group):
+        with fail_together(action, process_group):
             state.load_state_dict(state_dict)
 
 
@@ -718,7 +719,7 @@ def load_stage(
         return state_dict
 
     if not isinstance(state, StageState):  # a plain state_dict: filled, no more
-        with stall.loading(f"loading {path}", timeout, process_group):
+        with stall.waiting(f"loading {path}", "read", timeout, process_group):
             return read(state)
     ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
     with load_into(state, path, **ranks) as state_dict:

@@ -109,16 +109,15 @@ class KeptBufferStager:
         self._staging = self._executor.submit(self._fill, pairs, ready, staged, later)
         return self._staging
 
+    @torch.no_grad()
     def _fill(
         self, pairs: list, ready: Any, staged: Any = None, later: Any = None
     ) -> Any:
         """Copies each (buffer, source) pair, ``later``'s too; after ``ready``."""
         if later is not None:
-            with torch.no_grad():
-                staged = {**self._copy(later(), (), pairs), **staged}
+            staged = {**self._copy(later(), (), pairs), **staged}
         side = self._stream if ready is not None else None
-        on_side = torch.cuda.stream(side) if side is not None else nullcontext()
-        with torch.no_grad(), on_side:
+        with torch.cuda.stream(side) if side is not None else nullcontext():
             if side is not None:
                 side.wait_event(ready)  # the sources hold the values of the call
             for buffer, source in pairs:
@@ -305,26 +304,22 @@ class AsyncSaver:
             else:
                 state_dict = state_to_save(state, step)
                 taken = self._stager.stage(state_dict)
-        except Exception as e:  # the others learn of it in the background
-            taken = e
-        if isinstance(taken, Exception):
-            # The others learn of it by their next poll(), which this rank's
-            # poll() joins; its wait() then says nothing more.
-            failed = self._executor.submit(self._write, taken, step)
+        except Exception as e:
+            # The others learn of it in the background, by their next poll(),
+            # which this rank's poll() joins; its wait() then says nothing more.
+            failed = self._executor.submit(self._write, e, step)
             wait([failed])
             self._pending, self._told = (failed, None, step), failed
-            raise taken
-        if (
-            not isinstance(taken, Future)
-            and self._stager.should_synchronize_after_execute
-        ):
+            raise
+        # A stager that stages in the background gives a Future of the copy.
+        staging = taken if isinstance(taken, Future) else None
+        if staging is None and self._stager.should_synchronize_after_execute:
             self._stager.synchronize_staging()
         upload = self._executor.submit(self._write, taken, step)
-        # A stager that stages in the background gives a Future of the copy.
-        self._pending = (upload, taken if isinstance(taken, Future) else None, step)
-        if isinstance(taken, Future) and isinstance(state, StageState):
+        self._pending = (upload, staging, step)
+        if staging is not None and isinstance(state, StageState):
             self._hooks = [
-                o.register_step_pre_hook(self._before_step) for o in state.optimizers
+                o.register_step_pre_hook(self._staged) for o in state.optimizers
             ]
         if not self._hooks:  # nothing to hook: the copy is done before returning
             self.wait_for_staging()
@@ -382,10 +377,6 @@ class AsyncSaver:
 
         return now, take
 
-    def _before_step(self, *_: Any) -> None:
-        """The saved optimizers' step pre-hook: waits for the copy."""
-        self._staged()
-
     def _write(self, taken: Any, step: int) -> Any:
         """In the background: the wait, the staging folder, the write, publishing."""
         group = self.process_group
@@ -435,8 +426,8 @@ class AsyncSaver:
             hook.remove()
         self._hooks = []
 
-    def _staged(self) -> None:
-        """Waits for the copy of the save in flight, as wait_for_staging."""
+    def _staged(self, *_: Any) -> None:
+        """Waits for the copy of the save in flight (the optimizers' step hook)."""
         if self._pending is None or self._pending[1] is None:
             return
         upload, staging, step = self._pending

@@ -100,6 +100,21 @@ def own_error(error: Exception) -> Exception:
     return _OwnError(dist.get_rank() if dist.is_initialized() else 0, error)
 
 
+def name_ranks(ranks: list[int]) -> str:
+    """``rank 1``, ``ranks 0, 2``, ``ranks 0-3, 6``: sorted ranks, runs joined."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(
+        f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run))
+        for run in runs
+    )
+    return f"rank{'s' * (len(ranks) > 1)} {text}"
+
+
 def _failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
     """One error for failures on several ranks: a line per rank, by rank."""
     lines = "\n".join(f"  rank {rank}: {failures[rank]}" for rank in sorted(failures))
@@ -128,10 +143,7 @@ def explain_failures(action: str) -> Iterator[None]:
                 | NestedStateError,
             ):
                 raise type(exc)(str(exc)) from None
-        raise _failed_on(
-            action,
-            {r: _line(x) for r, x in failures.items()},
-        ) from None
+        raise _failed_on(action, {r: _line(x) for r, x in failures.items()}) from None
 
 
 @contextmanager
@@ -158,7 +170,10 @@ def fail_together(
             line per failed rank. Without a process group, the body's own.
         ValueError: This rank is not in ``process_group``.
     """
-    if dist.is_initialized() and dist.get_rank(process_group) < 0:
+    if not dist.is_initialized():
+        yield
+        return
+    if dist.get_rank(process_group) < 0:
         raise ValueError(
             f"fail_together: rank {dist.get_rank()} is not in the process group"
         )
@@ -167,12 +182,7 @@ def fail_together(
     try:
         yield
     except Exception as e:
-        if not dist.is_initialized():
-            raise
-        error = f"{type(e).__name__}: {_message(e)}".replace("\n", "\n    ")
-        own = e
-    if not dist.is_initialized():
-        return
+        error, own = _line(e).replace("\n", "\n    "), e
     errors: list[str | None] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(errors, error, group=process_group)
     failed = {
@@ -205,10 +215,9 @@ def on_coordinator(
     if dist.is_initialized():
         src = dist.get_global_rank(process_group, 0) if process_group else 0
         dist.broadcast_object_list(outcome, src=src, group=process_group)
-    if own is not None:
-        raise own
-    if outcome[0] is not None:
-        raise outcome[0]
+    error = own if own is not None else outcome[0]
+    if error is not None:  # this rank's own, else as rank 0 sent it
+        raise error
     return outcome[1]
 
 

@@ -47,15 +47,11 @@ import torch.distributed as dist
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
+    name_ranks,
     on_coordinator,
 )
 from pippy.checkpoint.steps import is_complete, list_steps, parse_step, remove_staging
-from pippy.checkpoint.storage import (
-    FsspecStorage,
-    Location,
-    check_publishable,
-    storage_for,
-)
+from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
 
 __all__ = ["FolderOwner", "StopSignal", "stop_with_launcher"]
 
@@ -63,6 +59,15 @@ logger = logging.getLogger(__name__)
 
 #: The owner record in a run's checkpoint folder.
 OWNER_FILE = ".owner.json"
+
+#: How long a record holds the folder unless renewed, in seconds.
+LEASE_SECONDS = 60.0
+
+#: Environment variable that sets the lease, in seconds, where none is given.
+LEASE_ENV = "PIPPY_LEASE_SECONDS"
+
+# The leases this process holds, by folder URL: the saving code checks them.
+_HELD: dict[str, StoreLease] = {}
 
 
 def _proc(name: str) -> str | None:
@@ -95,14 +100,9 @@ def _describe(record: dict[str, Any]) -> str:
     )
 
 
-#: How long a record holds the folder unless renewed, in seconds.
-LEASE_SECONDS = 60.0
-
-#: Environment variable that sets the lease, in seconds, where none is given.
-LEASE_ENV = "PIPPY_LEASE_SECONDS"
-
-# The leases this process holds, by folder URL: the saving code checks them.
-_HELD: dict[str, StoreLease] = {}
+def _when(seconds: float) -> str:
+    """A time as ``2026-12-01T20:30:00+0000``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(seconds))
 
 
 def _resolve_lease_seconds(seconds: float | None) -> float:
@@ -141,48 +141,34 @@ def lease_lost(checkpoint_dir: Location) -> bool:
     return lease is not None and lease.lost.is_set()
 
 
-def _when(seconds: float) -> str:
-    """A time as ``2026-12-01T20:30:00+0000``."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(seconds))
+class _OwnerRecord:
+    """A folder's owner record on rank 0; subclasses say when another's is taken."""
 
+    #: What the record is, for a message.
+    kind = "file"
 
-class StoreLease:
-    """The owner record of a folder on an object store, held with a lease."""
-
-    def __init__(
-        self, root: Location, record: str, *, lease_seconds: float | None = None
-    ) -> None:
-        self.root = _key(root)
-        storage = storage_for(root)
-        if not isinstance(storage, FsspecStorage):
-            raise TypeError(
-                f"{os.fspath(root)!r} is a local folder: a lease is for an object "
-                "store's URL (FolderOwner keeps a local folder's owner record)"
-            )
-        self.storage = storage
-        self._version: str | None = None  # of this job's record, as last written
-        self.record = self.storage.join(self.root, record)
-        self.lease_seconds = _resolve_lease_seconds(lease_seconds)
+    def __init__(self, root: Location, storage: Any) -> None:
+        self.root, self.storage = root, storage
+        self.record = storage.join(root, OWNER_FILE)
         self.token = ""
-        self.expires = 0.0  # of this job's record, as last written
-        self.lost = threading.Event()
-        self._lost_to = ""  # the message saying who took the folder over
-        self._since = ""  # when this job acquired the record
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.since = ""  # when this job acquired the record
 
     def _mine(self) -> dict[str, Any]:
-        """This job's record, its lease starting now."""
-        self.expires = time.time() + self.lease_seconds
+        """This job's record."""
         return {
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "since": self._since,
+            "since": self.since,
             "token": self.token,
-            "expires": self.expires,
-            "lease_seconds": self.lease_seconds,
         }
+
+    def _encoded(self) -> bytes:
+        """This job's record as written."""
+        return json.dumps(self._mine()).encode()
+
+    def _valid(self, record: Any) -> bool:
+        """Whether ``record`` (parsed JSON) is an owner record pippy wrote."""
+        return isinstance(record, dict)
 
     def _read(self) -> dict[str, Any] | None:
         """The record, or None if there is none."""
@@ -192,68 +178,170 @@ class StoreLease:
             return None
         except ValueError:
             record = None
-        if not isinstance(record, dict) or not isinstance(
-            record.get("expires"), int | float
-        ):
+        if not self._valid(record):  # created whole, exclusively: not ours
             raise CheckpointDirInUseError(
                 f"{self.record} is not an owner record pippy wrote, so whether a "
-                "job uses the folder is unknown. If none does, delete that object"
+                f"job uses the folder is unknown. If none does, delete that {self.kind}"
             )
         return record
 
     def acquire(self) -> str:
-        """Creates the record or takes an expired one over; renews it; the token."""
+        """Creates the record, or takes another job's over where it may; the token."""
         self.token = uuid.uuid4().hex[:12]
-        self._since = _when(time.time())
+        self.since = _when(time.time())
         self.storage.makedirs(self.root)
-        for _ in range(3):
+        for _ in range(3):  # another job may take a stale record first
             if self.storage.create_exclusive(self.record, self._encoded()):
-                self._version = self.storage.version(self.record)  # just made
-                _HELD[self.root] = self
-                self._start_renewing()
                 return self.token
-            self._take_over_if_expired()
+            self._take_over()
         raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
 
-    def _encoded(self) -> bytes:
-        """The record as written."""
-        return json.dumps(self._mine()).encode()
+    def _take_over(self) -> None:
+        """Removes another job's record where it may be taken over; else refuses."""
+        raise NotImplementedError
 
-    def _take_over_if_expired(self) -> None:
+    def release(self) -> bool:
+        """Removes the record if it is still this job's; whether it did."""
+        record = self._read()
+        if record is None or record.get("token") != self.token:
+            return False
+        self.storage.remove(self.record)
+        return True
+
+
+class _LocalRecord(_OwnerRecord):
+    """The owner record of a local folder; a dead owner's is taken over."""
+
+    created = False  # the folder did not exist: release removes it empty
+
+    def _mine(self) -> dict[str, Any]:
+        """This job's record, with what tells whether its process still runs."""
+        here = {"boot": _boot_id(), "start": _start_time(os.getpid())}
+        return {**super()._mine(), **here}
+
+    def acquire(self) -> str:
+        """Refuses a step folder; creates the folder if needed and the record."""
+        real = Path(self.storage.same_place(self.root))
+        inside = [p for p in (real, *real.parents) if is_complete(p)]
+        if parse_step(real) is not None or inside:
+            step = inside[0] if inside else real
+            raise CheckpointDirError(
+                f"{str(self.root)!r} is or lies in the step folder {str(step)!r}, "
+                f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
+            )
+        list_steps(self.root)  # a file where the folder should be: say so
+        self.created = not self.storage.exists(self.root)
+        return super().acquire()
+
+    def _take_over(self) -> None:
+        """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
+        record = self._read()
+        if record is None:
+            return
+        here = (
+            record.get("host") == socket.gethostname()
+            and record.get("boot") == _boot_id()
+        )
+        pid = record.get("pid")
+        alive = not here or (
+            isinstance(pid, int) and _start_time(pid) == record.get("start")
+        )
+        if alive:
+            raise CheckpointDirInUseError(
+                f"{self.root} is in use by another job ({_describe(record)}): one "
+                "writer per checkpoint folder. Wait for that job to end or stop "
+                "it, or use another folder. If it is gone (it ran on another "
+                f"host), delete {self.record}"
+            )
+        stale = self.storage.join(self.root, f".owner-gone-{uuid.uuid4().hex}")
+        try:
+            self.storage.publish(self.record, stale)
+        except FileNotFoundError:
+            return  # another job moved it first
+        self.storage.remove(stale)
+        logger.warning(
+            "taking over %s from a job that is gone (%s)", self.root, _describe(record)
+        )
+        # This job now owns the folder alone: leftovers are the dead one's.
+        for name in remove_staging(self.root):
+            logger.warning("removed %s, left by that job", name)
+
+    def release(self) -> bool:
+        """As the base; a folder that acquire created, still empty, goes too."""
+        removed = super().release()
+        if removed and self.created and not self.storage.listdir(self.root):
+            self.storage.remove(self.root)  # a job that saved nothing
+        return removed
+
+
+class StoreLease(_OwnerRecord):
+    """The owner record of a folder on an object store, held with a lease."""
+
+    kind = "object"
+
+    def __init__(self, root: Location, *, lease_seconds: float | None = None) -> None:
+        storage = storage_for(root)
+        assert isinstance(storage, FsspecStorage)  # FolderOwner's choice
+        super().__init__(_key(root), storage)
+        self.storage: FsspecStorage = storage
+        self.lease_seconds = _resolve_lease_seconds(lease_seconds)
+        self._version: str | None = None  # of this job's record, as last written
+        self.expires = 0.0  # of this job's record, as last written
+        self.lost = threading.Event()
+        self._lost_to = ""  # the message saying who took the folder over
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _mine(self) -> dict[str, Any]:
+        """This job's record, its lease starting now."""
+        self.expires = time.time() + self.lease_seconds
+        lease = {"expires": self.expires, "lease_seconds": self.lease_seconds}
+        return {**super()._mine(), **lease}
+
+    def _valid(self, record: Any) -> bool:
+        """A record pippy wrote, with its expiry."""
+        expires = record.get("expires") if isinstance(record, dict) else None
+        return isinstance(expires, int | float)
+
+    def acquire(self) -> str:
+        """Creates the record or takes an expired one over; renews it; the token."""
+        list_steps(self.root)  # an object where the folder should be: say so
+        token = super().acquire()
+        self._version = self.storage.version(self.record)  # just made
+        _HELD[_key(self.root)] = self
+        self._thread = threading.Thread(
+            target=self._renew, name="pippy-lease", daemon=True
+        )
+        self._thread.start()  # renews the lease every third of its length
+        return token
+
+    def _take_over(self) -> None:
         """Deletes an expired record, if this job claims it first; else refuses."""
         record = self._read()
         if record is None:
             return
-        owner = f"host {record.get('host')!r}, pid {record.get('pid')}"
         if record["expires"] > time.time():
             raise CheckpointDirInUseError(
-                f"{self.root} is in use by another job ({owner}, started "
-                f"{record.get('since')}; its lease runs until "
-                f"{_when(record['expires'])}): one writer per checkpoint folder. "
-                "Wait for that job to end or stop it, or use another folder; the "
-                "lease of a job that died expires within "
+                f"{self.root} is in use by another job ({_describe(record)}; its "
+                f"lease runs until {_when(record['expires'])}): one writer per "
+                "checkpoint folder. Wait for that job to end or stop it, or use "
+                "another folder; the lease of a job that died expires within "
                 f"{record.get('lease_seconds')} s"
             )
         claim = f"{self.record}.takeover-{record.get('token')}"
         if not self.storage.create_exclusive(claim, self._encoded()):
             raise CheckpointDirInUseError(
                 f"{self.root}: another job is taking over the expired lease of "
-                f"({owner}); use another folder, or retry once it is done"
+                f"({_describe(record)}); use another folder, or retry once it is done"
             )
         self.storage.remove(self.record)
         logger.warning(
             "taking over %s from a job whose lease expired at %s (%s)",
             self.root,
             _when(record["expires"]),
-            owner,
+            _describe(record),
         )
-
-    def _start_renewing(self) -> None:
-        """Renews the lease every third of its length, in a daemon thread."""
-        self._thread = threading.Thread(
-            target=self._renew, name="pippy-lease", daemon=True
-        )
-        self._thread.start()
 
     def _renew(self) -> None:
         """The renewing thread: rewrites the record while it is still this job's."""
@@ -296,10 +384,7 @@ class StoreLease:
     def _lose(self, record: dict[str, Any] | None) -> None:
         """Notes that another job took the folder over; raises saying so."""
         if isinstance(record, dict):
-            other = (
-                f"another job took it over (host {record.get('host')!r}, pid "
-                f"{record.get('pid')}, started {record.get('since')})"
-            )
+            other = f"another job took it over ({_describe(record)})"
         else:
             other = "its owner record is gone (another job took it over)"
         if time.time() >= self.expires:
@@ -321,23 +406,20 @@ class StoreLease:
         """One GET: CheckpointDirInUseError if the record is lost; renews it if due."""
         self._renew_once(always=False)
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Stops renewing; deletes the record if still this job's (not once lost)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.lease_seconds)
-        if _HELD.get(self.root) is self:
-            del _HELD[self.root]
-        if not self.token or self.lost.is_set():
-            return
-        record = self._read()
-        if record is None or record.get("token") != self.token:
-            return
-        self.storage.remove(self.record)
+        if _HELD.get(_key(self.root)) is self:
+            del _HELD[_key(self.root)]
+        if self.lost.is_set() or not super().release():
+            return False
         claims = f"{self.storage.name(self.record)}.takeover-"
         for name in self.storage.listdir(self.root):  # this job's, of an old lease
             if name.startswith(claims) and not name.endswith(self.token):
                 self.storage.remove(self.storage.join(self.root, name))
+        return True
 
 
 class FolderOwner:
@@ -386,8 +468,7 @@ class FolderOwner:
         self.process_group = process_group
         self.lease_seconds = lease_seconds
         self.token = ""
-        self._created = False  # the folder did not exist: release removes it empty
-        self._lease: StoreLease | None = None  # on an object store
+        self._record: _OwnerRecord | None = None  # rank 0 holds it
 
     def __enter__(self) -> FolderOwner:
         """Takes ownership: :meth:`acquire`."""
@@ -405,14 +486,13 @@ class FolderOwner:
             CheckpointDirInUseError, CheckpointDirError, ValueError: As the
                 class says.
         """
-        take = self._acquire
-        if not storage_for(self.root).atomic_rename:  # an object store
-            self._lease = StoreLease(
-                self.root, OWNER_FILE, lease_seconds=self.lease_seconds
-            )
-            take = self._acquire_lease
+        storage = storage_for(self.root)
+        if storage.atomic_rename:
+            self._record = _LocalRecord(self.root, storage)
+        else:  # an object store
+            self._record = StoreLease(self.root, lease_seconds=self.lease_seconds)
         self.token = on_coordinator(
-            f"cannot write to {self.root}", take, self.process_group
+            f"cannot write to {self.root}", self._record.acquire, self.process_group
         )
 
     def release(self) -> None:
@@ -420,114 +500,11 @@ class FolderOwner:
 
         A folder that :meth:`acquire` created and that is still empty goes too.
         """
-        if not self.token:
+        if not self.token or self._record is None:
             return
         if dist.is_initialized() and dist.get_rank(self.process_group) != 0:
             return
-        if self._lease is not None:
-            return self._lease.release()
-        record = self._read()
-        if record is not None and record.get("token") == self.token:
-            self._storage.remove(self._record)
-            if self._created and not self._storage.listdir(self.root):
-                self._storage.remove(self.root)  # a job that saved nothing
-
-    def _read(self) -> dict[str, Any] | None:
-        """The owner record, or None if there is none."""
-        path = self._record
-        try:
-            record = json.loads(self._storage.read_bytes(path))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):  # created whole, exclusively: not ours
-            raise CheckpointDirInUseError(
-                f"{path} is not an owner record pippy wrote, so whether a job "
-                "uses the folder is unknown. If none does, delete that file"
-            )
-        return record
-
-    @property
-    def _storage(self) -> Any:
-        """The storage of the folder (local: steps can be published there)."""
-        return check_publishable(self.root)
-
-    @property
-    def _record(self) -> Any:
-        """Where the owner record is."""
-        return self._storage.join(self.root, OWNER_FILE)
-
-    def _acquire_lease(self) -> str:
-        """On rank 0, on an object store: the lease's token."""
-        assert self._lease is not None
-        list_steps(self.root)  # an object where the folder should be: say so
-        return self._lease.acquire()
-
-    def _check_not_a_step(self) -> None:
-        """Refuses a root that is, or lies in, a step folder."""
-        real = Path(self._storage.same_place(self.root))
-        inside = [p for p in (real, *real.parents) if is_complete(p)]
-        if parse_step(real) is not None or inside:
-            step = inside[0] if inside else real
-            raise CheckpointDirError(
-                f"{str(self.root)!r} is or lies in the step folder {str(step)!r}, "
-                f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
-            )
-        list_steps(self.root)  # a file where the folder should be: say so
-
-    def _acquire(self) -> str:
-        """On rank 0: creates the record, or takes over a dead owner's; its token."""
-        self._check_not_a_step()
-        token = uuid.uuid4().hex[:12]
-        self._created = not self._storage.exists(self.root)
-        self._storage.makedirs(self.root)
-        mine = {
-            "host": socket.gethostname(),
-            "boot": _boot_id(),
-            "pid": os.getpid(),
-            "start": _start_time(os.getpid()),
-            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "token": token,
-        }
-        for _ in range(3):  # another job may take a stale record first
-            if self._storage.create_exclusive(self._record, json.dumps(mine).encode()):
-                return token
-            self._take_over_if_gone()
-        raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
-
-    def _take_over_if_gone(self) -> None:
-        """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
-        record = self._read()
-        if record is None:
-            return
-        here = (
-            record.get("host") == socket.gethostname()
-            and record.get("boot") == _boot_id()
-        )
-        pid = record.get("pid")
-        alive = not here or (
-            isinstance(pid, int) and _start_time(pid) == record.get("start")
-        )
-        if alive:
-            raise CheckpointDirInUseError(
-                f"{self.root} is in use by another job ({_describe(record)}): one "
-                "writer per checkpoint folder. Wait for that job to end or stop "
-                "it, or use another folder. If it is gone (it ran on another "
-                f"host), delete {self._record}"
-            )
-        stale = self._storage.join(self.root, f".owner-gone-{uuid.uuid4().hex}")
-        try:
-            self._storage.publish(self._record, stale)
-        except FileNotFoundError:
-            return  # another job moved it first
-        self._storage.remove(stale)
-        logger.warning(
-            "taking over %s from a job that is gone (%s)", self.root, _describe(record)
-        )
-        # This job now owns the folder alone: leftovers are the dead one's.
-        for name in remove_staging(self.root):
-            logger.warning("removed %s, left by that job", name)
+        self._record.release()
 
 
 def stop_with_launcher(poll_seconds: float = 0.5) -> None:
@@ -606,26 +583,23 @@ class StopSignal:
         if self._received_by:
             return True
         if not dist.is_initialized():
-            number = int(self.received or 0)
-            self._received_by = {0: signal.Signals(number)} if number else {}
-            return bool(number)
+            self._received_by = {0: self.received} if self.received else {}
+            return bool(self._received_by)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
+        stop = False
         if self._pending is not None:  # started one call ago, on every rank
             work, numbers = self._pending
             work.wait()
             if numbers.any():  # a stop, on every rank at this call
-                self._received_by = _by_rank(numbers)
-                # Who has a signal by now, read when received_by is: a
-                # launcher's signal reaches its workers one after the other.
-                numbers = self._numbers()
-                work = dist.all_reduce(numbers, group=self._group, async_op=True)
-                self._pending = (work, numbers)
-                return True
-        numbers = self._numbers()
+                self._received_by, stop = _by_rank(numbers), True
+        # Who has a signal by now (after a stop, read when received_by is: a
+        # launcher's signal reaches its workers one after the other).
+        numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
+        numbers[dist.get_rank()] = int(self.received or 0)
         work = dist.all_reduce(numbers, group=self._group, async_op=True)
         self._pending = (work, numbers)
-        return False
+        return stop
 
     @property
     def received_by(self) -> dict[int, signal.Signals]:
@@ -637,19 +611,15 @@ class StopSignal:
             self._pending = None
         return self._received_by
 
-    def _numbers(self) -> torch.Tensor:
-        """Shape (world size,): this rank's signal number at its rank, 0 elsewhere."""
-        numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
-        numbers[dist.get_rank()] = int(self.received or 0)
-        return numbers
-
     @property
     def reason(self) -> str:
         """Who stopped the job: ``"SIGTERM received by rank 1"``; empty before."""
         ranks: dict[str, list[int]] = {}
         for rank, sig in sorted(self.received_by.items()):
             ranks.setdefault(sig.name, []).append(rank)
-        return ", ".join(f"{name} received by {_ranks(r)}" for name, r in ranks.items())
+        return ", ".join(
+            f"{name} received by {name_ranks(r)}" for name, r in ranks.items()
+        )
 
     def check_save_time(self, seconds: float) -> None:
         """Warns once (rank 0) if a save took longer than the launcher's deadline.
@@ -682,21 +652,6 @@ def _by_rank(numbers: torch.Tensor) -> dict[int, signal.Signals]:
     return {r: signal.Signals(n) for r, n in enumerate(numbers.tolist()) if n}
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``rank 1``, ``ranks 0, 2``, ``ranks 0-3, 6``: sorted ranks, runs joined."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][-1] + 1:
-            runs[-1].append(rank)
-        else:
-            runs.append([rank])
-    text = ", ".join(
-        f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run))
-        for run in runs
-    )
-    return f"rank{'s' * (len(ranks) > 1)} {text}"
-
-
 @dataclass(frozen=True)
 class Deadline:
     """How long the launcher lets workers run after a stop signal.
@@ -719,6 +674,8 @@ class Deadline:
 
 #: torchrun's grace period when none is set (torch.distributed.launcher.api).
 _TORCHRUN_DEFAULT = (30.0, "torchrun's default")
+#: The environment variables that set it, in torchrun's order, after its flag.
+_SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
 def launcher_deadline() -> Deadline | None:
@@ -726,17 +683,9 @@ def launcher_deadline() -> Deadline | None:
     # The flag is not in the workers' environment: read the parent's command line.
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it for workers
         return None
-    found = (
-        (
-            _launcher_option("--shutdown-timeout", "--shutdown_timeout"),
-            "torchrun --shutdown-timeout",
-        ),
-        (os.environ.get("PET_SHUTDOWN_TIMEOUT"), "PET_SHUTDOWN_TIMEOUT"),
-        (
-            os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
-            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-        ),
-    )
+    flag = _launcher_option("--shutdown-timeout", "--shutdown_timeout")
+    found = [(flag, "torchrun --shutdown-timeout")]
+    found += [(os.environ.get(name), name) for name in _SHUTDOWN_ENV]
     for value, source in found:  # torchrun's own order
         if value is not None:
             try:

@@ -324,8 +324,8 @@ class SafeFileSystemReader(FileSystemReader):
                 i.storage_index: self.storage_data[i.storage_index].length
                 for i in plan.items
             }
-            with waits.inside_dcp():
-                read = self._read_once(plan, waits.counting(planner, sizes))
+            with waits.counting(planner, sizes) as counted:
+                read = self._read_once(plan, counted)
         apply = getattr(_after_reads, "apply", None)
         filled = getattr(planner, "original_state_dict", None)
         if apply is not None and filled is not None:  # once per after_reads block

@@ -33,7 +33,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from pippy.checkpoint.errors import CheckpointTimeout
+from pippy.checkpoint.errors import CheckpointTimeout, name_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -83,32 +83,22 @@ def active() -> Waits | None:
     return getattr(_active, "waits", None)
 
 
-def _ranks(ranks: list[int]) -> str:
-    """``rank 1`` or ``ranks 1, 3``."""
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
-
-
 class Waits:
     """One save or load on this rank (``action``: ``"saving step-20"``), watched."""
 
     def __init__(
-        self,
-        action: str,
-        point: str,
-        *,
-        timeout: Timeout = None,
-        process_group: dist.ProcessGroup | None = None,
+        self, action: str, point: str, timeout: Timeout, pg: dist.ProcessGroup | None
     ) -> None:
         self.action, self.points = action, ("start", point)
         self.timeout, self.log_every = seconds(timeout), log_every()
         self.enabled = (
             dist.is_initialized()
-            and dist.get_rank(process_group) >= 0
-            and dist.get_world_size(process_group) > 1
+            and dist.get_rank(pg) >= 0
+            and dist.get_world_size(pg) > 1
         )
         if not self.enabled:
             return
-        group = process_group or dist.group.WORLD
+        group = pg or dist.group.WORLD
         assert group is not None  # initialized
         self.group: dist.ProcessGroup = group
         self.rank, self.ranks = dist.get_rank(), dist.get_process_group_ranks(group)
@@ -119,14 +109,16 @@ class Waits:
         self.mark: tuple[int, str] | None = None
         self._begun, self._posted, self._marked = self.since, False, False
         self._closed, self._changed = False, threading.Condition()
-        self._timeouts = _bound(group, self.timeout)
+        # The old bounds; with a timeout, group's collectives wait that + 0.5 s.
+        self._timeouts: list[tuple[Any, Any]] = []
+        if self.timeout is not None:
+            for device in group._device_types:
+                backend = group._get_backend(device)
+                self._timeouts.append((backend, backend.options._timeout))
+            group.set_timeout(timedelta(seconds=self.timeout + ABORT_WAIT_S))
         self._thread = threading.Thread(target=self._watch, name="pippy-stall")
         self._thread.daemon = True
         self._thread.start()
-
-    def record(self, done: int, total: int, nbytes: int, total_bytes: int) -> None:
-        """Notes how far this rank is (items and bytes), in memory."""
-        self.progress = (done, total, nbytes, total_bytes)
 
     def arrive(self) -> None:
         """Notes arrival; CheckpointTimeout if another rank's deadline passed."""
@@ -236,7 +228,7 @@ class Waits:
             saving = self.action.startswith("saving")
             undone = "step is not published" if saving else "stage is not loaded"
             message = (
-                f"{self.reached}|{self.action} timed out: {_ranks(late)} did not "
+                f"{self.reached}|{self.action} timed out: {name_ranks(late)} did not "
                 f"arrive at {point} within {self.timeout:g} s ({line}). The "
                 f"{undone}; find what holds them (a slow disk, a hung process), "
                 "or raise the timeout"
@@ -248,34 +240,20 @@ class Waits:
             logger.warning(
                 "%s: %s not at %s after %.0f s (%s); %s waiting",
                 self.action,
-                _ranks(late),
+                name_ranks(late),
                 point,
                 waited,
                 line,
-                _ranks(there),
+                name_ranks(there),
             )
 
-    def counting(self, planner: Any, sizes: Mapping[Any, int]) -> Any:
-        """``planner``, recording progress as DCP hands it each item."""
-        return _Counting(planner, self, sizes)
-
     @contextmanager
-    def inside_dcp(self) -> Iterator[None]:
-        """Arrives once the body ends, even if it failed."""
+    def counting(self, planner: Any, sizes: Mapping[Any, int]) -> Iterator[Any]:
+        """``planner`` counting DCP's items; then :meth:`arrive`, even if it failed."""
         try:
-            yield
+            yield _Counting(planner, self, sizes)
         finally:
             self.arrive()
-
-
-def _bound(group: dist.ProcessGroup, timeout: float | None) -> list[Any]:
-    """Bounds the collectives of ``group`` to ``timeout`` + 0.5 s; the old bounds."""
-    if timeout is None:
-        return []
-    backends = [group._get_backend(device) for device in group._device_types]
-    before = [(backend, backend.options._timeout) for backend in backends]
-    group.set_timeout(timedelta(seconds=timeout + ABORT_WAIT_S))
-    return before
 
 
 @contextmanager
@@ -283,7 +261,7 @@ def waiting(
     action: str, point: str, timeout: Timeout, process_group: dist.ProcessGroup | None
 ) -> Iterator[Waits]:
     """Watches the block (enter before any collective); raises a timeout as itself."""
-    waits = Waits(action, point, timeout=timeout, process_group=process_group)
+    waits = Waits(action, point, timeout, process_group)
     before, _active.waits, failed = active(), waits, True
     try:
         yield waits
@@ -293,13 +271,6 @@ def waiting(
         timed_out = waits.close(failed)
         if timed_out is not None:  # what reached the block was a collective's end
             raise timed_out from None
-
-
-def loading(
-    action: str, timeout: Timeout, process_group: dist.ProcessGroup | None
-) -> Any:
-    """:func:`waiting` for a load, whose reader reports reads to it."""
-    return waiting(action, "read", timeout, process_group)
 
 
 class _Counting:
@@ -315,7 +286,7 @@ class _Counting:
 
     def _next(self, index: Any) -> None:
         """Records the items before this one as done, then counts this one."""
-        self._waits.record(self._done, len(self._sizes), self._bytes, self._total)
+        self._waits.progress = (self._done, len(self._sizes), self._bytes, self._total)
         self._done += 1
         self._bytes += self._sizes.get(index, 0)
 

@@ -272,10 +272,9 @@ class ManifestWriter(FileSystemWriter):
     ) -> Future[list[WriteResult]]:
         """DCP's ``write_data`` (under the stall watch if one runs), with CRC-32Cs."""
         waits = stall.active()
-        if waits is not None:
-            sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
-            planner = waits.counting(planner, sizes)
-        with waits.inside_dcp() if waits is not None else nullcontext():
+        sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
+        watch = waits.counting(planner, sizes) if waits else nullcontext(planner)
+        with watch as planner:
             results = super().write_data(plan, planner).wait()
             tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
             lengths = [r.storage_data.length for r in results if r.index in tensors]
