@@ -49,7 +49,9 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.metadata
+import itertools
 import json
 import logging
 import math
@@ -85,8 +87,6 @@ from pippy.checkpoint.errors import (
 from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
     Location,
-    Storage,
-    glob,
     is_url,
     step_file,
     storage_for,
@@ -208,10 +208,10 @@ def remove_staging(checkpoint_dir: Location) -> list[str]:
     """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
     storage = storage_for(checkpoint_dir)
     removed = []
-    for pattern in _LEFTOVERS:
-        for leftover in glob(storage, checkpoint_dir, pattern):
-            storage.remove(leftover)
-            removed.append(storage.name(leftover))
+    for name in storage.listdir(checkpoint_dir):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in _LEFTOVERS):
+            storage.remove(storage.join(checkpoint_dir, name))
+            removed.append(name)
     return removed
 
 
@@ -294,38 +294,42 @@ class ManifestWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Writes ``.metadata`` as DCP does, then ``manifest.json``."""
-        storage = storage_for(self.path)
+        plain = [  # DCP's own storage_data, without the CRC-32C
+            [WriteResult(r.index, r.size_in_bytes, r.storage_data[0]) for r in rank]
+            for rank in results
+        ]
+        super().finish(metadata, plain)
         items: list[dict[str, Any]] = []
         files: dict[str, int] = {}
-        plain: list[list[WriteResult]] = []
-        for rank_results in results:
-            plain.append([])
-            for r in rank_results:
-                info, crc = r.storage_data
-                plain[-1].append(WriteResult(r.index, r.size_in_bytes, info))
-                name, end = info.relative_path, info.offset + info.length
-                files[name] = max(files.get(name, 0), end)
-                items.append(
-                    {
-                        "key": r.index.fqn,
-                        "file": name,
-                        "offset": info.offset,
-                        "length": info.length,
-                        "crc32c": crc,
-                    }
-                )
-        super().finish(metadata, plain)
+        for r in itertools.chain(*results):
+            info, crc = r.storage_data
+            name, end = info.relative_path, info.offset + info.length
+            files[name] = max(files.get(name, 0), end)
+            items.append(
+                {
+                    "key": r.index.fqn,
+                    "file": name,
+                    "offset": info.offset,
+                    "length": info.length,
+                    "crc32c": crc,
+                }
+            )
+        try:
+            pippy = importlib.metadata.version("pippy")
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree
+            pippy = "unknown"
         manifest = {
             "format": _FORMAT,
             "step": self.step,
             "checksum": "crc32c",
             "optim_layout": LAYOUT_VERSION,
-            "written_by": written_by(),
+            "written_by": {"torch": str(torch.__version__), "pippy": pippy},
             "files": dict(sorted(files.items())),
             "items": items,
         }
         # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
         data = json.dumps(manifest, separators=(",", ":")).encode()
+        storage = storage_for(self.path)
         storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
 
 
@@ -460,93 +464,78 @@ def find_damage(path: Location, metadata: Metadata) -> list[str]:
     return problems
 
 
-def _data_file(storage: Storage, folder: Location, name: Any) -> Any:
-    """The data file ``name`` inside ``folder``; refused if it could be elsewhere."""
-    plain = (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and not any(c in name for c in "/\\\0")
-    )
-    if not plain:
-        raise UnsafeCheckpointError(
-            f"refused to load {str(folder)!r}: its {METADATA_FILE} names the data "
-            f"file {name!r}, which is not a plain file name inside the step folder "
-            "(a path). DCP would open it wherever it points; no checkpoint written "
-            "by DCP or pippy does that"
-        )
-    return step_file(storage, folder, name)
-
-
 def check_structure(folder: Location, metadata: Metadata) -> None:
     """Refuses ``.metadata`` whose items are not where, or not as large as, it says."""
-    files = storage_for(folder)
-    damaged = f"{os.fspath(files.join(folder, METADATA_FILE))!r} is damaged"
-    try:
-        _check_tables(files, folder, metadata, damaged)
+    storage = storage_for(folder)
+    damaged = f"{os.fspath(storage.join(folder, METADATA_FILE))!r} is damaged"
+    try:  # a malformed entry raises anything: it is damage, not a KeyError
+        places, items = metadata.storage_data, metadata.state_dict_metadata
+        if not isinstance(places, dict) or not isinstance(items, dict):
+            raise CheckpointError(f"{damaged}: it has no table of items and files")
+        contained: set[str] = set()  # each file once: resolving a path stats it
+        for index, info in places.items():
+            name: Any = getattr(info, "relative_path", None)
+            plain = isinstance(name, str) and name not in ("", ".", "..")
+            if not plain or any(c in name for c in "/\\\0"):
+                raise UnsafeCheckpointError(
+                    f"refused to load {str(folder)!r}: its {METADATA_FILE} names the "
+                    f"data file {name!r}, which is not a plain file name inside the "
+                    "step folder (a path). DCP would open it wherever it points; no "
+                    "checkpoint written by DCP or pippy does that"
+                )
+            if name not in contained:
+                step_file(storage, folder, name)
+                contained.add(name)
+            place = (getattr(info, "offset", None), getattr(info, "length", None))
+            if not all(type(n) is int and n >= 0 for n in place):
+                raise CheckpointError(
+                    f"{damaged}: item {index.fqn!r} has no valid place"
+                )
+        for key, item in items.items():
+            if isinstance(item, BytesStorageMetadata):
+                chunks: list[tuple[MetadataIndex, int]] = [(MetadataIndex(key), 0)]
+            elif isinstance(item, TensorStorageMetadata):
+                size = item.properties.dtype.itemsize
+                chunks = [
+                    (MetadataIndex(key, chunk.offsets), math.prod(chunk.sizes) * size)
+                    for chunk in item.chunks
+                ]
+                inside = all(
+                    len(c.offsets) == len(c.sizes) == len(item.size)
+                    and all(
+                        0 <= o and o + n <= d
+                        for o, n, d in zip(c.offsets, c.sizes, item.size, strict=True)
+                    )
+                    for c in item.chunks
+                )
+                volume = sum(math.prod(c.sizes) for c in item.chunks)
+                if not inside or volume != math.prod(item.size):
+                    raise CheckpointError(
+                        f"{damaged}: {key!r} declares shape {list(item.size)}, which "
+                        "its stored chunks do not fill"
+                    )
+            else:
+                raise CheckpointError(
+                    f"{damaged}: {key!r} is neither tensor nor object"
+                )
+            for index, nbytes in chunks:
+                info = places.get(index)
+                if info is None:
+                    raise CheckpointError(f"{damaged}: no file holds {key!r}")
+                if nbytes > info.length:  # torch.save adds headers, never removes bytes
+                    raise CheckpointError(
+                        f"{damaged}: {key!r} declares {nbytes} bytes, but its file "
+                        f"holds {info.length} for it"
+                    )
     except (AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
         raise CheckpointError(f"{damaged}: {type(e).__name__}: {e}") from None
 
 
-def _check_tables(
-    files: Storage, folder: Location, metadata: Metadata, damaged: str
-) -> None:
-    """:func:`check_structure`'s checks; a malformed entry raises anything."""
-    storage = metadata.storage_data
-    items = metadata.state_dict_metadata
-    if not isinstance(storage, dict) or not isinstance(items, dict):
-        raise CheckpointError(f"{damaged}: it has no table of items and files")
-    contained: set[str] = set()  # each file once: resolving a path stats it
-    for index, info in storage.items():
-        name = getattr(info, "relative_path", None)
-        if not (isinstance(name, str) and name in contained):
-            _data_file(files, folder, name)
-            contained.add(str(name))  # a plain name: data_file refuses others
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not all(type(n) is int and n >= 0 for n in (offset, length)):
-            raise CheckpointError(f"{damaged}: item {index.fqn!r} has no valid place")
-    for key, item in items.items():
-        if isinstance(item, BytesStorageMetadata):
-            chunks: list[tuple[MetadataIndex, int]] = [(MetadataIndex(key), 0)]
-        elif isinstance(item, TensorStorageMetadata):
-            size = item.properties.dtype.itemsize
-            chunks = [
-                (MetadataIndex(key, chunk.offsets), math.prod(chunk.sizes) * size)
-                for chunk in item.chunks
-            ]
-            inside = all(
-                len(c.offsets) == len(c.sizes) == len(item.size)
-                and all(
-                    0 <= o and o + n <= d
-                    for o, n, d in zip(c.offsets, c.sizes, item.size, strict=True)
-                )
-                for c in item.chunks
-            )
-            volume = sum(math.prod(c.sizes) for c in item.chunks)
-            if not inside or volume != math.prod(item.size):
-                raise CheckpointError(
-                    f"{damaged}: {key!r} declares shape {list(item.size)}, which "
-                    "its stored chunks do not fill"
-                )
-        else:
-            raise CheckpointError(f"{damaged}: {key!r} is neither tensor nor object")
-        for index, nbytes in chunks:
-            info = storage.get(index)
-            if info is None:
-                raise CheckpointError(f"{damaged}: no file holds {key!r}")
-            if nbytes > info.length:  # torch.save adds headers, never removes bytes
-                raise CheckpointError(
-                    f"{damaged}: {key!r} declares {nbytes} bytes, but its file "
-                    f"holds {info.length} for it"
-                )
-
-
-def storage_ranges(metadata: Metadata, indices: Any = None) -> dict:
-    """``{(file, offset, length): key}`` of the items at ``indices`` (default all)."""
-    storage = metadata.storage_data
-    indices = storage.keys() if indices is None else indices
+def storage_ranges(metadata: Metadata) -> dict:
+    """``{(file, offset, length): key}`` of every item ``.metadata`` places."""
     return {
-        (storage[i].relative_path, storage[i].offset, storage[i].length): i.fqn
-        for i in indices
+        (info.relative_path, info.offset, info.length): index.fqn
+        for index, info in metadata.storage_data.items()
     }
 
 
@@ -565,15 +554,6 @@ class CompatTensorProperties(TensorProperties):
         if isinstance(state, tuple) and len(state) > _FIELDS:
             state = state[:_FIELDS]
         super().__setstate__(state)
-
-
-def written_by() -> dict[str, str]:
-    """The versions that write a step now: ``{"torch": ..., "pippy": ...}``."""
-    try:
-        pippy = importlib.metadata.version("pippy")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        pippy = "unknown"
-    return {"torch": str(torch.__version__), "pippy": pippy}
 
 
 def newer_torch_refusal(

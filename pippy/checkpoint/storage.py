@@ -10,7 +10,6 @@ there is committed by its manifest.
 from __future__ import annotations
 
 import errno
-import fnmatch
 import io
 import os
 import shutil
@@ -141,15 +140,6 @@ def step_file(storage: Storage, folder: Location, name: str) -> Any:
             "folder in place of the link"
         )
     return path
-
-
-def glob(storage: Storage, folder: Location, pattern: str) -> list[Any]:
-    """The entries of ``folder`` whose names match the shell ``pattern``."""
-    return [
-        storage.join(folder, name)
-        for name in storage.listdir(folder)
-        if fnmatch.fnmatchcase(name, pattern)
-    ]
 
 
 # Checksums as written: a CRC-32C per item, in place of torch.save's CRC-32.
@@ -351,7 +341,7 @@ class LocalStorage(Storage):
             except FileExistsError:
                 continue  # another process made it meanwhile
             _fsync_dir(folder.parent)
-        if not Path(location).is_dir():
+        if not path.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(location))
 
     def open_read(self, location: Location) -> IO[bytes]:
