@@ -298,12 +298,11 @@ class AsyncSaver:
         step = step_of(state, step)
         try:
             deferred = self._deferred(state, step)
-            if deferred is not None:
-                assert isinstance(self._stager, KeptBufferStager)
-                taken: Any = self._stager.stage(deferred[0], later=deferred[1])
+            if deferred is None:
+                taken: Any = self._stager.stage(state_to_save(state, step))
             else:
-                state_dict = state_to_save(state, step)
-                taken = self._stager.stage(state_dict)
+                assert isinstance(self._stager, KeptBufferStager)
+                taken = self._stager.stage(deferred[0], later=deferred[1])
         except Exception as e:
             # The others learn of it in the background, by their next poll(),
             # which this rank's poll() joins; its wait() then says nothing more.
