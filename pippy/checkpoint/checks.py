@@ -169,7 +169,7 @@ def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
 
 
 def _holds_state(value: Any) -> bool:
-    """Whether a mapping holds an owned section or an optimizer's state_dict."""
+    """Whether a mapping holds a model or optim section or an optimizer's state_dict."""
     if not isinstance(value, Mapping):
         return False
     if any(k in _OWNED for k in value) or {"state", "param_groups"} <= value.keys():
@@ -279,8 +279,8 @@ def check_keys(
     Every key under ``model`` and ``optim`` must belong to one pipeline stage;
     data-parallel replicas of a stage must hold equal values (by CRC-32C); every
     other entry must be equal on every rank (by SHA-1); no other section may
-    nest model or optimizer state. One all-gather of a few KB; call it on every rank of
-    ``process_group``.
+    nest model or optimizer state. One all-gather of a few KB; call it on every
+    rank of ``process_group``.
 
     Args:
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
