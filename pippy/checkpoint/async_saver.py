@@ -298,12 +298,11 @@ class AsyncSaver:
         step = step_of(state, step)
         try:
             deferred = self._deferred(state, step)
-            if deferred is not None:
-                assert isinstance(self._stager, KeptBufferStager)
-                taken: Any = self._stager.stage(deferred[0], later=deferred[1])
+            if deferred is None:
+                taken: Any = self._stager.stage(state_to_save(state, step))
             else:
-                state_dict = state_to_save(state, step)
-                taken = self._stager.stage(state_dict)
+                assert isinstance(self._stager, KeptBufferStager)
+                taken = self._stager.stage(deferred[0], later=deferred[1])
         except Exception as e:
             # The others learn of it in the background, by their next poll(),
             # which this rank's poll() joins; its wait() then says nothing more.
@@ -345,11 +344,7 @@ class AsyncSaver:
             )
         ):
             return None
-        if state.step != step:
-            raise ValueError(
-                f"the state holds step {state.step}; it cannot be step-{step}"
-            )
-        now: dict[str, Any] = {"step": state.step}
+        now = state_to_save({"step": state.step}, step)  # the step checked
         if state.lr_schedulers:
             now["lr_scheduler"] = state._scheduler_state()
         now.update((name, obj.state_dict()) for name, obj in state.extra.items())
@@ -386,8 +381,7 @@ class AsyncSaver:
                 raise taken
             return taken.result() if isinstance(taken, Future) else taken
 
-        action = f"saving step-{step}"
-        with stall.waiting(action, "write", self.timeout, group):
+        with stall.waiting(f"saving step-{step}", "write", self.timeout, group):
             copy, planner = take_together(copied, process_group=group, mesh=self.mesh)
             writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
             try:
@@ -398,9 +392,9 @@ class AsyncSaver:
                 writer.discard()
                 raise
         if not dist.is_initialized() or dist.get_rank() == 0:
-            seconds = time.perf_counter() - self._started
+            took = time.perf_counter() - self._started
             logger.info(
-                "published step-%d, saved in the background in %.2f s", step, seconds
+                "published step-%d, saved in the background in %.2f s", step, took
             )
         return writer.final
 
@@ -432,14 +426,14 @@ class AsyncSaver:
             return
         upload, staging, step = self._pending
         assert staging is not None
+        self._pending = (upload, None, step)
         try:
             with explain_failures(f"staging step-{step}"):
                 staging.result()
         except BaseException:
             wait([upload])  # it stops at staging on every rank (see save)
-            self._pending, self._told = (upload, None, step), upload
+            self._told = upload
             raise
-        self._pending = (upload, None, step)
 
     def wait(self) -> Any:
         """Waits for the save in flight, which publishes it.

@@ -10,7 +10,6 @@ one small all-gather; :func:`diff_state_dicts` compares bit for bit.
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,7 +27,7 @@ from pippy.checkpoint.errors import (
     NestedStateError,
 )
 
-logger = logging.getLogger(__name__)
+_OWNED = ("model", "optim")  # the sections whose every key one stage owns
 
 
 def named_leaves(
@@ -169,13 +168,13 @@ def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
     return not (sharded_on_all and set(dp_dims) <= set(names))
 
 
-def _holds_state(value: Any, owned: tuple[str, ...]) -> bool:
-    """Whether a mapping holds an owned section or an optimizer's state_dict."""
+def _holds_state(value: Any) -> bool:
+    """Whether a mapping holds a model or optim section or an optimizer's state_dict."""
     if not isinstance(value, Mapping):
         return False
-    if any(k in owned for k in value) or {"state", "param_groups"} <= value.keys():
+    if any(k in _OWNED for k in value) or {"state", "param_groups"} <= value.keys():
         return True
-    return any(_holds_state(v, owned) for v in value.values())
+    return any(_holds_state(v) for v in value.values())
 
 
 def _refuse_nested(offers: Mapping[int, Mapping[str, Any]]) -> None:
@@ -237,7 +236,7 @@ def _refuse_divergence(offers: Mapping[int, Mapping[str, Any]]) -> None:
         # A whole tensor is on every replica of its stage; a shard, on some.
         lacking = chunk is None and ranks != members[stage]
         if len(by_value) > 1 or lacking:  # one key may have several chunks (HSDP)
-            differ[key] = sorted(ranks.union(differ.get(key, []), members[stage]))
+            differ[key] = sorted({*differ.get(key, []), *members[stage]})
     if differ:
         raise DivergedReplicasError(
             f"the data-parallel replicas differ in {len(differ)} entr(ies) (in "
@@ -272,36 +271,33 @@ def _refuse_shared(offers: Mapping[int, Mapping[str, Any]]) -> None:
 def check_keys(
     state_dict: Mapping[str, Any],
     *,
-    owned: tuple[str, ...] = ("model", "optim"),
     process_group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
-    pp_dim: str = "pp",
 ) -> None:
     """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
 
-    Every key under ``owned`` must belong to one pipeline stage; data-parallel
-    replicas of a stage must hold equal values (by CRC-32C); every other entry
-    must be equal on every rank (by SHA-1); no other section may nest model or
-    optimizer state. One all-gather of a few KB; call it on every rank of
-    ``process_group``.
+    Every key under ``model`` and ``optim`` must belong to one pipeline stage;
+    data-parallel replicas of a stage must hold equal values (by CRC-32C); every
+    other entry must be equal on every rank (by SHA-1); no other section may
+    nest model or optimizer state. One all-gather of a few KB; call it on every
+    rank of ``process_group``.
 
     Args:
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
-        owned: Top-level entries that each stage owns exclusively.
         process_group: The ranks that save; the default group if None.
         mesh: The ranks' whole ``DeviceMesh`` (``("dp", "pp")``): ranks with
-            the same ``pp_dim`` coordinate hold the same stage(s), as replicas
-            or FSDP2 shards. None: every rank holds its own stage(s).
-        pp_dim: The name of the mesh's pipeline dim.
+            the same ``pp`` coordinate hold the same stage(s), as replicas or
+            FSDP2 shards. None: every rank holds its own stage(s).
 
     Raises:
-        KeyCollisionError: On every rank, naming keys and ranks: an owned
-            key is on two stages, or a shared entry differs between ranks.
+        KeyCollisionError: On every rank, naming keys and ranks: a model or
+            optimizer key is on two stages, or a shared entry differs between
+            ranks.
         DivergedReplicasError: On every rank: a stage's replicas hold
             different values, or an entry (not a shard) only some have.
-        NestedStateError: On every rank: a section other than ``owned``
-            holds model or optimizer state, at any depth.
-        ValueError: ``mesh`` has no ``pp_dim`` dim, or spans other ranks than
+        NestedStateError: On every rank: a section other than ``model`` and
+            ``optim`` holds model or optimizer state, at any depth.
+        ValueError: ``mesh`` has no ``pp`` dim, or spans other ranks than
             ``process_group`` (a slice).
 
     Note:
@@ -312,9 +308,7 @@ def check_keys(
     """
     if not dist.is_initialized():
         return
-    offer = offer_keys(
-        state_dict, owned=owned, process_group=process_group, mesh=mesh, pp_dim=pp_dim
-    )
+    offer = offer_keys(state_dict, process_group=process_group, mesh=mesh)
     gathered: list[Any] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(gathered, offer, group=process_group)
     refuse_losses(gathered, process_group=process_group)
@@ -323,10 +317,8 @@ def check_keys(
 def offer_keys(
     state_dict: Mapping[str, Any],
     *,
-    owned: tuple[str, ...] = ("model", "optim"),
     process_group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
-    pp_dim: str = "pp",
 ) -> dict[str, Any] | None:
     """This rank's part of :func:`check_keys`, to gather; None without a group."""
     if not dist.is_initialized():
@@ -341,15 +333,13 @@ def offer_keys(
     stage = dist.get_rank()
     if mesh is not None:
         names = mesh.mesh_dim_names or ()
-        if pp_dim not in names:
-            raise ValueError(f"the mesh has no {pp_dim!r} dim (it has {names})")
-        stage = mesh.get_local_rank(pp_dim)
-        dp_dims = tuple(
-            n for n in names if n != pp_dim and mesh.size(names.index(n)) > 1
-        )
+        if "pp" not in names:
+            raise ValueError(f"the mesh has no 'pp' dim (it has {names})")
+        stage = mesh.get_local_rank("pp")
+        dp_dims = tuple(n for n in names if n != "pp" and mesh.size(names.index(n)) > 1)
     leaves = [
         (k, v)
-        for s in owned
+        for s in _OWNED
         if s in state_dict
         for k, v in named_leaves(state_dict[s], f"{s}.")
     ]
@@ -363,13 +353,11 @@ def offer_keys(
         "shared": {
             k: fingerprint(v)
             for s in state_dict
-            if s not in owned
+            if s not in _OWNED
             for k, v in named_leaves({s: state_dict[s]})
         },
-        "nested": [  # sections other than owned that hold model or optimizer state
-            s
-            for s, v in state_dict.items()
-            if s not in owned and _holds_state(v, owned)
+        "nested": [  # other sections that hold model or optimizer state
+            s for s, v in state_dict.items() if s not in _OWNED and _holds_state(v)
         ],
     }
 

@@ -168,8 +168,10 @@ def load_model(
 _NTOKENS = "train_state.ntokens_seen"
 
 
-def _shards(weights: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
-    """Groups keys, in order, into shards of at most ``limit`` bytes (or one key)."""
+def _write(
+    storage: Storage, folder: Location, weights: dict[str, torch.Tensor], limit: int
+) -> list[str]:
+    """Writes shards of at most ``limit`` bytes (or one key); the index if several."""
     shards: list[list[str]] = [[]]
     size = 0
     for key, tensor in weights.items():
@@ -179,14 +181,6 @@ def _shards(weights: Mapping[str, torch.Tensor], limit: int) -> list[list[str]]:
             size = 0
         shards[-1].append(key)
         size += nbytes
-    return shards
-
-
-def _write(
-    storage: Storage, folder: Location, weights: dict[str, torch.Tensor], limit: int
-) -> list[str]:
-    """Writes the safetensors file(s), and the index when there are several."""
-    shards = _shards(weights, limit)
     n = len(shards)
     names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     if n == 1:
