@@ -706,21 +706,16 @@ def load_stage(
             tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
-
-    def read(state_dict: dict[str, Any]) -> dict[str, Any]:
-        read_any_layout(
-            state_dict,
-            path,
-            must_read=must_read,
-            trusted=trusted,
-            verify=verify,
-            process_group=process_group,
-        )
-        return state_dict
-
+    read: dict[str, Any] = {
+        "must_read": must_read,
+        "trusted": trusted,
+        "verify": verify,
+        "process_group": process_group,
+    }
     if not isinstance(state, StageState):  # a plain state_dict: filled, no more
         with stall.waiting(f"loading {path}", "read", timeout, process_group):
-            return read(state)
-    ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
-    with load_into(state, path, **ranks) as state_dict:
-        return read(state_dict)
+            read_any_layout(state, path, **read)
+        return state
+    with load_into(state, path, process_group=process_group, timeout=timeout) as filled:
+        read_any_layout(filled, path, **read)
+    return filled

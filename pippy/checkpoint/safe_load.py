@@ -117,6 +117,7 @@ _METADATA_GLOBALS = {
     )
     for name in names.split()
 }
+_MOVE_IT = "move the folder out of the checkpoint folder to resume from an earlier step"
 
 
 #: A function of the state_dict ``dcp.load`` fills, run by this thread's
@@ -257,12 +258,8 @@ class SafeFileSystemReader(FileSystemReader):
             return
         problems = find_damage(folder, self.metadata)
         if problems:
-            raise CheckpointError(
-                f"{str(folder)!r} is damaged: {'; '.join(problems[:4])}"
-                f"{' ...' if len(problems) > 4 else ''}. Restore those files, or "
-                "move the folder out of the checkpoint folder to resume from an "
-                "earlier step"
-            )
+            shown = "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
+            raise self._damaged(shown, f"Restore those files, or {_MOVE_IT}")
         if verify:
             ranges = storage_ranges(self.metadata)
             self.manifest = check_manifest(folder, parse_step(folder), ranges)
@@ -355,11 +352,9 @@ class SafeFileSystemReader(FileSystemReader):
         """Raises unless ``data`` is all of the item and what the manifest holds."""
         name, offset, length = info.relative_path, info.offset, info.length
         if len(data) != length:
-            raise CheckpointError(
-                f"{str(self.folder)!r} is damaged: {name} ends at byte "
-                f"{offset + len(data)}, inside item {key!r}. Restore the file, or "
-                "move the folder out of the checkpoint folder to resume from an "
-                "earlier step"
+            raise self._damaged(
+                f"{name} ends at byte {offset + len(data)}, inside item {key!r}",
+                f"Restore the file, or {_MOVE_IT}",
             )
         if self.manifest is None:
             return
@@ -395,13 +390,17 @@ class SafeFileSystemReader(FileSystemReader):
                 tensor = tensor.narrow(dim, offset, size)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise CheckpointError(
-                f"{str(self.folder)!r} is damaged: item {req.storage_index.fqn!r} "
-                f"of {info.relative_path} holds {list(tensor.size())} where "
-                f"{list(target.size())} is read. Load an earlier step"
+            raise self._damaged(
+                f"item {req.storage_index.fqn!r} of {info.relative_path} holds "
+                f"{list(tensor.size())} where {list(target.size())} is read",
+                "Load an earlier step",
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+    def _damaged(self, what: str, fix: str) -> CheckpointError:
+        """The error for this step's damage: ``what`` is wrong, and ``fix``."""
+        return CheckpointError(f"{str(self.folder)!r} is damaged: {what}. {fix}")
 
 
 def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Metadata:
@@ -785,6 +784,7 @@ def newest_verified_step(
     checkpoint_dir: Location, *, process_group: dist.ProcessGroup | None = None
 ) -> tuple[Any, dict[str, str]]:
     """``find_latest_step(verified=True)``'s step and ``{name: why}`` passed over."""
+    where = os.fspath(checkpoint_dir)
 
     def decide() -> tuple[Any, dict[str, str]]:  # on rank 0; errors reach every rank
         skipped: dict[str, str] = {}
@@ -806,11 +806,10 @@ def newest_verified_step(
             return None, skipped
         reasons = "; ".join(f"{n}: {w}" for n, w in skipped.items())
         raise CheckpointError(
-            f"no step of {os.fspath(checkpoint_dir)} verifies ({reasons}). "
+            f"no step of {where} verifies ({reasons}). "
             "Restore one, or move them all out of the folder to start afresh"
         )
 
-    where = os.fspath(checkpoint_dir)
     return on_coordinator(f"cannot check {where}", decide, process_group)
 
 
@@ -858,9 +857,7 @@ def find_latest_step(
     step damaged afterwards is returned, and loading it fails on every
     restart. ``verified=True`` goes past such steps instead: each is moved to
     ``.step-<N>.damaged-<time>`` (kept for a look, never chosen nor saved
-    over) and named, with why, in a warning on rank 0. Rank 0 alone lists the
-    folder and reads the manifests, and broadcasts the answer: every rank
-    resumes from the same step.
+    over) and named, with why, in a warning on rank 0.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
@@ -888,7 +885,8 @@ def find_latest_step(
 
     Note:
         Call it on every rank of ``process_group`` at once (a collective:
-        called on rank 0 alone, it waits), or without a process group.
+        called on rank 0 alone, it waits), or without a process group. Rank
+        0 answers for all: every rank resumes from the same step.
     """
     if verified:
         verified_step, reasons = newest_verified_step(
