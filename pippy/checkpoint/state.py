@@ -651,9 +651,6 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     # group), and torch 2.13's _unflatten_optim_state_dict reads its first one.
     groups = optimizer.param_groups
     kept = [i for i, group in enumerate(groups) if group["params"]]
-    if len(kept) == len(groups):
-        yield
-        return
     optimizer.param_groups = [groups[i] for i in kept]
     try:
         yield
