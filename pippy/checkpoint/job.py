@@ -353,10 +353,7 @@ class StoreLease(_OwnerRecord):
                 logger.warning("could not renew the lease of %s: %s", self.root, e)
 
     def check(self, *, always: bool = False) -> None:
-        """CheckpointDirInUseError if the record is lost; else renews it if due.
-
-        One GET, and a conditional PUT where renewing (``always``: whenever).
-        """
+        """One GET: CheckpointDirInUseError if lost; renews if due (or ``always``)."""
         with self._lock:  # the renewing thread and a save's check
             if self.lost.is_set():
                 raise CheckpointDirInUseError(self._lost_to)
