@@ -130,8 +130,7 @@ def _key(root: Location) -> str:
 
 def check_lease(checkpoint_dir: Location) -> None:
     """CheckpointDirInUseError if this process's :class:`StoreLease` here was lost."""
-    lease = _HELD.get(_key(checkpoint_dir))
-    if lease is not None:
+    if (lease := _HELD.get(_key(checkpoint_dir))) is not None:
         lease.check()
 
 
@@ -347,14 +346,14 @@ class StoreLease(_OwnerRecord):
         """The renewing thread: rewrites the record while it is still this job's."""
         while not self._stop.wait(self.lease_seconds / 3):
             try:
-                self._renew_once(always=True)
+                self.check(always=True)
             except CheckpointDirInUseError:
                 return
             except OSError as e:  # the store did not answer: try again soon
                 logger.warning("could not renew the lease of %s: %s", self.root, e)
 
-    def _renew_once(self, *, always: bool) -> None:
-        """Rewrites the record if it is still this job's (``always``, or if due)."""
+    def check(self, *, always: bool = False) -> None:
+        """One GET: CheckpointDirInUseError if lost; renews if due (or ``always``)."""
         with self._lock:  # the renewing thread and a save's check
             if self.lost.is_set():
                 raise CheckpointDirInUseError(self._lost_to)
@@ -401,10 +400,6 @@ class StoreLease(_OwnerRecord):
         )
         self.lost.set()
         raise CheckpointDirInUseError(self._lost_to)
-
-    def check(self) -> None:
-        """One GET: CheckpointDirInUseError if the record is lost; renews it if due."""
-        self._renew_once(always=False)
 
     def release(self) -> bool:
         """Stops renewing; deletes the record if still this job's (not once lost)."""

@@ -214,12 +214,19 @@ class StageState(Stateful):
             if not self.optimizers:
                 sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
             else:
-                _check_storable(self.optimizers, _param_fqns(self.module))
+                fqn_of = _param_fqns(self.module)
+                _check_storable(self.optimizers, fqn_of)
                 model_sd, optim_sd = get_state_dict(
                     self.module, self.optimizers, options=OPTIONS
                 )
+                groups = {  # each parameter's index within its own optimizer
+                    fqn_of[p]: i
+                    for i, group in self._all_groups()
+                    for p in group["params"]
+                    if p in fqn_of
+                }
                 keys = OptimKeys.of_module(self.module)
-                optim = _pack_scalars(optim_sd, self._groups(), keys)
+                optim = _pack_scalars(optim_sd, groups, keys)
                 sd = {"model": model_sd, "optim": optim}
         sd["step"] = self.step
         if self.lr_schedulers:
@@ -227,16 +234,6 @@ class StageState(Stateful):
         for name, obj in self.extra.items():
             sd[name] = obj.state_dict()
         return sd
-
-    def _groups(self) -> dict[str, int]:
-        """Each parameter's param group index within its own optimizer, by FQN."""
-        fqn_of = _param_fqns(self.module)
-        return {
-            fqn_of[p]: i
-            for i, group in self._all_groups()
-            for p in group["params"]
-            if p in fqn_of
-        }
 
     def _scheduler_state(self) -> dict[str, Any]:
         """The LR schedulers' one state; refuses schedulers that differ."""
@@ -654,9 +651,6 @@ def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     # group), and torch 2.13's _unflatten_optim_state_dict reads its first one.
     groups = optimizer.param_groups
     kept = [i for i, group in enumerate(groups) if group["params"]]
-    if len(kept) == len(groups):
-        yield
-        return
     optimizer.param_groups = [groups[i] for i in kept]
     try:
         yield
