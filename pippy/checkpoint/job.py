@@ -277,6 +277,7 @@ class StoreLease(_OwnerRecord):
     """The owner record of a folder on an object store, held with a lease."""
 
     kind = "object"
+    root: str  # the folder's URL as _HELD keys it
 
     def __init__(self, root: Location, *, lease_seconds: float | None = None) -> None:
         storage = storage_for(root)
@@ -308,7 +309,7 @@ class StoreLease(_OwnerRecord):
         list_steps(self.root)  # an object where the folder should be: say so
         token = super().acquire()
         self._version = self.storage.version(self.record)  # just made
-        _HELD[_key(self.root)] = self
+        _HELD[self.root] = self
         self._thread = threading.Thread(
             target=self._renew, name="pippy-lease", daemon=True
         )
@@ -406,8 +407,8 @@ class StoreLease(_OwnerRecord):
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.lease_seconds)
-        if _HELD.get(_key(self.root)) is self:
-            del _HELD[_key(self.root)]
+        if _HELD.get(self.root) is self:
+            del _HELD[self.root]
         if self.lost.is_set() or not super().release():
             return False
         claims = f"{self.storage.name(self.record)}.takeover-"

@@ -272,8 +272,10 @@ class ManifestWriter(FileSystemWriter):
     ) -> Future[list[WriteResult]]:
         """DCP's ``write_data`` (under the stall watch if one runs), with CRC-32Cs."""
         waits = stall.active()
-        sizes = {item.index: item.tensor_storage_size() or 0 for item in plan.items}
-        watch = waits.counting(planner, sizes) if waits else nullcontext(planner)
+        watch: Any = nullcontext(planner)
+        if waits is not None:  # the item sizes only where a watch reports them
+            sizes = {i.index: i.tensor_storage_size() or 0 for i in plan.items}
+            watch = waits.counting(planner, sizes)
         with watch as planner:
             results = super().write_data(plan, planner).wait()
             tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
