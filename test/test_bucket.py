@@ -161,3 +161,25 @@ def test_a_damaged_object_is_refused_and_nothing_is_lost(bucket, four_steps):
     refused = example(run, "--steps", "6", ok=False)
     assert "is damaged: its bytes do not match their checksum" in refused.stdout
     assert {p: fs.cat_file(p) for p in fs.find(run[5:])} == before
+
+
+def test_a_large_tensor_is_read_from_the_bucket_into_its_storage_and_checked(bucket):
+    # A tensor item of 1 MiB or more is read by torch.load through s3fs's file,
+    # straight into a new tensor, and checked before it is copied in.
+    import torch
+
+    fs, root = bucket
+    torch.manual_seed(0)
+    big = checkpoint.StageState(torch.nn.Linear(1024, 512, bias=False), step=1)
+    step = checkpoint.save_stage(big, f"{root}/large")
+    fresh = checkpoint.StageState(torch.nn.Linear(1024, 512, bias=False))
+    checkpoint.load_stage(fresh, step)
+    assert torch.equal(fresh.module.weight, big.module.weight)
+    path = f"{step[5:]}/__0_0.distcp"
+    data = bytearray(fs.cat_file(path))
+    at = bytes(data).index(big.module.weight.detach().numpy().tobytes())
+    data[at + 1000] ^= 0x01
+    fs.pipe_file(path, bytes(data))
+    fs.invalidate_cache()
+    with pytest.raises(checkpoint.CheckpointError, match="'model.weight' .* damaged"):
+        checkpoint.load_stage(fresh, step)

@@ -92,6 +92,39 @@ def test_a_flipped_bit_in_a_tensor_loads_silently_in_dcp_and_is_refused(tmp_path
         offline.verify_step(folder)
 
 
+@pytest.mark.parametrize("where", ["data", "padding", "cut short after opening"])
+def test_damage_in_a_large_tensor_read_into_its_storage_is_refused(tmp_path, where):
+    # Items of 1 MiB or more are checked as torch.load reads them, straight
+    # into the tensor; the padding before the data it never reads (plain DCP
+    # loads a step damaged there), and the checksum covers that too.
+    torch.manual_seed(0)
+    big = checkpoint.StageState(torch.nn.Linear(1024, 512, bias=False), step=1)
+    folder = checkpoint.save_stage(big, tmp_path)
+    path, offset, length = place(folder, "model.weight")
+    assert length > 2**21
+    fresh = checkpoint.StageState(torch.nn.Linear(1024, 512, bias=False))
+    reader, planner = checkpoint.open_step(folder)
+    raw = path.read_bytes()
+    data = raw.index(big.module.weight.detach().numpy().tobytes(), offset)
+    if where == "data":
+        flip_bit(path, data + 1000)
+    elif where == "padding":
+        flip_bit(path, data - 1)  # the zip record's alignment padding
+    else:
+        path.write_bytes(raw[: data + 1000])
+    if where != "cut short after opening":
+        plain = {"model": {"weight": torch.empty(512, 1024)}}
+        dcp.load(plain, checkpoint_id=folder)  # DCP: no error
+    fix = "Restore the file" if where == "cut short after opening" else "checksum"
+    with pytest.raises(checkpoint.CheckpointError, match=f"'model.weight'.*{fix}"):
+        with checkpoint.load_into(fresh, folder) as state_dict:
+            dcp.load(state_dict, storage_reader=reader, planner=planner)
+    assert not torch.equal(fresh.module.weight, big.module.weight)
+    if where != "cut short after opening":
+        with pytest.raises(checkpoint.CheckpointError, match="'model.weight'"):
+            checkpoint.load_stage(fresh, folder)
+
+
 def test_a_flipped_bit_in_the_step_is_refused(tmp_path):
     _, folder = saved_linear(tmp_path, step=2)
     path, offset, length = place(folder, "step")

@@ -8,7 +8,7 @@ verified load may read at most 5% more. On an object store every byte read
 twice is a second GET.
 
 Run as a script, this module is the load that is traced:
-``python test_read_once.py pippy|plain STEP OUT``.
+``python test_read_once.py pippy|plain STEP OUT WIDTH``.
 """
 
 import os
@@ -35,14 +35,18 @@ READS = "read,pread64,readv,preadv,preadv2"
 NOT_DATA = {".metadata", "manifest.json"}
 
 
-def stage(seed):
-    """A StageState of four Linear(256, 256) and AdamW, stepped once (3 MB)."""
+def stage(seed, width):
+    """A StageState of four Linear(width, width) and AdamW, stepped once.
+
+    Width 256: 3 MB, every item read whole, then loaded; width 1024: 48 MB,
+    items of 4 MB read by torch.load straight into their tensors.
+    """
     from pippy import checkpoint
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.randn(2, 256)).sum().backward()
+    model(torch.randn(2, width)).sum().backward()
     optimizer.step()
     return checkpoint.StageState(model, optimizer)
 
@@ -60,12 +64,12 @@ def data_bytes_read(trace, step):
     return read
 
 
-def traced_load(how, step, out):
+def traced_load(how, step, out, width):
     """Loads `step` in another process under strace (pippy's or plain DCP's
     load); the bytes it read from each data file."""
     trace = out / f"{how}.strace"
     command = strace_command(READS, trace, strings=0)
-    command += [sys.executable, __file__, how, str(step), str(out)]
+    command += [sys.executable, __file__, how, str(step), str(out), str(width)]
     path = [ROOT, ROOT / "test", EXAMPLE.parent]  # pippy, helpers, gpt
     env = {**_ENV, "PYTHONPATH": os.pathsep.join(map(str, path))}
     result = subprocess.run(
@@ -80,14 +84,15 @@ def _need_strace():
     require_strace()
 
 
-def test_a_verified_load_reads_each_stored_byte_once(tmp_path):
+@pytest.mark.parametrize("width", [256, 1024])
+def test_a_verified_load_reads_each_stored_byte_once(tmp_path, width):
     from pippy import checkpoint
 
-    saved = stage(seed=0)
+    saved = stage(seed=0, width=width)
     saved.step = 1
     step = checkpoint.save_stage(saved, tmp_path / "ckpt")
-    plain = traced_load("plain", step, tmp_path)
-    verified = traced_load("pippy", step, tmp_path)
+    plain = traced_load("plain", step, tmp_path, width)
+    verified = traced_load("pippy", step, tmp_path, width)
     # The load was whole and verified, not a read of nothing.
     loaded = torch.load(tmp_path / "pippy.pt", weights_only=True)
     for key, value in saved.module.state_dict().items():
@@ -99,18 +104,18 @@ def test_a_verified_load_reads_each_stored_byte_once(tmp_path):
     assert ratio <= 1.05, (verified, plain)
 
 
-def _load(how, step, out):
+def _load(how, step, out, width):
     """The traced load: `how` is pippy (load_stage) or plain (dcp.load)."""
     if how == "plain":
         plain_read(step)
         return
     from pippy import checkpoint
 
-    state = stage(seed=1)
+    state = stage(seed=1, width=width)
     checkpoint.load_stage(state, step)
     assert state.step == 1
     torch.save(state.module.state_dict(), out / "pippy.pt")
 
 
 if __name__ == "__main__":
-    _load(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    _load(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))

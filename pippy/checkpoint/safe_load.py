@@ -40,8 +40,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any
+from typing import IO, Any, cast
 
+import google_crc32c
+import numpy
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -117,6 +119,10 @@ _METADATA_GLOBALS = {
     )
     for name in names.split()
 }
+# Tensor items of this many bytes or more are read straight into their tensor
+# (:class:`_ItemReader`); smaller ones whole, then loaded: fewer Python calls.
+_STREAMED = 1 << 20
+_BYTES = LoadItemType.BYTE_IO
 _MOVE_IT = "move the folder out of the checkpoint folder to resume from an earlier step"
 
 
@@ -195,6 +201,90 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata")
     return metadata, data
+
+
+class _ItemReader(io.RawIOBase):
+    """One stored item of an open file, as ``torch.load`` reads it, CRC-32C on the way.
+
+    ``torch.load`` reads a zip's parts out of order (its directory at the end
+    first) and a tensor's bytes with ``readinto`` straight into its storage.
+    Small reads are kept until the checksum reaches them; a large one is
+    checked in place once every byte before it is (read again from the file if
+    ``torch.load`` skipped it, as it does a record's padding).
+    """
+
+    def __init__(self, file: Any, offset: int, length: int, *, crc: bool) -> None:
+        self.file, self.offset, self.length = file, offset, length
+        self.pos = 0  # torch.load's position in the item
+        self.crc: int | None = 0 if crc else None
+        self.checked = 0  # the checksum covers the item's bytes before this one
+        self.kept: dict[int, bytes] = {}  # small reads past the checksum, by start
+
+    def readable(self) -> bool:
+        """Always."""
+        return True
+
+    def seekable(self) -> bool:
+        """Always."""
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        """Moves within the item, as a file does."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}
+        self.pos = base[whence] + pos
+        return self.pos
+
+    def tell(self) -> int:
+        """The position within the item."""
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        """Reads up to the item's end into ``buffer``; its bytes go to the checksum."""
+        view = memoryview(buffer).cast("B")[: max(0, self.length - self.pos)]
+        self.file.seek(self.offset + self.pos)
+        n = self.file.readinto(view) or 0
+        start, self.pos = self.pos, self.pos + n
+        if self.crc is None or self.pos <= self.checked:
+            return n
+        if n < _STREAMED:
+            self.kept[start] = bytes(view[:n])
+            self._extend()
+            return n
+        self._extend()
+        self._extend_from_file(start)  # the bytes before it that torch.load skips
+        array = numpy.frombuffer(view[self.checked - start : n], dtype=numpy.uint8)
+        self.crc = google_crc32c.extend(self.crc, array)
+        self.checked = self.pos
+        return n
+
+    def _extend(self) -> None:
+        """Extends the checksum over the kept reads, as far as they reach."""
+        at = self.checked
+        while found := [s for s, d in self.kept.items() if s <= at < s + len(d)]:
+            data = self.kept.pop(found[0])
+            self.crc = google_crc32c.extend(self.crc, data[at - found[0] :])
+            self.checked = at = found[0] + len(data)
+
+    def _extend_from_file(self, until: int) -> None:
+        """Extends the checksum up to ``until``, reading what was not kept."""
+        while self.checked < until:
+            end = min((s for s in self.kept if self.checked < s < until), default=until)
+            self.file.seek(self.offset + self.checked)
+            data = self.file.read(end - self.checked)
+            if not data:  # the file ends inside the item
+                return
+            self.crc = google_crc32c.extend(self.crc, data)
+            self.checked += len(data)
+            self._extend()
+
+    def finish(self) -> tuple[int, int | None]:
+        """``(bytes of the item in its file, CRC-32C)``, reading what is unchecked."""
+        if self.crc is None:
+            end = self.file.seek(0, io.SEEK_END)
+            return min(self.length, max(0, end - self.offset)), None
+        self._extend()
+        self._extend_from_file(self.length)
+        return self.checked, self.crc
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -303,10 +393,13 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each planned item once, checks it, then hands it to ``planner``.
 
-        An item is checked whole (and with ``verify``, against its CRC-32C)
-        before it is unpickled. Then, under :mod:`~pippy.checkpoint.stall`,
-        the rank waits for the others, and the :func:`after_reads` function
-        runs.
+        Each stored byte is read once and checked (whole, and with
+        ``verify`` against its CRC-32C): a non-tensor item, and a tensor item
+        under 1 MiB, before it is unpickled; a larger tensor item, which
+        ``torch.load`` (``weights_only``) reads straight into a new tensor as
+        DCP's reader does, before it is copied into the state_dict. Then,
+        under :mod:`~pippy.checkpoint.stall`, the rank waits for the others,
+        and the :func:`after_reads` function runs.
 
         Note:
             DCP loads in place: after a damaged item, the items before it
@@ -340,25 +433,47 @@ class SafeFileSystemReader(FileSystemReader):
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
                 for index, reqs in items.items():
                     info = self.storage_data[index]
-                    data = self._slice_file(f, info).read(-1)
-                    self._check_item(index.fqn, info, data)
+                    descriptors = getattr(info, "transform_descriptors", None)
+                    if info.length < _STREAMED or descriptors or reqs[0].type == _BYTES:
+                        data = self._slice_file(f, info).read(-1)
+                        crc = google_crc32c.value(data) if self.manifest else None
+                        self._check_item(index.fqn, info, len(data), crc, data)
+                        tensor = self._hand_over(reqs, info, data, planner)
+                        if tensor is None:  # a bytes item, handed over
+                            continue
+                    else:  # read straight into the tensor, checked before copied in
+                        tensor = self._load_streamed(f, index.fqn, info)
                     for req in reqs:
-                        self._hand_over(req, info, data, planner)
+                        self._copy_in(req, info, tensor, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _check_item(self, key: str, info: Any, data: bytes) -> None:
-        """Raises unless ``data`` is all of the item and what the manifest holds."""
+    def _load_streamed(self, f: Any, key: str, info: Any) -> torch.Tensor:
+        """``torch.load`` of a tensor item from ``f``, checked before it returns."""
+        item = _ItemReader(f, info.offset, info.length, crc=self.manifest is not None)
+        try:
+            file = cast(IO[bytes], item)
+            tensor = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception:
+            self._check_item(key, info, *item.finish())  # damage, named as such
+            raise
+        self._check_item(key, info, *item.finish())
+        return tensor
+
+    def _check_item(
+        self, key: str, info: Any, size: int, crc: int | None, data: bytes = b""
+    ) -> None:
+        """Raises unless the item is whole (``size`` bytes), its CRC-32C ``crc``."""
         name, offset, length = info.relative_path, info.offset, info.length
-        if len(data) != length:
+        if size != length:
             raise self._damaged(
-                f"{name} ends at byte {offset + len(data)}, inside item {key!r}",
+                f"{name} ends at byte {offset + size}, inside item {key!r}",
                 f"Restore the file, or {_MOVE_IT}",
             )
-        if self.manifest is None:
+        if self.manifest is None or crc is None:
             return
-        verify_item(self.manifest, (name, offset, length), key, data)
+        verify_item(self.manifest, (name, offset, length), key, crc)
         if key == "step":  # the stored step, the name and the manifest agree
             step = _restricted_load(io.BytesIO(data))
             if step != self.manifest.step:
@@ -370,19 +485,26 @@ class SafeFileSystemReader(FileSystemReader):
                 )
 
     def _hand_over(
-        self, req: ReadItem, info: Any, data: bytes, planner: LoadPlanner
-    ) -> None:
-        """Gives ``planner`` the item one request reads, as DCP's reader does."""
+        self, reqs: list[ReadItem], info: Any, data: bytes, planner: LoadPlanner
+    ) -> torch.Tensor | None:
+        """Gives ``planner`` a bytes item, as DCP's reader does; loads a tensor item."""
         descriptors = getattr(info, "transform_descriptors", None) or ()
         stream = self.transforms.transform_load_stream(
-            req, descriptors, io.BytesIO(data)
+            reqs[0], descriptors, io.BytesIO(data)
         )
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
-            return
+        if reqs[0].type == _BYTES:
+            data = stream.read(-1)
+            for req in reqs:
+                planner.load_bytes(req, io.BytesIO(data))
+            return None
         if not stream.seekable():  # torch.load seeks
             stream = io.BytesIO(stream.read(-1))
-        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        return torch.load(stream, map_location="cpu", weights_only=True)
+
+    def _copy_in(
+        self, req: ReadItem, info: Any, tensor: torch.Tensor, planner: LoadPlanner
+    ) -> None:
+        """Copies the part of ``tensor`` that ``req`` reads into the planner's."""
         for dim, (offset, size) in enumerate(
             zip(req.storage_offsets, req.lengths, strict=True)
         ):

@@ -419,17 +419,10 @@ def verify_ranges(
     """Checks ``(file, offset, length)`` byte ranges against the manifest's CRCs."""
     crcs = _crc32c_of(folder, ranges)
     for place, key in ranges.items():
-        _check_crc(manifest, place, key, crcs[place])
+        verify_item(manifest, place, key, crcs[place])
 
 
 def verify_item(
-    manifest: Manifest, place: tuple[str, int, int], key: str, data: bytes
-) -> None:
-    """Checks one item's bytes, as read, against its manifest checksum."""
-    _check_crc(manifest, place, key, google_crc32c.value(data))
-
-
-def _check_crc(
     manifest: Manifest, place: tuple[str, int, int], key: str, crc: int
 ) -> None:
     """Raises unless the manifest lists the item at ``place`` with CRC-32C ``crc``."""
