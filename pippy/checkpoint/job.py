@@ -236,15 +236,13 @@ class _LocalRecord(_OwnerRecord):
         record = self._read()
         if record is None:
             return
-        here = (
+        pid = record.get("pid")
+        gone = (  # this host and boot, and no process with its pid and start time
             record.get("host") == socket.gethostname()
             and record.get("boot") == _boot_id()
+            and (not isinstance(pid, int) or _start_time(pid) != record.get("start"))
         )
-        pid = record.get("pid")
-        alive = not here or (
-            isinstance(pid, int) and _start_time(pid) == record.get("start")
-        )
-        if alive:
+        if not gone:
             raise CheckpointDirInUseError(
                 f"{self.root} is in use by another job ({_describe(record)}): one "
                 "writer per checkpoint folder. Wait for that job to end or stop "

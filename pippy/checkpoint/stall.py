@@ -103,9 +103,8 @@ class Waits:
         # The old bounds; with a timeout, group's collectives wait that + 0.5 s.
         self._timeouts: list[tuple[Any, Any]] = []
         if self.timeout is not None:
-            for device in group._device_types:
-                backend = group._get_backend(device)
-                self._timeouts.append((backend, backend.options._timeout))
+            backends = [group._get_backend(d) for d in group._device_types]
+            self._timeouts = [(b, b.options._timeout) for b in backends]
             group.set_timeout(timedelta(seconds=self.timeout + ABORT_WAIT_S))
         self._thread = threading.Thread(target=self._watch, name="pippy-stall")
         self._thread.daemon = True
