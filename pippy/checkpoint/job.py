@@ -2,8 +2,7 @@
 
 Two jobs that write one folder (a restart while the old job's workers still
 run, as a launcher killed with ``-9`` leaves them) delete and overwrite each
-other's saves. :class:`FolderOwner` lets one job at a time write a folder (its
-owner record created exclusively by a hard link, which works on NFS too);
+other's saves. :class:`FolderOwner` lets one job at a time write a folder;
 :func:`stop_with_launcher` stops workers whose launcher died;
 :class:`StopSignal` turns a preemption signal on any rank into a last save of
 one step by every rank, which must end within the launcher's grace period
@@ -137,7 +136,7 @@ def check_lease(checkpoint_dir: Location) -> None:
 def lease_lost(checkpoint_dir: Location) -> bool:
     """Whether this process knows that it lost its lease on the folder (no I/O)."""
     lease = _HELD.get(_key(checkpoint_dir))
-    return lease is not None and lease.lost.is_set()
+    return lease is not None and bool(lease.lost)
 
 
 class _OwnerRecord:
@@ -186,6 +185,7 @@ class _OwnerRecord:
 
     def acquire(self) -> str:
         """Creates the record, or takes another job's over where it may; the token."""
+        list_steps(self.root)  # a file where the folder should be: say so
         self.token = uuid.uuid4().hex[:12]
         self.since = _when(time.time())
         self.storage.makedirs(self.root)
@@ -228,7 +228,6 @@ class _LocalRecord(_OwnerRecord):
                 f"{str(self.root)!r} is or lies in the step folder {str(step)!r}, "
                 f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
             )
-        list_steps(self.root)  # a file where the folder should be: say so
         self.created = not self.storage.exists(self.root)
         return super().acquire()
 
@@ -237,15 +236,13 @@ class _LocalRecord(_OwnerRecord):
         record = self._read()
         if record is None:
             return
-        here = (
+        pid = record.get("pid")
+        gone = (  # this host and boot, and no process with its pid and start time
             record.get("host") == socket.gethostname()
             and record.get("boot") == _boot_id()
+            and (not isinstance(pid, int) or _start_time(pid) != record.get("start"))
         )
-        pid = record.get("pid")
-        alive = not here or (
-            isinstance(pid, int) and _start_time(pid) == record.get("start")
-        )
-        if alive:
+        if not gone:
             raise CheckpointDirInUseError(
                 f"{self.root} is in use by another job ({_describe(record)}): one "
                 "writer per checkpoint folder. Wait for that job to end or stop "
@@ -279,19 +276,19 @@ class StoreLease(_OwnerRecord):
     kind = "object"
     root: str  # the folder's URL as _HELD keys it
 
-    def __init__(self, root: Location, *, lease_seconds: float | None = None) -> None:
-        storage = storage_for(root)
-        assert isinstance(storage, FsspecStorage)  # FolderOwner's choice
+    def __init__(
+        self, root: Location, storage: FsspecStorage, lease_seconds: float | None
+    ) -> None:
         super().__init__(_key(root), storage)
-        self.storage: FsspecStorage = storage
         self.lease_seconds = _resolve_lease_seconds(lease_seconds)
         self._version: str | None = None  # of this job's record, as last written
         self.expires = 0.0  # of this job's record, as last written
-        self.lost = threading.Event()
-        self._lost_to = ""  # the message saying who took the folder over
+        self.lost = ""  # once another job took the folder over: the message
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = threading.Thread(  # started by acquire
+            target=self._renew, name="pippy-lease", daemon=True
+        )
 
     def _mine(self) -> dict[str, Any]:
         """This job's record, its lease starting now."""
@@ -306,14 +303,10 @@ class StoreLease(_OwnerRecord):
 
     def acquire(self) -> str:
         """Creates the record or takes an expired one over; renews it; the token."""
-        list_steps(self.root)  # an object where the folder should be: say so
         token = super().acquire()
         self._version = self.storage.version(self.record)  # just made
         _HELD[self.root] = self
-        self._thread = threading.Thread(
-            target=self._renew, name="pippy-lease", daemon=True
-        )
-        self._thread.start()  # renews the lease every third of its length
+        self._thread.start()
         return token
 
     def _take_over(self) -> None:
@@ -356,8 +349,8 @@ class StoreLease(_OwnerRecord):
     def check(self, *, always: bool = False) -> None:
         """One GET: CheckpointDirInUseError if lost; renews if due (or ``always``)."""
         with self._lock:  # the renewing thread and a save's check
-            if self.lost.is_set():
-                raise CheckpointDirInUseError(self._lost_to)
+            if self.lost:
+                raise CheckpointDirInUseError(self.lost)
             record = self._read_or_none(self.record)
             if time.time() >= self.expires:  # late: a job may be taking it over
                 claim = self._read_or_none(f"{self.record}.takeover-{self.token}")
@@ -366,9 +359,8 @@ class StoreLease(_OwnerRecord):
                 self._lose(record)
             due = self.expires - time.time() < self.lease_seconds * 2 / 3
             if always or due:  # only over this job's own last write
-                data = self._encoded()
                 version = self.storage.replace_if_unchanged(
-                    self.record, data, self._version
+                    self.record, self._encoded(), self._version
                 )
                 if version is None:
                     self._lose(self._read_or_none(self.record))
@@ -377,13 +369,14 @@ class StoreLease(_OwnerRecord):
     def _read_or_none(self, path: str) -> dict[str, Any] | None:
         """A record, or None if there is none or it is not one pippy wrote."""
         try:
-            return json.loads(self.storage.read_bytes(path))
+            record = json.loads(self.storage.read_bytes(path))
         except (FileNotFoundError, ValueError):
             return None
+        return record if isinstance(record, dict) else None
 
     def _lose(self, record: dict[str, Any] | None) -> None:
         """Notes that another job took the folder over; raises saying so."""
-        if isinstance(record, dict):
+        if record is not None:
             other = f"another job took it over ({_describe(record)})"
         else:
             other = "its owner record is gone (another job took it over)"
@@ -394,22 +387,20 @@ class StoreLease(_OwnerRecord):
             )
         else:
             when = f", though this job's lease ran until {_when(self.expires)}"
-        self._lost_to = (
+        self.lost = (
             f"this job lost {self.root}: {other}{when}, so this job writes "
             "nothing more there. Stop this job; the other job's steps are "
             "untouched: resume from them once it has ended"
         )
-        self.lost.set()
-        raise CheckpointDirInUseError(self._lost_to)
+        raise CheckpointDirInUseError(self.lost)
 
     def release(self) -> bool:
         """Stops renewing; deletes the record if still this job's (not once lost)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.lease_seconds)
+        self._thread.join(timeout=self.lease_seconds)
         if _HELD.get(self.root) is self:
             del _HELD[self.root]
-        if self.lost.is_set() or not super().release():
+        if self.lost or not super().release():
             return False
         claims = f"{self.storage.name(self.record)}.takeover-"
         for name in self.storage.listdir(self.root):  # this job's, of an old lease
@@ -423,8 +414,8 @@ class FolderOwner:
 
     On entry (every rank of ``process_group`` at once), rank 0 alone checks
     the folder, creates it if needed and the owner record ``.owner.json``;
-    every rank gets the job's token (it names the staging folders) or the same
-    error. On exit the record is removed if it is still this job's::
+    every rank gets the record's token or the same error. On exit the record
+    is removed if it is still this job's::
 
         with FolderOwner(checkpoint_dir):
             ...  # resume, train, save
@@ -483,10 +474,10 @@ class FolderOwner:
                 class says.
         """
         storage = storage_for(self.root)
-        if storage.atomic_rename:
+        if isinstance(storage, FsspecStorage):  # an object store
+            self._record = StoreLease(self.root, storage, self.lease_seconds)
+        else:
             self._record = _LocalRecord(self.root, storage)
-        else:  # an object store
-            self._record = StoreLease(self.root, lease_seconds=self.lease_seconds)
         self.token = on_coordinator(
             f"cannot write to {self.root}", self._record.acquire, self.process_group
         )
@@ -496,11 +487,9 @@ class FolderOwner:
 
         A folder that :meth:`acquire` created and that is still empty goes too.
         """
-        if not self.token or self._record is None:
-            return
-        if dist.is_initialized() and dist.get_rank(self.process_group) != 0:
-            return
-        self._record.release()
+        rank0 = not dist.is_initialized() or dist.get_rank(self.process_group) == 0
+        if self.token and self._record is not None and rank0:
+            self._record.release()
 
 
 def stop_with_launcher(poll_seconds: float = 0.5) -> None:
@@ -670,8 +659,6 @@ class Deadline:
 
 #: torchrun's grace period when none is set (torch.distributed.launcher.api).
 _TORCHRUN_DEFAULT = (30.0, "torchrun's default")
-#: The environment variables that set it, in torchrun's order, after its flag.
-_SHUTDOWN_ENV = ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
 
 
 def launcher_deadline() -> Deadline | None:
@@ -679,9 +666,9 @@ def launcher_deadline() -> Deadline | None:
     # The flag is not in the workers' environment: read the parent's command line.
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it for workers
         return None
-    flag = _launcher_option("--shutdown-timeout", "--shutdown_timeout")
-    found = [(flag, "torchrun --shutdown-timeout")]
-    found += [(os.environ.get(name), name) for name in _SHUTDOWN_ENV]
+    found = [(_shutdown_flag(), "torchrun --shutdown-timeout")]
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        found.append((os.environ.get(name), name))
     for value, source in found:  # torchrun's own order
         if value is not None:
             try:
@@ -691,23 +678,20 @@ def launcher_deadline() -> Deadline | None:
     return Deadline(*_TORCHRUN_DEFAULT)
 
 
-def _launcher_option(*names: str) -> str | None:
-    """The value of one of the parent's options before this script's name, or None."""
-    try:
-        with open(f"/proc/{os.getppid()}/cmdline") as f:
-            cmdline = f.read()
-    except OSError:
+def _shutdown_flag() -> str | None:
+    """The parent's ``--shutdown-timeout`` (before this script's name), or None."""
+    cmdline = _proc(f"{os.getppid()}/cmdline")
+    if cmdline is None:
         return None
     words, ours = cmdline.split("\0")[:-1], sys.argv[1:]
     if words[len(words) - len(ours) :] != ours:  # not this script's launcher
         return None
     options = words[: len(words) - len(ours) - 1]  # less the script, our flags
-    for i, word in enumerate(options):
-        for name in names:
-            if word == name and i + 1 < len(options):
-                return options[i + 1]
-            if word.startswith(f"{name}="):
-                return word.split("=", 1)[1]
+    for i, word in enumerate(options):  # --shutdown-timeout=5, or its next word
+        name, equals, value = word.partition("=")
+        if name in ("--shutdown-timeout", "--shutdown_timeout"):
+            if equals or i + 1 < len(options):
+                return value if equals else options[i + 1]
     return None
 
 

@@ -87,19 +87,10 @@ class Waits:
     """One save or load on this rank (``action``: ``"saving step-20"``), watched."""
 
     def __init__(
-        self, action: str, point: str, timeout: Timeout, pg: dist.ProcessGroup | None
+        self, action: str, point: str, timeout: float | None, every: float, group: Any
     ) -> None:
         self.action, self.points = action, ("start", point)
-        self.timeout, self.log_every = seconds(timeout), log_every()
-        self.enabled = (
-            dist.is_initialized()
-            and dist.get_rank(pg) >= 0
-            and dist.get_world_size(pg) > 1
-        )
-        if not self.enabled:
-            return
-        group = pg or dist.group.WORLD
-        assert group is not None  # initialized
+        self.timeout, self.log_every = timeout, every
         self.group: dist.ProcessGroup = group
         self.rank, self.ranks = dist.get_rank(), dist.get_process_group_ranks(group)
         self.prefix = f"pippy/{group.group_name}/{action}"
@@ -112,9 +103,8 @@ class Waits:
         # The old bounds; with a timeout, group's collectives wait that + 0.5 s.
         self._timeouts: list[tuple[Any, Any]] = []
         if self.timeout is not None:
-            for device in group._device_types:
-                backend = group._get_backend(device)
-                self._timeouts.append((backend, backend.options._timeout))
+            backends = [group._get_backend(d) for d in group._device_types]
+            self._timeouts = [(b, b.options._timeout) for b in backends]
             group.set_timeout(timedelta(seconds=self.timeout + ABORT_WAIT_S))
         self._thread = threading.Thread(target=self._watch, name="pippy-stall")
         self._thread.daemon = True
@@ -122,8 +112,6 @@ class Waits:
 
     def arrive(self) -> None:
         """Notes arrival; CheckpointTimeout if another rank's deadline passed."""
-        if not self.enabled:
-            return
         with self._changed:
             self.reached, self.since = 2, time.monotonic()
             self._changed.notify()
@@ -133,15 +121,13 @@ class Waits:
 
     def close(self, failed: bool = False) -> CheckpointTimeout | None:
         """Ends the watch, restores the timeout; what a failed block raises, or None."""
-        if not self.enabled:
-            return None
         with self._changed:
             self._closed = True
             self._changed.notify()
         self._thread.join()
         for backend, before in self._timeouts:
             backend.set_timeout(before)
-        if failed and self.mark is None:
+        if failed:
             self._read_mark()
         if self._posted:
             _get_default_store().delete_key(f"{self.prefix}/r{self.rank}")
@@ -259,12 +245,17 @@ class Waits:
 @contextmanager
 def waiting(
     action: str, point: str, timeout: Timeout, process_group: dist.ProcessGroup | None
-) -> Iterator[Waits]:
+) -> Iterator[None]:
     """Watches the block (enter before any collective); raises a timeout as itself."""
-    waits = Waits(action, point, timeout, process_group)
+    limit, every = seconds(timeout), log_every()
+    group = process_group or dist.group.WORLD
+    if group is None or dist.get_world_size(group) < 2:  # -1: not in it
+        yield  # no other rank to wait for
+        return
+    waits = Waits(action, point, limit, every, group)
     before, _active.waits, failed = active(), waits, True
     try:
-        yield waits
+        yield
         failed = False
     finally:
         _active.waits = before
