@@ -3,8 +3,8 @@
 DCP takes equal keys on different ranks for replicas: its global planning
 (``dedup_save_plans``) writes each once, without comparing values. That is
 silently wrong for two stages offering one key, replicas that diverged and
-per-rank state under a shared key; :func:`check_keys` tells these apart with
-one small all-gather; :func:`diff_state_dicts` compares bit for bit.
+per-rank state under a shared key, which :func:`check_keys` refuses.
+:func:`diff_state_dicts` compares bit for bit.
 """
 
 from __future__ import annotations
@@ -202,11 +202,8 @@ def check_keys(
 ) -> None:
     """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
 
-    Every key under ``model`` and ``optim`` must belong to one pipeline stage;
-    data-parallel replicas of a stage must hold equal values (by CRC-32C); every
-    other entry must be equal on every rank (by SHA-1); no other section may
-    nest model or optimizer state. One all-gather of a few KB; call it on every
-    rank of ``process_group``.
+    One all-gather of a few KB; call it on every rank of ``process_group``.
+    Every rank raises the same error, naming keys and ranks.
 
     Args:
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
@@ -216,13 +213,12 @@ def check_keys(
             FSDP2 shards. None: every rank holds its own stage(s).
 
     Raises:
-        KeyCollisionError: On every rank, naming keys and ranks: a model or
-            optimizer key is on two stages, or a shared entry differs between
-            ranks.
-        DivergedReplicasError: On every rank: a stage's replicas hold
-            different values, or an entry (not a shard) only some have.
-        NestedStateError: On every rank: a section other than ``model`` and
-            ``optim`` holds model or optimizer state, at any depth.
+        KeyCollisionError: A key under ``model`` or ``optim`` is on two
+            pipeline stages, or another entry differs between ranks (by SHA-1).
+        DivergedReplicasError: A stage's data-parallel replicas hold different
+            values (by CRC-32C), or an entry (not a shard) only some have.
+        NestedStateError: A section other than ``model`` and ``optim`` holds
+            model or optimizer state, at any depth.
         ValueError: ``mesh`` has no ``pp`` dim, or spans other ranks than
             ``process_group`` (a slice).
 
@@ -263,28 +259,19 @@ def offer_keys(
             raise ValueError(f"the mesh has no 'pp' dim (it has {names})")
         stage = mesh.get_local_rank("pp")
         dp_dims = tuple(n for n in names if n != "pp" and mesh.size(names.index(n)) > 1)
-    leaves = [
-        (k, v)
-        for s in _OWNED
-        if s in state_dict
-        for k, v in named_leaves(state_dict[s], f"{s}.")
-    ]
+    owned = dict(named_leaves({s: v for s, v in state_dict.items() if s in _OWNED}))
+    others = {s: v for s, v in state_dict.items() if s not in _OWNED}
     return {
         "stage": stage,
         "meshed": mesh is not None,
-        "owned": {k: _chunk(v) for k, v in leaves},
+        "owned": {k: _chunk(v) for k, v in owned.items()},
         "digests": {
-            k: _digest(v) for k, v in leaves if dp_dims and _replicated(v, dp_dims)
+            k: _digest(v)
+            for k, v in owned.items()
+            if dp_dims and _replicated(v, dp_dims)
         },
-        "shared": {
-            k: fingerprint(v)
-            for s in state_dict
-            if s not in _OWNED
-            for k, v in named_leaves({s: state_dict[s]})
-        },
-        "nested": [  # other sections that hold model or optimizer state
-            s for s, v in state_dict.items() if s not in _OWNED and _holds_state(v)
-        ],
+        "shared": {k: fingerprint(v) for k, v in named_leaves(others)},
+        "nested": [s for s, v in others.items() if _holds_state(v)],
     }
 
 

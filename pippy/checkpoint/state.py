@@ -201,9 +201,8 @@ class StageState(Stateful):
         """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
 
         Returns:
-            ``{"model": ..., "optim": ..., "step": int}`` (no ``"optim"``
-            without an optimizer), plus ``"lr_scheduler"`` if any and one
-            entry per ``extra``. Tensors are the live ones (no copies).
+            The sections the class names, nested (``optim`` and
+            ``lr_scheduler`` only if given), holding the live tensors.
 
         Raises:
             CheckpointError: A submodule's state_dict hook renames its keys;
@@ -358,7 +357,6 @@ class StageState(Stateful):
         self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
     ) -> None:
         """Refuses a param group here whose parameters were saved with other options."""
-        # set_state_dict gives a param group the saved options of its first parameter.
 
         def comparable(value: Any) -> str:  # (0.9, 0.999) and [0.9, 0.999] agree
             return fingerprint(list(value) if isinstance(value, tuple) else value)
@@ -445,9 +443,8 @@ def _merge(modules: list[nn.Module], path: str) -> nn.Module:
             merged.register_buffer(name, buffer, persistent=persistent)
     names = dict.fromkeys(n for m in modules for n, c in m._modules.items() if c)
     for name in names:
-        children = [m._modules[name] for m in modules if m._modules.get(name)]
-        unique = list({id(c): c for c in children if c is not None}.values())
-        merged.add_module(name, _merge(unique, f"{path}{name}."))
+        children = {id(c): c for m in modules if (c := m._modules.get(name))}
+        merged.add_module(name, _merge(list(children.values()), f"{path}{name}."))
     return merged
 
 
