@@ -3,14 +3,14 @@
 DCP takes equal keys on different ranks for replicas: its global planning
 (``dedup_save_plans``) writes each once, without comparing values. That is
 silently wrong for two stages offering one key, replicas that diverged and
-per-rank state under a shared key; :func:`check_keys` tells these apart with
-one small all-gather; :func:`diff_state_dicts` compares bit for bit.
+per-rank state under a shared key, which :func:`check_keys` refuses.
+:func:`diff_state_dicts` compares bit for bit.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import google_crc32c
@@ -177,95 +177,21 @@ def _holds_state(value: Any) -> bool:
     return any(_holds_state(v) for v in value.values())
 
 
-def _refuse_nested(offers: Mapping[int, Mapping[str, Any]]) -> None:
-    """Raises NestedStateError if some rank nests model or optimizer state."""
-    nested: dict[str, list[int]] = {}
+def _ranks_by(
+    offers: Mapping[int, Mapping[str, Any]],
+    pairs: Callable[[Mapping[str, Any]], Iterable[tuple[Any, Any]]],
+) -> dict[Any, dict[Any, list[int]]]:
+    """``{key: {value: ranks}}`` over the ``(key, value)`` pairs of every offer."""
+    found: dict[Any, dict[Any, list[int]]] = {}
     for rank, offer in offers.items():
-        for section in offer["nested"]:
-            nested.setdefault(section, []).append(rank)
-    if nested:
-        raise NestedStateError(
-            f"model or optimizer state is nested under other sections: "
-            f"{_with_ranks(nested)}. Its keys would name this layout, and no other "
-            "layout could load them. Keep model and optimizer state under 'model' "
-            "and 'optim', keyed by the un-split model's FQNs: give StageState all "
-            "of a rank's stage modules and optimizers (StageState([stage0, "
-            "stage2], ...)) instead of nesting their state_dicts"
-        )
+        for key, value in pairs(offer):
+            found.setdefault(key, {}).setdefault(value, []).append(rank)
+    return found
 
 
-def _refuse_collisions(offers: Mapping[int, Mapping[str, Any]]) -> None:
-    """Raises KeyCollisionError for an owned key offered by two stages."""
-    stages: dict[str, dict[int, list[int]]] = {}
-    for rank, offer in offers.items():
-        for key in offer["owned"]:
-            stages.setdefault(key, {}).setdefault(offer["stage"], []).append(rank)
-    collisions = {
-        key: sorted(r for ranks in by_stage.values() for r in ranks)
-        for key, by_stage in stages.items()
-        if len(by_stage) > 1
-    }
-    if collisions:
-        meshed = all(offer["meshed"] for offer in offers.values())
-        raise KeyCollisionError(
-            f"{len(collisions)} checkpoint key(s) are offered by more than one "
-            f"pipeline stage: {_with_ranks(collisions)}. DCP would keep one copy and "
-            "drop the others. Give every stage the un-split model's FQNs (keep "
-            "layers in a ModuleDict keyed by the global layer index) and call "
-            "restore_non_persistent_buffers() on traced stages; "
-            + (
-                "data-parallel replicas must differ only in the mesh's other dims."
-                if meshed
-                else "pass the mesh if these ranks are data-parallel replicas."
-            )
-        )
-
-
-def _refuse_divergence(offers: Mapping[int, Mapping[str, Any]]) -> None:
-    """Raises DivergedReplicasError if replicas of one entry hold different values."""
-    values: dict[tuple[str, Any, Any], dict[str, list[int]]] = {}
-    members: dict[int, set[int]] = {}  # the ranks that hold each stage
-    for rank, offer in offers.items():
-        members.setdefault(offer["stage"], set()).add(rank)
-        for key, digest in offer["digests"].items():
-            replica = (key, offer["stage"], offer["owned"][key])
-            values.setdefault(replica, {}).setdefault(digest, []).append(rank)
-    differ: dict[str, list[int]] = {}
-    for (key, stage, chunk), by_value in values.items():
-        ranks = {r for ranks in by_value.values() for r in ranks}
-        # A whole tensor is on every replica of its stage; a shard, on some.
-        lacking = chunk is None and ranks != members[stage]
-        if len(by_value) > 1 or lacking:  # one key may have several chunks (HSDP)
-            differ[key] = sorted({*differ.get(key, []), *members[stage]})
-    if differ:
-        raise DivergedReplicasError(
-            f"the data-parallel replicas differ in {len(differ)} entr(ies) (in "
-            f"value, or held by some replicas only): {_with_ranks(differ)}. DCP "
-            "writes one replica's value of each key, so the checkpoint would mix "
-            "them. Keep the replicas in sync "
-            "(wrap each stage in DDP or FSDP2 over the data-parallel dim, and "
-            "step every replica's optimizer alike), then save."
-        )
-
-
-def _refuse_shared(offers: Mapping[int, Mapping[str, Any]]) -> None:
-    """Raises KeyCollisionError for a shared entry that differs between ranks."""
-    fingerprints: dict[str, dict[str, list[int]]] = {}
-    for rank, offer in offers.items():
-        for key, print_ in offer["shared"].items():
-            fingerprints.setdefault(key, {}).setdefault(print_, []).append(rank)
-    differing = {
-        key: min(by_value.values(), key=len)  # the odd rank(s) out
-        for key, by_value in fingerprints.items()
-        if len(by_value) > 1
-    }
-    if differing:
-        raise KeyCollisionError(
-            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
-            f"{_with_ranks(differing)}. DCP would keep one rank's value. Keep "
-            "per-rank state under a key that names the stage, or make it equal "
-            "on all ranks."
-        )
+def _all(by_value: Mapping[Any, list[int]]) -> list[int]:
+    """The ranks that gave any of the values, sorted."""
+    return sorted(r for ranks in by_value.values() for r in ranks)
 
 
 def check_keys(
@@ -276,11 +202,8 @@ def check_keys(
 ) -> None:
     """Checks across ranks, before ``dcp.save``, that DCP will lose nothing.
 
-    Every key under ``model`` and ``optim`` must belong to one pipeline stage;
-    data-parallel replicas of a stage must hold equal values (by CRC-32C); every
-    other entry must be equal on every rank (by SHA-1); no other section may
-    nest model or optimizer state. One all-gather of a few KB; call it on every
-    rank of ``process_group``.
+    One all-gather of a few KB; call it on every rank of ``process_group``.
+    Every rank raises the same error, naming keys and ranks.
 
     Args:
         state_dict: This rank's state_dict, as from ``StageState.state_dict()``.
@@ -290,13 +213,12 @@ def check_keys(
             FSDP2 shards. None: every rank holds its own stage(s).
 
     Raises:
-        KeyCollisionError: On every rank, naming keys and ranks: a model or
-            optimizer key is on two stages, or a shared entry differs between
-            ranks.
-        DivergedReplicasError: On every rank: a stage's replicas hold
-            different values, or an entry (not a shard) only some have.
-        NestedStateError: On every rank: a section other than ``model`` and
-            ``optim`` holds model or optimizer state, at any depth.
+        KeyCollisionError: A key under ``model`` or ``optim`` is on two
+            pipeline stages, or another entry differs between ranks (by SHA-1).
+        DivergedReplicasError: A stage's data-parallel replicas hold different
+            values (by CRC-32C), or an entry (not a shard) only some have.
+        NestedStateError: A section other than ``model`` and ``optim`` holds
+            model or optimizer state, at any depth.
         ValueError: ``mesh`` has no ``pp`` dim, or spans other ranks than
             ``process_group`` (a slice).
 
@@ -337,28 +259,19 @@ def offer_keys(
             raise ValueError(f"the mesh has no 'pp' dim (it has {names})")
         stage = mesh.get_local_rank("pp")
         dp_dims = tuple(n for n in names if n != "pp" and mesh.size(names.index(n)) > 1)
-    leaves = [
-        (k, v)
-        for s in _OWNED
-        if s in state_dict
-        for k, v in named_leaves(state_dict[s], f"{s}.")
-    ]
+    owned = dict(named_leaves({s: v for s, v in state_dict.items() if s in _OWNED}))
+    others = {s: v for s, v in state_dict.items() if s not in _OWNED}
     return {
         "stage": stage,
         "meshed": mesh is not None,
-        "owned": {k: _chunk(v) for k, v in leaves},
+        "owned": {k: _chunk(v) for k, v in owned.items()},
         "digests": {
-            k: _digest(v) for k, v in leaves if dp_dims and _replicated(v, dp_dims)
+            k: _digest(v)
+            for k, v in owned.items()
+            if dp_dims and _replicated(v, dp_dims)
         },
-        "shared": {
-            k: fingerprint(v)
-            for s in state_dict
-            if s not in _OWNED
-            for k, v in named_leaves({s: state_dict[s]})
-        },
-        "nested": [  # other sections that hold model or optimizer state
-            s for s, v in state_dict.items() if s not in _OWNED and _holds_state(v)
-        ],
+        "shared": {k: fingerprint(v) for k, v in named_leaves(others)},
+        "nested": [s for s, v in others.items() if _holds_state(v)],
     }
 
 
@@ -372,7 +285,65 @@ def refuse_losses(
         dist.get_global_rank(process_group, r) if process_group else r: offer
         for r, offer in enumerate(gathered)
     }
-    _refuse_nested(offers)
-    _refuse_collisions(offers)
-    _refuse_divergence(offers)
-    _refuse_shared(offers)
+    nested = _ranks_by(offers, lambda o: ((s, None) for s in o["nested"]))
+    if nested:
+        raise NestedStateError(
+            f"model or optimizer state is nested under other sections: "
+            f"{_with_ranks({s: _all(by) for s, by in nested.items()})}. Its keys would "
+            "name this layout, and no other layout could load them. Keep model and "
+            "optimizer state under 'model' and 'optim', keyed by the un-split "
+            "model's FQNs: give StageState all of a rank's stage modules and "
+            "optimizers (StageState([stage0, stage2], ...)) instead of nesting "
+            "their state_dicts"
+        )
+    stages = _ranks_by(offers, lambda o: ((k, o["stage"]) for k in o["owned"]))
+    collisions = {key: _all(by) for key, by in stages.items() if len(by) > 1}
+    if collisions:
+        meshed = all(offer["meshed"] for offer in offers.values())
+        raise KeyCollisionError(
+            f"{len(collisions)} checkpoint key(s) are offered by more than one "
+            f"pipeline stage: {_with_ranks(collisions)}. DCP would keep one copy and "
+            "drop the others. Give every stage the un-split model's FQNs (keep "
+            "layers in a ModuleDict keyed by the global layer index) and call "
+            "restore_non_persistent_buffers() on traced stages; "
+            + (
+                "data-parallel replicas must differ only in the mesh's other dims."
+                if meshed
+                else "pass the mesh if these ranks are data-parallel replicas."
+            )
+        )
+    members: dict[int, set[int]] = {}  # the ranks that hold each stage
+    for rank, offer in offers.items():
+        members.setdefault(offer["stage"], set()).add(rank)
+    replicas = _ranks_by(
+        offers,
+        lambda o: (
+            ((k, o["stage"], o["owned"][k]), d) for k, d in o["digests"].items()
+        ),
+    )
+    differ: dict[str, list[int]] = {}
+    for (key, stage, chunk), by_value in replicas.items():
+        # A whole tensor is on every replica of its stage; a shard, on some.
+        lacking = chunk is None and set(_all(by_value)) != members[stage]
+        if len(by_value) > 1 or lacking:  # one key may have several chunks (HSDP)
+            differ[key] = sorted({*differ.get(key, []), *members[stage]})
+    if differ:
+        raise DivergedReplicasError(
+            f"the data-parallel replicas differ in {len(differ)} entr(ies) (in "
+            f"value, or held by some replicas only): {_with_ranks(differ)}. DCP "
+            "writes one replica's value of each key, so the checkpoint would mix "
+            "them. Keep the replicas in sync "
+            "(wrap each stage in DDP or FSDP2 over the data-parallel dim, and "
+            "step every replica's optimizer alike), then save."
+        )
+    shared = _ranks_by(offers, lambda o: o["shared"].items())
+    differing = {  # the odd rank(s) out
+        key: min(by.values(), key=len) for key, by in shared.items() if len(by) > 1
+    }
+    if differing:
+        raise KeyCollisionError(
+            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
+            f"{_with_ranks(differing)}. DCP would keep one rank's value. Keep "
+            "per-rank state under a key that names the stage, or make it equal "
+            "on all ranks."
+        )

@@ -201,9 +201,8 @@ class StageState(Stateful):
         """Returns the stage's state as a nested dict for ``dcp.save``/``load``.
 
         Returns:
-            ``{"model": ..., "optim": ..., "step": int}`` (no ``"optim"``
-            without an optimizer), plus ``"lr_scheduler"`` if any and one
-            entry per ``extra``. Tensors are the live ones (no copies).
+            The sections the class names, nested (``optim`` and
+            ``lr_scheduler`` only if given), holding the live tensors.
 
         Raises:
             CheckpointError: A submodule's state_dict hook renames its keys;
@@ -282,7 +281,7 @@ class StageState(Stateful):
 
     def _load_with_optimizer(self, state_dict: dict[str, Any]) -> None:
         """Checks optimizer and scheduler state, then applies model and optimizer."""
-        optim_sd = _unpack_scalars(state_dict["optim"])
+        optim_sd, saved_groups = _unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizers, options=OPTIONS)
         keys = OptimKeys.of_module(self.module)
         stateless = keys.state_fqns(wanted) - keys.state_fqns(optim_sd)
@@ -290,8 +289,7 @@ class StageState(Stateful):
         fqn_of = _param_fqns(self.module)
         self._check_groups(optim_sd, fqn_of)
         if self.lr_schedulers:
-            self._check_scheduler(state_dict["lr_scheduler"])
-            self._check_group_order(_saved_groups(state_dict["optim"]), fqn_of)
+            self._check_scheduler(state_dict["lr_scheduler"], saved_groups, fqn_of)
         for param, fqn in fqn_of.items():
             if fqn in stateless:  # none was saved: none to fill
                 for optimizer in self.optimizers:
@@ -359,7 +357,6 @@ class StageState(Stateful):
         self, optim_sd: Mapping[str, Any], fqn_of: Mapping[nn.Parameter, str]
     ) -> None:
         """Refuses a param group here whose parameters were saved with other options."""
-        # set_state_dict gives a param group the saved options of its first parameter.
 
         def comparable(value: Any) -> str:  # (0.9, 0.999) and [0.9, 0.999] agree
             return fingerprint(list(value) if isinstance(value, tuple) else value)
@@ -384,24 +381,13 @@ class StageState(Stateful):
                     "saved it did"
                 )
 
-    def _check_group_order(
-        self, saved: Mapping[str, int], fqn_of: Mapping[nn.Parameter, str]
+    def _check_scheduler(
+        self,
+        saved: Mapping[str, Any],
+        saved_groups: Mapping[str, int],
+        fqn_of: Mapping[nn.Parameter, str],
     ) -> None:
-        """Refuses param groups built in another order than saved (with a scheduler)."""
-        for index, group in self._all_groups():
-            for param in group["params"]:
-                was = saved.get(fqn_of.get(param, ""), index)
-                if was != index:
-                    raise CheckpointError(
-                        f"param group {index} here holds {fqn_of[param]!r}, which "
-                        f"was in group {was} when saved: the LR scheduler's "
-                        "per-group lists (base_lrs, ...) are by position, so two "
-                        "groups would swap schedules. Build the param groups in "
-                        "the order of the run that saved it"
-                    )
-
-    def _check_scheduler(self, saved: Mapping[str, Any]) -> None:
-        """Refuses an LR scheduler saved for another number of param groups."""
+        """Refuses param groups unlike the saved ones in number or order."""
         # Loaded for another number of groups, LambdaLR, CosineAnnealingLR and
         # SequentialLR fail at their first step, others run on misaligned.
         for key in ("base_lrs", "min_lrs", "_last_lr"):
@@ -415,6 +401,16 @@ class StageState(Stateful):
                         f"group(s) (its {key!r}), this one has {len(ours)}: its "
                         "per-group schedule would not line up. Build the param "
                         "groups as the run that saved it did"
+                    )
+        for index, group in self._all_groups():
+            for param in group["params"]:
+                if (was := saved_groups.get(fqn_of.get(param, ""), index)) != index:
+                    raise CheckpointError(
+                        f"param group {index} here holds {fqn_of[param]!r}, which "
+                        f"was in group {was} when saved: the LR scheduler's "
+                        "per-group lists (base_lrs, ...) are by position, so two "
+                        "groups would swap schedules. Build the param groups in "
+                        "the order of the run that saved it"
                     )
 
 
@@ -447,9 +443,8 @@ def _merge(modules: list[nn.Module], path: str) -> nn.Module:
             merged.register_buffer(name, buffer, persistent=persistent)
     names = dict.fromkeys(n for m in modules for n, c in m._modules.items() if c)
     for name in names:
-        children = [m._modules[name] for m in modules if m._modules.get(name)]
-        unique = list({id(c): c for c in children if c is not None}.values())
-        merged.add_module(name, _merge(unique, f"{path}{name}."))
+        children = {id(c): c for m in modules if (c := m._modules.get(name))}
+        merged.add_module(name, _merge(list(children.values()), f"{path}{name}."))
     return merged
 
 
@@ -554,9 +549,10 @@ def _pack_scalars(
     return packed
 
 
-def _unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`_pack_scalars` (0-dim tensors come back on the CPU)."""
+def _unpack_scalars(packed: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """Inverse of :func:`_pack_scalars`, and each FQN's group (0-dim tensors on CPU)."""
     flat: dict[str, Any] = {}
+    groups: dict[str, int] = {}
     for key, value in packed.items():
         if not key.startswith("scalars."):
             flat[key] = value
@@ -564,23 +560,13 @@ def _unpack_scalars(packed: dict[str, Any]) -> dict[str, Any]:
         fqn = key.removeprefix("scalars.")
         for name, item, *dtype in value:
             if name == "group":
+                groups[fqn] = item
                 continue
             section, name = name.split(".", 1)
             if dtype:
                 item = torch.tensor(item, dtype=getattr(torch, dtype[0]))
             flat[f"{section}.{fqn}.{name}"] = item
-    return flat
-
-
-def _saved_groups(packed: dict[str, Any]) -> dict[str, int]:
-    """Each parameter's saved param group index, by FQN (empty if none recorded)."""
-    return {
-        key.removeprefix("scalars."): entry[1]
-        for key, value in packed.items()
-        if key.startswith("scalars.")
-        for entry in value
-        if entry[0] == "group"
-    }
+    return flat, groups
 
 
 def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
@@ -700,10 +686,8 @@ def pippy_name(key: str, keys: OptimKeys | None = None) -> str:
             return rest
         return key if key.startswith(_TT_SECTIONS) else "model." + key
     rest = key.removeprefix("optimizer.")
-    if keys is None and rest.startswith("state.") and rest.endswith(".step"):
-        keys = OptimKeys([rest.removeprefix("state.").removesuffix(".step")])
-    elif keys is None:
-        keys = OptimKeys.of_keys([rest])
+    if keys is None:  # no FQN known: it ends at the last dot (before an option)
+        keys = OptimKeys([rest.partition(".")[2].rpartition(".")[0]])
     parsed = keys.parse(rest)
     if parsed is not None and (parsed[0] == "param_groups" or parsed[2] == "step"):
         return f"optim.scalars.{parsed[1]}"
@@ -741,8 +725,9 @@ def to_torchtitan(
             out["train_state.step"] = int(value)
         elif not key.startswith("optim."):
             out[_torchtitan_name(key)] = value
-    out.update((f"optimizer.{k}", v) for k, v in _unpack_scalars(optim).items())
-    if param_groups and (groups := _saved_groups(optim)):
+    unpacked, groups = _unpack_scalars(optim)
+    out.update((f"optimizer.{k}", v) for k, v in unpacked.items())
+    if param_groups and groups:
         out[_PARAM_GROUPS] = [[fqn, index] for fqn, index in groups.items()]
     return out
 
@@ -753,12 +738,11 @@ def _torchtitan_name(key: str) -> str:
         name = key.removeprefix("model.")
     else:  # extra state goes into the data loader's section, never the root
         name = key if pippy_name(key) == key else _DATALOADER + key
-    if pippy_name(name) != key:
+    if (back := pippy_name(name)) != key:
         raise ValueError(
             f"{key!r} has no place in torchtitan's layout: written as {name!r}, it "
-            f"would read back as {pippy_name(name)!r}. Keep other state in a "
-            "section (<name>.<entry>) and the model's top-level modules out of "
-            "torchtitan's section names (optimizer, lr_scheduler, train_state, "
-            "dataloader)"
+            f"would read back as {back!r}. Keep other state in a section "
+            "(<name>.<entry>) and the model's top-level modules out of torchtitan's "
+            "section names (optimizer, lr_scheduler, train_state, dataloader)"
         )
     return name
