@@ -235,11 +235,12 @@ def _read_ranges(
 ) -> Iterator[tuple[tuple[str, int, int], bytes]]:
     """Each ``(file, offset, length)`` byte range with its bytes, read from storage."""
     storage = storage_for(folder)
+    fs = storage.dcp_filesystem(folder)  # reads as DCP's reader does
     by_file: dict[str, list[tuple[int, int]]] = {}
     for name, offset, length in ranges:
         by_file.setdefault(name, []).append((offset, length))
     for name, spans in by_file.items():
-        with storage.open_read(storage.join(folder, name)) as f:
+        with fs.create_stream(storage.join(folder, name), "rb") as f:
             for offset, length in sorted(spans):
                 f.seek(offset)
                 data = f.read(length)

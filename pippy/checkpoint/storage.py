@@ -3,8 +3,7 @@
 A location is a local folder (kept a :class:`~pathlib.Path`) or an fsspec URL
 (kept a ``str``: ``Path("memory://run")`` would become ``memory:/run``);
 nothing outside this module opens, renames, links or deletes a checkpoint's
-files. Object stores have no atomic rename (S3 copies, then deletes), so a step
-there is committed by its manifest.
+files.
 """
 
 from __future__ import annotations
@@ -74,9 +73,6 @@ class Storage(Protocol):
 
     def makedirs(self, location: Location) -> None:
         """Creates folder ``location`` and its parents, durably; fine if it exists."""
-
-    def open_read(self, location: Location) -> IO[bytes]:
-        """Opens the file at ``location`` to read bytes."""
 
     def read_bytes(self, location: Location) -> bytes:
         """The whole file at ``location``."""
@@ -347,10 +343,6 @@ class LocalStorage(Storage):
         if not path.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(location))
 
-    def open_read(self, location: Location) -> IO[bytes]:
-        """Opens the file at ``location`` to read bytes."""
-        return open(location, "rb")
-
     def read_bytes(self, location: Location) -> bytes:
         """The whole file at ``location``."""
         return Path(location).read_bytes()
@@ -480,10 +472,6 @@ class FsspecStorage(Storage):
     def makedirs(self, location: Location) -> None:
         """Creates the folder (a no-op on stores without folders)."""
         self.fs.makedirs(self._path(location), exist_ok=True)
-
-    def open_read(self, location: Location) -> IO[bytes]:
-        """Opens the object at ``location`` to read bytes."""
-        return cast(IO[bytes], self.fs.open(self._path(location), "rb"))
 
     def read_bytes(self, location: Location) -> bytes:
         """The whole object at ``location``."""
