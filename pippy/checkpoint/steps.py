@@ -58,9 +58,9 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import google_crc32c
@@ -226,26 +226,27 @@ class Manifest:
     step: int
     files: dict[str, int]
     items: dict[tuple[str, int, int], tuple[str, int]]
-    optim_layout: object = None
-    written_by: dict[str, str] = field(default_factory=dict)
+    optim_layout: object
+    written_by: dict[str, str]
 
 
-def _crc32c_of(folder: Location, ranges: Iterable[tuple[str, int, int]]) -> dict:
-    """CRC-32C of each ``(file, offset, length)`` byte range, read from storage."""
+def _read_ranges(
+    folder: Location, ranges: Iterable[tuple[str, int, int]]
+) -> Iterator[tuple[tuple[str, int, int], bytes]]:
+    """Each ``(file, offset, length)`` byte range with its bytes, read from storage."""
     storage = storage_for(folder)
+    fs = storage.dcp_filesystem(folder)  # reads as DCP's reader does
     by_file: dict[str, list[tuple[int, int]]] = {}
     for name, offset, length in ranges:
         by_file.setdefault(name, []).append((offset, length))
-    crcs = {}
     for name, spans in by_file.items():
-        with storage.open_read(storage.join(folder, name)) as f:
+        with fs.create_stream(storage.join(folder, name), "rb") as f:
             for offset, length in sorted(spans):
                 f.seek(offset)
                 data = f.read(length)
                 if len(data) != length:
                     raise CheckpointError(f"{name} ended at byte {offset + len(data)}")
-                crcs[name, offset, length] = google_crc32c.value(data)
-    return crcs
+                yield (name, offset, length), data
 
 
 class ManifestWriter(FileSystemWriter):
@@ -285,7 +286,8 @@ class ManifestWriter(FileSystemWriter):
             ranges = [(i.relative_path, i.offset, i.length) for i in infos]
             crcs = getattr(self.fs, "crcs", {})
             if not all(r in crcs for r in ranges):  # a file system that records none
-                crcs = _crc32c_of(self.path, ranges)
+                read = _read_ranges(self.path, ranges)
+                crcs = {place: google_crc32c.value(data) for place, data in read}
         checked = [  # storage_data (info, crc), for the coordinator
             WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
             for r, k in zip(results, ranges, strict=True)
@@ -417,9 +419,8 @@ def verify_ranges(
     folder: Location, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
 ) -> None:
     """Checks ``(file, offset, length)`` byte ranges against the manifest's CRCs."""
-    crcs = _crc32c_of(folder, ranges)
-    for place, key in ranges.items():
-        verify_item(manifest, place, key, crcs[place])
+    for place, data in _read_ranges(folder, ranges):
+        verify_item(manifest, place, ranges[place], google_crc32c.value(data))
 
 
 def verify_item(

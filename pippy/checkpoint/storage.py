@@ -3,8 +3,7 @@
 A location is a local folder (kept a :class:`~pathlib.Path`) or an fsspec URL
 (kept a ``str``: ``Path("memory://run")`` would become ``memory:/run``);
 nothing outside this module opens, renames, links or deletes a checkpoint's
-files. Object stores have no atomic rename (S3 copies, then deletes), so a step
-there is committed by its manifest.
+files.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import io
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
@@ -75,9 +74,6 @@ class Storage(Protocol):
     def makedirs(self, location: Location) -> None:
         """Creates folder ``location`` and its parents, durably; fine if it exists."""
 
-    def open_read(self, location: Location) -> IO[bytes]:
-        """Opens the file at ``location`` to read bytes."""
-
     def read_bytes(self, location: Location) -> bytes:
         """The whole file at ``location``."""
 
@@ -127,8 +123,7 @@ def check_publishable(location: Location) -> Storage:
 def step_file(storage: Storage, folder: Location, name: str) -> Any:
     """``folder/name``; refused if it is a link out of the step folder.
 
-    Every file pippy reads from a step goes through it; no checkpoint DCP or pippy
-    writes holds such a link. Object stores have no links.
+    Every file pippy reads from a step goes through it (object stores have no links).
     """
     path = storage.join(folder, name)
     target = storage.same_place(path)
@@ -225,22 +220,34 @@ class _Crc32cStream:
             self.closed = True
 
 
-@contextmanager
-def checksummed(fs: FileSystemBase, path: str | os.PathLike, raw: Any) -> Iterator[Any]:
-    """``raw``, a stream DCP writes ``path`` through, recording each item's CRC-32C.
+class _Checksumming:
+    """A mixin for DCP's ``FileSystem``s that records each written item's CRC-32C.
 
     DCP's writer calls ``tell()`` around each item, so each span between two calls
-    is one item; its ``(file, offset, length)`` and CRC-32C go into ``fs.crcs``.
-    ``torch.save``'s ~40 small records per item are gathered into one write. Use
-    it inside the block that closes ``raw``: what it holds back is written at its
-    end (DCP closes a data file's stream, but not ``.metadata``'s).
+    is one item; ``crcs`` maps its ``(file, offset, length)`` to its CRC-32C as
+    written. ``torch.save``'s CRC-32 is off meanwhile, and its ~40 small records
+    per item are gathered into one write.
     """
-    record = fs.__dict__.setdefault("crcs", {})
-    stream = _Crc32cStream(raw, os.path.basename(os.fspath(path)), record)
-    with no_crc32():
-        yield stream
-    if not stream.closed:
-        stream.tell()
+
+    crcs: dict[tuple[str, int, int], int]
+
+    def _open(self, path: str | os.PathLike, mode: str) -> AbstractContextManager[Any]:
+        """The stream DCP's own file system opens."""
+        return super().create_stream(path, mode)  # type: ignore[misc]
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        """DCP's stream; written, through a :class:`_Crc32cStream`."""
+        with self._open(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            record = self.__dict__.setdefault("crcs", {})
+            stream = _Crc32cStream(raw, os.path.basename(os.fspath(path)), record)
+            with no_crc32():
+                yield stream
+            if not stream.closed:  # .metadata's (DCP leaves it open): write the rest
+                stream.tell()
 
 
 # POSIX folders: durable writes, atomic renames, exclusive creation by hard link.
@@ -268,25 +275,17 @@ class _DurableWriter(io.BufferedWriter):
             super().close()
 
 
-class DurableFileSystem(FileSystem):
+class DurableFileSystem(_Checksumming, FileSystem):
     """DCP's local ``FileSystem``: fsync at close and after a rename, items checksummed.
 
     torch 2.13's own fsyncs ``.metadata`` before flushing it and never a folder.
-    ``crcs`` maps each item's ``(file, offset, length)`` to its CRC-32C as written.
     """
 
-    crcs: dict[tuple[str, int, int], int]
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        """DCP's stream; in write mode durable at close, without CRC-32."""
+    def _open(self, path: str | os.PathLike, mode: str) -> AbstractContextManager[Any]:
+        """DCP's stream; a written file is fsynced at close."""
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with _DurableWriter(io.FileIO(os.fspath(path), "wb")) as raw:
-            with checksummed(self, path, raw) as stream:
-                yield stream
+            return super()._open(path, mode)
+        return _DurableWriter(io.FileIO(os.fspath(path), "wb"))
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         """Renames, then fsyncs the folder holding the new name."""
@@ -344,41 +343,34 @@ class LocalStorage(Storage):
         if not path.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(location))
 
-    def open_read(self, location: Location) -> IO[bytes]:
-        """Opens the file at ``location`` to read bytes."""
-        return open(location, "rb")
-
     def read_bytes(self, location: Location) -> bytes:
         """The whole file at ``location``."""
         return Path(location).read_bytes()
 
     @contextmanager
-    def open_atomic(self, location: Location) -> Iterator[IO[bytes]]:
-        """Writes a temp file, fsyncs, renames, fsyncs the folder; on error, nothing."""
+    def _draft(self, location: Location, commit: Callable) -> Iterator[IO[bytes]]:
+        """A hidden file fsynced, then ``commit(draft, path)``; on error, nothing."""
         path = Path(location)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            with _DurableWriter(io.FileIO(tmp, "xb")) as f:
-                yield cast(IO[bytes], f)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
-
-    def create_exclusive(self, location: Location, data: bytes) -> bool:
-        """Writes a draft, then hard-links it to ``location`` (atomic, also on NFS)."""
-        path = Path(location)
-        draft = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.draft")
+        draft = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             with _DurableWriter(io.FileIO(draft, "xb")) as f:
-                f.write(data)
-            try:
-                os.link(draft, path)
-            except FileExistsError:
-                return False
+                yield cast(IO[bytes], f)
+            commit(draft, path)
         finally:
             draft.unlink(missing_ok=True)
         _fsync_dir(path.parent)
+
+    def open_atomic(self, location: Location) -> AbstractContextManager[IO[bytes]]:
+        """Writes a temp file, fsyncs, renames, fsyncs the folder; on error, nothing."""
+        return self._draft(location, os.replace)
+
+    def create_exclusive(self, location: Location, data: bytes) -> bool:
+        """Writes a draft, then hard-links it to ``location`` (atomic, also on NFS)."""
+        try:
+            with self._draft(location, os.link) as f:
+                f.write(data)
+        except FileExistsError:  # from the link: another's is there
+            return False
         return True
 
     def publish(self, source: Location, target: Location) -> None:
@@ -416,20 +408,8 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 _CONDITIONAL = {"s3", "s3a"}
 
 
-class _FsspecFileSystem(FsspecFileSystem):
+class _FsspecFileSystem(_Checksumming, FsspecFileSystem):
     """DCP's fsspec ``FileSystem``, each item checksummed as written, without CRC-32."""
-
-    crcs: dict[tuple[str, int, int], int]
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        """DCP's stream; writing, it goes through :func:`checksummed`."""
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            with checksummed(self, path, raw) as stream:
-                yield stream
 
 
 class FsspecStorage(Storage):
@@ -493,10 +473,6 @@ class FsspecStorage(Storage):
         """Creates the folder (a no-op on stores without folders)."""
         self.fs.makedirs(self._path(location), exist_ok=True)
 
-    def open_read(self, location: Location) -> IO[bytes]:
-        """Opens the object at ``location`` to read bytes."""
-        return cast(IO[bytes], self.fs.open(self._path(location), "rb"))
-
     def read_bytes(self, location: Location) -> bytes:
         """The whole object at ``location``."""
         return cast(bytes, self.fs.cat_file(self._path(location)))
@@ -515,8 +491,7 @@ class FsspecStorage(Storage):
             with self.fs.open(path, "xb") as f:
                 f.write(data)
         except OSError:  # FileExistsError, or S3's precondition failure
-            self.fs.invalidate_cache(path)
-            if self.fs.exists(path):
+            if self.exists(location):
                 return False
             raise
         return True
