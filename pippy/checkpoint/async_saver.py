@@ -211,9 +211,7 @@ class AsyncSaver:
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
         async_stager: How state is copied; None keeps one background
             :class:`KeptBufferStager`.
-        timeout: Seconds (or a ``timedelta``) the background save waits for every
-            rank to start saving, as :func:`~pippy.checkpoint.api.take_state`;
-            None waits without a deadline. The write itself has none.
+        timeout: As :func:`~pippy.checkpoint.save_stage`'s, in the background.
 
     Raises:
         ValueError: ``timeout`` is not a positive number.
@@ -264,10 +262,8 @@ class AsyncSaver:
         """Waits for the previous save, then starts saving ``state``, on every rank.
 
         At the call, on each rank alone, the state is taken (its step checked) and the
-        copy starts (see the class). A refusal by the checks across ranks in the
-        background is raised on every rank by the next :meth:`poll`, :meth:`wait` or
-        ``save``, and nothing is written. Python's garbage collector is paused until
-        it returns (not in the background).
+        copy starts (see the class). Python's garbage collector is paused until it
+        returns (not in the background).
 
         Args:
             state: The stage's ``StageState``, or a nested state_dict (e.g.
@@ -446,7 +442,7 @@ class AsyncSaver:
             return None
         upload, _, step = self._pending
         self._pending = None
-        if upload is self._told:  # raised by save() already
+        if upload is self._told:  # its failure was raised already
             return None
         with explain_failures(f"saving step-{step} in the background"):
             return upload.result()
