@@ -1,9 +1,7 @@
-"""``AsyncSaver``: saves in the background, one save in flight at a time.
+"""``AsyncSaver``: :func:`~pippy.checkpoint.save_stage` in the background.
 
-:func:`~pippy.checkpoint.save_stage` split in time: the state is taken at the
-call, copied by :class:`KeptBufferStager` in a thread of its own until the
-saved optimizers' next ``step``, then checked across ranks, written and
-published (as :func:`~pippy.checkpoint.api.publish_step`) in a background thread.
+One save in flight at a time: the state is copied by :class:`KeptBufferStager`,
+then checked, written and published in a thread of the saver's own.
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ class KeptBufferStager:
         if not self.in_background:
             if later is not None:
                 raise ValueError("only a stager in_background takes state later")
-            self._fill(pairs, None)
-            return staged
+            return self._fill(pairs, None, staged)
         ready = None
         on_gpu = later is not None and torch.cuda.is_initialized()
         if on_gpu or any(src.is_cuda for _, src in pairs):
@@ -214,9 +211,7 @@ class AsyncSaver:
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
         async_stager: How state is copied; None keeps one background
             :class:`KeptBufferStager`.
-        timeout: Seconds (or a ``timedelta``) the background save waits for every
-            rank to start saving, as :func:`~pippy.checkpoint.api.take_state`;
-            None waits without a deadline. The write itself has none.
+        timeout: As :func:`~pippy.checkpoint.save_stage`'s, in the background.
 
     Raises:
         ValueError: ``timeout`` is not a positive number.
@@ -257,7 +252,6 @@ class AsyncSaver:
         self._poll_group = (
             dist.new_group(backend="gloo") if dist.is_initialized() else None
         )
-        self._started = 0.0  # when the save in flight was called
         self._stager = async_stager or KeptBufferStager(in_background=True)
         self._hooks: list[RemovableHandle] = []  # on the saved optimizers' step
 
@@ -268,10 +262,8 @@ class AsyncSaver:
         """Waits for the previous save, then starts saving ``state``, on every rank.
 
         At the call, on each rank alone, the state is taken (its step checked) and the
-        copy starts (see the class). A refusal by the checks across ranks in the
-        background is raised on every rank by the next :meth:`poll`, :meth:`wait` or
-        ``save``, and nothing is written. Python's garbage collector is paused until
-        it returns (not in the background).
+        copy starts (see the class). Python's garbage collector is paused until it
+        returns (not in the background).
 
         Args:
             state: The stage's ``StageState``, or a nested state_dict (e.g.
@@ -294,19 +286,14 @@ class AsyncSaver:
                 :meth:`wait_for_staging` (or the hooked ``optimizer.step()``).
         """
         self.wait()
-        self._started = time.perf_counter()
+        started = time.perf_counter()
         step = step_of(state, step)
         try:
-            deferred = self._deferred(state, step)
-            if deferred is None:
-                taken: Any = self._stager.stage(state_to_save(state, step))
-            else:
-                assert isinstance(self._stager, KeptBufferStager)
-                taken = self._stager.stage(deferred[0], later=deferred[1])
+            taken = self._stage(state, step)
         except Exception as e:
             # The others learn of it in the background, by their next poll(),
             # which this rank's poll() joins; its wait() then says nothing more.
-            failed = self._executor.submit(self._write, e, step)
+            failed = self._executor.submit(self._write, e, step, started)
             wait([failed])
             self._pending, self._told = (failed, None, step), failed
             raise
@@ -314,7 +301,7 @@ class AsyncSaver:
         staging = taken if isinstance(taken, Future) else None
         if staging is None and self._stager.should_synchronize_after_execute:
             self._stager.synchronize_staging()
-        upload = self._executor.submit(self._write, taken, step)
+        upload = self._executor.submit(self._write, taken, step, started)
         self._pending = (upload, staging, step)
         if staging is not None and isinstance(state, StageState):
             self._hooks = [
@@ -324,15 +311,14 @@ class AsyncSaver:
             self.wait_for_staging()
         return step_dir(self.checkpoint_dir, step)
 
-    def _deferred(
-        self, state: StageState | Mapping[str, Any], step: int
-    ) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]] | None:
-        """``(taken now, taker of the model and optimizer sections)``, or None."""
+    def _stage(self, state: StageState | Mapping[str, Any], step: int) -> Any:
+        """The stager's copy of ``state``, or its Future (see the class)."""
+        stager = self._stager
         if not (
             isinstance(state, StageState)
             and type(state).state_dict is StageState.state_dict
-            and isinstance(self._stager, KeptBufferStager)
-            and self._stager.in_background
+            and isinstance(stager, KeptBufferStager)
+            and stager.in_background
             and state.optimizers
             and all(
                 type(o).state_dict is Optimizer.state_dict and o.state
@@ -343,7 +329,7 @@ class AsyncSaver:
                 for m in state.module.modules()
             )
         ):
-            return None
+            return stager.stage(state_to_save(state, step))
         now = state_to_save({"step": state.step}, step)  # the step checked
         if state.lr_schedulers:
             now["lr_scheduler"] = state._scheduler_state()
@@ -368,11 +354,11 @@ class AsyncSaver:
                     for fqn in _get_fqns(state.module, key):
                         if fqn in taken["model"]:
                             taken["model"][fqn] = tensor.detach()
-            return {k: v for k, v in taken.items() if k not in now}
+            return taken  # its step is the one taken now
 
-        return now, take
+        return stager.stage(now, later=take)
 
-    def _write(self, taken: Any, step: int) -> Any:
+    def _write(self, taken: Any, step: int, started: float) -> Any:
         """In the background: the wait, the staging folder, the write, publishing."""
         group = self.process_group
 
@@ -392,7 +378,7 @@ class AsyncSaver:
                 writer.discard()
                 raise
         if not dist.is_initialized() or dist.get_rank() == 0:
-            took = time.perf_counter() - self._started
+            took = time.perf_counter() - started
             logger.info(
                 "published step-%d, saved in the background in %.2f s", step, took
             )
@@ -428,8 +414,7 @@ class AsyncSaver:
         assert staging is not None
         self._pending = (upload, None, step)
         try:
-            with explain_failures(f"staging step-{step}"):
-                staging.result()
+            staging.result()
         except BaseException:
             wait([upload])  # it stops at staging on every rank (see save)
             self._told = upload
@@ -457,7 +442,7 @@ class AsyncSaver:
             return None
         upload, _, step = self._pending
         self._pending = None
-        if upload is self._told:  # raised by save() already
+        if upload is self._told:  # its failure was raised already
             return None
         with explain_failures(f"saving step-{step} in the background"):
             return upload.result()

@@ -13,7 +13,8 @@ import json
 import os
 import uuid
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -115,9 +116,8 @@ def _check_ties(
     except KeyError:  # none of them is in the checkpoint: the load names them
         return
     for group in groups:
-        present = [fqn for fqn in group if fqn in saved]
-        first = present[0] if present else ""
-        differ = [f for f in present[1:] if not torch.equal(saved[f], saved[first])]
+        first, *others = [fqn for fqn in group if fqn in saved] or [""]
+        differ = [f for f in others if not torch.equal(saved[f], saved[first])]
         if differ:
             raise CheckpointError(
                 f"{', '.join(map(repr, [first, *differ]))} are one tied parameter in "
@@ -244,16 +244,10 @@ def export_hf(
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
     weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
-    tmp = _sibling(storage, out)  # same file system
-    storage.makedirs(tmp)
-    try:
+    with _written_whole(storage, out, replace=True) as tmp:
         text = json.dumps(dict(config), indent=2) + "\n"
         storage.write_atomic(storage.join(tmp, "config.json"), text.encode())
         names = ["config.json", *_write(storage, tmp, weights, max_shard_size)]
-        storage.remove(out)  # fine if there is none
-        storage.publish(tmp, out)
-    finally:
-        storage.remove(tmp)
     return [storage.join(out, name) for name in names]
 
 
@@ -279,10 +273,23 @@ def model_weights(
     return weights
 
 
-def _sibling(storage: Storage, out: Location) -> Any:
-    """A new hidden name beside ``out``, to write into before publishing."""
+@contextmanager
+def _written_whole(storage: Storage, out: Location, *, replace: bool) -> Iterator[Any]:
+    """A folder to write, published as ``out`` after the block; removed if it fails."""
     token = uuid.uuid4().hex[:12]
-    return storage.join(storage.parent(out), f".{storage.name(out)}.partial-{token}")
+    tmp = storage.join(storage.parent(out), f".{storage.name(out)}.partial-{token}")
+    if not storage.atomic_rename:  # written in place, committed by its manifest
+        tmp = out
+    storage.makedirs(tmp)
+    try:
+        yield tmp
+        if tmp != out:
+            if replace:
+                storage.remove(out)  # fine if there is none
+            storage.publish(tmp, out)
+    except BaseException:
+        storage.remove(tmp)
+        raise
 
 
 def _is_zero(value: Any) -> bool:
@@ -340,18 +347,10 @@ def convert_layout(
         del flat[_NTOKENS]  # no count: what the line above writes for pippy's step
     step = int(flat.get("step", flat.get("train_state.step", 0)))
     flat, step, planner = take_state(flat, step=step)
-    # On an object store, written in place and committed by its manifest.
-    staging = _sibling(storage, out) if storage.atomic_rename else out
-    storage.makedirs(staging)
-    try:
+    with _written_whole(storage, out, replace=False) as staging:
+        writer = ManifestWriter(staging, step=step)  # loads verify it
         with warnings.catch_warnings(), explain_failures(f"writing {out}"):
             # One process, writing alone, by design.
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            writer = ManifestWriter(staging, step=step)  # loads verify it
             dcp.save(flat, storage_writer=writer, planner=planner, no_dist=True)
-    except BaseException:
-        storage.remove(staging)
-        raise
-    if staging != out:
-        storage.publish(staging, out)
     return len(flat)
