@@ -1,9 +1,6 @@
 """The one save sequence and the one load sequence, and the pieces they are made of.
 
-The pieces are spelled out in :mod:`pippy.checkpoint`'s snippet. The checks
-across ranks run inside DCP's own planning, with no collective of pippy's
-(:class:`CheckedSavePlanner`); a step is staged and published inside
-``dcp.save`` (:class:`StepWriter`).
+The pieces are spelled out in :mod:`pippy.checkpoint`'s snippet.
 """
 
 from __future__ import annotations

@@ -587,9 +587,8 @@ def _restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
     """A ``torch.save``d non-tensor item, unpickled with no global it may not name."""
     # Numbers, strings, lists, dicts and tuples need no global: pickle's C
     # unpickler builds them with every global refused, so nothing is called (as
-    # under weights_only) at the speed of plain dcp.load's weights_only=False,
-    # 0.3x weights_only's time on the packed optimizer scalars. Anything else
-    # (a tensor, bytes, a set, a class) goes to weights_only.
+    # under weights_only) at plain dcp.load's speed. Anything else (a tensor,
+    # bytes, a set, a class) goes to weights_only.
     if not trusted:
         try:
             return torch.load(value, weights_only=False, pickle_module=_NO_GLOBALS)
