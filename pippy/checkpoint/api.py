@@ -325,13 +325,9 @@ class StepWriter(ManifestWriter):
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
+        """Writes ``.metadata`` and the manifest, publishes and prunes, if leased."""
         check_lease(self.checkpoint_dir)
         super().finish(metadata, results)
-        self.publish()
-
-    def publish(self) -> None:
-        """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         name = self.storage.name(self.final)
         try:
             check_lease(self.checkpoint_dir)
