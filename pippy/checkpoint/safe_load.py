@@ -793,8 +793,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             model = (name(k) for k in keys if name(k).startswith("model."))
             return {k.removeprefix("model.").split(".")[0] for k in model}
 
-        mine, theirs = modules(read), sorted(modules(others) - modules(read))
-        if theirs and mine:  # a module this model lacks, else another split
+        mine = modules(read)
+        if mine and (theirs := sorted(modules(others) - mine)):  # a module it lacks
             missing, present = " or ".join(map(repr, theirs)), ", ".join(sorted(mine))
             why.append(
                 f"This model has no module {missing} (its modules: {present}): "
