@@ -1,9 +1,6 @@
 """The one save sequence and the one load sequence, and the pieces they are made of.
 
-The pieces are spelled out in :mod:`pippy.checkpoint`'s snippet. The checks
-across ranks run inside DCP's own planning, with no collective of pippy's
-(:class:`CheckedSavePlanner`); a step is staged and published inside
-``dcp.save`` (:class:`StepWriter`).
+The pieces are spelled out in :mod:`pippy.checkpoint`'s snippet.
 """
 
 from __future__ import annotations
@@ -328,13 +325,9 @@ class StepWriter(ManifestWriter):
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
+        """Writes ``.metadata`` and the manifest, publishes and prunes, if leased."""
         check_lease(self.checkpoint_dir)
         super().finish(metadata, results)
-        self.publish()
-
-    def publish(self) -> None:
-        """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         name = self.storage.name(self.final)
         try:
             check_lease(self.checkpoint_dir)

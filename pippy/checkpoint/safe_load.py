@@ -365,24 +365,6 @@ class SafeFileSystemReader(FileSystemReader):
         self.folder = storage.join(path)
         self.manifest = None
 
-    @classmethod
-    def checked(
-        cls,
-        path: str | os.PathLike,
-        *,
-        trusted: bool,
-        metadata_bytes: bytes,
-        manifest: Manifest | None,
-    ) -> SafeFileSystemReader:
-        """A reader of a step another rank read and checked, given its bytes."""
-        reader = cls.__new__(cls)
-        reader._open(path, trusted)
-        reader.metadata_bytes, reader.manifest = metadata_bytes, manifest
-        reader.metadata = _MetadataUnpickler(
-            io.BytesIO(metadata_bytes), str(reader.folder), trusted
-        ).load()
-        return reader
-
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Returns the metadata read and checked when the reader was made."""
         if self.metadata.storage_meta is None:
@@ -605,9 +587,8 @@ def _restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
     """A ``torch.save``d non-tensor item, unpickled with no global it may not name."""
     # Numbers, strings, lists, dicts and tuples need no global: pickle's C
     # unpickler builds them with every global refused, so nothing is called (as
-    # under weights_only) at the speed of plain dcp.load's weights_only=False,
-    # 0.3x weights_only's time on the packed optimizer scalars. Anything else
-    # (a tensor, bytes, a set, a class) goes to weights_only.
+    # under weights_only) at plain dcp.load's speed. Anything else (a tensor,
+    # bytes, a set, a class) goes to weights_only.
     if not trusted:
         try:
             return torch.load(value, weights_only=False, pickle_module=_NO_GLOBALS)
@@ -734,13 +715,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             )
         if all(re.search(r"(^|\.)lr_scheduler\.", k) for k in problems):
             return "Build the LR scheduler (or none) as the run that saved it did."
-        if not self._in_model(problems):
-            return self._fix_for_sections(problems, saved)
-        return "Build the model with the configuration it was saved with."
-
-    def _fix_for_sections(self, problems: dict[str, str], saved: Any) -> str:
-        """What to do about problems of this state's other sections (``extra``)."""
-        name = self.layout_name
+        if self._in_model(problems):
+            return "Build the model with the configuration it was saved with."
+        name = self.layout_name  # the problems are of this state's other sections
         sections = sorted({_section(name(k)) for k in problems})
         if any(k in saved for k in problems):
             return (
@@ -809,34 +786,29 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 "optimizer as the run that saved it did, freshly, and unfreeze "
                 "them."
             )
-        if self._in_model(others):
-            why.append(self._why_unread_model(others, read))
-        return " ".join(why)
+        if not self._in_model(others):
+            return " ".join(why)
 
-    def _why_unread_model(self, unread: list[str], read: set[str]) -> str:
-        """Why model keys are unread: a module this model lacks, or another split."""
-        name = self.layout_name
+        def modules(keys: Any) -> set[str]:  # the top-level modules model keys name
+            model = (name(k) for k in keys if name(k).startswith("model."))
+            return {k.removeprefix("model.").split(".")[0] for k in model}
 
-        def module(key: str) -> str:  # the top-level module a model key names
-            return name(key).removeprefix("model.").split(".")[0]
-
-        ours = {module(k) for k in read if name(k).startswith("model.")}
-        theirs = sorted(
-            {module(k) for k in unread if name(k).startswith("model.")} - ours
-        )
-        if theirs and ours:
-            missing, present = " or ".join(map(repr, theirs)), ", ".join(sorted(ours))
-            return (
+        mine = modules(read)
+        if mine and (theirs := sorted(modules(others) - mine)):  # a module it lacks
+            missing, present = " or ".join(map(repr, theirs)), ", ".join(sorted(mine))
+            why.append(
                 f"This model has no module {missing} (its modules: {present}): "
                 "those keys are another model's, or other state saved under "
                 "'model.'. Load into the model that saved them, or remap those "
                 "keys before loading."
             )
-        return (
-            "The model or its split does not match the checkpoint (fewer "
-            "layers? per-stage state keyed by a stage index that no longer "
-            "exists?). Fix the model, or remap those keys before loading."
-        )
+        else:
+            why.append(
+                "The model or its split does not match the checkpoint (fewer "
+                "layers? per-stage state keyed by a stage index that no longer "
+                "exists?). Fix the model, or remap those keys before loading."
+            )
+        return " ".join(why)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickles a non-tensor item once (weights_only unless trusted), in place."""
@@ -896,63 +868,61 @@ def open_reader(
     checked = on_coordinator(f"cannot read {os.fspath(path)}", check, process_group)
     if made:
         return made[0]
-    trusted, metadata_bytes, manifest = checked
-    return SafeFileSystemReader.checked(
-        path, trusted=trusted, metadata_bytes=metadata_bytes, manifest=manifest
-    )
+    reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
+    reader._open(path, checked[0])
+    reader.metadata_bytes, reader.manifest = checked[1:]
+    reader.metadata = _MetadataUnpickler(
+        io.BytesIO(reader.metadata_bytes), str(reader.folder), reader.trusted
+    ).load()
+    return reader
 
 
 def newest_verified_step(
     checkpoint_dir: Location, *, process_group: dist.ProcessGroup | None = None
-) -> tuple[Any, dict[str, str]]:
-    """``find_latest_step(verified=True)``'s step and ``{name: why}`` passed over."""
+) -> Any:
+    """``find_latest_step(verified=True)``; rank 0 logs each step passed over."""
     where = os.fspath(checkpoint_dir)
 
-    def decide() -> tuple[Any, dict[str, str]]:  # on rank 0; errors reach every rank
-        skipped: dict[str, str] = {}
-        damaged: list[Any] = []
+    def decide() -> Any:  # on rank 0; errors reach every rank
+        found, passed = None, []  # passed: (step, name, why, damaged), newest first
         for path in reversed(list_steps(checkpoint_dir).values()):
-            name, why = storage_for(path).name(path), _why_not_verified(path)
-            if why is None:
-                for old in damaged:  # only now: a step to resume from exists
-                    name = storage_for(old).name(old)
-                    skipped[name] = (
-                        f"moved aside to {_move_aside(old)}: {skipped[name]}"
-                    )
-                return path, skipped
-            if isinstance(why, CheckpointError):
-                raise why
-            skipped[name] = why
-            damaged += [path] if is_complete(path) and holds_its_step(path) else []
-        if not damaged:
-            return None, skipped
-        reasons = "; ".join(f"{n}: {w}" for n, w in skipped.items())
-        raise CheckpointError(
-            f"no step of {where} verifies ({reasons}). "
-            "Restore one, or move them all out of the folder to start afresh"
-        )
+            name = storage_for(path).name(path)
+            if not is_complete(path):
+                why = "incomplete (no .metadata: its save did not finish)"
+                passed.append((path, name, why, False))
+                continue
+            if not holds_its_step(path):
+                passed.append((path, name, "its manifest names another step", False))
+                continue
+            try:
+                manifest = read_manifest(path)
+                if manifest is not None:
+                    verify_step(path)
+            except UnsafeCheckpointError:
+                raise
+            except CheckpointError as e:
+                passed.append((path, name, str(e), True))
+                continue
+            if manifest is None:
+                raise CheckpointError(
+                    f"{os.fspath(path)} has no manifest.json, so it cannot be "
+                    "verified: resume from it without verification, or move it aside"
+                )
+            found = path
+            break
+        if found is None and any(damaged for *_, damaged in passed):
+            reasons = "; ".join(f"{name}: {why}" for _, name, why, _ in passed)
+            raise CheckpointError(
+                f"no step of {where} verifies ({reasons}). "
+                "Restore one, or move them all out of the folder to start afresh"
+            )
+        for path, name, why, damaged in passed:  # moved only once one verifies
+            if damaged:
+                why = f"moved aside to {_move_aside(path)}: {why}"
+            logger.warning("skipped %s: %s", name, why)
+        return found
 
     return on_coordinator(f"cannot check {where}", decide, process_group)
-
-
-def _why_not_verified(path: Any) -> str | CheckpointError | None:
-    """Why a step cannot be resumed from; None if it verifies, an error to raise."""
-    if not is_complete(path):
-        return "incomplete (no .metadata: its save did not finish)"
-    if not holds_its_step(path):
-        return "its manifest names another step"
-    try:
-        if read_manifest(path) is None:
-            return CheckpointError(
-                f"{os.fspath(path)} has no manifest.json, so it cannot be verified: "
-                "resume from it without verification, or move it aside"
-            )
-        verify_step(path)
-    except UnsafeCheckpointError as e:
-        return e
-    except CheckpointError as e:
-        return str(e)
-    return None
 
 
 def _move_aside(path: Any) -> str:
@@ -1011,22 +981,18 @@ def find_latest_step(
         0 answers for all: every rank resumes from the same step.
     """
     if verified:
-        verified_step, reasons = newest_verified_step(
-            checkpoint_dir, process_group=process_group
-        )
-        if not dist.is_initialized() or dist.get_rank(process_group) == 0:
-            for name, why in reasons.items():
-                logger.warning("skipped %s: %s", name, why)
-        return verified_step
-    latest, skipped = on_coordinator(
-        f"cannot list {os.fspath(checkpoint_dir)}",
-        lambda: newest_complete_step(checkpoint_dir),
-        process_group,
+        return newest_verified_step(checkpoint_dir, process_group=process_group)
+
+    def newest() -> Any:  # on rank 0
+        latest, skipped = newest_complete_step(checkpoint_dir)
+        if skipped:
+            logger.warning(
+                "skipping incomplete checkpoints (no .metadata, or a manifest "
+                "naming another step) %s",
+                skipped,
+            )
+        return latest
+
+    return on_coordinator(
+        f"cannot list {os.fspath(checkpoint_dir)}", newest, process_group
     )
-    if skipped and (not dist.is_initialized() or dist.get_rank(process_group) == 0):
-        logger.warning(
-            "skipping incomplete checkpoints (no .metadata, or a manifest naming "
-            "another step) %s",
-            skipped,
-        )
-    return latest
