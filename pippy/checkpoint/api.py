@@ -333,16 +333,10 @@ class StepWriter(ManifestWriter):
             check_lease(self.checkpoint_dir)
             if self.staging != self.final:  # on a store: committed by its record
                 self.storage.publish(self.staging, self.final)
-            if self.keep_last is None:
-                return
-            removed = remove_old_steps(
-                self.checkpoint_dir, self.keep_last, keep=self.final
-            )
+            if self.keep_last is not None:  # it logs what it removes
+                remove_old_steps(self.checkpoint_dir, self.keep_last, keep=self.final)
         except OSError as e:
             raise dir_error(f"cannot publish {name}", e) from e
-        if removed:
-            names = ", ".join(self.storage.name(p) for p in removed)
-            logger.info("published %s, removed %s", name, names)
 
     def discard(self) -> None:
         """Removes a failed save's staging folder, unless this job lost the lease."""

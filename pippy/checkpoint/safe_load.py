@@ -346,13 +346,14 @@ class SafeFileSystemReader(FileSystemReader):
         check_structure(folder, self.metadata)
         if not check_files:
             return
-        problems = find_damage(folder, self.metadata)
+        sizes: dict[str, int | None] = {}  # each file's, asked once
+        problems = find_damage(folder, self.metadata, sizes)
         if problems:
             shown = "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
             raise self._damaged(shown, f"Restore those files, or {_MOVE_IT}")
         if verify:
             ranges = storage_ranges(self.metadata)
-            self.manifest = check_manifest(folder, parse_step(folder), ranges)
+            self.manifest = check_manifest(folder, parse_step(folder), ranges, sizes)
 
     def _open(self, path: str | os.PathLike, trusted: bool | None) -> None:
         """DCP's reader of ``path``, set up without touching a file."""

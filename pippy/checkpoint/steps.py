@@ -373,9 +373,15 @@ def _count(value: Any) -> int:
 
 
 def check_manifest(
-    folder: Location, step: int | None, ranges: Mapping[tuple[str, int, int], str]
+    folder: Location,
+    step: int | None,
+    ranges: Mapping[tuple[str, int, int], str],
+    sizes: Mapping[str, int | None] | None = None,
 ) -> Manifest:
-    """Reads a step's manifest; refuses one absent or at odds with the folder."""
+    """Reads a step's manifest; refuses one absent or at odds with the folder.
+
+    ``sizes``: data files' sizes already found (:func:`find_damage`), not asked again.
+    """
     manifest = read_manifest(folder)
     if manifest is None:
         raise CheckpointError(
@@ -391,8 +397,11 @@ def check_manifest(
         )
     check_layout_version(manifest.optim_layout, repr(str(folder)))
     storage = storage_for(folder)
+    known = sizes or {}
     for name, size in manifest.files.items():
-        actual = storage.size(storage.join(folder, name))
+        actual = (
+            known[name] if name in known else storage.size(storage.join(folder, name))
+        )
         if actual != size:
             raise CheckpointError(
                 f"{str(folder)!r} is damaged: {name} has "
@@ -443,8 +452,13 @@ def verify_item(
         )
 
 
-def find_damage(path: Location, metadata: Metadata) -> list[str]:
-    """One line per data file ``.metadata`` names that is missing or short."""
+def find_damage(
+    path: Location, metadata: Metadata, sizes: dict[str, int | None] | None = None
+) -> list[str]:
+    """One line per data file ``.metadata`` names that is missing or short.
+
+    ``sizes``, if given, is filled with each file's size (None: missing).
+    """
     storage = storage_for(path)
     needed: dict[str, int] = {}  # check_structure passed: each item has a place
     for info in metadata.storage_data.values():
@@ -453,6 +467,8 @@ def find_damage(path: Location, metadata: Metadata) -> list[str]:
     problems = []
     for name, size in sorted(needed.items()):
         actual = storage.size(storage.join(path, name))
+        if sizes is not None:
+            sizes[name] = actual
         if actual is None:
             problems.append(f"{name} is missing")
         elif actual < size:
