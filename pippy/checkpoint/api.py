@@ -325,9 +325,13 @@ class StepWriter(ManifestWriter):
         return super().write_data(plan, planner)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` and the manifest, publishes and prunes, if leased."""
+        """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
         check_lease(self.checkpoint_dir)
         super().finish(metadata, results)
+        self.publish()
+
+    def publish(self) -> None:
+        """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         name = self.storage.name(self.final)
         try:
             check_lease(self.checkpoint_dir)
