@@ -94,7 +94,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         tied = GPT(ModelArgs(4, 32, max_seq_len=32))
     tied.output.weight = tied.tok_embeddings.weight
     pipe = pippy_dcp.split_traced(
-        tied, world_size, torch.zeros(2, 32, dtype=torch.long)
+        tied, world_size, torch.zeros(2, 32, dtype=torch.long, device="meta")
     )
     stage_module = pipe.get_stage_module(rank)
     result["traced_tie_error"] = collision({"model": stage_module.state_dict()})

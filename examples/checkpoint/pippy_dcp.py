@@ -196,7 +196,8 @@ def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=No
         module = split_manual(model, index, num_stages)
     else:
         shape = (args.batch_size // args.microbatches, args.seq_len)
-        pipe = split_traced(model, num_stages, torch.zeros(shape, dtype=torch.long))
+        microbatch = torch.zeros(shape, dtype=torch.long, device="meta")
+        pipe = split_traced(model, num_stages, microbatch)
         module = pipe.get_stage_module(index)
         # The tracer makes the rope buffer a persistent key of every stage.
         pippy.restore_non_persistent_buffers(module, model)
