@@ -93,9 +93,7 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
     with torch.device("meta"):
         tied = GPT(ModelArgs(4, 32, max_seq_len=32))
     tied.output.weight = tied.tok_embeddings.weight
-    pipe = pippy_dcp.split_traced(
-        tied, world_size, torch.zeros(2, 32, dtype=torch.long, device="meta")
-    )
+    pipe = pippy_dcp.split_traced(tied, world_size, (2, 32))
     stage_module = pipe.get_stage_module(rank)
     result["traced_tie_error"] = collision({"model": stage_module.state_dict()})
     # A stage built from layers[i] without the global index: every stage has

@@ -176,8 +176,9 @@ def held(state_dict: dict) -> tuple:
     return tensors, nbytes
 
 
-def split_traced(model: GPT, num_stages: int, microbatch: torch.Tensor):
-    """Traces the model and splits the graph where split_manual would."""
+def split_traced(model: GPT, num_stages: int, shape: tuple[int, int]):
+    """Splits the model where split_manual would, tracing a `shape` microbatch."""
+    microbatch = torch.zeros(shape, dtype=torch.long, device="meta")  # as the model
     n = len(model.layers)
     firsts = [pippy.layer_range(s, num_stages, n)[0] for s in range(1, num_stages)]
     split_spec = {f"layers.{i}": pippy.SplitPoint.BEGINNING for i in firsts}
@@ -196,8 +197,7 @@ def build_stage(args, index: int, num_stages: int, device, *, seed: int, mesh=No
         module = split_manual(model, index, num_stages)
     else:
         shape = (args.batch_size // args.microbatches, args.seq_len)
-        microbatch = torch.zeros(shape, dtype=torch.long, device="meta")
-        pipe = split_traced(model, num_stages, microbatch)
+        pipe = split_traced(model, num_stages, shape)
         module = pipe.get_stage_module(index)
         # The tracer makes the rope buffer a persistent key of every stage.
         pippy.restore_non_persistent_buffers(module, model)
