@@ -13,6 +13,7 @@ agree to a relative RESHARD_RTOL and the printed losses to their 4 decimals.
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,15 +51,26 @@ LABELS = {  # what each rank's save line calls its stages
 #: Largest difference of any float tensor, relative to the tensor's largest
 #: value, after 3 steps on another dp degree. Measured: 1.5e-6.
 RESHARD_RTOL = 1e-5
+EXIT_CHECK = Path(__file__).parent / "exit_check.py"
 SAVED = re.compile(
     r"^\[rank (\d+)\] (stages? [\d, ]+(?: \(dp \d\))?): saved (\d+) ", re.M
 )
 
 
 def launch(layout, folder, *flags):
-    """The example on `layout`, as torchrun's arguments."""
+    """The example on `layout`, as torchrun's arguments, through exit_check.py."""
     ranks, layout_flags = LAYOUTS[layout]
-    return (ranks, EXAMPLE, *FLAGS, *layout_flags, "--checkpoint-dir", folder, *flags)
+    example = (EXAMPLE, *FLAGS, *layout_flags, "--checkpoint-dir", folder, *flags)
+    return (ranks, EXIT_CHECK, *example)
+
+
+def assert_nothing_left_for_finalization(layout, stdout):
+    """Each rank's modules, and with them its process groups, were freed
+    before interpreter finalization, where freeing them can abort it."""
+    alive = dict(
+        re.findall(r"\[rank (\d+)\] at exit: (\d+) torch modules alive", stdout)
+    )
+    assert alive == {str(rank): "0" for rank in range(LAYOUTS[layout][0])}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +150,7 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     second, moved = torchrun_together(launch(layout, here), launch(other, there))
     assert f"resuming from {here / 'step-3'}" in second.stdout
     assert "verified:" in second.stdout
+    assert_nothing_left_for_finalization(layout, second.stdout)
     folder, reference_losses = uninterrupted[reference]
     assert loss_lines(second.stdout) == reference_losses[3:]
     resumed = offline.read_checkpoint(here / "step-6")
@@ -149,6 +162,7 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     # Resumed on another layout: another dp degree, so within the tolerance.
     assert f"resuming from {there / 'step-3'}" in moved.stdout
     assert "verified:" in moved.stdout
+    assert_nothing_left_for_finalization(other, moved.stdout)
     folder, other_losses = uninterrupted[other_reference]
     assert losses(loss_lines(moved.stdout)) == pytest.approx(
         losses(other_losses[3:]), abs=1e-4

@@ -5,6 +5,8 @@ script on torch.distributed.pipelining needs, kept out of pippy_dcp.py so that
 its checkpoint code reads first.
 """
 
+import atexit
+import gc
 import logging
 import os
 import sys
@@ -47,6 +49,11 @@ def setup_distributed() -> tuple[int, torch.device]:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    # Free what reference cycles keep alive (modules, their groups) while Python
+    # still runs: a group freed in interpreter finalization can abort the
+    # process, "terminate called without an active exception", as gloo's
+    # threads reach for the GIL then (pytorch/pytorch#179291)
+    atexit.register(gc.collect)
     # pippy logs what it does beyond a save (steps removed by --keep-last, a
     # background save published): rank 0 shows it.
     form = f"[rank {dist.get_rank()}] %(message)s"
