@@ -69,7 +69,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -485,59 +484,64 @@ def check_structure(folder: Location, metadata: Metadata) -> None:
         if not isinstance(places, dict) or not isinstance(items, dict):
             raise CheckpointError(f"{damaged}: it has no table of items and files")
         contained: set[str] = set()  # each file once: resolving a path stats it
+        lengths: dict[tuple[str, Any], int] = {}  # (key, chunk offsets): bytes
         for index, info in places.items():
             name: Any = getattr(info, "relative_path", None)
-            plain = isinstance(name, str) and name not in ("", ".", "..")
-            if not plain or any(c in name for c in "/\\\0"):
-                raise UnsafeCheckpointError(
-                    f"refused to load {str(folder)!r}: its {METADATA_FILE} names the "
-                    f"data file {name!r}, which is not a plain file name inside the "
-                    "step folder (a path). DCP would open it wherever it points; no "
-                    "checkpoint written by DCP or pippy does that"
-                )
-            if name not in contained:
+            if not (isinstance(name, str) and name in contained):
+                plain = isinstance(name, str) and name not in ("", ".", "..")
+                if not plain or any(c in name for c in "/\\\0"):
+                    raise UnsafeCheckpointError(
+                        f"refused to load {str(folder)!r}: its {METADATA_FILE} names "
+                        f"the data file {name!r}, which is not a plain file name "
+                        "inside the step folder (a path). DCP would open it wherever "
+                        "it points; no checkpoint written by DCP or pippy does that"
+                    )
                 step_file(storage, folder, name)
                 contained.add(name)
-            place = (getattr(info, "offset", None), getattr(info, "length", None))
-            if not all(type(n) is int and n >= 0 for n in place):
+            offset, length = (
+                getattr(info, "offset", None),
+                getattr(info, "length", None),
+            )
+            if not (type(offset) is type(length) is int and min(offset, length) >= 0):
                 raise CheckpointError(
                     f"{damaged}: item {index.fqn!r} has no valid place"
                 )
+            lengths[index.fqn, index.offset] = length
         for key, item in items.items():
             if isinstance(item, BytesStorageMetadata):
-                chunks: list[tuple[MetadataIndex, int]] = [(MetadataIndex(key), 0)]
+                chunks: list[tuple[Any, int]] = [(None, 0)]
             elif isinstance(item, TensorStorageMetadata):
-                size = item.properties.dtype.itemsize
-                chunks = [
-                    (MetadataIndex(key, chunk.offsets), math.prod(chunk.sizes) * size)
-                    for chunk in item.chunks
-                ]
-                inside = all(
-                    len(c.offsets) == len(c.sizes) == len(item.size)
-                    and all(
-                        0 <= o and o + n <= d
-                        for o, n, d in zip(c.offsets, c.sizes, item.size, strict=True)
+                itemsize, shape = item.properties.dtype.itemsize, item.size
+                chunks, volume, inside = [], 0, True
+                for c in item.chunks:
+                    n = math.prod(c.sizes)
+                    chunks.append((c.offsets, n * itemsize))
+                    volume += n
+                    whole = len(c.offsets) == len(shape) and c.sizes == shape
+                    if whole and not any(c.offsets):
+                        continue  # the whole tensor, as a step without shards has
+                    inside = inside and len(c.offsets) == len(c.sizes) == len(shape)
+                    inside = inside and all(
+                        0 <= o and o + s <= d
+                        for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)
                     )
-                    for c in item.chunks
-                )
-                volume = sum(math.prod(c.sizes) for c in item.chunks)
-                if not inside or volume != math.prod(item.size):
+                if not inside or volume != math.prod(shape):
                     raise CheckpointError(
-                        f"{damaged}: {key!r} declares shape {list(item.size)}, which "
+                        f"{damaged}: {key!r} declares shape {list(shape)}, which "
                         "its stored chunks do not fill"
                     )
             else:
                 raise CheckpointError(
                     f"{damaged}: {key!r} is neither tensor nor object"
                 )
-            for index, nbytes in chunks:
-                info = places.get(index)
-                if info is None:
+            for offsets, nbytes in chunks:
+                length = lengths.get((key, offsets))
+                if length is None:
                     raise CheckpointError(f"{damaged}: no file holds {key!r}")
-                if nbytes > info.length:  # torch.save adds headers, never removes bytes
+                if nbytes > length:  # torch.save adds headers, never removes bytes
                     raise CheckpointError(
                         f"{damaged}: {key!r} declares {nbytes} bytes, but its file "
-                        f"holds {info.length} for it"
+                        f"holds {length} for it"
                     )
     except (AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
         raise CheckpointError(f"{damaged}: {type(e).__name__}: {e}") from None
