@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
@@ -485,6 +486,26 @@ def test_a_tensor_larger_than_its_chunks_is_refused_before_allocation(tmp_path):
             checkpoint.CheckpointError,
             match=r"'model.weight' declares shape \[1048576, 1048576\], which its "
             "stored chunks do not fill",
+        ):
+            read(folder)
+
+
+@pytest.mark.parametrize("offsets", [(0,), (4, 0)], ids=["one dim", "outside"])
+def test_a_chunk_not_inside_its_tensor_is_refused_before_allocation(tmp_path, offsets):
+    _, folder = saved_linear(tmp_path)
+
+    def move(metadata):  # the chunk and its place agree; the tensor does not
+        metadata.state_dict_metadata["model.weight"].chunks[0].offsets = offsets
+        storage = metadata.storage_data
+        [old] = [k for k in storage if k.fqn == "model.weight"]
+        storage[MetadataIndex("model.weight", offsets)] = storage.pop(old)
+
+    craft(folder, move)
+    for read in READ_PATHS.values():
+        with pytest.raises(
+            checkpoint.CheckpointError,
+            match=r"'model.weight' declares shape \[4, 4\], which its stored "
+            "chunks do not fill",
         ):
             read(folder)
 
