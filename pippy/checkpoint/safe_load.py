@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
@@ -60,6 +61,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 from torch.futures import Future
+from torch.torch_version import TorchVersion
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves
@@ -79,7 +81,6 @@ from pippy.checkpoint.state import (
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,
     METADATA_FILE,
-    CompatTensorProperties,
     Manifest,
     check_manifest,
     check_structure,
@@ -87,7 +88,6 @@ from pippy.checkpoint.steps import (
     holds_its_step,
     is_complete,
     list_steps,
-    newer_torch_refusal,
     newest_complete_step,
     parse_step,
     read_manifest,
@@ -159,6 +159,20 @@ def _refusal(what: str, refused: str) -> UnsafeCheckpointError:
     )
 
 
+# How many fields this torch's TensorProperties pickles.
+_FIELDS = len(TensorProperties().__getstate__())
+
+
+class _CompatTensorProperties(TensorProperties):
+    """DCP's ``TensorProperties``, also from a newer torch's longer state (2.15: 6)."""
+
+    def __setstate__(self, state: Any) -> None:
+        """Takes the fields this torch knows; drops those a newer torch added."""
+        if isinstance(state, tuple) and len(state) > _FIELDS:
+            state = state[:_FIELDS]
+        super().__setstate__(state)
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata, refusing (unless trusted) all but DCP's globals."""
 
@@ -170,7 +184,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         """Returns an allow-listed global; raises for any other."""
         if (module, name) == (_DCP_METADATA, "TensorProperties"):
-            return CompatTensorProperties
+            return _CompatTensorProperties
         allowed = (module, name) in _METADATA_GLOBALS or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         )
@@ -194,9 +208,16 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
         except CheckpointError:  # none, or unreadable: no writer to name
             manifest = None
         writer = manifest.written_by.get("torch") if manifest else None
-        newer = newer_torch_refusal(str(path), writer, e)
-        if newer is not None:
-            raise newer from None
+        try:
+            newer = isinstance(writer, str) and TorchVersion(writer) > torch.__version__
+        except Exception:  # not a version: the manifest is no help here
+            newer = False
+        if newer:
+            raise CheckpointError(
+                f"{path} was written by torch {writer}, this is torch "
+                f"{torch.__version__}, which cannot read it ({type(e).__name__}: "
+                f"{e}). Read it with torch {writer} or newer"
+            ) from None
         raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata")

@@ -69,13 +69,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-from torch.torch_version import TorchVersion
 
 from pippy.checkpoint import stall
 from pippy.checkpoint.errors import (
@@ -553,37 +551,3 @@ def storage_ranges(metadata: Metadata) -> dict:
         (info.relative_path, info.offset, info.length): index.fqn
         for index, info in metadata.storage_data.items()
     }
-
-
-# How many fields this torch's TensorProperties pickles.
-_FIELDS = len(TensorProperties().__getstate__())
-
-
-class CompatTensorProperties(TensorProperties):
-    """DCP's ``TensorProperties``, also read from a newer torch's longer state.
-
-    torch 2.15's has 6 fields, which 2.10 to 2.14 cannot unpack (5).
-    """
-
-    def __setstate__(self, state: Any) -> None:
-        """Takes the fields this torch knows; drops those a newer torch added."""
-        if isinstance(state, tuple) and len(state) > _FIELDS:
-            state = state[:_FIELDS]
-        super().__setstate__(state)
-
-
-def newer_torch_refusal(
-    metadata_file: str, writer: object, error: Exception
-) -> CheckpointError | None:
-    """The error if a torch newer than this one wrote ``.metadata``; else None."""
-    try:
-        newer = isinstance(writer, str) and TorchVersion(writer) > torch.__version__
-    except Exception:  # not a version: the manifest is no help here
-        return None
-    if not newer:
-        return None
-    return CheckpointError(
-        f"{metadata_file} was written by torch {writer}, this is torch "
-        f"{torch.__version__}, which cannot read it ({type(error).__name__}: "
-        f"{error}). Read it with torch {writer} or newer"
-    )
