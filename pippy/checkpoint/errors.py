@@ -230,9 +230,8 @@ def dir_error(action: str, error: OSError) -> CheckpointDirError:
 def _portable(error: Exception, action: str) -> Exception:
     """``error`` if it survives pickling, else a ``CheckpointError`` naming it."""
     try:
-        copy = pickle.loads(pickle.dumps(error))
+        return pickle.loads(pickle.dumps(error))
     except Exception:
         return CheckpointError(
             f"{action}: {type(error).__name__} on rank 0: {_message(error)}"
         )
-    return copy

@@ -84,11 +84,9 @@ def _boot_id() -> str:
 
 
 def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (clock ticks after boot), or None if none runs."""
+    """When process ``pid`` started (ticks after boot, field 22 of proc(5)), or None."""
     stat = _proc(f"{pid}/stat")
-    if stat is None:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22 of proc(5)
+    return None if stat is None else stat.rsplit(")", 1)[1].split()[19]
 
 
 def _describe(record: dict[str, Any]) -> str:
@@ -150,6 +148,7 @@ class _OwnerRecord:
         self.record = storage.join(root, OWNER_FILE)
         self.token = ""
         self.since = ""  # when this job acquired the record
+        self.created = False  # the folder did not exist: release removes it empty
 
     def _mine(self) -> dict[str, Any]:
         """This job's record."""
@@ -168,14 +167,16 @@ class _OwnerRecord:
         """Whether ``record`` (parsed JSON) is an owner record pippy wrote."""
         return isinstance(record, dict)
 
-    def _read(self) -> dict[str, Any] | None:
-        """The record, or None if there is none."""
+    def _read(self, path: str = "", *, strict: bool = True) -> dict[str, Any] | None:
+        """A record (the owner's by default), or None if none; not pippy's: refused."""
         try:
-            record = json.loads(self.storage.read_bytes(self.record))
+            record = json.loads(self.storage.read_bytes(path or self.record))
         except FileNotFoundError:
             return None
         except ValueError:
             record = None
+        if not strict:  # not pippy's reads as none
+            return record if isinstance(record, dict) else None
         if not self._valid(record):  # created whole, exclusively: not ours
             raise CheckpointDirInUseError(
                 f"{self.record} is not an owner record pippy wrote, so whether a "
@@ -192,26 +193,27 @@ class _OwnerRecord:
         for _ in range(3):  # another job may take a stale record first
             if self.storage.create_exclusive(self.record, self._encoded()):
                 return self.token
-            self._take_over()
+            if (record := self._read()) is not None:
+                self._take_over(record)
         raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
 
-    def _take_over(self) -> None:
-        """Removes another job's record where it may be taken over; else refuses."""
+    def _take_over(self, record: dict[str, Any]) -> None:
+        """Removes another job's ``record`` where it may be taken over; else refuses."""
         raise NotImplementedError
 
     def release(self) -> bool:
-        """Removes the record if it is still this job's; whether it did."""
+        """Removes the record if still this job's (and an empty folder acquire made)."""
         record = self._read()
         if record is None or record.get("token") != self.token:
             return False
         self.storage.remove(self.record)
+        if self.created and not self.storage.listdir(self.root):
+            self.storage.remove(self.root)  # a job that saved nothing
         return True
 
 
 class _LocalRecord(_OwnerRecord):
     """The owner record of a local folder; a dead owner's is taken over."""
-
-    created = False  # the folder did not exist: release removes it empty
 
     def _mine(self) -> dict[str, Any]:
         """This job's record, with what tells whether its process still runs."""
@@ -231,11 +233,8 @@ class _LocalRecord(_OwnerRecord):
         self.created = not self.storage.exists(self.root)
         return super().acquire()
 
-    def _take_over(self) -> None:
+    def _take_over(self, record: dict[str, Any]) -> None:
         """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
-        record = self._read()
-        if record is None:
-            return
         pid = record.get("pid")
         gone = (  # this host and boot, and no process with its pid and start time
             record.get("host") == socket.gethostname()
@@ -261,13 +260,6 @@ class _LocalRecord(_OwnerRecord):
         # This job now owns the folder alone: leftovers are the dead one's.
         for name in remove_staging(self.root):
             logger.warning("removed %s, left by that job", name)
-
-    def release(self) -> bool:
-        """As the base; a folder that acquire created, still empty, goes too."""
-        removed = super().release()
-        if removed and self.created and not self.storage.listdir(self.root):
-            self.storage.remove(self.root)  # a job that saved nothing
-        return removed
 
 
 class StoreLease(_OwnerRecord):
@@ -309,11 +301,8 @@ class StoreLease(_OwnerRecord):
         self._thread.start()
         return token
 
-    def _take_over(self) -> None:
+    def _take_over(self, record: dict[str, Any]) -> None:
         """Deletes an expired record, if this job claims it first; else refuses."""
-        record = self._read()
-        if record is None:
-            return
         if record["expires"] > time.time():
             raise CheckpointDirInUseError(
                 f"{self.root} is in use by another job ({_describe(record)}; its "
@@ -351,9 +340,9 @@ class StoreLease(_OwnerRecord):
         with self._lock:  # the renewing thread and a save's check
             if self.lost:
                 raise CheckpointDirInUseError(self.lost)
-            record = self._read_or_none(self.record)
+            record = self._read(strict=False)
             if time.time() >= self.expires:  # late: a job may be taking it over
-                claim = self._read_or_none(f"{self.record}.takeover-{self.token}")
+                claim = self._read(f"{self.record}.takeover-{self.token}", strict=False)
                 record = claim or record
             if record is None or record.get("token") != self.token:
                 self._lose(record)
@@ -363,16 +352,8 @@ class StoreLease(_OwnerRecord):
                     self.record, self._encoded(), self._version
                 )
                 if version is None:
-                    self._lose(self._read_or_none(self.record))
+                    self._lose(self._read(strict=False))
                 self._version = version or None
-
-    def _read_or_none(self, path: str) -> dict[str, Any] | None:
-        """A record, or None if there is none or it is not one pippy wrote."""
-        try:
-            record = json.loads(self.storage.read_bytes(path))
-        except (FileNotFoundError, ValueError):
-            return None
-        return record if isinstance(record, dict) else None
 
     def _lose(self, record: dict[str, Any] | None) -> None:
         """Notes that another job took the folder over; raises saying so."""
@@ -572,19 +553,17 @@ class StopSignal:
             return bool(self._received_by)
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
-        stop = False
         if self._pending is not None:  # started one call ago, on every rank
             work, numbers = self._pending
             work.wait()
-            if numbers.any():  # a stop, on every rank at this call
-                self._received_by, stop = _by_rank(numbers), True
+            self._received_by = _by_rank(numbers)  # any: a stop, on every rank
         # Who has a signal by now (after a stop, read when received_by is: a
         # launcher's signal reaches its workers one after the other).
         numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
         numbers[dist.get_rank()] = int(self.received or 0)
         work = dist.all_reduce(numbers, group=self._group, async_op=True)
         self._pending = (work, numbers)
-        return stop
+        return bool(self._received_by)
 
     @property
     def received_by(self) -> dict[int, signal.Signals]:
@@ -615,10 +594,8 @@ class StopSignal:
         Args:
             seconds: How long a save took, from its start to its publication.
         """
-        deadline = self.deadline
-        if deadline is None or self._warned or seconds <= deadline.seconds:
-            return
-        if dist.is_initialized() and dist.get_rank() != 0:
+        deadline, rank = self.deadline, dist.get_rank() if dist.is_initialized() else 0
+        if deadline is None or self._warned or seconds <= deadline.seconds or rank:
             return
         self._warned = True
         logger.warning(
@@ -680,10 +657,8 @@ def launcher_deadline() -> Deadline | None:
 
 def _shutdown_flag() -> str | None:
     """The parent's ``--shutdown-timeout`` (before this script's name), or None."""
-    cmdline = _proc(f"{os.getppid()}/cmdline")
-    if cmdline is None:
-        return None
-    words, ours = cmdline.split("\0")[:-1], sys.argv[1:]
+    words = (_proc(f"{os.getppid()}/cmdline") or "").split("\0")[:-1]  # none: []
+    ours = sys.argv[1:]
     if words[len(words) - len(ours) :] != ours:  # not this script's launcher
         return None
     options = words[: len(words) - len(ours) - 1]  # less the script, our flags
