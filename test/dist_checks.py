@@ -413,7 +413,43 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
             raise RuntimeError("from the group")
     except (checkpoint.CheckpointError, ValueError) as e:
         in_group = f"{type(e).__name__}: {e}"
-    return {"error": error, "path": str(path), "in_group": in_group}
+    # A rank's error that pickles but does not unpickle (an __init__ with more
+    # arguments than it passes on) reaches the others as its line, not as a
+    # TypeError inside DCP's gather that leaves rank 1 waiting.
+    unportable = None
+    state = {"model": {f"w{rank}": torch.ones(2)}, "note": _Note(fail=rank == 1)}
+    try:
+        checkpoint.save_stage(state, out / "unportable", step=1, timeout=60)
+    except checkpoint.CheckpointError as e:
+        unportable = f"{type(e).__name__}: {e}"
+    return {
+        "error": error,
+        "path": str(path),
+        "in_group": in_group,
+        "unportable": unportable,
+    }
+
+
+class _Unportable(Exception):
+    """An error that pickles, but whose unpickling calls __init__ with too few."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"code {code}: {detail}")
+
+
+class _Note:
+    """A Stateful whose state_dict fails with an _Unportable if told to."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+
+    def state_dict(self) -> dict:
+        if self.fail:
+            raise _Unportable(7, "the note is gone")
+        return {"text": "hello"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
 
 
 def check_twins(out: Path, rank: int, world_size: int) -> dict:

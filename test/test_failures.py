@@ -365,6 +365,13 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
         assert error.startswith(f"loading {r['path']} failed on 1 rank(s):\n  rank 1: ")
         assert "CheckpointError: param group 0 here holds parameters saved " in error
         assert "'lr': lr 0.1 for 'stage1.a.weight', 0.2 for 'stage1.b.weight'" in error
+    # A plain state_dict's Stateful that fails on rank 1 stops both ranks; its
+    # error, which does not unpickle, reaches rank 0 as its line.
+    line = "CheckpointError: _Unportable: code 7: the note is gone"
+    assert [r["unportable"] for r in results] == [
+        f"CheckpointError: saving step-1 failed on 1 rank(s):\n  rank 1: {line}",
+        line,
+    ]
     # Under a group of rank 1 alone: its global rank; rank 0 may not enter.
     assert [r["in_group"] for r in results] == [
         "ValueError: fail_together: rank 0 is not in the process group",

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.futures import Future
@@ -216,7 +217,13 @@ def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
 
 def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str, Any]:
     """:func:`take_state`'s part that each rank runs alone: the state, as ``step``."""
-    state_dict = state.state_dict() if isinstance(state, StageState) else dict(state)
+    if isinstance(state, StageState):
+        state_dict = state.state_dict()
+    else:  # its Statefuls taken here, not in dcp.save: a failure reaches every rank
+        state_dict = {
+            k: v.state_dict() if isinstance(v, Stateful) else v
+            for k, v in state.items()
+        }
     stored = state_dict.get("step")
     if isinstance(stored, int) and stored != step:
         raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")

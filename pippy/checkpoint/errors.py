@@ -93,8 +93,8 @@ def _line(error: BaseException) -> str:
 
 def own_error(error: Exception) -> Exception:
     """``error`` wrapped to raise inside DCP: itself here, named on other ranks."""
-    try:
-        pickle.dumps(error)
+    try:  # DCP sends it to the other ranks: it must unpickle there too
+        pickle.loads(pickle.dumps(error))
     except Exception:
         error = CheckpointError(_line(error))
     return _OwnError(dist.get_rank() if dist.is_initialized() else 0, error)
