@@ -95,6 +95,16 @@ class CheckedSavePlanner(SavePlanner):
         self.failure: Exception | None = None  # set where taking the state failed
         self._state_dict: dict[str, Any] = {}
 
+    def take(self, take: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``take()``; if it fails in a process group, {} and the failure kept."""
+        try:
+            return take()
+        except Exception as e:
+            if not dist.is_initialized():  # no rank waits for this one
+                raise
+            self.failure = e
+            return {}
+
     def set_up_planner(
         self,
         state_dict: dict[str, Any],
@@ -179,31 +189,8 @@ def take_state(
     """
     step = step_of(state, step)
     stall.seconds(timeout)  # refused at once; the waits are the save's
-    state_dict, checked = take_together(
-        lambda: state_to_save(state, step),
-        process_group=process_group,
-        mesh=mesh,
-        planner=planner,
-    )
-    return state_dict, step, checked
-
-
-def take_together(
-    take: Callable[[], dict[str, Any]],
-    *,
-    process_group: dist.ProcessGroup | None,
-    mesh: DeviceMesh | None,
-    planner: SavePlanner | None = None,
-) -> tuple[dict[str, Any], CheckedSavePlanner]:
-    """:func:`take_state` of ``take()``; its failure goes into the planner."""
     checked = CheckedSavePlanner(planner, mesh=mesh, process_group=process_group)
-    try:
-        return take(), checked
-    except Exception as e:
-        if not dist.is_initialized():  # no rank waits for this one
-            raise
-        checked.failure = e
-        return {}, checked
+    return checked.take(lambda: state_to_save(state, step)), step, checked
 
 
 def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
@@ -280,8 +267,9 @@ class StepWriter(ManifestWriter):
         try:
             self.staging = self._make_staging()
         except OSError as e:
-            pattern = f".step-{self.step}.partial-*"
-            where = self.storage.join(self.checkpoint_dir, pattern)
+            where = self.storage.join(
+                self.checkpoint_dir, f".step-{self.step}.partial-*"
+            )
             raise dir_error(f"cannot create {where}", e) from e
         return [
             dataclasses.replace(
@@ -339,7 +327,6 @@ class StepWriter(ManifestWriter):
 
     def publish(self) -> None:
         """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
-        name = self.storage.name(self.final)
         try:
             check_lease(self.checkpoint_dir)
             if self.staging != self.final:  # on a store: committed by its record
@@ -347,12 +334,24 @@ class StepWriter(ManifestWriter):
             if self.keep_last is not None:  # it logs what it removes
                 remove_old_steps(self.checkpoint_dir, self.keep_last, keep=self.final)
         except OSError as e:
-            raise dir_error(f"cannot publish {name}", e) from e
+            raise dir_error(f"cannot publish {self.storage.name(self.final)}", e) from e
 
-    def discard(self) -> None:
-        """Removes a failed save's staging folder, unless this job lost the lease."""
-        if self.staging is not None and not lease_lost(self.checkpoint_dir):
-            self.storage.remove(self.staging)
+    @contextmanager
+    def saving(
+        self, action: str, timeout: Timeout, process_group: dist.ProcessGroup | None
+    ) -> Iterator[None]:
+        """Watches the block (``dcp.save``) for stalls, its failures as one error.
+
+        If it fails, the staging folder is removed, unless this job lost the lease.
+        """
+        try:
+            with stall.waiting(action, "write", timeout, process_group):
+                with explain_failures(action):
+                    yield
+        except BaseException:
+            if self.staging is not None and not lease_lost(self.checkpoint_dir):
+                self.storage.remove(self.staging)
+            raise
 
 
 @contextmanager
@@ -405,16 +404,10 @@ def publish_step(
             timed out: end the job.
         ValueError: ``timeout`` is not a positive number.
     """
-    action = f"saving step-{step}"
     stall.seconds(timeout)  # a bad timeout is refused before anything is made
     writer = StepWriter(checkpoint_dir, step, keep_last=keep_last, **writer_options)
-    try:
-        with stall.waiting(action, "write", timeout, process_group):
-            with explain_failures(action):
-                yield writer
-    except BaseException:
-        writer.discard()
-        raise
+    with writer.saving(f"saving step-{step}", timeout, process_group):
+        yield writer
 
 
 @contextmanager
@@ -539,21 +532,13 @@ def read_into(
     state_dict: dict[str, Any],
     reader: SafeFileSystemReader,
     planner: SafeLoadPlanner,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    no_dist: bool = False,
+    **options: Any,
 ) -> None:
-    """``dcp.load`` in place, DCP's failures turned into one line per rank."""
+    """``dcp.load`` in place (``options``: its own), failures one line per rank."""
     with explain_failures(f"loading {reader.folder}"), warnings.catch_warnings():
         # Without a process group, one process reading alone is the intent.
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=planner,
-            process_group=process_group,
-            no_dist=no_dist,
-        )
+        dcp.load(state_dict, storage_reader=reader, planner=planner, **options)
 
 
 def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
@@ -567,26 +552,16 @@ def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
     raise KeyError(key)
 
 
-def read_any_layout(
-    state_dict: dict[str, Any],
-    path: Location,
-    *,
-    must_read: tuple[str, ...] = ("",),
-    trusted: bool | None = None,
-    verify: bool = True,
-    process_group: dist.ProcessGroup | None = None,
-) -> None:
-    """Fills a state_dict in pippy's names from a step in either layout, in place."""
-    reader, planner = open_step(
-        path,
-        must_read=must_read,
-        trusted=trusted,
-        verify=verify,
-        process_group=process_group,
-    )
+def read_any_layout(state_dict: dict[str, Any], path: Location, **options: Any) -> None:
+    """Fills a state_dict in pippy's names from a step in either layout, in place.
+
+    ``options`` are :func:`open_step`'s.
+    """
+    reader, planner = open_step(path, **options)
+    group, must_read = options.get("process_group"), planner.must_read
     saved = reader.read_metadata().state_dict_metadata
     if detect_layout(saved) == PIPPY:
-        return read_into(state_dict, reader, planner, process_group=process_group)
+        return read_into(state_dict, reader, planner, process_group=group)
     wanted = dict(named_leaves(state_dict))
     flat = to_torchtitan(wanted)
     # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
@@ -606,7 +581,7 @@ def read_any_layout(
             apply(state_dict)
 
     with after_reads(convert) as apply:
-        read_into(flat, reader, planner, process_group=process_group)
+        read_into(flat, reader, planner, process_group=group)
 
 
 @contextmanager

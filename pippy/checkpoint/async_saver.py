@@ -25,15 +25,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from pippy.checkpoint import stall
 from pippy.checkpoint.api import (
+    CheckedSavePlanner,
     StepWriter,
     gc_paused,
     state_to_save,
     step_of,
-    take_together,
 )
-from pippy.checkpoint.errors import CheckpointError, explain_failures
+from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import step_dir
@@ -233,16 +232,14 @@ class AsyncSaver:
         async_stager: AsyncStager | None = None,
         timeout: Timeout = None,
     ):
-        self.checkpoint_dir = checkpoint_dir
-        self.keep_last = keep_last
-        self.mesh = mesh
+        self.checkpoint_dir, self.keep_last, self.mesh = checkpoint_dir, keep_last, mesh
         self.timeout = seconds(timeout)
         self._own_group = process_group is None and dist.is_initialized()
         if self._own_group:
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
-        # (upload future, staging future or None, step) of the save in flight.
-        self._pending: tuple[Future, Future | None, int] | None = None
+        self._upload: Future | None = None  # the save in flight
+        self._staging: Future | None = None  # its copy, until waited for
         self._told: Future | None = None  # a failed save save() raised itself
         # The one thread that writes and publishes, one save after the other.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
@@ -295,15 +292,14 @@ class AsyncSaver:
             # which this rank's poll() joins; its wait() then says nothing more.
             failed = self._executor.submit(self._write, e, step, started)
             wait([failed])
-            self._pending, self._told = (failed, None, step), failed
+            self._upload = self._told = failed
             raise
         # A stager that stages in the background gives a Future of the copy.
-        staging = taken if isinstance(taken, Future) else None
-        if staging is None and self._stager.should_synchronize_after_execute:
+        self._staging = taken if isinstance(taken, Future) else None
+        if self._staging is None and self._stager.should_synchronize_after_execute:
             self._stager.synchronize_staging()
-        upload = self._executor.submit(self._write, taken, step, started)
-        self._pending = (upload, staging, step)
-        if staging is not None and isinstance(state, StageState):
+        self._upload = self._executor.submit(self._write, taken, step, started)
+        if self._staging is not None and isinstance(state, StageState):
             self._hooks = [
                 o.register_step_pre_hook(self._staged) for o in state.optimizers
             ]
@@ -367,16 +363,12 @@ class AsyncSaver:
                 raise taken
             return taken.result() if isinstance(taken, Future) else taken
 
-        with stall.waiting(f"saving step-{step}", "write", self.timeout, group):
-            copy, planner = take_together(copied, process_group=group, mesh=self.mesh)
-            writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
-            try:
-                dcp.save(
-                    copy, storage_writer=writer, planner=planner, process_group=group
-                )
-            except BaseException:
-                writer.discard()
-                raise
+        writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
+        action = f"saving step-{step} in the background"
+        with writer.saving(action, self.timeout, group):
+            planner = CheckedSavePlanner(mesh=self.mesh, process_group=group)
+            copy = planner.take(copied)
+            dcp.save(copy, storage_writer=writer, planner=planner, process_group=group)
         if not dist.is_initialized() or dist.get_rank() == 0:
             took = time.perf_counter() - started
             logger.info(
@@ -408,16 +400,15 @@ class AsyncSaver:
 
     def _staged(self, *_: Any) -> None:
         """Waits for the copy of the save in flight (the optimizers' step hook)."""
-        if self._pending is None or self._pending[1] is None:
+        staging, self._staging = self._staging, None
+        if staging is None:
             return
-        upload, staging, step = self._pending
-        assert staging is not None
-        self._pending = (upload, None, step)
         try:
             staging.result()
         except BaseException:
-            wait([upload])  # it stops at staging on every rank (see save)
-            self._told = upload
+            assert self._upload is not None
+            wait([self._upload])  # it stops at staging on every rank (see save)
+            self._told = self._upload
             raise
 
     def wait(self) -> Any:
@@ -438,14 +429,10 @@ class AsyncSaver:
                 timeout; nothing is written.
         """
         self.wait_for_staging()
-        if self._pending is None:
+        upload, self._upload = self._upload, None
+        if upload is None or upload is self._told:  # told: its failure was raised
             return None
-        upload, _, step = self._pending
-        self._pending = None
-        if upload is self._told:  # its failure was raised already
-            return None
-        with explain_failures(f"saving step-{step} in the background"):
-            return upload.result()
+        return upload.result()
 
     def poll(self) -> Any:
         """The step folder once published on every rank, else None; never waits.
@@ -456,11 +443,11 @@ class AsyncSaver:
         Raises:
             CheckpointError: As :meth:`wait`.
         """
-        if self._pending is None:
+        if self._upload is None:
             return None
-        if self._pending[1] is None or self._pending[1].done():
+        if self._staging is None or self._staging.done():
             self._unhook()  # optimizer.step() has nothing more to wait for
-        done = torch.tensor([int(self._pending[0].done())])
+        done = torch.tensor([int(self._upload.done())])
         if self._poll_group is not None:
             dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
         return self.wait() if done.item() else None

@@ -288,9 +288,8 @@ class DurableFileSystem(_Checksumming, FileSystem):
         return _DurableWriter(io.FileIO(os.fspath(path), "wb"))
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        """Renames, then fsyncs the folder holding the new name."""
-        os.rename(path, new_path)
-        _fsync_dir(Path(new_path).parent)
+        """Renames, then fsyncs the folder holding the new name (as ``publish``)."""
+        LocalStorage().publish(path, new_path)
 
 
 class LocalStorage(Storage):
