@@ -204,12 +204,11 @@ def check_keys(
         ``mesh``, and per-rank state (a stage's RNG) not under a key naming
         the stage (``rng.stage_3``).
     """
-    if not dist.is_initialized():
-        return
     offer = offer_keys(state_dict, process_group=process_group, mesh=mesh)
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, offer, group=process_group)
-    refuse_losses(gathered, process_group=process_group)
+    if offer is not None:  # None without a process group
+        gathered: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, offer, group=process_group)
+        refuse_losses(gathered, process_group=process_group)
 
 
 def offer_keys(

@@ -284,8 +284,7 @@ class StageState(Stateful):
         optim_sd, saved_groups = _unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizers, options=OPTIONS)
         fqn_of, keys = _param_fqns(self.module)
-        stateless = keys.state_fqns(wanted) - keys.state_fqns(optim_sd)
-        self._check_entries(wanted, optim_sd, stateless, keys)
+        stateless = self._check_entries(wanted, optim_sd, keys)
         self._check_groups(optim_sd, fqn_of)
         if self.lr_schedulers:
             self._check_scheduler(state_dict["lr_scheduler"], saved_groups, fqn_of)
@@ -312,23 +311,21 @@ class StageState(Stateful):
 
     @staticmethod
     def _check_entries(
-        wanted: Mapping[str, Any],
-        loaded: Mapping[str, Any],
-        stateless: set[str],
-        optim_keys: OptimKeys,
-    ) -> None:
-        """Refuses loaded optimizer entries other than the wanted ones."""
+        wanted: Mapping[str, Any], loaded: Mapping[str, Any], keys: OptimKeys
+    ) -> set[str]:
+        """The FQNs saved without state; refuses other entries than the wanted."""
+        stateless = keys.state_fqns(wanted) - keys.state_fqns(loaded)
         missing = sorted(
             k
             for k in wanted.keys() - loaded.keys()
-            if not optim_keys.state_fqns([k]) & stateless
+            if not keys.state_fqns([k]) & stateless
         )
         # An LR scheduler's initial_lr may stay behind when loading into an
         # optimizer without one; any other entry is another optimizer's.
         extra = sorted(
             k
             for k in loaded.keys() - wanted.keys()
-            if (p := optim_keys.parse(k)) is None
+            if (p := keys.parse(k)) is None
             or (p[0], p[2]) != ("param_groups", "initial_lr")
         )
         lost = [k for k in missing if k.startswith("state.")]
@@ -338,14 +335,15 @@ class StageState(Stateful):
                 "has other state of the same parameters: the checkpoint is "
                 "damaged or was edited; load an earlier step"
             )
-        for what, keys in (("has no", missing), ("has entries this one lacks:", extra)):
-            if keys:
+        for what, odd in (("has no", missing), ("has entries this one lacks:", extra)):
+            if odd:
                 raise CheckpointError(
-                    f"the checkpoint's optimizer state {what} {_listed(keys)}: it was "
+                    f"the checkpoint's optimizer state {what} {_listed(odd)}: it was "
                     "saved by another optimizer class or with other param-group "
                     "options (an LR scheduler adds 'initial_lr'); build the "
                     "optimizer (and scheduler) as the run that saved it did"
                 )
+        return stateless
 
     def _all_groups(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Each param group with its index within its own optimizer."""
