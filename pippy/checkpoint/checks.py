@@ -75,28 +75,6 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def renaming_hooks(module: nn.Module) -> list[str]:
-    """One line per submodule whose state_dict hooks rename its keys.
-
-    DCP's helpers fail on such a key (torchtitan's fused QKV split into ``wq``,
-    ``wk``, ``wv``) with a bare ``AttributeError``.
-    """
-    found = []
-    for name, sub in module.named_modules():
-        hooks = [*sub._state_dict_hooks.values(), *sub._state_dict_pre_hooks.values()]
-        if not hooks:
-            continue
-        own = dict(sub.named_parameters()).keys() | dict(sub.named_buffers()).keys()
-        renamed = sorted(set(sub.state_dict(keep_vars=True)) - own)
-        if renamed:
-            hook = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
-            found.append(
-                f"module {name or '(root)'!r} ({type(sub).__name__}) has the "
-                f"state_dict hook {hook}, which gives it the key {renamed[0]!r}"
-            )
-    return found
-
-
 def diff_state_dicts(
     actual: Mapping[str, Any], expected: Mapping[str, Any]
 ) -> list[str]:
@@ -124,10 +102,8 @@ def diff_state_dicts(
                 and x.shape == y.shape
                 and torch.equal(_raw_bytes(x), _raw_bytes(y))
             )
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            same = False
-        else:
-            same = x == y
+        else:  # a tensor equals no other value
+            same = not any(isinstance(v, torch.Tensor) for v in (x, y)) and x == y
         if not same:
             differ.add(key)
     return sorted(differ)
@@ -228,12 +204,11 @@ def check_keys(
         ``mesh``, and per-rank state (a stage's RNG) not under a key naming
         the stage (``rng.stage_3``).
     """
-    if not dist.is_initialized():
-        return
     offer = offer_keys(state_dict, process_group=process_group, mesh=mesh)
-    gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, offer, group=process_group)
-    refuse_losses(gathered, process_group=process_group)
+    if offer is not None:  # None without a process group
+        gathered: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(gathered, offer, group=process_group)
+        refuse_losses(gathered, process_group=process_group)
 
 
 def offer_keys(

@@ -58,8 +58,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
-from pippy.checkpoint.checks import fingerprint, named_leaves, renaming_hooks
+from pippy.checkpoint.checks import fingerprint, named_leaves
 from pippy.checkpoint.errors import CheckpointError, KeyCollisionError
 
 # How a step is computed, not what it computes: param groups need not agree.
@@ -73,15 +74,6 @@ LAYOUT_VERSION = 1
 _SECTIONS = ("state", "param_groups", "scalars")
 # Where a key's optimizer section starts: after ``optim.`` at a segment start.
 _OPTIM_SECTION = re.compile(r"(?:^|(?<=\.))optim\.(?=(?:state|param_groups|scalars)\.)")
-# What DCP's flattening stores as a leaf of optimizer state (dicts nest them).
-_STORABLE = (torch.Tensor, int, float)
-
-_Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
-_Schedulers = (
-    torch.optim.lr_scheduler.LRScheduler
-    | Sequence[torch.optim.lr_scheduler.LRScheduler]
-    | None
-)
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -99,11 +91,21 @@ def _listed(keys: list[str]) -> str:
 
 @contextmanager
 def _named_renames(module: nn.Module) -> Iterator[None]:
-    """Turns DCP's AttributeError on a key renamed by a hook into a CheckpointError."""
+    """Turns DCP's AttributeError on a key a state_dict hook renamed into ours."""
     try:
         yield
     except AttributeError as e:
-        found = renaming_hooks(module)
+        found = []  # the renaming hooks (torchtitan's fused QKV split into wq, wk, wv)
+        for name, sub in module.named_modules():
+            hooks = list(sub._state_dict_hooks.values())
+            hooks += sub._state_dict_pre_hooks.values()
+            own = dict(sub.named_parameters()).keys() | dict(sub.named_buffers()).keys()
+            if hooks and (renamed := sorted(set(sub.state_dict(keep_vars=True)) - own)):
+                hook = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
+                found.append(
+                    f"module {name or '(root)'!r} ({type(sub).__name__}) has the "
+                    f"state_dict hook {hook}, which gives it the key {renamed[0]!r}"
+                )
         if not found:
             raise
         raise CheckpointError(
@@ -156,8 +158,8 @@ class StageState(Stateful):
     def __init__(
         self,
         module: nn.Module | Sequence[nn.Module],
-        optimizer: _Optimizers = None,
-        lr_scheduler: _Schedulers = None,
+        optimizer: Optimizer | Sequence[Optimizer] | None = None,
+        lr_scheduler: LRScheduler | Sequence[LRScheduler] | None = None,
         *,
         step: int = 0,
         extra: Mapping[str, Stateful] | None = None,
@@ -188,12 +190,12 @@ class StageState(Stateful):
             raise ValueError("give one LR scheduler, or one per optimizer")
 
     @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
+    def optimizers(self) -> list[Optimizer]:
         """The optimizer(s), as a list (empty without one)."""
         return _as_list(self.optimizer)
 
     @property
-    def lr_schedulers(self) -> list[torch.optim.lr_scheduler.LRScheduler]:
+    def lr_schedulers(self) -> list[LRScheduler]:
         """The LR scheduler(s), as a list (empty without one)."""
         return _as_list(self.lr_scheduler)
 
@@ -213,7 +215,7 @@ class StageState(Stateful):
             if not self.optimizers:
                 sd: dict[str, Any] = {"model": get_model_state_dict(self.module)}
             else:
-                fqn_of = _param_fqns(self.module)
+                fqn_of, keys = _param_fqns(self.module)
                 _check_storable(self.optimizers, fqn_of)
                 model_sd, optim_sd = get_state_dict(
                     self.module, self.optimizers, options=OPTIONS
@@ -224,9 +226,7 @@ class StageState(Stateful):
                     for p in group["params"]
                     if p in fqn_of
                 }
-                keys = OptimKeys.of_module(self.module)
-                optim = _pack_scalars(optim_sd, groups, keys)
-                sd = {"model": model_sd, "optim": optim}
+                sd = {"model": model_sd, "optim": _pack_scalars(optim_sd, groups, keys)}
         sd["step"] = self.step
         if self.lr_schedulers:
             sd["lr_scheduler"] = self._scheduler_state()
@@ -283,10 +283,8 @@ class StageState(Stateful):
         """Checks optimizer and scheduler state, then applies model and optimizer."""
         optim_sd, saved_groups = _unpack_scalars(state_dict["optim"])
         wanted = get_optimizer_state_dict(self.module, self.optimizers, options=OPTIONS)
-        keys = OptimKeys.of_module(self.module)
-        stateless = keys.state_fqns(wanted) - keys.state_fqns(optim_sd)
-        self._check_entries(wanted, optim_sd, stateless, keys)
-        fqn_of = _param_fqns(self.module)
+        fqn_of, keys = _param_fqns(self.module)
+        stateless = self._check_entries(wanted, optim_sd, keys)
         self._check_groups(optim_sd, fqn_of)
         if self.lr_schedulers:
             self._check_scheduler(state_dict["lr_scheduler"], saved_groups, fqn_of)
@@ -313,23 +311,21 @@ class StageState(Stateful):
 
     @staticmethod
     def _check_entries(
-        wanted: Mapping[str, Any],
-        loaded: Mapping[str, Any],
-        stateless: set[str],
-        optim_keys: OptimKeys,
-    ) -> None:
-        """Refuses loaded optimizer entries other than the wanted ones."""
+        wanted: Mapping[str, Any], loaded: Mapping[str, Any], keys: OptimKeys
+    ) -> set[str]:
+        """The FQNs saved without state; refuses other entries than the wanted."""
+        stateless = keys.state_fqns(wanted) - keys.state_fqns(loaded)
         missing = sorted(
             k
             for k in wanted.keys() - loaded.keys()
-            if not optim_keys.state_fqns([k]) & stateless
+            if not keys.state_fqns([k]) & stateless
         )
         # An LR scheduler's initial_lr may stay behind when loading into an
         # optimizer without one; any other entry is another optimizer's.
         extra = sorted(
             k
             for k in loaded.keys() - wanted.keys()
-            if (p := optim_keys.parse(k)) is None
+            if (p := keys.parse(k)) is None
             or (p[0], p[2]) != ("param_groups", "initial_lr")
         )
         lost = [k for k in missing if k.startswith("state.")]
@@ -339,14 +335,15 @@ class StageState(Stateful):
                 "has other state of the same parameters: the checkpoint is "
                 "damaged or was edited; load an earlier step"
             )
-        for what, keys in (("has no", missing), ("has entries this one lacks:", extra)):
-            if keys:
+        for what, odd in (("has no", missing), ("has entries this one lacks:", extra)):
+            if odd:
                 raise CheckpointError(
-                    f"the checkpoint's optimizer state {what} {_listed(keys)}: it was "
+                    f"the checkpoint's optimizer state {what} {_listed(odd)}: it was "
                     "saved by another optimizer class or with other param-group "
                     "options (an LR scheduler adds 'initial_lr'); build the "
                     "optimizer (and scheduler) as the run that saved it did"
                 )
+        return stateless
 
     def _all_groups(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """Each param group with its index within its own optimizer."""
@@ -456,15 +453,6 @@ def merge_parts(parts: Sequence[nn.Module]) -> nn.Module:
     return _merge([p.module if isinstance(p, DDP) else p for p in parts], "")
 
 
-def _naming_section(key: str) -> tuple[str, str] | None:
-    """The section and rest of a ``scalars.`` or ``param_groups.`` key, at any root."""
-    for start in (0, *(m.end() for m in _OPTIM_SECTION.finditer(key))):
-        section, _, rest = key[start:].partition(".")
-        if section in ("scalars", "param_groups") and rest:
-            return section, rest
-    return None
-
-
 class OptimKeys:
     """Optimizer keys split where the longest of the known ``fqns`` ends."""
 
@@ -472,19 +460,16 @@ class OptimKeys:
         self.fqns = frozenset(fqns)
 
     @classmethod
-    def of_module(cls, module: nn.Module) -> OptimKeys:
-        """The parser for every FQN DCP may give a (maybe wrapped) module's params."""
-        return cls(
-            fqn
-            for name, _ in module.named_parameters(remove_duplicate=False)
-            for fqn in _get_fqns(module, name)
-        )
-
-    @classmethod
     def of_keys(cls, keys: Iterable[str], model_fqns: Iterable[str] = ()) -> OptimKeys:
         """The parser for the FQNs that ``scalars.`` and ``param_groups.`` keys name."""
         # A param_groups key no known FQN parses (torchtitan's) ends in its option.
-        named = [pair for pair in map(_naming_section, keys) if pair is not None]
+        named = []  # (section, rest) of each scalars. or param_groups. key, any root
+        for key in keys:
+            for start in (0, *(m.end() for m in _OPTIM_SECTION.finditer(key))):
+                section, _, rest = key[start:].partition(".")
+                if section in ("scalars", "param_groups") and rest:
+                    named.append((section, rest))
+                    break
         known = cls([*model_fqns, *(rest for s, rest in named if s == "scalars")])
         derived = {  # the option: after the last dot
             rest.rpartition(".")[0]
@@ -569,12 +554,15 @@ def _unpack_scalars(packed: dict[str, Any]) -> tuple[dict[str, Any], dict[str, i
     return flat, groups
 
 
-def _param_fqns(module: nn.Module) -> dict[nn.Parameter, str]:
-    """Each parameter's FQN in DCP's state_dicts (no wrapper prefixes)."""
-    return {
-        param: next(iter(_get_fqns(module, name)))
-        for name, param in module.named_parameters()
-    }
+def _param_fqns(module: nn.Module) -> tuple[dict[nn.Parameter, str], OptimKeys]:
+    """Each parameter's FQN in DCP's state_dicts, and the parser for all of them."""
+    fqn_of: dict[nn.Parameter, str] = {}
+    every: list[str] = []  # every FQN DCP may give a (maybe wrapped, tied) parameter
+    for name, param in module.named_parameters(remove_duplicate=False):
+        fqns = _get_fqns(module, name)
+        fqn_of.setdefault(param, next(iter(fqns)))
+        every += fqns
+    return fqn_of, OptimKeys(every)
 
 
 def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
@@ -599,23 +587,20 @@ def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
     }
 
 
-def _check_storable(
-    optimizers: Sequence[torch.optim.Optimizer], fqn_of: Mapping[Any, str]
-) -> None:
+def _check_storable(optimizers: Sequence[Optimizer], fqn_of: Mapping[Any, str]) -> None:
     """Names optimizer state DCP's flattening would refuse with a bare error."""
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
             for name, value in named_leaves(state):
-                if isinstance(value, _STORABLE):
-                    continue
-                fqn = fqn_of.get(param, "<not in the stage's module>")
-                raise CheckpointError(
-                    f"optimizer state {name!r} of parameter {fqn!r} is a "
-                    f"{type(value).__name__}; DCP stores only tensors, ints, "
-                    "floats and dicts of them in optimizer state. Keep it as a "
-                    "number or a tensor (an enum as its int), or as a param-group "
-                    "option, which may hold any picklable value"
-                )
+                if not isinstance(value, torch.Tensor | int | float):
+                    fqn = fqn_of.get(param, "<not in the stage's module>")
+                    raise CheckpointError(
+                        f"optimizer state {name!r} of parameter {fqn!r} is a "
+                        f"{type(value).__name__}; DCP stores only tensors, ints, "
+                        "floats and dicts of them in optimizer state. Keep it as a "
+                        "number or a tensor (an enum as its int), or as a "
+                        "param-group option, which may hold any picklable value"
+                    )
 
 
 def check_layout_version(version: object, where: str) -> None:
@@ -631,7 +616,7 @@ def check_layout_version(version: object, where: str) -> None:
 
 
 @contextmanager
-def _without_empty_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def _without_empty_groups(optimizer: Optimizer) -> Iterator[None]:
     """Hides param groups without parameters from DCP's ``set_state_dict``."""
     # Such a group has no keyed entries (a stage with no biases of a no-decay
     # group), and torch 2.13's _unflatten_optim_state_dict reads its first one.
@@ -701,10 +686,8 @@ def from_torchtitan(flat: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in flat.items():
         if key.startswith("optimizer."):
             optim[key.removeprefix("optimizer.")] = value
-        elif key == "train_state.step":
-            out["step"] = int(value)
         elif key != _PARAM_GROUPS:
-            out[pippy_name(key)] = value
+            out[pippy_name(key)] = int(value) if key == "train_state.step" else value
     groups = {fqn: index for fqn, index in flat.get(_PARAM_GROUPS) or ()}
     model_fqns = (k for k in flat if not k.startswith(_TT_SECTIONS))
     packed = _pack_scalars(optim, groups, OptimKeys.of_keys(optim, model_fqns))
