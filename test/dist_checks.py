@@ -422,11 +422,36 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         checkpoint.save_stage(state, out / "unportable", step=1, timeout=60)
     except checkpoint.CheckpointError as e:
         unportable = f"{type(e).__name__}: {e}"
+    # The same on a load, of a plain state_dict and of a StageState: a Stateful
+    # failing on rank 1 stops both ranks; a plain one's entries are loaded.
+    plain = {**state, "note": _Note(fail=False), "count": 3}
+    noted = checkpoint.save_stage(plain, out / "notes", step=1)
+    module = torch.nn.ModuleDict({f"stage{rank}": torch.nn.Linear(2, 2)})
+    staged = checkpoint.StageState(module, extra={"note": _Note(fail=False)})
+    staged.step = 1
+    staged_step = checkpoint.save_stage(staged, out / "staged")
+    failing = {"note": _Note(fail=rank == 1)}
+    loads = [
+        ({**state, **failing, "count": 0}, noted),
+        (checkpoint.StageState(module, extra=failing), staged_step),
+    ]
+    unloaded = []
+    for target, step in loads:
+        try:
+            checkpoint.load_stage(target, step, timeout=60)
+        except checkpoint.CheckpointError as e:
+            unloaded.append(f"{type(e).__name__}: {e}")
+    plain = {**state, "note": _Note(fail=False, text="?"), "count": 0}
+    checkpoint.load_stage(plain, noted)
+    loaded = [plain["note"].text, plain["count"]]
     return {
         "error": error,
         "path": str(path),
         "in_group": in_group,
         "unportable": unportable,
+        "unloaded": unloaded,
+        "loaded": loaded,
+        "unloaded_from": [str(step) for _, step in loads],
     }
 
 
@@ -440,16 +465,16 @@ class _Unportable(Exception):
 class _Note:
     """A Stateful whose state_dict fails with an _Unportable if told to."""
 
-    def __init__(self, fail: bool) -> None:
-        self.fail = fail
+    def __init__(self, fail: bool, text: str = "hello") -> None:
+        self.fail, self.text = fail, text
 
     def state_dict(self) -> dict:
         if self.fail:
             raise _Unportable(7, "the note is gone")
-        return {"text": "hello"}
+        return {"text": self.text}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        pass
+        self.text = state_dict["text"]
 
 
 def check_twins(out: Path, rank: int, world_size: int) -> dict:

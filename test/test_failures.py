@@ -372,6 +372,17 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
         f"CheckpointError: saving step-1 failed on 1 rank(s):\n  rank 1: {line}",
         line,
     ]
+    # On a load, of a plain state_dict and of a StageState, the same; a plain
+    # state_dict's Stateful and top-level entry are loaded into it.
+    for r in results:
+        assert r["loaded"] == ["hello", 3]
+    assert [r["unloaded"] for r in results] == [
+        [
+            f"CheckpointError: loading {step} failed on 1 rank(s):\n  rank 1: {line}"
+            for step in results[0]["unloaded_from"]
+        ],
+        [line, line],
+    ]
     # Under a group of rank 1 alone: its global rank; rank 0 may not enter.
     assert [r["in_group"] for r in results] == [
         "ValueError: fail_together: rank 0 is not in the process group",

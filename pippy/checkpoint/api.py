@@ -33,6 +33,7 @@ from pippy.checkpoint.errors import (
     dir_error,
     explain_failures,
     fail_together,
+    failed_before_load,
     own_error,
 )
 from pippy.checkpoint.job import check_lease, lease_lost
@@ -584,6 +585,16 @@ def read_any_layout(state_dict: dict[str, Any], path: Location, **options: Any) 
         read_into(flat, reader, planner, process_group=group)
 
 
+def _take(take: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Any]:
+    """``(take(), None)``; if it fails, ``({}, error)`` for DCP's planning to raise."""
+    try:
+        return take(), None
+    except Exception as e:
+        if not dist.is_initialized():  # no rank waits for this one
+            raise
+        return {}, e
+
+
 @contextmanager
 def load_into(
     state: StageState,
@@ -632,11 +643,13 @@ def load_into(
 
     action = f"loading {path}"
     with stall.waiting(action, "read", timeout, process_group), after_reads(apply):
-        state_dict = state.state_dict()
-        with explain_failures(action):
+        state_dict, failure = _take(state.state_dict)
+        with failed_before_load(failure), explain_failures(action):
             yield state_dict
     if not applied:  # not read by pippy's reader: its own all_gather
         with fail_together(action, process_group):
+            if failure is not None:  # another reader's planning did not raise it
+                raise failure
             state.load_state_dict(state_dict)
 
 
@@ -686,8 +699,21 @@ def load_stage(
         "process_group": process_group,
     }
     if not isinstance(state, StageState):  # a plain state_dict: filled, no more
+        statefuls = {k: v for k, v in state.items() if isinstance(v, Stateful)}
+
+        def take() -> dict[str, Any]:  # as dcp.load would, before its planning
+            taken = {k: v.state_dict() for k, v in statefuls.items()}
+            return {**state, **taken} if taken else state
+
         with stall.waiting(f"loading {path}", "read", timeout, process_group):
-            read_any_layout(state, path, **read)
+            taken, failure = _take(take)
+            with failed_before_load(failure):
+                read_any_layout(taken, path, **read)
+        for key, value in taken.items():  # a loaded non-tensor replaces its entry
+            if key in statefuls:
+                statefuls[key].load_state_dict(value)
+            else:
+                state[key] = value
         return state
     with load_into(state, path, process_group=process_group, timeout=timeout) as filled:
         read_any_layout(filled, path, **read)

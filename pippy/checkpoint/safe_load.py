@@ -70,6 +70,7 @@ from pippy.checkpoint.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
     on_coordinator,
+    raise_pending,
 )
 from pippy.checkpoint.state import (
     TORCHTITAN,
@@ -685,6 +686,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         """Checks every requested key (present, shape, dtype), then plans."""
+        raise_pending()  # this rank could not take its state: every rank learns it
         saved = self.metadata.state_dict_metadata if self.metadata else {}
         problems: dict[str, str] = {}  # key: what is wrong with it
         for key, value in self.state_dict.items():
