@@ -627,8 +627,10 @@ def load_into(
         The state_dict to pass to ``dcp.load``.
 
     Raises:
-        CheckpointError: ``dcp.load`` failed on some rank, or applying
-            refused on some rank (one line per rank), on every rank.
+        CheckpointError: ``state.state_dict()`` or ``dcp.load`` failed on
+            some rank, or applying refused on some rank (one line per rank),
+            on every rank; with another planner than pippy's, a failed
+            ``state.state_dict()`` is raised after ``dcp.load``.
         CheckpointTimeout: Some rank was not there within ``timeout``, on
             every rank, naming it; nothing is applied. After one inside
             ``dcp.load`` the group is not fit for more collectives.
@@ -672,7 +674,8 @@ def load_stage(
     Args:
         state: The stage's :class:`StageState` (``StageState(module)``
             without an optimizer loads the weights alone), or a nested
-            state_dict that is filled in place and not applied.
+            state_dict that is filled in place (its top-level ``Stateful``
+            objects loaded, as ``dcp.load`` does).
         path: A ``step-<N>`` folder.
         must_read: As :func:`open_step`.
         trusted: As :func:`open_step`.
@@ -687,9 +690,9 @@ def load_stage(
         CheckpointNotFoundError: ``path`` is not a complete checkpoint.
         UnsafeCheckpointError: It holds a pickle that could run code.
         CheckpointError: It is damaged or does not match the stage (keys,
-            shapes, dtypes, optimizer or param groups): on every rank, one
-            line per rank that refused. Damage found in an item leaves the
-            tensors read before it loaded.
+            shapes, dtypes, optimizer or param groups), or the state could
+            not be taken: on every rank, one line per rank that refused.
+            Damage found in an item leaves the tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
     read: dict[str, Any] = {
