@@ -49,7 +49,6 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.metadata
 import itertools
 import json
@@ -99,7 +98,7 @@ _FORMAT = "pippy-manifest/1"
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
 #: A save's staging folder, and a step that retention has taken out of view.
-_LEFTOVERS = (".step-*.partial-*", ".step-*.deleting-*")
+_LEFTOVER = re.compile(r"\.step-.*\.(partial|deleting)-.*", re.DOTALL)
 
 
 def step_dir(checkpoint_dir: Location, step: int) -> Any:
@@ -202,11 +201,9 @@ def _counted(path: Location) -> bool:
 def remove_staging(checkpoint_dir: Location) -> list[str]:
     """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
     storage = storage_for(checkpoint_dir)
-    removed = []
-    for name in storage.listdir(checkpoint_dir):
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in _LEFTOVERS):
-            storage.remove(storage.join(checkpoint_dir, name))
-            removed.append(name)
+    removed = [n for n in storage.listdir(checkpoint_dir) if _LEFTOVER.fullmatch(n)]
+    for name in removed:
+        storage.remove(storage.join(checkpoint_dir, name))
     return removed
 
 
