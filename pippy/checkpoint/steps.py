@@ -49,7 +49,6 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 
 from __future__ import annotations
 
-import fnmatch
 import importlib.metadata
 import itertools
 import json
@@ -99,7 +98,7 @@ _FORMAT = "pippy-manifest/1"
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
 #: A save's staging folder, and a step that retention has taken out of view.
-_LEFTOVERS = (".step-*.partial-*", ".step-*.deleting-*")
+_LEFTOVER = re.compile(r"\.step-.*\.(partial|deleting)-.*", re.DOTALL)
 
 
 def step_dir(checkpoint_dir: Location, step: int) -> Any:
@@ -178,10 +177,8 @@ def remove_old_steps(
     old = [p for p in complete[:-keep_last] if p != keep]
     for path in old:  # out of view in one operation, then its files deleted
         if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
-            token = uuid.uuid4().hex[:12]
-            aside = storage.join(
-                checkpoint_dir, f".{storage.name(path)}.deleting-{token}"
-            )
+            aside_name = f".{storage.name(path)}.deleting-{uuid.uuid4().hex[:12]}"
+            aside = storage.join(checkpoint_dir, aside_name)
             storage.publish(path, aside)
             storage.remove(aside)
         else:  # no rename: uncommitted first, then never taken as a step
@@ -204,11 +201,9 @@ def _counted(path: Location) -> bool:
 def remove_staging(checkpoint_dir: Location) -> list[str]:
     """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
     storage = storage_for(checkpoint_dir)
-    removed = []
-    for name in storage.listdir(checkpoint_dir):
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in _LEFTOVERS):
-            storage.remove(storage.join(checkpoint_dir, name))
-            removed.append(name)
+    removed = [n for n in storage.listdir(checkpoint_dir) if _LEFTOVER.fullmatch(n)]
+    for name in removed:
+        storage.remove(storage.join(checkpoint_dir, name))
     return removed
 
 
@@ -227,10 +222,10 @@ class Manifest:
     written_by: dict[str, str]
 
 
-def _read_ranges(
+def _read_crcs(
     folder: Location, ranges: Iterable[tuple[str, int, int]]
-) -> Iterator[tuple[tuple[str, int, int], bytes]]:
-    """Each ``(file, offset, length)`` byte range with its bytes, read from storage."""
+) -> Iterator[tuple[tuple[str, int, int], int]]:
+    """Each ``(file, offset, length)`` range and the CRC-32C of its stored bytes."""
     storage = storage_for(folder)
     fs = storage.dcp_filesystem(folder)  # reads as DCP's reader does
     by_file: dict[str, list[tuple[int, int]]] = {}
@@ -243,7 +238,7 @@ def _read_ranges(
                 data = f.read(length)
                 if len(data) != length:
                     raise CheckpointError(f"{name} ended at byte {offset + len(data)}")
-                yield (name, offset, length), data
+                yield (name, offset, length), google_crc32c.value(data)
 
 
 class ManifestWriter(FileSystemWriter):
@@ -283,8 +278,7 @@ class ManifestWriter(FileSystemWriter):
             ranges = [(i.relative_path, i.offset, i.length) for i in infos]
             crcs = getattr(self.fs, "crcs", {})
             if not all(r in crcs for r in ranges):  # a file system that records none
-                read = _read_ranges(self.path, ranges)
-                crcs = {place: google_crc32c.value(data) for place, data in read}
+                crcs = dict(_read_crcs(self.path, ranges))
         checked = [  # storage_data (info, crc), for the coordinator
             WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
             for r, k in zip(results, ranges, strict=True)
@@ -300,21 +294,7 @@ class ManifestWriter(FileSystemWriter):
             for rank in results
         ]
         super().finish(metadata, plain)
-        items: list[dict[str, Any]] = []
-        files: dict[str, int] = {}
-        for r in itertools.chain(*results):
-            info, crc = r.storage_data
-            name, end = info.relative_path, info.offset + info.length
-            files[name] = max(files.get(name, 0), end)
-            items.append(
-                {
-                    "key": r.index.fqn,
-                    "file": name,
-                    "offset": info.offset,
-                    "length": info.length,
-                    "crc32c": crc,
-                }
-            )
+        written = [(r.index.fqn, *r.storage_data) for r in itertools.chain(*results)]
         try:
             pippy = importlib.metadata.version("pippy")
         except importlib.metadata.PackageNotFoundError:  # run from a source tree
@@ -325,8 +305,17 @@ class ManifestWriter(FileSystemWriter):
             "checksum": "crc32c",
             "optim_layout": LAYOUT_VERSION,
             "written_by": {"torch": str(torch.__version__), "pippy": pippy},
-            "files": dict(sorted(files.items())),
-            "items": items,
+            "files": dict(sorted(_file_ends(i for _, i, _ in written).items())),
+            "items": [
+                {
+                    "key": key,
+                    "file": info.relative_path,
+                    "offset": info.offset,
+                    "length": info.length,
+                    "crc32c": crc,
+                }
+                for key, info, crc in written
+            ],
         }
         # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
         data = json.dumps(manifest, separators=(",", ":")).encode()
@@ -345,13 +334,10 @@ def read_manifest(folder: Location) -> Manifest | None:
         if raw.get("format") != _FORMAT:
             raise ValueError(f"format {raw.get('format')!r}, not {_FORMAT!r}")
         files = {str(k): _count(v) for k, v in raw["files"].items()}
-        items = {
-            (str(i["file"]), _count(i["offset"]), _count(i["length"])): (
-                str(i["key"]),
-                _count(i["crc32c"]),
-            )
-            for i in raw["items"]
-        }
+        items = {}
+        for i in raw["items"]:
+            place = (str(i["file"]), _count(i["offset"]), _count(i["length"]))
+            items[place] = (str(i["key"]), _count(i["crc32c"]))
         versions = raw.get("written_by", {})
         if not isinstance(versions, dict):
             raise ValueError(f"written_by is {versions!r}, not an object")
@@ -393,12 +379,10 @@ def check_manifest(
             f"name (step-{manifest.step}) or move it out of the checkpoint folder"
         )
     check_layout_version(manifest.optim_layout, repr(str(folder)))
-    storage = storage_for(folder)
-    known = sizes or {}
+    storage, known = storage_for(folder), sizes or {}
     for name, size in manifest.files.items():
-        actual = (
-            known[name] if name in known else storage.size(storage.join(folder, name))
-        )
+        path = storage.join(folder, name)
+        actual = known[name] if name in known else storage.size(path)
         if actual != size:
             raise CheckpointError(
                 f"{str(folder)!r} is damaged: {name} has "
@@ -425,8 +409,8 @@ def verify_ranges(
     folder: Location, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
 ) -> None:
     """Checks ``(file, offset, length)`` byte ranges against the manifest's CRCs."""
-    for place, data in _read_ranges(folder, ranges):
-        verify_item(manifest, place, ranges[place], google_crc32c.value(data))
+    for place, crc in _read_crcs(folder, ranges):
+        verify_item(manifest, place, ranges[place], crc)
 
 
 def verify_item(
@@ -457,12 +441,8 @@ def find_damage(
     ``sizes``, if given, is filled with each file's size (None: missing).
     """
     storage = storage_for(path)
-    needed: dict[str, int] = {}  # check_structure passed: each item has a place
-    for info in metadata.storage_data.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    problems = []
-    for name, size in sorted(needed.items()):
+    problems = []  # check_structure passed: each item has a place
+    for name, size in sorted(_file_ends(metadata.storage_data.values()).items()):
         actual = storage.size(storage.join(path, name))
         if sizes is not None:
             sizes[name] = actual
@@ -471,6 +451,15 @@ def find_damage(
         elif actual < size:
             problems.append(f"{name} has {actual} bytes, its items need {size}")
     return problems
+
+
+def _file_ends(infos: Iterable[Any]) -> dict[str, int]:
+    """``{file: where its last item ends}``: the size its items need."""
+    ends: dict[str, int] = {}
+    for info in infos:
+        end = info.offset + info.length
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    return ends
 
 
 def check_structure(folder: Location, metadata: Metadata) -> None:
