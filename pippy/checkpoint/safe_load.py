@@ -33,7 +33,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from types import SimpleNamespace
 from typing import IO, Any, cast
 
@@ -171,10 +171,9 @@ class _CompatTensorProperties(TensorProperties):
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata, refusing (unless trusted) all but DCP's globals."""
 
-    def __init__(self, file: Any, name: str, trusted: bool = False) -> None:
-        super().__init__(file)
-        self.name = name
-        self.trusted = trusted
+    def __init__(self, data: bytes, name: str, trusted: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self.name, self.trusted = name, trusted
 
     def find_class(self, module: str, name: str) -> Any:
         """Returns an allow-listed global; raises for any other."""
@@ -207,19 +206,16 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
     path = step_file(storage, folder, METADATA_FILE)
     try:
         data = storage.read_bytes(path)
-        metadata = _MetadataUnpickler(io.BytesIO(data), str(path), trusted).load()
+        metadata = _MetadataUnpickler(data, str(path), trusted).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
-        try:
+        manifest = newer = None
+        with suppress(CheckpointError):  # none, or unreadable: no writer to name
             manifest = read_manifest(folder)
-        except CheckpointError:  # none, or unreadable: no writer to name
-            manifest = None
         writer = manifest.written_by.get("torch") if manifest else None
-        try:
+        with suppress(Exception):  # not a version: the manifest is no help here
             newer = isinstance(writer, str) and TorchVersion(writer) > torch.__version__
-        except Exception:  # not a version: the manifest is no help here
-            newer = False
         if newer:
             raise CheckpointError(
                 f"{path} was written by torch {writer}, this is torch "
@@ -390,18 +386,16 @@ class SafeFileSystemReader(FileSystemReader):
             already hold the step's values; load another step, or build the
             stage anew, before using it.
         """
-        waits = stall.active()
-        counting: Any = nullcontext(planner)
-        if waits is not None:
-            sizes = {
-                i.storage_index: self.storage_data[i.storage_index].length
-                for i in plan.items
-            }
-            counting = waits.counting(planner, sizes)
         per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
         for req in plan.items:
             name = self.storage_data[req.storage_index].relative_path
             per_file.setdefault(name, {}).setdefault(req.storage_index, []).append(req)
+        counting: Any = nullcontext(planner)
+        if (waits := stall.active()) is not None:  # each item's bytes, for progress
+            sizes = {
+                i: self.storage_data[i].length for by in per_file.values() for i in by
+            }
+            counting = waits.counting(planner, sizes)
         with counting as counted:
             for name, items in per_file.items():
                 path = self.fs.concat_path(self.path, name)
@@ -569,10 +563,9 @@ _NO_GLOBALS = SimpleNamespace(
 
 def _restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
     """A ``torch.save``d non-tensor item, unpickled with no global it may not name."""
-    # Numbers, strings, lists, dicts and tuples need no global: pickle's C
-    # unpickler builds them with every global refused, so nothing is called (as
-    # under weights_only) at plain dcp.load's speed. Anything else (a tensor,
-    # bytes, a set, a class) goes to weights_only.
+    # Numbers, strings, lists, dicts and tuples need no global: pickle's C unpickler
+    # builds them with every global refused, calling nothing, at plain dcp.load's
+    # speed. Anything else (a tensor, bytes, a set, a class) goes to weights_only.
     if not trusted:
         try:
             return torch.load(value, weights_only=False, pickle_module=_NO_GLOBALS)
@@ -620,8 +613,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.must_read = must_read
         self._keys: list[str] = []  # wanted and saved, set up by set_up_planner
         self._parser: OptimKeys | None = None  # of _keys, built when a message needs it
-        # A key's name in pippy's layout, for messages; set up likewise.
-        self.layout_name: Callable[[str], str] = str
+        self.layout_name: Callable[[str], str] = str  # a key's pippy name, likewise
 
     def set_up_planner(
         self,
@@ -855,7 +847,7 @@ def open_reader(
     reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
     reader._open(path, checked[0])
     reader.metadata_bytes, reader.manifest = checked[1:]
-    name, data = str(reader.folder), io.BytesIO(reader.metadata_bytes)
+    data, name = reader.metadata_bytes, str(reader.folder)
     reader.metadata = _MetadataUnpickler(data, name, reader.trusted).load()
     return reader
 
@@ -867,24 +859,21 @@ def _newest_verified(checkpoint_dir: Location) -> Any:
         name, damaged = storage_for(path).name(path), False
         if not is_complete(path):
             why = "incomplete (no .metadata: its save did not finish)"
-        elif not holds_its_step(path):
+        elif not holds_its_step(path):  # or its manifest is damaged
             why = "its manifest names another step"
+        elif read_manifest(path) is None:  # holds_its_step read it: no error now
+            raise CheckpointError(
+                f"{os.fspath(path)} has no manifest.json, so it cannot be "
+                "verified: resume from it without verification, or move it aside"
+            )
         else:
             try:
-                manifest = read_manifest(path)
-                if manifest is not None:
-                    verify_step(path)
+                verify_step(path)
             except UnsafeCheckpointError:
                 raise
             except CheckpointError as e:
                 why, damaged = str(e), True
             else:
-                if manifest is None:
-                    raise CheckpointError(
-                        f"{os.fspath(path)} has no manifest.json, so it cannot "
-                        "be verified: resume from it without verification, or "
-                        "move it aside"
-                    )
                 found = path
                 break
         passed.append((path, name, why, damaged))
@@ -895,20 +884,13 @@ def _newest_verified(checkpoint_dir: Location) -> Any:
             "Restore one, or move them all out of the folder to start afresh"
         )
     for path, name, why, damaged in passed:  # moved only once one verifies
-        if damaged:
-            why = f"moved aside to {_move_aside(path)}: {why}"
+        if damaged:  # renamed, kept for a look
+            storage = storage_for(path)
+            aside = f".step-{parse_step(path)}.damaged-{int(time.time())}"
+            storage.publish(path, storage.join(storage.parent(path), aside))
+            why = f"moved aside to {aside}: {why}"
         logger.warning("skipped %s: %s", name, why)
     return found
-
-
-def _move_aside(path: Any) -> str:
-    """Renames a damaged step to ``.step-<N>.damaged-<time>``; that name."""
-    storage = storage_for(path)
-    aside = storage.join(
-        storage.parent(path), f".step-{parse_step(path)}.damaged-{int(time.time())}"
-    )
-    storage.publish(path, aside)
-    return storage.name(aside)
 
 
 def find_latest_step(
