@@ -19,7 +19,6 @@ import pytest
 from pippy import checkpoint
 from pippy.checkpoint import offline
 from pippy.checkpoint.job import Deadline, check_restarts, launcher_deadline
-from pippy.checkpoint.safe_load import newest_verified_step
 from pippy.checkpoint.steps import list_steps
 
 import helpers
@@ -313,17 +312,18 @@ def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
 
     helpers.poison_metadata(tmp_path / "step-2", tmp_path / "marker")
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="refused to load"):
-        newest_verified_step(tmp_path)  # not damage: never skipped for it
+        # not damage: never skipped for it
+        checkpoint.find_latest_step(tmp_path, verified=True)
     assert sorted(list_steps(tmp_path)) == [1, 2] and not (tmp_path / "marker").exists()
 
     (tmp_path / "step-2" / "manifest.json").unlink()
     with pytest.raises(checkpoint.CheckpointError, match="has no manifest.json"):
-        newest_verified_step(tmp_path)
+        checkpoint.find_latest_step(tmp_path, verified=True)
     shutil.rmtree(tmp_path / "step-2")
     data = tmp_path / "step-1" / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(checkpoint.CheckpointError, match="no step of .* verifies"):
-        newest_verified_step(tmp_path)
+        checkpoint.find_latest_step(tmp_path, verified=True)
     assert sorted(list_steps(tmp_path)) == [1]  # nothing moved when none verifies
 
 

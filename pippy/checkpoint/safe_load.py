@@ -16,16 +16,11 @@ make ranks disagree on what a folder holds (and resume from different steps),
 and hundreds of ranks listing a bucket at once get throttled into "no
 checkpoint". The other ranks open only the data files whose items they load
 and the staging folder they write (``test/test_one_rank_decides.py`` counts
-it); without a process group the process answers alone. On rank 0:
-
-* is the folder free, who owns it, take it over:
-  :class:`~pippy.checkpoint.job.FolderOwner` (``acquire``; ``release`` on rank 0 alone);
-* which steps are complete, the newest (that verifies): :func:`find_latest_step`;
-* is the step new, what to move aside, publish it, what to delete
-  (``keep_last``): :class:`~pippy.checkpoint.api.StepWriter`, in DCP's planning
-  and ``finish`` (DCP's plans carry the answer);
-* is the step complete, its ``.metadata``, its files' sizes, its manifest:
-  :func:`open_reader`, for :func:`~pippy.checkpoint.api.open_step`.
+it); without a process group the process answers alone. Here, rank 0 finds
+the step to resume from (:func:`find_latest_step`) and opens it
+(:func:`open_reader`); elsewhere it takes the folder
+(:class:`~pippy.checkpoint.job.FolderOwner`) and publishes a step
+(:class:`~pippy.checkpoint.api.StepWriter`).
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, suppress
 from types import SimpleNamespace
 from typing import IO, Any, cast
 
@@ -177,10 +172,9 @@ class _CompatTensorProperties(TensorProperties):
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata, refusing (unless trusted) all but DCP's globals."""
 
-    def __init__(self, file: Any, name: str, trusted: bool = False) -> None:
-        super().__init__(file)
-        self.name = name
-        self.trusted = trusted
+    def __init__(self, data: bytes, name: str, trusted: bool) -> None:
+        super().__init__(io.BytesIO(data))
+        self.name, self.trusted = name, trusted
 
     def find_class(self, module: str, name: str) -> Any:
         """Returns an allow-listed global; raises for any other."""
@@ -196,23 +190,33 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, bytes]:
     """A step's ``.metadata`` unpickled (allow-listed unless trusted), its bytes."""
-    storage = storage_for(folder)
+    storage = storage_for(folder)  # first, whether it is a step that finished
+    if not storage.is_dir(folder):
+        raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
+    if storage.size(storage.join(folder, METADATA_FILE)) is None:
+        steps = [p for p in list_steps(folder).values() if is_complete(p)]
+        if steps:
+            raise CheckpointNotFoundError(
+                f"{str(folder)!r} is a run's checkpoint folder; pass one of its "
+                f"steps, e.g. {str(steps[-1])!r}"
+            )
+        raise CheckpointNotFoundError(
+            f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
+            "its save did not finish); use an earlier step"
+        )
     path = step_file(storage, folder, METADATA_FILE)
     try:
         data = storage.read_bytes(path)
-        metadata = _MetadataUnpickler(io.BytesIO(data), str(path), trusted).load()
+        metadata = _MetadataUnpickler(data, str(path), trusted).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
-        try:
+        manifest = newer = None
+        with suppress(CheckpointError):  # none, or unreadable: no writer to name
             manifest = read_manifest(folder)
-        except CheckpointError:  # none, or unreadable: no writer to name
-            manifest = None
         writer = manifest.written_by.get("torch") if manifest else None
-        try:
+        with suppress(Exception):  # not a version: the manifest is no help here
             newer = isinstance(writer, str) and TorchVersion(writer) > torch.__version__
-        except Exception:  # not a version: the manifest is no help here
-            newer = False
         if newer:
             raise CheckpointError(
                 f"{path} was written by torch {writer}, this is torch "
@@ -242,22 +246,10 @@ class _ItemReader(io.RawIOBase):
         self.checked = 0  # the checksum covers the item's bytes before this one
         self.kept: dict[int, bytes] = {}  # small reads past the checksum, by start
 
-    def readable(self) -> bool:
-        """Always."""
-        return True
-
-    def seekable(self) -> bool:
-        """Always."""
-        return True
-
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
         """Moves within the item, as a file does."""
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}
         self.pos = base[whence] + pos
-        return self.pos
-
-    def tell(self) -> int:
-        """The position within the item."""
         return self.pos
 
     def readinto(self, buffer: Any) -> int:
@@ -272,40 +264,37 @@ class _ItemReader(io.RawIOBase):
             self.kept[start] = bytes(view[:n])
             self._extend()
             return n
-        self._extend()
-        self._extend_from_file(start)  # the bytes before it that torch.load skips
+        self._extend(start)  # with the bytes before it that torch.load skips
         array = numpy.frombuffer(view[self.checked - start : n], dtype=numpy.uint8)
         self.crc = google_crc32c.extend(self.crc, array)
         self.checked = self.pos
         return n
 
-    def _extend(self) -> None:
-        """Extends the checksum over the kept reads, as far as they reach."""
-        at = self.checked
-        while found := [s for s, d in self.kept.items() if s <= at < s + len(d)]:
-            data = self.kept.pop(found[0])
-            self.crc = google_crc32c.extend(self.crc, data[at - found[0] :])
-            self.checked = at = found[0] + len(data)
-
-    def _extend_from_file(self, until: int) -> None:
-        """Extends the checksum up to ``until``, reading what was not kept."""
-        while self.checked < until:
-            end = min((s for s in self.kept if self.checked < s < until), default=until)
-            self.file.seek(self.offset + self.checked)
-            data = self.file.read(end - self.checked)
+    def _extend(self, until: int = 0) -> None:
+        """Extends the checksum over the kept reads, and the file up to ``until``."""
+        while True:
+            at = self.checked
+            if found := [s for s, d in self.kept.items() if s <= at < s + len(d)]:
+                data = self.kept.pop(found[0])
+                self.crc = google_crc32c.extend(self.crc, data[at - found[0] :])
+                self.checked = found[0] + len(data)
+                continue
+            if at >= until:
+                return
+            end = min((s for s in self.kept if at < s < until), default=until)
+            self.file.seek(self.offset + at)
+            data = self.file.read(end - at)
             if not data:  # the file ends inside the item
                 return
             self.crc = google_crc32c.extend(self.crc, data)
             self.checked += len(data)
-            self._extend()
 
     def finish(self) -> tuple[int, int | None]:
         """``(bytes of the item in its file, CRC-32C)``, reading what is unchecked."""
         if self.crc is None:
             end = self.file.seek(0, io.SEEK_END)
             return min(self.length, max(0, end - self.offset)), None
-        self._extend()
-        self._extend_from_file(self.length)
+        self._extend(self.length)
         return self.checked, self.crc
 
 
@@ -350,20 +339,7 @@ class SafeFileSystemReader(FileSystemReader):
         verify: bool = True,
     ) -> None:
         self._open(path, trusted)
-        storage, folder = storage_for(path), self.folder
-        if not storage.is_dir(folder):
-            raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
-        if storage.size(storage.join(folder, METADATA_FILE)) is None:
-            steps = [p for p in list_steps(folder).values() if is_complete(p)]
-            if steps:
-                raise CheckpointNotFoundError(
-                    f"{str(folder)!r} is a run's checkpoint folder; pass one of its "
-                    f"steps, e.g. {str(steps[-1])!r}"
-                )
-            raise CheckpointNotFoundError(
-                f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
-                "its save did not finish); use an earlier step"
-            )
+        folder = self.folder
         self.metadata, self.metadata_bytes = _read_metadata_file(folder, self.trusted)
         check_structure(folder, self.metadata)
         if not check_files:
@@ -411,60 +387,76 @@ class SafeFileSystemReader(FileSystemReader):
             already hold the step's values; load another step, or build the
             stage anew, before using it.
         """
-        waits = stall.active()
-        if waits is None:
-            read = self._read_once(plan, planner)
-        else:
+        per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
+        for req in plan.items:
+            name = self.storage_data[req.storage_index].relative_path
+            per_file.setdefault(name, {}).setdefault(req.storage_index, []).append(req)
+        counting: Any = nullcontext(planner)
+        if (waits := stall.active()) is not None:  # each item's bytes, for progress
             sizes = {
-                i.storage_index: self.storage_data[i.storage_index].length
-                for i in plan.items
+                i: self.storage_data[i].length for by in per_file.values() for i in by
             }
-            with waits.counting(planner, sizes) as counted:
-                read = self._read_once(plan, counted)
+            counting = waits.counting(planner, sizes)
+        with counting as counted:
+            for name, items in per_file.items():
+                path = self.fs.concat_path(self.path, name)
+                with self.fs.create_stream(path, "rb") as f:
+                    for index, reqs in items.items():
+                        self._read_item(f, index, reqs, counted)
         apply = getattr(_after_reads, "apply", None)
         filled = getattr(planner, "original_state_dict", None)
         if apply is not None and filled is not None:  # once per after_reads block
             _after_reads.apply = None
             apply(filled)
-        return read
-
-    def _read_once(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """DCP's ``read_data``, reading each item once and checking it first."""
-        per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
-        for req in plan.items:
-            name = self.storage_data[req.storage_index].relative_path
-            per_file.setdefault(name, {}).setdefault(req.storage_index, []).append(req)
-        for name, items in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
-                for index, reqs in items.items():
-                    info = self.storage_data[index]
-                    descriptors = getattr(info, "transform_descriptors", None)
-                    if info.length < _STREAMED or descriptors or reqs[0].type == _BYTES:
-                        data = self._slice_file(f, info).read(-1)
-                        crc = google_crc32c.value(data) if self.manifest else None
-                        self._check_item(index.fqn, info, len(data), crc, data)
-                        tensor = self._hand_over(reqs, info, data, planner)
-                        if tensor is None:  # a bytes item, handed over
-                            continue
-                    else:  # read straight into the tensor, checked before copied in
-                        tensor = self._load_streamed(f, index.fqn, info)
-                    for req in reqs:
-                        self._copy_in(req, info, tensor, planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _load_streamed(self, f: Any, key: str, info: Any) -> torch.Tensor:
-        """``torch.load`` of a tensor item from ``f``, checked before it returns."""
-        item = _ItemReader(f, info.offset, info.length, crc=self.manifest is not None)
-        try:
-            file = cast(IO[bytes], item)
-            tensor = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception:
-            self._check_item(key, info, *item.finish())  # damage, named as such
-            raise
-        self._check_item(key, info, *item.finish())
-        return tensor
+    def _read_item(
+        self, f: Any, index: MetadataIndex, reqs: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        """Reads one item from ``f``, checks it, and hands it over to ``planner``."""
+        info = self.storage_data[index]
+        descriptors = getattr(info, "transform_descriptors", None)
+        if info.length >= _STREAMED and not descriptors and reqs[0].type != _BYTES:
+            # read straight into the tensor, checked before it is copied in
+            item = _ItemReader(f, info.offset, info.length, crc=bool(self.manifest))
+            try:
+                file = cast(IO[bytes], item)
+                tensor = torch.load(file, map_location="cpu", weights_only=True)
+            finally:  # damage, named as such (also when torch.load failed on it)
+                self._check_item(index.fqn, info, *item.finish())
+        else:
+            data = self._slice_file(f, info).read(-1)
+            crc = google_crc32c.value(data) if self.manifest else None
+            self._check_item(index.fqn, info, len(data), crc, data)
+            stream = self.transforms.transform_load_stream(
+                reqs[0], descriptors or (), io.BytesIO(data)
+            )
+            if reqs[0].type == _BYTES:  # handed over as DCP's reader does
+                data = stream.read(-1)
+                for req in reqs:
+                    planner.load_bytes(req, io.BytesIO(data))
+                return
+            if not stream.seekable():  # torch.load seeks
+                stream = io.BytesIO(stream.read(-1))
+            tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        for req in reqs:  # the part of the tensor each reads, into the planner's
+            part = tensor
+            for dim, (offset, size) in enumerate(
+                zip(req.storage_offsets, req.lengths, strict=True)
+            ):
+                if size < part.size(dim):
+                    part = part.narrow(dim, offset, size)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != part.size():
+                raise self._damaged(
+                    f"item {index.fqn!r} of {info.relative_path} holds "
+                    f"{list(part.size())} where {list(target.size())} is read",
+                    "Load an earlier step",
+                )
+            target.copy_(part)
+            planner.commit_tensor(req, target)
 
     def _check_item(
         self, key: str, info: Any, size: int, crc: int | None, data: bytes = b""
@@ -488,42 +480,6 @@ class SafeFileSystemReader(FileSystemReader):
                     "was edited or belongs to another step. Move the folder "
                     "out of the checkpoint folder"
                 )
-
-    def _hand_over(
-        self, reqs: list[ReadItem], info: Any, data: bytes, planner: LoadPlanner
-    ) -> torch.Tensor | None:
-        """Gives ``planner`` a bytes item, as DCP's reader does; loads a tensor item."""
-        descriptors = getattr(info, "transform_descriptors", None) or ()
-        stream = self.transforms.transform_load_stream(
-            reqs[0], descriptors, io.BytesIO(data)
-        )
-        if reqs[0].type == _BYTES:
-            data = stream.read(-1)
-            for req in reqs:
-                planner.load_bytes(req, io.BytesIO(data))
-            return None
-        if not stream.seekable():  # torch.load seeks
-            stream = io.BytesIO(stream.read(-1))
-        return torch.load(stream, map_location="cpu", weights_only=True)
-
-    def _copy_in(
-        self, req: ReadItem, info: Any, tensor: torch.Tensor, planner: LoadPlanner
-    ) -> None:
-        """Copies the part of ``tensor`` that ``req`` reads into the planner's."""
-        for dim, (offset, size) in enumerate(
-            zip(req.storage_offsets, req.lengths, strict=True)
-        ):
-            if size < tensor.size(dim):
-                tensor = tensor.narrow(dim, offset, size)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise self._damaged(
-                f"item {req.storage_index.fqn!r} of {info.relative_path} holds "
-                f"{list(tensor.size())} where {list(target.size())} is read",
-                "Load an earlier step",
-            )
-        target.copy_(tensor)
-        planner.commit_tensor(req, target)
 
     def _damaged(self, what: str, fix: str) -> CheckpointError:
         """The error for this step's damage: ``what`` is wrong, and ``fix``."""
@@ -608,10 +564,9 @@ _NO_GLOBALS = SimpleNamespace(
 
 def _restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
     """A ``torch.save``d non-tensor item, unpickled with no global it may not name."""
-    # Numbers, strings, lists, dicts and tuples need no global: pickle's C
-    # unpickler builds them with every global refused, so nothing is called (as
-    # under weights_only) at plain dcp.load's speed. Anything else (a tensor,
-    # bytes, a set, a class) goes to weights_only.
+    # Numbers, strings, lists, dicts and tuples need no global: pickle's C unpickler
+    # builds them with every global refused, calling nothing, at plain dcp.load's
+    # speed. Anything else (a tensor, bytes, a set, a class) goes to weights_only.
     if not trusted:
         try:
             return torch.load(value, weights_only=False, pickle_module=_NO_GLOBALS)
@@ -659,8 +614,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.must_read = must_read
         self._keys: list[str] = []  # wanted and saved, set up by set_up_planner
         self._parser: OptimKeys | None = None  # of _keys, built when a message needs it
-        # A key's name in pippy's layout, for messages; set up likewise.
-        self.layout_name: Callable[[str], str] = str
+        self.layout_name: Callable[[str], str] = str  # a key's pippy name, likewise
 
     def set_up_planner(
         self,
@@ -895,68 +849,50 @@ def open_reader(
     reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
     reader._open(path, checked[0])
     reader.metadata_bytes, reader.manifest = checked[1:]
-    reader.metadata = _MetadataUnpickler(
-        io.BytesIO(reader.metadata_bytes), str(reader.folder), reader.trusted
-    ).load()
+    data, name = reader.metadata_bytes, str(reader.folder)
+    reader.metadata = _MetadataUnpickler(data, name, reader.trusted).load()
     return reader
 
 
-def newest_verified_step(
-    checkpoint_dir: Location, *, process_group: dist.ProcessGroup | None = None
-) -> Any:
-    """``find_latest_step(verified=True)``; rank 0 logs each step passed over."""
-    where = os.fspath(checkpoint_dir)
-
-    def decide() -> Any:  # on rank 0; errors reach every rank
-        found, passed = None, []  # passed: (step, name, why, damaged), newest first
-        for path in reversed(list_steps(checkpoint_dir).values()):
-            name = storage_for(path).name(path)
-            if not is_complete(path):
-                why = "incomplete (no .metadata: its save did not finish)"
-                passed.append((path, name, why, False))
-                continue
-            if not holds_its_step(path):
-                passed.append((path, name, "its manifest names another step", False))
-                continue
+def _newest_verified(checkpoint_dir: Location) -> Any:
+    """The newest step that verifies, on rank 0; logs each step passed over."""
+    found, passed = None, []  # passed: (step, name, why, damaged), newest first
+    for path in reversed(list_steps(checkpoint_dir).values()):
+        name, damaged = storage_for(path).name(path), False
+        if not is_complete(path):
+            why = "incomplete (no .metadata: its save did not finish)"
+        elif not holds_its_step(path):  # or its manifest is damaged
+            why = "its manifest names another step"
+        elif read_manifest(path) is None:  # holds_its_step read it: no error now
+            raise CheckpointError(
+                f"{os.fspath(path)} has no manifest.json, so it cannot be "
+                "verified: resume from it without verification, or move it aside"
+            )
+        else:
             try:
-                manifest = read_manifest(path)
-                if manifest is not None:
-                    verify_step(path)
+                verify_step(path)
             except UnsafeCheckpointError:
                 raise
             except CheckpointError as e:
-                passed.append((path, name, str(e), True))
-                continue
-            if manifest is None:
-                raise CheckpointError(
-                    f"{os.fspath(path)} has no manifest.json, so it cannot be "
-                    "verified: resume from it without verification, or move it aside"
-                )
-            found = path
-            break
-        if found is None and any(damaged for *_, damaged in passed):
-            reasons = "; ".join(f"{name}: {why}" for _, name, why, _ in passed)
-            raise CheckpointError(
-                f"no step of {where} verifies ({reasons}). "
-                "Restore one, or move them all out of the folder to start afresh"
-            )
-        for path, name, why, damaged in passed:  # moved only once one verifies
-            if damaged:
-                why = f"moved aside to {_move_aside(path)}: {why}"
-            logger.warning("skipped %s: %s", name, why)
-        return found
-
-    return on_coordinator(f"cannot check {where}", decide, process_group)
-
-
-def _move_aside(path: Any) -> str:
-    """Renames a damaged step to ``.step-<N>.damaged-<time>``; that name."""
-    storage = storage_for(path)
-    aside = storage.join(
-        storage.parent(path), f".step-{parse_step(path)}.damaged-{int(time.time())}"
-    )
-    storage.publish(path, aside)
-    return storage.name(aside)
+                why, damaged = str(e), True
+            else:
+                found = path
+                break
+        passed.append((path, name, why, damaged))
+    if found is None and any(damaged for *_, damaged in passed):
+        reasons = "; ".join(f"{name}: {why}" for _, name, why, _ in passed)
+        raise CheckpointError(
+            f"no step of {os.fspath(checkpoint_dir)} verifies ({reasons}). "
+            "Restore one, or move them all out of the folder to start afresh"
+        )
+    for path, name, why, damaged in passed:  # moved only once one verifies
+        if damaged:  # renamed, kept for a look
+            storage = storage_for(path)
+            aside = f".step-{parse_step(path)}.damaged-{int(time.time())}"
+            storage.publish(path, storage.join(storage.parent(path), aside))
+            why = f"moved aside to {aside}: {why}"
+        logger.warning("skipped %s: %s", name, why)
+    return found
 
 
 def find_latest_step(
@@ -1004,10 +940,10 @@ def find_latest_step(
         called on rank 0 alone, it waits), or without a process group. Rank
         0 answers for all: every rank resumes from the same step.
     """
-    if verified:
-        return newest_verified_step(checkpoint_dir, process_group=process_group)
 
-    def newest() -> Any:  # on rank 0
+    def decide() -> Any:  # on rank 0
+        if verified:
+            return _newest_verified(checkpoint_dir)
         latest, skipped = newest_complete_step(checkpoint_dir)
         if skipped:
             logger.warning(
@@ -1017,6 +953,5 @@ def find_latest_step(
             )
         return latest
 
-    return on_coordinator(
-        f"cannot list {os.fspath(checkpoint_dir)}", newest, process_group
-    )
+    action = f"cannot {'check' if verified else 'list'} {os.fspath(checkpoint_dir)}"
+    return on_coordinator(action, decide, process_group)
