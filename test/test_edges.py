@@ -474,38 +474,42 @@ def test_items_swapped_in_metadata_load_silently_in_dcp_and_are_refused(tmp_path
         checkpoint.load_stage(linear_state(), folder)
 
 
-def test_a_tensor_larger_than_its_chunks_is_refused_before_allocation(tmp_path):
-    _, folder = saved_linear(tmp_path)
-
-    def huge(metadata):  # 4 TiB of float32 declared, the stored chunk unchanged
-        metadata.state_dict_metadata["model.weight"].size = torch.Size([2**20] * 2)
-
-    craft(folder, huge)
-    for read in READ_PATHS.values():
-        with pytest.raises(
-            checkpoint.CheckpointError,
-            match=r"'model.weight' declares shape \[1048576, 1048576\], which its "
-            "stored chunks do not fill",
-        ):
-            read(folder)
+def larger_than_its_chunk(metadata):
+    """4 TiB of float32 declared, the stored chunk unchanged."""
+    metadata.state_dict_metadata["model.weight"].size = torch.Size([2**20] * 2)
 
 
-@pytest.mark.parametrize("offsets", [(0,), (4, 0)], ids=["one dim", "outside"])
-def test_a_chunk_not_inside_its_tensor_is_refused_before_allocation(tmp_path, offsets):
-    _, folder = saved_linear(tmp_path)
+def moved(offsets):
+    """The chunk moved to `offsets`, its place with it; the tensor unchanged."""
 
-    def move(metadata):  # the chunk and its place agree; the tensor does not
+    def move(metadata):
         metadata.state_dict_metadata["model.weight"].chunks[0].offsets = offsets
         storage = metadata.storage_data
         [old] = [k for k in storage if k.fqn == "model.weight"]
         storage[MetadataIndex("model.weight", offsets)] = storage.pop(old)
 
-    craft(folder, move)
+    return move
+
+
+@pytest.mark.parametrize(
+    "edit, shape",
+    [
+        (larger_than_its_chunk, [2**20] * 2),
+        (moved((0,)), [4, 4]),
+        (moved((4, 0)), [4, 4]),
+    ],
+    ids=["larger", "one dim", "outside"],
+)
+def test_a_tensor_its_chunks_do_not_fill_is_refused_before_allocation(
+    tmp_path, edit, shape
+):
+    _, folder = saved_linear(tmp_path)
+    craft(folder, edit)
     for read in READ_PATHS.values():
         with pytest.raises(
             checkpoint.CheckpointError,
-            match=r"'model.weight' declares shape \[4, 4\], which its stored "
-            "chunks do not fill",
+            match=rf"'model.weight' declares shape {re.escape(str(shape))}, which "
+            "its stored chunks do not fill",
         ):
             read(folder)
 
