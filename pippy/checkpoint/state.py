@@ -501,7 +501,16 @@ class OptimKeys:
 
     def state_fqns(self, keys: Iterable[str]) -> set[str]:
         """The FQN of every ``state.`` key among section-relative keys."""
-        return {p[1] for p in map(self.parse, keys) if p and p[0] == "state"}
+        fqns = set()
+        for key in keys:
+            if not key.startswith("state."):
+                continue
+            fqn, _, name = key[6:].rpartition(".")  # most: state.<fqn>.<name>
+            if name and fqn in self.fqns:
+                fqns.add(fqn)
+            elif parsed := self.parse(key):
+                fqns.add(parsed[1])
+        return fqns
 
 
 def _pack_scalars(
