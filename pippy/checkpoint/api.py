@@ -65,6 +65,23 @@ from pippy.checkpoint.storage import Location, storage_for
 logger = logging.getLogger(__name__)
 
 
+def _take(take: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Any]:
+    """``(take(), None)``; if it fails, ``({}, error)`` for DCP's planning to raise."""
+    try:
+        return take(), None
+    except Exception as e:
+        if not dist.is_initialized():  # no rank waits for this one
+            raise
+        return {}, e
+
+
+def _statefuls_taken(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain state_dict with its top-level Statefuls' state, as DCP takes it."""
+    return {
+        k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()
+    }
+
+
 class CheckedSavePlanner(SavePlanner):
     """DCP's save planner, refusing in DCP's own planning what DCP would lose.
 
@@ -98,13 +115,8 @@ class CheckedSavePlanner(SavePlanner):
 
     def take(self, take: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``take()``; if it fails in a process group, {} and the failure kept."""
-        try:
-            return take()
-        except Exception as e:
-            if not dist.is_initialized():  # no rank waits for this one
-                raise
-            self.failure = e
-            return {}
+        state_dict, self.failure = _take(take)
+        return state_dict
 
     def set_up_planner(
         self,
@@ -208,10 +220,7 @@ def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str,
     if isinstance(state, StageState):
         state_dict = state.state_dict()
     else:  # its Statefuls taken here, not in dcp.save: a failure reaches every rank
-        state_dict = {
-            k: v.state_dict() if isinstance(v, Stateful) else v
-            for k, v in state.items()
-        }
+        state_dict = _statefuls_taken(state)
     stored = state_dict.get("step")
     if isinstance(stored, int) and stored != step:
         raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
@@ -585,16 +594,6 @@ def read_any_layout(state_dict: dict[str, Any], path: Location, **options: Any) 
         read_into(flat, reader, planner, process_group=group)
 
 
-def _take(take: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Any]:
-    """``(take(), None)``; if it fails, ``({}, error)`` for DCP's planning to raise."""
-    try:
-        return take(), None
-    except Exception as e:
-        if not dist.is_initialized():  # no rank waits for this one
-            raise
-        return {}, e
-
-
 @contextmanager
 def load_into(
     state: StageState,
@@ -701,15 +700,10 @@ def load_stage(
         "verify": verify,
         "process_group": process_group,
     }
-    if not isinstance(state, StageState):  # a plain state_dict: filled, no more
+    if not isinstance(state, StageState):  # filled; its Statefuls as dcp.load does
         statefuls = {k: v for k, v in state.items() if isinstance(v, Stateful)}
-
-        def take() -> dict[str, Any]:  # as dcp.load would, before its planning
-            taken = {k: v.state_dict() for k, v in statefuls.items()}
-            return {**state, **taken} if taken else state
-
         with stall.waiting(f"loading {path}", "read", timeout, process_group):
-            taken, failure = _take(take)
+            taken, failure = _take(lambda: _statefuls_taken(state))
             with failed_before_load(failure):
                 read_any_layout(taken, path, **read)
         for key, value in taken.items():  # a loaded non-tensor replaces its entry
