@@ -29,7 +29,7 @@ from pippy.checkpoint.steps import list_steps, step_dir
 import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
 from gpt import GPT, ModelArgs, rope_table  # noqa: E402
-from helpers import TINY_FLAGS, CountedOps, run_checks  # noqa: E402
+from helpers import TINY_FLAGS, CountedOps, poison_metadata, run_checks  # noqa: E402
 from hf_checks import check_hf  # noqa: E402
 
 TINY = [*TINY_FLAGS, "--batch-size", "8"]
@@ -444,6 +444,20 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     plain = {**state, "note": _Note(fail=False, text="?"), "count": 0}
     checkpoint.load_stage(plain, noted)
     loaded = [plain["note"].text, plain["count"]]
+    # A crafted .metadata, checked by rank 0, unpickled by rank 1 from its bytes:
+    # refused on every rank, its payload never run; trusted, loaded on every rank.
+    poisoned, marker = checkpoint.save_stage(staged, out / "poisoned"), out / "pwned"
+    if rank == 0:
+        poison_metadata(poisoned, marker)
+    dist.barrier()
+    crafted = []
+    for trusted in (False, True):
+        try:
+            checkpoint.load_stage(copy.deepcopy(staged), poisoned, trusted=trusted)
+            crafted.append(["loaded", marker.exists()])
+        except checkpoint.CheckpointError as e:
+            crafted.append([type(e).__name__, marker.exists()])
+        dist.barrier()
     return {
         "error": error,
         "path": str(path),
@@ -452,6 +466,7 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         "unloaded": unloaded,
         "loaded": loaded,
         "unloaded_from": [str(step) for _, step in loads],
+        "crafted": crafted,
     }
 
 

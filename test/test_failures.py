@@ -383,6 +383,10 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
         ],
         [line, line],
     ]
+    # A crafted .metadata: refused on both ranks before its payload runs;
+    # trusted, both load it.
+    for r in results:
+        assert r["crafted"] == [["UnsafeCheckpointError", False], ["loaded", True]]
     # Under a group of rank 1 alone: its global rank; rank 0 may not enter.
     assert [r["in_group"] for r in results] == [
         "ValueError: fail_together: rank 0 is not in the process group",
