@@ -207,3 +207,14 @@ def test_the_cyclic_gc_is_paused_in_a_save_and_a_load_and_on_again_after(tmp_pat
         checkpoint.load_stage(state, tmp_path / "step-9")
     assert probe.seen == [False] * 4
     assert gc.isenabled()
+    # Opening a step of 400 items (open_step outside load_into): at most the one
+    # collection once the collector is on again (10 without the pause).
+    layers = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(200)))
+    step = checkpoint.save_stage(checkpoint.StageState(layers), tmp_path / "big")
+    started = []
+    gc.callbacks.append(collecting := lambda phase, _: started.append(phase))
+    try:
+        checkpoint.open_step(step)
+    finally:
+        gc.callbacks.remove(collecting)
+    assert started.count("start") <= 1

@@ -493,6 +493,7 @@ def save_stage(
     return step_dir(checkpoint_dir, step)
 
 
+@gc_paused()
 def open_step(
     path: Location,
     *,
@@ -506,6 +507,7 @@ def open_step(
 
     Call it on every rank of ``process_group`` at once: rank 0 alone reads
     the step's ``.metadata`` and manifest, and the others take its answer.
+    Python's cyclic garbage collector is paused meanwhile.
 
     Args:
         path: A ``step-<N>`` folder.
