@@ -444,6 +444,13 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     plain = {**state, "note": _Note(fail=False, text="?"), "count": 0}
     checkpoint.load_stage(plain, noted)
     loaded = [plain["note"].text, plain["count"]]
+    # Its Stateful's load_state_dict failing on rank 1 stops both ranks too.
+    refused = {**state, "note": _Note(fail=False, fail_load=rank == 1), "count": 0}
+    applied = None
+    try:
+        checkpoint.load_stage(refused, noted, timeout=60)
+    except checkpoint.CheckpointError as e:
+        applied = f"{type(e).__name__}: {e}"
     # A crafted .metadata, checked by rank 0, unpickled by rank 1 from its bytes:
     # refused on every rank, its payload never run; trusted, loaded on every rank.
     poisoned, marker = checkpoint.save_stage(staged, out / "poisoned"), out / "pwned"
@@ -467,6 +474,7 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         "loaded": loaded,
         "unloaded_from": [str(step) for _, step in loads],
         "crafted": crafted,
+        "applied": applied,
     }
 
 
@@ -478,10 +486,10 @@ class _Unportable(Exception):
 
 
 class _Note:
-    """A Stateful whose state_dict fails with an _Unportable if told to."""
+    """A Stateful whose state_dict (or load_state_dict) fails if told to."""
 
-    def __init__(self, fail: bool, text: str = "hello") -> None:
-        self.fail, self.text = fail, text
+    def __init__(self, fail: bool, text: str = "hello", fail_load: bool = False):
+        self.fail, self.text, self.fail_load = fail, text, fail_load
 
     def state_dict(self) -> dict:
         if self.fail:
@@ -489,6 +497,8 @@ class _Note:
         return {"text": self.text}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.fail_load:
+            raise _Unportable(8, "the note cannot be read")
         self.text = state_dict["text"]
 
 

@@ -383,6 +383,14 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
         ],
         [line, line],
     ]
+    # The same state_dict whose Stateful's load_state_dict fails on rank 1 (with
+    # an error that does not unpickle): applied inside dcp.load, both ranks stop.
+    line = "CheckpointError: _Unportable: code 8: the note cannot be read"
+    noted = results[0]["unloaded_from"][0]
+    for r in results:
+        assert r["applied"] == (
+            f"CheckpointError: loading {noted} failed on 1 rank(s):\n  rank 1: {line}"
+        )
     # A crafted .metadata: refused on both ranks before its payload runs;
     # trusted, both load it.
     for r in results:

@@ -695,7 +695,8 @@ def load_stage(
         UnsafeCheckpointError: It holds a pickle that could run code.
         CheckpointError: It is damaged or does not match the stage (keys,
             shapes, dtypes, optimizer or param groups), or the state could
-            not be taken: on every rank, one line per rank that refused.
+            not be taken or applied (a ``Stateful`` raised): on every rank,
+            one line per rank that refused.
             Damage found in an item leaves the tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
@@ -707,15 +708,18 @@ def load_stage(
     }
     if not isinstance(state, StageState):  # filled; its Statefuls as dcp.load does
         statefuls = {k: v for k, v in state.items() if isinstance(v, Stateful)}
+
+        def apply(filled: dict[str, Any]) -> None:  # inside dcp.load, as load_into's
+            for key, value in filled.items():  # a loaded non-tensor replaces its entry
+                if key in statefuls:
+                    statefuls[key].load_state_dict(value)
+                else:
+                    state[key] = value
+
         with stall.waiting(f"loading {path}", "read", timeout, process_group):
             taken, failure = _take(lambda: _statefuls_taken(state))
-            with failed_before_load(failure):
+            with failed_before_load(failure), after_reads(apply):
                 read_any_layout(taken, path, **read)
-        for key, value in taken.items():  # a loaded non-tensor replaces its entry
-            if key in statefuls:
-                statefuls[key].load_state_dict(value)
-            else:
-                state[key] = value
         return state
     with load_into(state, path, process_group=process_group, timeout=timeout) as filled:
         read_any_layout(filled, path, **read)

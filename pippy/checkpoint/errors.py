@@ -92,13 +92,19 @@ def _line(error: BaseException) -> str:
     return f"{type(error).__name__}: {_message(error)}"
 
 
-def own_error(error: Exception) -> Exception:
-    """``error`` wrapped to raise inside DCP: itself here, named on other ranks."""
-    try:  # DCP sends it to the other ranks: it must unpickle there too
+def portable(error: Exception) -> Exception:
+    """``error`` if it unpickles (DCP sends it to the other ranks), else its line."""
+    try:
         pickle.loads(pickle.dumps(error))
     except Exception:
-        error = CheckpointError(_line(error))
-    return _OwnError(dist.get_rank() if dist.is_initialized() else 0, error)
+        return CheckpointError(_line(error))
+    return error
+
+
+def own_error(error: Exception) -> Exception:
+    """``error`` wrapped to raise inside DCP: itself here, named on other ranks."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return _OwnError(rank, portable(error))
 
 
 _pending = threading.local()

@@ -65,6 +65,7 @@ from pippy.checkpoint.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
     on_coordinator,
+    portable,
     raise_pending,
 )
 from pippy.checkpoint.state import (
@@ -407,7 +408,12 @@ class SafeFileSystemReader(FileSystemReader):
         filled = getattr(planner, "original_state_dict", None)
         if apply is not None and filled is not None:  # once per after_reads block
             _after_reads.apply = None
-            apply(filled)
+            try:
+                apply(filled)
+            except Exception as e:  # DCP's last gather sends it to every rank
+                if (sent := portable(e)) is e:
+                    raise
+                raise sent from e
         future: Future[None] = Future()
         future.set_result(None)
         return future
