@@ -16,11 +16,6 @@ spells ``dcp.save`` and ``dcp.load`` out uses their pieces::
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
 Also exported: :class:`AsyncSaver`, :func:`fail_together` and the errors.
-The job guards (:class:`~pippy.checkpoint.job.FolderOwner`,
-:class:`~pippy.checkpoint.job.StopSignal`,
-:func:`~pippy.checkpoint.job.stop_with_launcher`) are in
-:mod:`pippy.checkpoint.job`; the offline tools (one process: read, export,
-convert, verify a step) in :mod:`pippy.checkpoint.offline`.
 The modules, one idea each:
 
 * ``api``: the save and the load sequence, and their pieces.
@@ -28,9 +23,11 @@ The modules, one idea each:
 * ``checks``: ``check_keys`` across ranks before a save (DCP would keep one copy
   of a colliding key, mixing diverged replicas); tied weights, traced buffers.
 * ``errors``: the error classes; one error per failure on any rank.
-* ``job``: one writer per folder (a lease on an object store); a last save on
-  preemption within the launcher's deadline.
-* ``offline``: a checkpoint in one process; torchtitan's layout; Hugging Face.
+* ``job``: the job guards: one writer per folder (``FolderOwner``, a lease on
+  an object store); a last save on preemption within the launcher's deadline
+  (``StopSignal``, ``stop_with_launcher``).
+* ``offline``: tools in one process: read, export to Hugging Face, convert to
+  or from torchtitan's layout, verify a step.
 * ``safe_load``: rank 0 answers every question about the folder; the step to
   resume from; a reader and planner that run no code a pickle could carry.
 * ``stall``: a rank slow or stuck in a save or load, logged; with a

@@ -501,16 +501,8 @@ class OptimKeys:
 
     def state_fqns(self, keys: Iterable[str]) -> set[str]:
         """The FQN of every ``state.`` key among section-relative keys."""
-        fqns = set()
-        for key in keys:
-            if not key.startswith("state."):
-                continue
-            fqn, _, name = key[6:].rpartition(".")  # most: state.<fqn>.<name>
-            if name and fqn in self.fqns:
-                fqns.add(fqn)
-            elif parsed := self.parse(key):
-                fqns.add(parsed[1])
-        return fqns
+        parsed = (self.parse(k) for k in keys if k.startswith("state."))
+        return {p[1] for p in parsed if p is not None}
 
 
 def _pack_scalars(
@@ -709,13 +701,13 @@ def to_torchtitan(
 ) -> dict[str, Any]:
     """Renames a pippy state_dict to torchtitan's; ValueError: a key can't map back."""
     out: dict[str, Any] = {}
-    optim = {
-        k.removeprefix("optim."): v for k, v in flat.items() if k.startswith("optim.")
-    }
+    optim: dict[str, Any] = {}
     for key, value in flat.items():
-        if key == "step":
+        if key.startswith("optim."):
+            optim[key.removeprefix("optim.")] = value
+        elif key == "step":
             out["train_state.step"] = int(value)
-        elif not key.startswith("optim."):
+        else:
             out[_torchtitan_name(key)] = value
     unpacked, groups = _unpack_scalars(optim)
     out.update((f"optimizer.{k}", v) for k, v in unpacked.items())
