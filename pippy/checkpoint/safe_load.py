@@ -348,8 +348,7 @@ class SafeFileSystemReader(FileSystemReader):
             shown = "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
             raise self._damaged(shown, f"Restore those files, or {MOVE_ASIDE}")
         if verify:
-            ranges = storage_ranges(self.metadata)
-            self.manifest = check_manifest(folder, parse_step(folder), ranges, sizes)
+            self.manifest = check_manifest(folder, storage_ranges(self.metadata), sizes)
 
     def _open(self, path: str | os.PathLike, trusted: bool | None) -> None:
         """DCP's reader of ``path``, set up without touching a file."""

@@ -58,7 +58,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,10 +196,9 @@ def remove_old_steps(
 
 def _counted(path: Location) -> bool:
     """Whether retention counts a step; one whose manifest links out is not."""
-    try:
+    with suppress(UnsafeCheckpointError):
         return is_complete(path) and holds_its_step(path)
-    except UnsafeCheckpointError:
-        return False
+    return False
 
 
 def remove_staging(checkpoint_dir: Location) -> list[str]:
@@ -361,7 +360,6 @@ def _count(value: Any) -> int:
 
 def check_manifest(
     folder: Location,
-    step: int | None,
     ranges: Mapping[tuple[str, int, int], str],
     sizes: Mapping[str, int | None],
 ) -> Manifest:
@@ -376,7 +374,7 @@ def check_manifest(
             "verified (written by plain DCP or an older pippy, or the file was "
             "lost). If you know it is intact, load it with verify=False"
         )
-    if step is not None and step != manifest.step:
+    if parse_step(folder) not in (None, manifest.step):
         raise CheckpointError(
             f"{str(folder)!r} holds step {manifest.step} by its {MANIFEST_FILE}: a "
             "folder renamed or copied under another step's name. Give it its own "
@@ -478,10 +476,7 @@ def check_structure(folder: Location, metadata: Metadata) -> None:
                     )
                 step_file(storage, folder, name)
                 contained.add(name)
-            offset, length = (
-                getattr(info, "offset", None),
-                getattr(info, "length", None),
-            )
+            offset, length = (getattr(info, a, None) for a in ("offset", "length"))
             if not (type(offset) is type(length) is int and min(offset, length) >= 0):
                 raise CheckpointError(
                     f"{damaged}: item {index.fqn!r} has no valid place"
