@@ -78,6 +78,7 @@ from pippy.checkpoint.state import (
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,
     METADATA_FILE,
+    MOVE_ASIDE,
     Manifest,
     check_manifest,
     check_structure,
@@ -87,10 +88,10 @@ from pippy.checkpoint.steps import (
     list_steps,
     newest_complete_step,
     parse_step,
+    read_crcs,
     read_manifest,
     storage_ranges,
     verify_item,
-    verify_ranges,
 )
 from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
 
@@ -120,7 +121,6 @@ _METADATA_GLOBALS = {
 # (:class:`_ItemReader`); smaller ones whole, then loaded: fewer Python calls.
 _STREAMED = 1 << 20
 _BYTES = LoadItemType.BYTE_IO
-_MOVE_IT = "move the folder out of the checkpoint folder to resume from an earlier step"
 
 
 #: A function of the state_dict ``dcp.load`` fills, run by this thread's
@@ -212,12 +212,10 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
-        manifest = newer = None
-        with suppress(CheckpointError):  # none, or unreadable: no writer to name
-            manifest = read_manifest(folder)
-        writer = manifest.written_by.get("torch") if manifest else None
-        with suppress(Exception):  # not a version: the manifest is no help here
-            newer = isinstance(writer, str) and TorchVersion(writer) > torch.__version__
+        newer = False
+        with suppress(Exception):  # no manifest, or no version in it: no help here
+            writer = cast(Manifest, read_manifest(folder)).written_by["torch"]
+            newer = TorchVersion(writer) > torch.__version__
         if newer:
             raise CheckpointError(
                 f"{path} was written by torch {writer}, this is torch "
@@ -349,10 +347,9 @@ class SafeFileSystemReader(FileSystemReader):
         problems = find_damage(folder, self.metadata, sizes)
         if problems:
             shown = "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
-            raise self._damaged(shown, f"Restore those files, or {_MOVE_IT}")
+            raise self._damaged(shown, f"Restore those files, or {MOVE_ASIDE}")
         if verify:
-            ranges = storage_ranges(self.metadata)
-            self.manifest = check_manifest(folder, parse_step(folder), ranges, sizes)
+            self.manifest = check_manifest(folder, storage_ranges(self.metadata), sizes)
 
     def _open(self, path: str | os.PathLike, trusted: bool | None) -> None:
         """DCP's reader of ``path``, set up without touching a file."""
@@ -472,7 +469,7 @@ class SafeFileSystemReader(FileSystemReader):
         if size != length:
             raise self._damaged(
                 f"{name} ends at byte {offset + size}, inside item {key!r}",
-                f"Restore the file, or {_MOVE_IT}",
+                f"Restore the file, or {MOVE_ASIDE}",
             )
         if self.manifest is None or crc is None:
             return
@@ -524,7 +521,8 @@ def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
     reader = SafeFileSystemReader(path, trusted=trusted)
     assert reader.manifest is not None
     ranges = storage_ranges(reader.metadata)
-    verify_ranges(reader.folder, reader.manifest, ranges)
+    for place, crc in read_crcs(reader.folder, ranges):
+        verify_item(reader.manifest, place, ranges[place], crc)
     return len(ranges)
 
 

@@ -58,7 +58,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,10 @@ logger = logging.getLogger(__name__)
 METADATA_FILE = ".metadata"
 MANIFEST_FILE = "manifest.json"
 _FORMAT = "pippy-manifest/1"
+#: How to resume past a damaged step (after "Restore the file, or").
+MOVE_ASIDE = (
+    "move the folder out of the checkpoint folder to resume from an earlier step"
+)
 
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
@@ -192,10 +196,9 @@ def remove_old_steps(
 
 def _counted(path: Location) -> bool:
     """Whether retention counts a step; one whose manifest links out is not."""
-    try:
+    with suppress(UnsafeCheckpointError):
         return is_complete(path) and holds_its_step(path)
-    except UnsafeCheckpointError:
-        return False
+    return False
 
 
 def remove_staging(checkpoint_dir: Location) -> list[str]:
@@ -222,7 +225,7 @@ class Manifest:
     written_by: dict[str, str]
 
 
-def _read_crcs(
+def read_crcs(
     folder: Location, ranges: Iterable[tuple[str, int, int]]
 ) -> Iterator[tuple[tuple[str, int, int], int]]:
     """Each ``(file, offset, length)`` range and the CRC-32C of its stored bytes."""
@@ -278,7 +281,7 @@ class ManifestWriter(FileSystemWriter):
             ranges = [(i.relative_path, i.offset, i.length) for i in infos]
             crcs = getattr(self.fs, "crcs", {})
             if not all(r in crcs for r in ranges):  # a file system that records none
-                crcs = dict(_read_crcs(self.path, ranges))
+                crcs = dict(read_crcs(self.path, ranges))
         checked = [  # storage_data (info, crc), for the coordinator
             WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
             for r, k in zip(results, ranges, strict=True)
@@ -357,9 +360,8 @@ def _count(value: Any) -> int:
 
 def check_manifest(
     folder: Location,
-    step: int | None,
     ranges: Mapping[tuple[str, int, int], str],
-    sizes: Mapping[str, int | None] | None = None,
+    sizes: Mapping[str, int | None],
 ) -> Manifest:
     """Reads a step's manifest; refuses one absent or at odds with the folder.
 
@@ -372,23 +374,22 @@ def check_manifest(
             "verified (written by plain DCP or an older pippy, or the file was "
             "lost). If you know it is intact, load it with verify=False"
         )
-    if step is not None and step != manifest.step:
+    if parse_step(folder) not in (None, manifest.step):
         raise CheckpointError(
             f"{str(folder)!r} holds step {manifest.step} by its {MANIFEST_FILE}: a "
             "folder renamed or copied under another step's name. Give it its own "
             f"name (step-{manifest.step}) or move it out of the checkpoint folder"
         )
     check_layout_version(manifest.optim_layout, repr(str(folder)))
-    storage, known = storage_for(folder), sizes or {}
+    storage = storage_for(folder)
     for name, size in manifest.files.items():
         path = storage.join(folder, name)
-        actual = known[name] if name in known else storage.size(path)
+        actual = sizes[name] if name in sizes else storage.size(path)
         if actual != size:
             raise CheckpointError(
                 f"{str(folder)!r} is damaged: {name} has "
                 f"{'no file' if actual is None else f'{actual} bytes'}, "
-                f"{MANIFEST_FILE} says {size}. Restore it, or move the folder out "
-                "of the checkpoint folder to resume from an earlier step"
+                f"{MANIFEST_FILE} says {size}. Restore it, or {MOVE_ASIDE}"
             )
     recorded = {place: key for place, (key, _) in manifest.items.items()}
     if dict(ranges) != recorded:
@@ -399,18 +400,9 @@ def check_manifest(
         raise CheckpointError(
             f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} "
             f"disagree on where {', '.join(map(repr, differ[:4]))} are stored. "
-            "Restore the step, or move it out of the checkpoint folder to resume "
-            "from an earlier step"
+            f"Restore the step, or {MOVE_ASIDE}"
         )
     return manifest
-
-
-def verify_ranges(
-    folder: Location, manifest: Manifest, ranges: Mapping[tuple[str, int, int], str]
-) -> None:
-    """Checks ``(file, offset, length)`` byte ranges against the manifest's CRCs."""
-    for place, crc in _read_crcs(folder, ranges):
-        verify_item(manifest, place, ranges[place], crc)
 
 
 def verify_item(
@@ -428,8 +420,7 @@ def verify_item(
         raise CheckpointError(
             f"item {key!r} of {name} is damaged: its bytes do not match their "
             f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
-            "by another). Restore the file, or move the folder out of the "
-            "checkpoint folder to resume from an earlier step"
+            f"by another). Restore the file, or {MOVE_ASIDE}"
         )
 
 
@@ -485,10 +476,7 @@ def check_structure(folder: Location, metadata: Metadata) -> None:
                     )
                 step_file(storage, folder, name)
                 contained.add(name)
-            offset, length = (
-                getattr(info, "offset", None),
-                getattr(info, "length", None),
-            )
+            offset, length = (getattr(info, a, None) for a in ("offset", "length"))
             if not (type(offset) is type(length) is int and min(offset, length) >= 0):
                 raise CheckpointError(
                     f"{damaged}: item {index.fqn!r} has no valid place"
