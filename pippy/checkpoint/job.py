@@ -554,9 +554,7 @@ class StopSignal:
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         if self._pending is not None:  # started one call ago, on every rank
-            work, numbers = self._pending
-            work.wait()
-            self._received_by = _by_rank(numbers)  # any: a stop, on every rank
+            self._received_by = _gathered(self._pending)  # any: a stop, on every rank
         # Who has a signal by now (after a stop, read when received_by is: a
         # launcher's signal reaches its workers one after the other).
         numbers = torch.zeros(dist.get_world_size(), dtype=torch.long)
@@ -569,9 +567,8 @@ class StopSignal:
     def received_by(self) -> dict[int, signal.Signals]:
         """Once :meth:`requested` said yes: the signal of each rank with one by then."""
         if self._received_by and self._pending is not None:
-            work, numbers = self._pending
-            work.wait()  # started by the call that said stop, on every rank
-            self._received_by = {**_by_rank(numbers), **self._received_by}
+            # Started by the call that said stop, on every rank.
+            self._received_by = {**_gathered(self._pending), **self._received_by}
             self._pending = None
         return self._received_by
 
@@ -609,8 +606,10 @@ class StopSignal:
         )
 
 
-def _by_rank(numbers: torch.Tensor) -> dict[int, signal.Signals]:
-    """{rank: its signal} from a tensor of signal numbers by rank (0: none)."""
+def _gathered(pending: tuple[dist.Work, torch.Tensor]) -> dict[int, signal.Signals]:
+    """{rank: its signal} once a pending ``all_reduce`` of signal numbers ends."""
+    work, numbers = pending
+    work.wait()
     return {r: signal.Signals(n) for r, n in enumerate(numbers.tolist()) if n}
 
 

@@ -466,7 +466,7 @@ class FsspecStorage(Storage):
         if not self.fs.isdir(path):
             return []
         entries = self.fs.ls(path, detail=False, refresh=True)
-        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        return sorted(self.name(e) for e in entries)
 
     def makedirs(self, location: Location) -> None:
         """Creates the folder (a no-op on stores without folders)."""
