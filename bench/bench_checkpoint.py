@@ -46,7 +46,10 @@ repeat. Before each load the checkpoint's pages are dropped from the page cache
 rank's RSS high-water mark, ``VmHWM`` of ``/proc/self/status``, reset through
 ``/proc/self/clear_refs`` (after ``malloc_trim``) just before each method:
 ``peak`` is the highest over ranks, ``extra`` the highest rise over the RSS
-the rank had just before the method.
+the rank had just before the method. ``CPU s`` is the CPU time of all ranks
+together (every thread), and ``cpu_x_dcp_load`` a load's over
+``load_same_dcp``'s: with fewer cores than ranks, what a method costs the
+machine, apart from how its ranks' waits line up on the cores.
 
     python bench/bench_checkpoint.py --quick --out-dir bench/results
     python bench/bench_checkpoint.py --out-dir bench/results-full

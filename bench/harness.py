@@ -245,23 +245,28 @@ class Ctx:
 
 
 def measure(method: Method) -> dict[str, float]:
-    """Runs a method on all ranks at once; its time is the slowest rank's."""
+    """Runs a method on all ranks at once; its time is the slowest rank's.
+
+    ``cpu_s`` is the CPU time of all ranks together: what the method costs
+    the machine, apart from how the ranks' waits line up on its cores.
+    """
     if method.prepare:
         method.prepare()
     os.sync()  # no method pays for the write-back of the one before
     reset_peak_memory()
     barrier()
     before = memory_kb("VmRSS")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = method.run() or {}
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = memory_kb("VmHWM")
     if method.cleanup:
         method.cleanup()
-    ranks = all_ranks((wall, out.get("blocked_s", wall), before, peak, out))
+    ranks = all_ranks((wall, out.get("blocked_s", wall), before, peak, out, cpu))
     slowest = max(ranks, key=lambda r: r[0])
     return {
         "wall_s": slowest[0],
+        "cpu_s": sum(r[5] for r in ranks),  # every thread of every rank
         "blocked_s": max(r[1] for r in ranks),
         "peak_rss_mb": max(r[3] for r in ranks) * 1024 / MB,
         "extra_rss_mb": max(r[3] - r[2] for r in ranks) * 1024 / MB,

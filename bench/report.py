@@ -81,6 +81,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "repeats": len(group),
                 **spread(group, "wall"),
                 **spread(group, "blocked"),
+                **(spread(group, "cpu") if "cpu_s" in group[0] else {}),
                 "gb_per_s": group[0]["total_bytes"] / wall / 1e9,
                 "peak_rss_mb": max(r["peak_rss_mb"] for r in group),
                 "extra_rss_mb": statistics.median(r["extra_rss_mb"] for r in group),
@@ -105,6 +106,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             ref = index.get((s["phase"], s["ranks"], s["case"], method))
             if ref is not None and ref is not s:
                 s[col] = s["wall_s"] / ref["wall_s"]
+        ref = index.get((s["phase"], s["ranks"], s["case"], "load_same_dcp"))
+        if ref is not None and ref is not s and "cpu_s" in s and "cpu_s" in ref:
+            s["cpu_x_dcp_load"] = s["cpu_s"] / ref["cpu_s"]
     return summary
 
 
@@ -261,7 +265,7 @@ def full_table(summary: list[dict]) -> str:
 
     head = ["ranks", "case", "method", "MB/rank", "items/rank"]
     head += ["wall s: median [min-max]", "blocked s", "GB/s", "peak RSS MB"]
-    head += ["extra MB", *REFERENCES]
+    head += ["extra MB", *REFERENCES, "CPU s, all ranks", "cpu_x_dcp_load"]
     rows = []
     for s in summary:
         blocked = s["blocked_s"] < s["wall_s"] - 1e-9
@@ -278,6 +282,8 @@ def full_table(summary: list[dict]) -> str:
                 f"{s['peak_rss_mb']:.0f}",
                 f"{s['extra_rss_mb']:.0f}",
                 *(ratio(s, col) for col in REFERENCES),
+                f"{s['cpu_s']:.2f}" if "cpu_s" in s else "",
+                ratio(s, "cpu_x_dcp_load"),
             ]
         )
     return markdown(head, rows)
