@@ -598,7 +598,7 @@ def read_any_layout(state_dict: dict[str, Any], path: Location, **options: Any) 
 
 @contextmanager
 def load_into(
-    state: StageState,
+    state: Stateful,
     path: Location,
     *,
     process_group: dist.ProcessGroup | None = None,
@@ -617,7 +617,8 @@ def load_into(
 
     Args:
         state: The stage's :class:`StageState`; ``StageState(module)``
-            without an optimizer loads the weights alone.
+            without an optimizer loads the weights alone. Any ``Stateful``
+            whose ``state_dict()`` holds the tensors to fill works too.
         path: The step it is read from, for the messages.
         process_group: The ranks that load; the default group if None.
             ``dcp.load`` in the body must run on the same group.
@@ -706,21 +707,26 @@ def load_stage(
         "verify": verify,
         "process_group": process_group,
     }
-    if not isinstance(state, StageState):  # filled; its Statefuls as dcp.load does
-        statefuls = {k: v for k, v in state.items() if isinstance(v, Stateful)}
-
-        def apply(filled: dict[str, Any]) -> None:  # inside dcp.load, as load_into's
-            for key, value in filled.items():  # a loaded non-tensor replaces its entry
-                if key in statefuls:
-                    statefuls[key].load_state_dict(value)
-                else:
-                    state[key] = value
-
-        with stall.waiting(f"loading {path}", "read", timeout, process_group):
-            taken, failure = _take(lambda: _statefuls_taken(state))
-            with failed_before_load(failure), after_reads(apply):
-                read_any_layout(taken, path, **read)
-        return state
-    with load_into(state, path, process_group=process_group, timeout=timeout) as filled:
+    stage = state if isinstance(state, StageState) else _PlainState(state)
+    with load_into(stage, path, process_group=process_group, timeout=timeout) as filled:
         read_any_layout(filled, path, **read)
-    return filled
+    return filled if isinstance(state, StageState) else state
+
+
+class _PlainState:
+    """A plain state_dict as :func:`load_into` takes a stage, its Statefuls as DCP's."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy, each top-level Stateful's state in its place."""
+        return _statefuls_taken(self.state)
+
+    def load_state_dict(self, filled: dict[str, Any]) -> None:
+        """Loads each top-level Stateful; a loaded entry replaces any other."""
+        for key, value in filled.items():
+            if isinstance(held := self.state.get(key), Stateful):
+                held.load_state_dict(value)
+            else:
+                self.state[key] = value
