@@ -659,7 +659,6 @@ def load_into(
             state.load_state_dict(state_dict)
 
 
-@gc_paused()
 def load_stage(
     state: StageState | dict[str, Any],
     path: Location,
