@@ -185,7 +185,7 @@ def check_load_logs(out: Path, rank: int, world_size: int) -> dict:
     reader, _ = open_step(path)
     lines = Lines()
     try:
-        with load_into(state, path, process_group=group) as state_dict:
+        with load_into(state, reader, process_group=group) as state_dict:
             dcp.load(
                 state_dict,
                 storage_reader=reader,
@@ -206,7 +206,7 @@ def check_load_timeout(out: Path, rank: int, world_size: int) -> dict:
 
     def load():
         reader, _ = open_step(path)
-        with load_into(state, path, process_group=group, timeout=TIMEOUT_S) as sd:
+        with load_into(state, reader, process_group=group, timeout=TIMEOUT_S) as sd:
             dcp.load(
                 sd,
                 storage_reader=reader,

@@ -203,11 +203,12 @@ def test_the_cyclic_gc_is_paused_in_a_save_and_a_load_and_on_again_after(tmp_pat
     state = checkpoint.StageState(torch.nn.Linear(2, 2), extra={"probe": probe})
     step = checkpoint.save_stage(state, tmp_path)
     checkpoint.load_stage(state, step)  # takes the state, then applies it
-    with pytest.raises(checkpoint.CheckpointNotFoundError):
-        checkpoint.load_stage(state, tmp_path / "step-9")
+    other = checkpoint.StageState(torch.nn.Linear(3, 3), extra={"probe": probe})
+    with pytest.raises(checkpoint.CheckpointError, match="shape"):
+        checkpoint.load_stage(other, step)  # takes the state, then refuses
     assert probe.seen == [False] * 4
     assert gc.isenabled()
-    # Opening a step of 400 items (open_step outside load_into): at most the one
+    # Opening a step of 400 items (open_step, as before load_into): at most the one
     # collection once the collector is on again (10 without the pause).
     layers = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(200)))
     step = checkpoint.save_stage(checkpoint.StageState(layers), tmp_path / "big")

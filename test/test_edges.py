@@ -121,7 +121,7 @@ def test_damage_in_a_large_tensor_read_into_its_storage_is_refused(tmp_path, whe
         dcp.load(plain, checkpoint_id=folder)  # DCP: no error
     fix = "Restore the file" if where == "cut short after opening" else "checksum"
     with pytest.raises(checkpoint.CheckpointError, match=f"'model.weight'.*{fix}"):
-        with checkpoint.load_into(fresh, folder) as state_dict:
+        with checkpoint.load_into(fresh, reader) as state_dict:
             dcp.load(state_dict, storage_reader=reader, planner=planner)
     assert not torch.equal(fresh.module.weight, big.module.weight)
     if where != "cut short after opening":

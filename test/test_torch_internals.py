@@ -124,7 +124,7 @@ def test_get_default_store_is_the_default_groups_store():
 
 
 def test_read_data_sees_the_filled_state_dict_and_its_errors_reach_dcp(tmp_path):
-    """safe_load.after_reads applies the planner's original_state_dict in
+    """The reader's after_reads applies the planner's original_state_dict in
     read_data: filled there, top-level values too; what it raises comes back
     from DCP's gather of the reads as a CheckpointException."""
     seen = {}

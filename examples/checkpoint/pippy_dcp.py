@@ -98,16 +98,16 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
 def load(state: checkpoint.StageState, path, *, weights_only=False, timeout=None):
     """Every rank at once: fills its stage(s) from a step, in place.
     Returns the state_dict it filled."""
+    # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
+    # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), damaged files and keys that
+    # no rank would read, before anything is read.
+    must_read = ("model.",) if weights_only else ("",)
+    reader, planner = checkpoint.open_step(path, must_read=must_read, timeout=timeout)
     # DCP loads in place, into tensors that must exist: load_into gives
     # state_dict(), this stage's own tensors (AdamW's moments made empty), so
     # each rank reads only its keys, then applies them; if one fails, all raise.
     target = checkpoint.StageState(state.module) if weights_only else state
-    with checkpoint.load_into(target, path, timeout=timeout) as state_dict:
-        # A checkpoint is partly pickle: pippy's reader and planner refuse
-        # pickled code (PIPPY_TRUST_CHECKPOINT=1 lifts that), damaged files and
-        # keys that no rank would read, before anything is read.
-        must_read = ("model.",) if weights_only else ("",)
-        reader, planner = checkpoint.open_step(path, must_read=must_read)
+    with checkpoint.load_into(target, reader, timeout=timeout) as state_dict:
         dcp.load(state_dict, storage_reader=reader, planner=planner)
     return state_dict
 

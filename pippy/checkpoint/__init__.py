@@ -11,8 +11,8 @@ spells ``dcp.save`` and ``dcp.load`` out uses their pieces::
     with publish_step(checkpoint_dir, step) as writer:  # published once complete
         dcp.save(state_dict, storage_writer=writer, planner=planner)
 
-    with load_into(state, path) as state_dict:  # applied on every rank or none
-        reader, planner = open_step(path)  # checked on rank 0 before any read
+    reader, planner = open_step(path)  # checked on rank 0 before any read
+    with load_into(state, reader) as state_dict:  # applied on every rank or none
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
 Also exported: :class:`AsyncSaver`, :func:`fail_together` and the errors.

@@ -13,7 +13,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.storage import StorageReader, WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.futures import Future
 
@@ -33,14 +33,12 @@ from pippy.checkpoint.errors import (
     dir_error,
     explain_failures,
     fail_together,
-    failed_before_load,
     own_error,
 )
 from pippy.checkpoint.job import check_lease, lease_lost
 from pippy.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
-    after_reads,
     open_reader,
 )
 from pippy.checkpoint.stall import Timeout
@@ -267,6 +265,7 @@ class StepWriter(ManifestWriter):
         self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
         self.storage = storage_for(checkpoint_dir)
         self.staging: Any = None
+        self.waits: stall.Waits | None = None  # the watch of the save, in saving()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """The plan as is: the coordinator alone looks at the folder, and makes it."""
@@ -327,7 +326,11 @@ class StepWriter(ManifestWriter):
     ) -> Future[list[WriteResult]]:
         """Writes this rank's items, as the manifest writer, into the staging folder."""
         self.path = self.fs.init_path(plan.storage_data.staging)
-        return super().write_data(plan, planner)
+        if self.waits is None:
+            return super().write_data(plan, planner)
+        sizes = {i.index: i.tensor_storage_size() or 0 for i in plan.items}
+        with self.waits.counting(planner, sizes) as counted:  # progress, then arrival
+            return super().write_data(plan, counted)
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
@@ -355,13 +358,15 @@ class StepWriter(ManifestWriter):
         If it fails, the staging folder is removed, unless this job lost the lease.
         """
         try:
-            with stall.waiting(action, "write", timeout, process_group):
+            with stall.waiting(action, "write", timeout, process_group) as self.waits:
                 with explain_failures(action):
                     yield
         except BaseException:
             if self.staging is not None and not lease_lost(self.checkpoint_dir):
                 self.storage.remove(self.staging)
             raise
+        finally:
+            self.waits = None
 
 
 @contextmanager
@@ -502,6 +507,7 @@ def open_step(
     verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
+    timeout: Timeout = None,
 ) -> tuple[SafeFileSystemReader, SafeLoadPlanner]:
     """The storage reader and load planner to pass to ``dcp.load`` for a step.
 
@@ -521,6 +527,8 @@ def open_step(
         process_group: The ranks that load; the default group if None.
         no_dist: This process opens it alone, with no collective, as
             ``dcp.load``'s ``no_dist``.
+        timeout: Seconds (or a ``timedelta``) the ranks wait for each other
+            to open it; None: no deadline. Late ranks are logged either way.
 
     Returns:
         ``(storage_reader, planner)``.
@@ -529,14 +537,19 @@ def open_step(
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
             :class:`SafeFileSystemReader`, before anything is read, on every
             rank.
+        CheckpointTimeout: Some rank was not there within ``timeout``, on
+            every rank, naming it.
+        ValueError: ``timeout`` is not a positive number.
     """
-    reader = open_reader(
-        path,
-        trusted=trusted,
-        verify=verify,
-        process_group=process_group,
-        no_dist=no_dist,
-    )
+    waiting = stall.waiting(f"opening {path}", "read", timeout, process_group)
+    with nullcontext() if no_dist else waiting:
+        reader = open_reader(
+            path,
+            trusted=trusted,
+            verify=verify,
+            process_group=process_group,
+            no_dist=no_dist,
+        )
     return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
 
 
@@ -564,17 +577,17 @@ def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
     raise KeyError(key)
 
 
-def read_any_layout(state_dict: dict[str, Any], path: Location, **options: Any) -> None:
-    """Fills a state_dict in pippy's names from a step in either layout, in place.
-
-    ``options`` are :func:`open_step`'s.
-    """
-    reader, planner = open_step(path, **options)
-    group, must_read = options.get("process_group"), planner.must_read
+def read_any_layout(
+    state_dict: dict[str, Any],
+    reader: SafeFileSystemReader,
+    planner: SafeLoadPlanner,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Fills a state_dict in pippy's names from a step in either layout, in place."""
     saved = reader.read_metadata().state_dict_metadata
     if detect_layout(saved) == PIPPY:
-        return read_into(state_dict, reader, planner, process_group=group)
-    wanted = dict(named_leaves(state_dict))
+        return read_into(state_dict, reader, planner, process_group=process_group)
+    wanted, must_read = dict(named_leaves(state_dict)), planner.must_read
     flat = to_torchtitan(wanted)
     # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
     # optimizer without one may leave it unread (pippy keeps it in scalars).
@@ -584,6 +597,7 @@ def read_any_layout(state_dict: dict[str, Any], path: Location, **options: Any) 
         if pippy_name(k).startswith(must_read)
         and not (k.startswith("optimizer.param_groups.") and k.endswith(".initial_lr"))
     )
+    apply = reader.after_reads
 
     def convert(filled: dict[str, Any]) -> None:  # then apply, as load_into's would
         for key, value in from_torchtitan(filled).items():
@@ -592,14 +606,14 @@ def read_any_layout(state_dict: dict[str, Any], path: Location, **options: Any) 
         if apply is not None:
             apply(state_dict)
 
-    with after_reads(convert) as apply:
-        read_into(flat, reader, planner, process_group=group)
+    reader.after_reads = convert
+    read_into(flat, reader, planner, process_group=process_group)
 
 
 @contextmanager
 def load_into(
     state: Stateful,
-    path: Location,
+    reader: StorageReader,
     *,
     process_group: dist.ProcessGroup | None = None,
     timeout: Timeout = None,
@@ -619,7 +633,8 @@ def load_into(
         state: The stage's :class:`StageState`; ``StageState(module)``
             without an optimizer loads the weights alone. Any ``Stateful``
             whose ``state_dict()`` holds the tensors to fill works too.
-        path: The step it is read from, for the messages.
+        reader: The storage reader that ``dcp.load`` in the body reads with:
+            pippy's, from :func:`open_step`, or another.
         process_group: The ranks that load; the default group if None.
             ``dcp.load`` in the body must run on the same group.
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
@@ -632,7 +647,7 @@ def load_into(
     Raises:
         CheckpointError: ``state.state_dict()`` or ``dcp.load`` failed on
             some rank, or applying refused on some rank (one line per rank),
-            on every rank; with another planner than pippy's, a failed
+            on every rank; with another reader than pippy's, a failed
             ``state.state_dict()`` is raised after ``dcp.load``.
         CheckpointTimeout: Some rank was not there within ``timeout``, on
             every rank, naming it; nothing is applied. After one inside
@@ -646,12 +661,18 @@ def load_into(
         applied = True
         state.load_state_dict(filled)
 
-    action = f"loading {path}"
-    waiting = stall.waiting(action, "read", timeout, process_group)
-    with gc_paused(), waiting, after_reads(apply):
+    ours = reader if isinstance(reader, SafeFileSystemReader) else None
+    action = f"loading {ours.folder if ours else getattr(reader, 'path', reader)}"
+    with gc_paused(), stall.waiting(action, "read", timeout, process_group) as waits:
         state_dict, failure = _take(state.state_dict)
-        with failed_before_load(failure), explain_failures(action):
-            yield state_dict
+        if ours:  # what its dcp.load needs of this block, for that load only
+            ours.waits, ours.after_reads, ours.failure = waits, apply, failure
+        try:
+            with explain_failures(action):
+                yield state_dict
+        finally:
+            if ours:
+                ours.waits = ours.after_reads = ours.failure = None
     if not applied:  # not read by pippy's reader: its own all_gather
         with fail_together(action, process_group):
             if failure is not None:  # another reader's planning did not raise it
@@ -700,15 +721,13 @@ def load_stage(
             Damage found in an item leaves the tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
-    read: dict[str, Any] = {
-        "must_read": must_read,
-        "trusted": trusted,
-        "verify": verify,
-        "process_group": process_group,
-    }
+    ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
+    reader, planner = open_step(
+        path, must_read=must_read, trusted=trusted, verify=verify, **ranks
+    )
     stage = state if isinstance(state, StageState) else _PlainState(state)
-    with load_into(stage, path, process_group=process_group, timeout=timeout) as filled:
-        read_any_layout(filled, path, **read)
+    with load_into(stage, reader, **ranks) as filled:
+        read_any_layout(filled, reader, planner, process_group)
     return filled if isinstance(state, StageState) else state
 
 

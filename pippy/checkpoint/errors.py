@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import pickle
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -105,26 +104,6 @@ def own_error(error: Exception) -> Exception:
     """``error`` wrapped to raise inside DCP: itself here, named on other ranks."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     return _OwnError(rank, portable(error))
-
-
-_pending = threading.local()
-
-
-@contextmanager
-def failed_before_load(error: Exception | None) -> Iterator[None]:
-    """In the block, the next load planner raises ``error`` (if not None)."""
-    _pending.error = error
-    try:
-        yield
-    finally:
-        _pending.error = None
-
-
-def raise_pending() -> None:
-    """Raises the error of :func:`failed_before_load`, once, as :func:`own_error`."""
-    error, _pending.error = getattr(_pending, "error", None), None
-    if error is not None:
-        raise own_error(error) from error
 
 
 def name_ranks(ranks: list[int]) -> str:

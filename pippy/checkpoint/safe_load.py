@@ -30,10 +30,9 @@ import logging
 import os
 import pickle
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from collections.abc import Callable
+from contextlib import nullcontext, suppress
 from types import SimpleNamespace
 from typing import IO, Any, cast
 
@@ -58,16 +57,16 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 from torch.torch_version import TorchVersion
 
-from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
     on_coordinator,
+    own_error,
     portable,
-    raise_pending,
 )
+from pippy.checkpoint.stall import Waits
 from pippy.checkpoint.state import (
     TORCHTITAN,
     OptimKeys,
@@ -123,21 +122,8 @@ _STREAMED = 1 << 20
 _BYTES = LoadItemType.BYTE_IO
 
 
-#: A function of the state_dict ``dcp.load`` fills, run by this thread's
-#: next read once its reads are done (:func:`after_reads`).
+#: A function of the state_dict ``dcp.load`` fills, run once the reads are done.
 Apply = Callable[[dict[str, Any]], None]
-_after_reads = threading.local()
-
-
-@contextmanager
-def after_reads(apply: Apply) -> Iterator[Apply | None]:
-    """Runs ``apply`` in the block's first safe read, before DCP gathers outcomes."""
-    before = getattr(_after_reads, "apply", None)
-    _after_reads.apply = apply
-    try:
-        yield before
-    finally:
-        _after_reads.apply = before
 
 
 def resolve_trusted(trusted: bool | None) -> bool:
@@ -328,6 +314,11 @@ class SafeFileSystemReader(FileSystemReader):
 
     manifest: Manifest | None
     metadata_bytes: bytes  # .metadata as read, which rank 0 broadcasts
+    # Given by load_into for one dcp.load: its watch, what to apply after the
+    # reads, and this rank's failure to take its state (raised in DCP's planning).
+    waits: Waits | None = None
+    after_reads: Apply | None = None
+    failure: Exception | None = None
 
     def __init__(
         self,
@@ -369,6 +360,15 @@ class SafeFileSystemReader(FileSystemReader):
         self.metadata.storage_meta.load_id = self.load_id
         return self.metadata
 
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """As DCP's, after raising this rank's :attr:`failure`, if any, once."""
+        if (failure := self.failure) is not None:
+            self.failure = None
+            raise own_error(failure) from failure
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each planned item once, checks it, then hands it to ``planner``.
 
@@ -377,8 +377,8 @@ class SafeFileSystemReader(FileSystemReader):
         under 1 MiB, before it is unpickled; a larger tensor item, which
         ``torch.load`` (``weights_only``) reads straight into a new tensor as
         DCP's reader does, before it is copied into the state_dict. Then,
-        under :mod:`~pippy.checkpoint.stall`, the rank waits for the others,
-        and the :func:`after_reads` function runs.
+        under :attr:`waits`, the rank waits for the others, and
+        :attr:`after_reads` runs.
 
         Note:
             DCP loads in place: after a damaged item, the items before it
@@ -390,7 +390,7 @@ class SafeFileSystemReader(FileSystemReader):
             name = self.storage_data[req.storage_index].relative_path
             per_file.setdefault(name, {}).setdefault(req.storage_index, []).append(req)
         counting: Any = nullcontext(planner)
-        if (waits := stall.active()) is not None:  # each item's bytes, for progress
+        if (waits := self.waits) is not None:  # each item's bytes, for progress
             sizes = {
                 i: self.storage_data[i].length for by in per_file.values() for i in by
             }
@@ -401,10 +401,9 @@ class SafeFileSystemReader(FileSystemReader):
                 with self.fs.create_stream(path, "rb") as f:
                     for index, reqs in items.items():
                         self._read_item(f, index, reqs, counted)
-        apply = getattr(_after_reads, "apply", None)
-        filled = getattr(planner, "original_state_dict", None)
-        if apply is not None and filled is not None:  # once per after_reads block
-            _after_reads.apply = None
+        apply, filled = self.after_reads, getattr(planner, "original_state_dict", None)
+        if apply is not None and filled is not None:  # once
+            self.after_reads = None
             try:
                 apply(filled)
             except Exception as e:  # DCP's last gather sends it to every rank
@@ -644,7 +643,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         """Checks every requested key (present, shape, dtype), then plans."""
-        raise_pending()  # this rank could not take its state: every rank learns it
         saved = self.metadata.state_dict_metadata if self.metadata else {}
         problems: dict[str, str] = {}  # key: what is wrong with it
         for key, value in self.state_dict.items():

@@ -45,10 +45,6 @@ LOG_ENV = "PIPPY_WAIT_LOG_SECONDS"
 _DEFAULT_LOG_S = 30.0
 #: Seconds a collective waits past the deadline: time to mark the abort.
 ABORT_WAIT_S = 0.5
-# Per thread: DCP hands its reader and writer no context of the caller's. Not a
-# ContextVar: asyncio copies it into fsspec's thread, where a Waits (holding a
-# process group) freed at exit aborts the process (torch 2.13).
-_active = threading.local()
 
 
 def seconds(timeout: Timeout) -> float | None:
@@ -76,11 +72,6 @@ def log_every() -> float:
     if not value > 0:
         raise ValueError(f"{LOG_ENV}={text!r}: set it to a positive number of seconds")
     return value
-
-
-def active() -> Waits | None:
-    """The operation whose storage writer or reader records progress now, if any."""
-    return getattr(_active, "waits", None)
 
 
 class Waits:
@@ -245,20 +236,23 @@ class Waits:
 @contextmanager
 def waiting(
     action: str, point: str, timeout: Timeout, process_group: dist.ProcessGroup | None
-) -> Iterator[None]:
-    """Watches the block (enter before any collective); raises a timeout as itself."""
+) -> Iterator[Waits | None]:
+    """Watches the block (enter before any collective); raises a timeout as itself.
+
+    Yields the :class:`Waits` that the block's storage writer or reader reports
+    its progress and arrival to, or None where no other rank is waited for.
+    """
     limit, every = seconds(timeout), log_every()
     group = process_group or dist.group.WORLD
     if group is None or dist.get_world_size(group) < 2:  # -1: not in it
-        yield  # no other rank to wait for
+        yield None  # no other rank to wait for
         return
     waits = Waits(action, point, limit, every, group)
-    before, _active.waits, failed = active(), waits, True
+    failed = True
     try:
-        yield
+        yield waits
         failed = False
     finally:
-        _active.waits = before
         timed_out = waits.close(failed)
         if timed_out is not None:  # what reached the block was a collective's end
             raise timed_out from None

@@ -58,7 +58,7 @@ import os
 import re
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from pippy.checkpoint import stall
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
@@ -266,22 +265,16 @@ class ManifestWriter(FileSystemWriter):
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
-        """DCP's ``write_data`` (under the stall watch if one runs), with CRC-32Cs."""
-        waits = stall.active()
-        watch: Any = nullcontext(planner)
-        if waits is not None:  # the item sizes only where a watch reports them
-            sizes = {i.index: i.tensor_storage_size() or 0 for i in plan.items}
-            watch = waits.counting(planner, sizes)
-        with watch as planner:
-            results = super().write_data(plan, planner).wait()
-            tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
-            lengths = [r.storage_data.length for r in results if r.index in tensors]
-            self.written = (len(lengths), sum(lengths))
-            infos = [r.storage_data for r in results]
-            ranges = [(i.relative_path, i.offset, i.length) for i in infos]
-            crcs = getattr(self.fs, "crcs", {})
-            if not all(r in crcs for r in ranges):  # a file system that records none
-                crcs = dict(read_crcs(self.path, ranges))
+        """DCP's ``write_data``, with the CRC-32C of each item written."""
+        results = super().write_data(plan, planner).wait()
+        tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
+        lengths = [r.storage_data.length for r in results if r.index in tensors]
+        self.written = (len(lengths), sum(lengths))
+        infos = [r.storage_data for r in results]
+        ranges = [(i.relative_path, i.offset, i.length) for i in infos]
+        crcs = getattr(self.fs, "crcs", {})
+        if not all(r in crcs for r in ranges):  # a file system that records none
+            crcs = dict(read_crcs(self.path, ranges))
         checked = [  # storage_data (info, crc), for the coordinator
             WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
             for r, k in zip(results, ranges, strict=True)
