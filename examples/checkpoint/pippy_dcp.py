@@ -95,14 +95,11 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
     return writer.written
 
 
-def load(state: checkpoint.StageState, path, *, weights_only=False, timeout=None):
-    """Every rank at once: fills its stage(s) from a step, in place.
-    Returns the state_dict it filled."""
-    # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
-    # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), damaged files and keys that
-    # no rank would read, before anything is read.
-    must_read = ("model.",) if weights_only else ("",)
-    reader, planner = checkpoint.open_step(path, must_read=must_read, timeout=timeout)
+def load(
+    state: checkpoint.StageState, reader, planner, *, weights_only=False, timeout=None
+):
+    """Every rank at once: fills its stage(s) from a step opened by open_step,
+    in place. Returns the state_dict it filled."""
     # DCP loads in place, into tensors that must exist: load_into gives
     # state_dict(), this stage's own tensors (AdamW's moments made empty), so
     # each rank reads only its keys, then applies them; if one fails, all raise.
@@ -123,9 +120,14 @@ def resume(state: checkpoint.StageState, args, layout) -> None:
     source = latest or args.init_from
     if source is None:
         return
-    check_source(args, source, latest)
-    start, wait = time.perf_counter(), args.checkpoint_timeout
-    loaded = load(state, source, weights_only=latest is None, timeout=wait)
+    # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
+    # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), damaged files and keys that
+    # no rank would read; rank 0 checks the step, every rank gets its answer.
+    start, wait, weights_only = time.perf_counter(), args.checkpoint_timeout, not latest
+    must_read = ("model.",) if weights_only else ("",)
+    reader, planner = checkpoint.open_step(source, must_read=must_read, timeout=wait)
+    check_source(args, reader.read_metadata(), source, latest)
+    loaded = load(state, reader, planner, weights_only=weights_only, timeout=wait)
     tensors, nbytes = held(loaded)  # this rank's share
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {source}", start)
     # The schedule is a function of --steps, not saved: a raised --steps goes
@@ -147,11 +149,10 @@ def lr_factor(step: int, steps: int) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
 
-def check_source(args, source, latest) -> None:
+def check_source(args, metadata, source, latest) -> None:
     """Refuses a step saved with another --n-layers or --dim, naming the flag;
     then rank 0 says where the run starts from."""
-    reader, _ = checkpoint.open_step(source)  # rank 0 reads .metadata, all get it
-    check_saved_shape(args, reader.read_metadata().state_dict_metadata, source)
+    check_saved_shape(args, metadata.state_dict_metadata, source)
     if dist.get_rank() == 0:
         ignored = " (--init-from applies to new runs only)" * bool(args.init_from)
         log(
@@ -277,7 +278,7 @@ def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
     fresh_stages = build_stages(args, layout, device, seed=args.seed + 1)
     fresh = build_state(args, fresh_stages, state.extra["data"].data)
     note = " into a fresh stage" if len(fresh_stages) == 1 else " into fresh stages"
-    tensors, nbytes = held(load(fresh, path))
+    tensors, nbytes = held(load(fresh, *checkpoint.open_step(path)))
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {path}{note}", start)
     differ = checkpoint.offline.diff_state_dicts(state.state_dict(), fresh.state_dict())
     if differ:
