@@ -219,3 +219,19 @@ def test_the_cyclic_gc_is_paused_in_a_save_and_a_load_and_on_again_after(tmp_pat
     finally:
         gc.callbacks.remove(collecting)
     assert started.count("start") <= 1
+
+
+def test_load_into_refuses_a_path_where_it_takes_the_reader(tmp_path):
+    """A path given to load_into (its reader's step) is a TypeError naming the
+    fix, before the state is taken; with the reader the same load works."""
+    probe = GcProbe()
+    state = checkpoint.StageState(torch.nn.Linear(2, 2), extra={"probe": probe})
+    step = checkpoint.save_stage(state, tmp_path)
+    with pytest.raises(TypeError, match=r"open_step\(path\)"):
+        with checkpoint.load_into(state, step):
+            pass
+    assert probe.seen == [False]  # the save's
+    reader, planner = checkpoint.open_step(step)
+    with checkpoint.load_into(state, reader) as state_dict:
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
+    assert len(probe.seen) == 3

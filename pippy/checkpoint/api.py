@@ -652,8 +652,15 @@ def load_into(
         CheckpointTimeout: Some rank was not there within ``timeout``, on
             every rank, naming it; nothing is applied. After one inside
             ``dcp.load`` the group is not fit for more collectives.
+        TypeError: ``reader`` is not a ``StorageReader`` (a path, say).
         ValueError: ``timeout`` is not a positive number.
     """
+    if not isinstance(reader, StorageReader):
+        raise TypeError(
+            f"load_into takes the storage reader dcp.load reads with, not "
+            f"{reader!r}: reader, planner = open_step(path), then "
+            "load_into(state, reader)"
+        )
     applied = False
 
     def apply(filled: dict[str, Any]) -> None:
