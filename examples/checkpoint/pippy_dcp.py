@@ -13,9 +13,8 @@ A first run trains steps 1-20, each rank prints what it saved at step-10 and
 step-20, and the run ends with "verified: ... bitwise equal". With
 --stop-after 10 it stops as if interrupted; the same command without the flag
 prints "resuming from checkpoints/step-10", then the very losses of steps 11-20.
-The checkpoint idea comes first (stages, state, save, load, resume); the
-training harness follows (building stages, training, verification, job guards),
-with processes, the (dp, pp) mesh and one train step in parallel.py.
+The checkpoint idea comes first (stages, state, save, load, resume), then the
+training harness; processes, the (dp, pp) mesh and a train step: parallel.py.
 """
 
 import sys
@@ -155,26 +154,19 @@ def check_source(args, metadata, source, latest) -> None:
     check_saved_shape(args, metadata.state_dict_metadata, source)
     if dist.get_rank() == 0:
         ignored = " (--init-from applies to new runs only)" * bool(args.init_from)
-        log(
-            f"resuming from {latest}{ignored}"
-            if latest
-            else f"starting from the weights of {source}"
-        )
+        resuming = f"resuming from {latest}{ignored}"
+        log(resuming if latest else f"starting from the weights of {source}")
 
 
-def held(state_dict: dict) -> tuple:
+def held(value) -> tuple:
     """(tensors, bytes) of a nested state_dict on this rank; FSDP2: its shards."""
-    tensors, nbytes = 0, 0
-    for value in state_dict.values():
-        if isinstance(value, dict):
-            more, more_bytes = held(value)
-        elif isinstance(value, torch.Tensor):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            more, more_bytes = 1, local.numel() * local.element_size()
-        else:
-            more, more_bytes = 0, 0
-        tensors, nbytes = tensors + more, nbytes + more_bytes
-    return tensors, nbytes
+    if isinstance(value, dict):
+        counts = [held(v) for v in value.values()]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if not isinstance(value, torch.Tensor):
+        return 0, 0
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return 1, local.numel() * local.element_size()
 
 
 def split_traced(model: GPT, num_stages: int, shape: tuple[int, int]):
@@ -230,8 +222,7 @@ def save_now(state, args, layout: parallel.Layout, saver) -> float:
         what, where = f"staged {tensors} tensors", f"for step-{state.step}"
     else:  # an entry several ranks hold (a dp replica, the data order) is written
         wrote, nbytes = save(state, args, layout.mesh)  # once, by one of them
-        what = f"saved {wrote} of its {tensors} tensors"
-        where = f"to step-{state.step}"
+        what, where = f"saved {wrote} of its {tensors} tensors", f"to step-{state.step}"
     report(layout, what, nbytes, where, start)
     return time.perf_counter() - start
 
@@ -286,8 +277,7 @@ def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
     failed = torch.tensor([len(differ)], device=device)
     dist.all_reduce(failed)
     if dist.get_rank() == 0 and not failed.item():
-        ranks = dist.get_world_size()
-        fresh = f"loaded into fresh stages on all {ranks} ranks"
+        fresh = f"loaded into fresh stages on all {dist.get_world_size()} ranks"
         log(f"verified: {path} {fresh}, model and optimizer bitwise equal")
     return not failed.item()
 
@@ -344,11 +334,8 @@ def main(args) -> None:
             ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about
-        folder_errors = (
-            checkpoint.CheckpointDirError,
-            checkpoint.CheckpointDirInUseError,
-        )
-        flag = " (--checkpoint-dir)" * isinstance(e, folder_errors)
+        dir_errors = checkpoint.CheckpointDirError, checkpoint.CheckpointDirInUseError
+        flag = " (--checkpoint-dir)" * isinstance(e, dir_errors)
         log(f"[rank {rank}] error: {e}{flag}")
         ok = False
     finally:
