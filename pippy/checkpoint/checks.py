@@ -9,7 +9,6 @@ per-rank state under a shared key, which :func:`check_keys` refuses.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -60,11 +59,12 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(value: Any) -> str:
-    """A short text that differs when a leaf differs: a tensor's SHA-1, else repr."""
-    if isinstance(value, torch.Tensor):
-        sha1 = hashlib.sha1(_raw_bytes(value).cpu().numpy().tobytes()).hexdigest()
-        return f"{value.dtype}{tuple(value.shape)}{sha1}"
-    return repr(value)
+    """A text that differs when a leaf does: repr, or a tensor's (local) CRC-32C."""
+    if not isinstance(value, torch.Tensor):
+        return repr(value)
+    shard = local(value)
+    crc = google_crc32c.value(_raw_bytes(shard).cpu().numpy())
+    return f"{shard.dtype}{tuple(shard.shape)}:{crc:08x}"
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
@@ -126,15 +126,6 @@ def _chunk(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _digest(value: Any) -> str:
-    """A CRC-32C of a tensor's (local) bytes with dtype and shape; repr otherwise."""
-    if not isinstance(value, torch.Tensor):
-        return repr(value)
-    shard = local(value)
-    crc = google_crc32c.value(_raw_bytes(shard).cpu().numpy())
-    return f"{shard.dtype}{tuple(shard.shape)}:{crc:08x}"
-
-
 def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
     """Whether a leaf is the same on every data-parallel replica of its stage."""
     if not isinstance(value, DTensor):
@@ -190,7 +181,7 @@ def check_keys(
 
     Raises:
         KeyCollisionError: A key under ``model`` or ``optim`` is on two
-            pipeline stages, or another entry differs between ranks (by SHA-1).
+            pipeline stages, or another entry differs between ranks (by CRC-32C).
         DivergedReplicasError: A stage's data-parallel replicas hold different
             values (by CRC-32C), or an entry (not a shard) only some have.
         NestedStateError: A section other than ``model`` and ``optim`` holds
@@ -241,7 +232,7 @@ def offer_keys(
         "meshed": mesh is not None,
         "owned": {k: _chunk(v) for k, v in owned.items()},
         "digests": {
-            k: _digest(v)
+            k: fingerprint(v)
             for k, v in owned.items()
             if dp_dims and _replicated(v, dp_dims)
         },
