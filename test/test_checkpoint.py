@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from pippy import SplitPoint, checkpoint, pipeline
 from pippy.checkpoint import offline
@@ -235,3 +236,51 @@ def test_load_into_refuses_a_path_where_it_takes_the_reader(tmp_path):
     with checkpoint.load_into(state, reader) as state_dict:
         dcp.load(state_dict, storage_reader=reader, planner=planner)
     assert len(probe.seen) == 3
+    plain = {"step": -1}  # a plain state_dict, filled in place
+    reader, planner = checkpoint.open_step(step, must_read=("step",))
+    with checkpoint.load_into(plain, reader) as state_dict:
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
+    assert plain == {"step": 0}
+
+
+def test_the_reader_and_writer_refuse_to_be_used_other_than_as_made(tmp_path):
+    """open_step's reader: not with a planner that unpickles items with plain
+    pickle (unless trusted), not for another checkpoint_id, and load_into
+    raises if the body read without it; publish_step raises if the body saved
+    without its writer or elsewhere. Each leaves what was saved as it was."""
+    state = checkpoint.StageState(torch.nn.Linear(2, 2), step=1)  # step: pickled
+    one = checkpoint.save_stage(state, tmp_path)
+    state.step = 2
+    two = checkpoint.save_stage(state, tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    fresh = checkpoint.StageState(torch.nn.Linear(2, 2))
+    reader, planner = checkpoint.open_step(one)
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="planner open_step"):
+        with checkpoint.load_into(fresh, reader) as state_dict:
+            dcp.load(state_dict, storage_reader=reader, planner=DefaultLoadPlanner())
+    with pytest.raises(ValueError, match="opened for .*step-1, not .*step-2"):
+        with checkpoint.load_into(fresh, reader) as state_dict:
+            dcp.load(state_dict, checkpoint_id=two, storage_reader=reader)
+    with pytest.raises(ValueError, match="did not read with its reader"):
+        with checkpoint.load_into(fresh, reader) as state_dict:
+            dcp.load(state_dict, checkpoint_id=two)  # plain DCP's reader
+    assert fresh.step == 0  # nothing applied
+    with checkpoint.load_into(fresh, reader) as state_dict:  # the reader still works
+        dcp.load(state_dict, checkpoint_id=one, storage_reader=reader, planner=planner)
+    assert fresh.step == 1
+    trusted, _ = checkpoint.open_step(two, trusted=True)
+    with checkpoint.load_into(fresh, trusted) as state_dict:
+        dcp.load(state_dict, storage_reader=trusted, planner=DefaultLoadPlanner())
+    assert fresh.step == 2
+    state.step = 3
+    state_dict, step, _ = checkpoint.take_state(state)
+    with pytest.raises(ValueError, match="step-3 is not saved"):
+        with checkpoint.publish_step(tmp_path, step):
+            pass
+    with pytest.raises(ValueError, match="saves .*step-3, not .*elsewhere"):
+        with checkpoint.publish_step(tmp_path, step) as writer:
+            dcp.save(
+                state_dict, checkpoint_id=tmp_path / "elsewhere", storage_writer=writer
+            )
+    assert not (tmp_path / "step-3").exists() and not (tmp_path / "elsewhere").exists()
+    assert before == {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

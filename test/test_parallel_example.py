@@ -227,6 +227,11 @@ def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
             "--batch-size 8",
         ),
         (["--keep-last", "0"], 2, "argument --keep-last: must be 1 or more, not 0"),
+        (
+            ["--checkpoint-timeout", "inf"],
+            2,
+            "argument --checkpoint-timeout: must be in (0, 31536000] (365 days), not inf",
+        ),
         (["--dim", "130"], 2, "argument --dim: must be a multiple of 4 (the heads)"),
         (["--n-layers", "3"], 4, "argument --n-layers: 3 layers cannot fill 4 stages"),
     ],

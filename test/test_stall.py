@@ -145,13 +145,17 @@ def test_the_examples_flag_bounds_its_save(results):
         assert found["example"][rank]["save"]["seconds"] < 2.0
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("nan"), "30", True, timedelta(0)])
+BAD_TIMEOUTS = [0, -1, float("nan"), "30", True, timedelta(0), float("inf"), 10**20]
+
+
+@pytest.mark.parametrize("bad", BAD_TIMEOUTS)
 def test_a_timeout_that_is_not_a_positive_number_is_refused(bad):
+    """Also one past what a process group's timeout holds (OverflowError there)."""
     with pytest.raises(ValueError) as e:
         checkpoint.save_stage(helpers.linear_state(), "unused", step=1, timeout=bad)
     assert str(e.value) == (
-        f"timeout must be a positive number of seconds or a timedelta, not {bad!r}; "
-        "None waits without a deadline"
+        "timeout must be a positive number of seconds or a timedelta, of at most "
+        f"365 days, not {bad!r}; None waits without a deadline"
     )
 
 

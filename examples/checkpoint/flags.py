@@ -38,8 +38,10 @@ def _positive(text: str) -> int:
 
 def _seconds(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    if not 0 < value <= 365 * 24 * 3600:
+        raise argparse.ArgumentTypeError(
+            f"must be in (0, 31536000] (365 days), not {text}"
+        )
     return value
 
 

@@ -12,7 +12,7 @@ spells ``dcp.save`` and ``dcp.load`` out uses their pieces::
         dcp.save(state_dict, storage_writer=writer, planner=planner)
 
     reader, planner = open_step(path)  # checked on rank 0 before any read
-    with load_into(state, reader) as state_dict:  # applied on every rank or none
+    with load_into(state, reader) as state_dict:  # if one rank fails, all raise
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
 Also exported: :class:`AsyncSaver`, :func:`fail_together` and the errors.

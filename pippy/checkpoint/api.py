@@ -58,7 +58,7 @@ from pippy.checkpoint.steps import (
     remove_old_steps,
     step_dir,
 )
-from pippy.checkpoint.storage import Location, storage_for
+from pippy.checkpoint.storage import Location, same_location, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def take_state(
 
     Raises:
         ValueError: At once: no ``step`` for a plain state_dict, a ``timeout``
-            that is not a positive number, or a ``planner`` with DCP's plan
+            not in (0, 365 days], or a ``planner`` with DCP's plan
             caching on. From ``dcp.save``: the state's own ``step`` entry is
             another step, on that rank (the others raise ``CheckpointError``
             naming it); at once without a process group.
@@ -266,9 +266,20 @@ class StepWriter(ManifestWriter):
         self.storage = storage_for(checkpoint_dir)
         self.staging: Any = None
         self.waits: stall.Waits | None = None  # the watch of the save, in saving()
+        self.used = False  # by a dcp.save
+
+    def reset(self, checkpoint_id: Location | None = None) -> None:
+        """As DCP's; ValueError for a ``checkpoint_id`` other than ``final``."""
+        if checkpoint_id is not None and not same_location(checkpoint_id, self.final):
+            raise ValueError(
+                f"this writer saves {self.final}, not {checkpoint_id}: make one "
+                "for that step, or leave dcp.save's checkpoint_id out"
+            )
+        super().reset()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """The plan as is: the coordinator alone looks at the folder, and makes it."""
+        self.used = True
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -417,12 +428,19 @@ def publish_step(
             ``timeout``: on every rank that had, naming those that had not;
             nothing is published. The group then holds a collective that
             timed out: end the job.
-        ValueError: ``timeout`` is not a positive number.
+        ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
+            ``dcp.save`` in the body saved with another writer, or another
+            ``checkpoint_id``.
     """
     stall.seconds(timeout)  # a bad timeout is refused before anything is made
     writer = StepWriter(checkpoint_dir, step, keep_last=keep_last, **writer_options)
     with writer.saving(f"saving step-{step}", timeout, process_group):
         yield writer
+        if not writer.used:
+            raise ValueError(
+                f"dcp.save in publish_step's block did not save with its writer, "
+                f"so {writer.final} is not saved: pass it storage_writer=writer"
+            )
 
 
 @contextmanager
@@ -531,7 +549,10 @@ def open_step(
             to open it; None: no deadline. Late ranks are logged either way.
 
     Returns:
-        ``(storage_reader, planner)``.
+        ``(storage_reader, planner)``. The reader reads this step alone (a
+        ``dcp.load`` with another ``checkpoint_id`` raises ``ValueError``)
+        and, unless trusted, hands non-tensor items only to a
+        :class:`SafeLoadPlanner` (others: ``UnsafeCheckpointError``).
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
@@ -539,7 +560,7 @@ def open_step(
             rank.
         CheckpointTimeout: Some rank was not there within ``timeout``, on
             every rank, naming it.
-        ValueError: ``timeout`` is not a positive number.
+        ValueError: ``timeout`` is not a number of seconds in (0, 365 days].
     """
     waiting = stall.waiting(f"opening {path}", "read", timeout, process_group)
     with nullcontext() if no_dist else waiting:
@@ -612,7 +633,7 @@ def read_any_layout(
 
 @contextmanager
 def load_into(
-    state: Stateful,
+    state: Stateful | dict[str, Any],
     reader: StorageReader,
     *,
     process_group: dist.ProcessGroup | None = None,
@@ -629,10 +650,19 @@ def load_into(
     ``dcp.load``, and an ``all_gather_object`` carries the outcome. Python's
     cyclic garbage collector is paused in the block.
 
+    Note:
+        DCP loads in place: when a load fails on some rank, every rank
+        raises, but the stages of the ranks that read their items hold the
+        step's tensors, and theirs applied; a rank whose read failed holds
+        the items read before the failure. Load another step, or build the
+        stages anew, before training on.
+
     Args:
         state: The stage's :class:`StageState`; ``StageState(module)``
             without an optimizer loads the weights alone. Any ``Stateful``
-            whose ``state_dict()`` holds the tensors to fill works too.
+            whose ``state_dict()`` holds the tensors to fill works too, and a
+            nested state_dict, filled in place (its top-level ``Stateful``
+            objects loaded, as ``dcp.load`` does).
         reader: The storage reader that ``dcp.load`` in the body reads with:
             pippy's, from :func:`open_step`, or another.
         process_group: The ranks that load; the default group if None.
@@ -647,13 +677,16 @@ def load_into(
     Raises:
         CheckpointError: ``state.state_dict()`` or ``dcp.load`` failed on
             some rank, or applying refused on some rank (one line per rank),
-            on every rank; with another reader than pippy's, a failed
+            on every other rank; the rank where it failed raises its own
+            error. With another reader than pippy's, a failed
             ``state.state_dict()`` is raised after ``dcp.load``.
         CheckpointTimeout: Some rank was not there within ``timeout``, on
             every rank, naming it; nothing is applied. After one inside
             ``dcp.load`` the group is not fit for more collectives.
         TypeError: ``reader`` is not a ``StorageReader`` (a path, say).
-        ValueError: ``timeout`` is not a positive number.
+        ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
+            ``dcp.load`` in the body read with another reader than pippy's
+            ``reader``, or another ``checkpoint_id``.
     """
     if not isinstance(reader, StorageReader):
         raise TypeError(
@@ -662,21 +695,27 @@ def load_into(
             "load_into(state, reader)"
         )
     applied = False
+    stateful = _PlainState(state) if isinstance(state, dict) else state
 
     def apply(filled: dict[str, Any]) -> None:
         nonlocal applied
         applied = True
-        state.load_state_dict(filled)
+        stateful.load_state_dict(filled)
 
     ours = reader if isinstance(reader, SafeFileSystemReader) else None
     action = f"loading {ours.folder if ours else getattr(reader, 'path', reader)}"
     with gc_paused(), stall.waiting(action, "read", timeout, process_group) as waits:
-        state_dict, failure = _take(state.state_dict)
+        state_dict, failure = _take(stateful.state_dict)
         if ours:  # what its dcp.load needs of this block, for that load only
             ours.waits, ours.after_reads, ours.failure = waits, apply, failure
         try:
             with explain_failures(action):
                 yield state_dict
+            if ours and ours.after_reads is not None:  # its read_data never ran
+                raise ValueError(
+                    f"dcp.load in load_into's block did not read with its reader, "
+                    f"so {ours.folder} is not loaded: pass it storage_reader=reader"
+                )
         finally:
             if ours:
                 ours.waits = ours.after_reads = ours.failure = None
@@ -684,7 +723,7 @@ def load_into(
         with fail_together(action, process_group):
             if failure is not None:  # another reader's planning did not raise it
                 raise failure
-            state.load_state_dict(state_dict)
+            stateful.load_state_dict(state_dict)
 
 
 def load_stage(
@@ -732,8 +771,7 @@ def load_stage(
     reader, planner = open_step(
         path, must_read=must_read, trusted=trusted, verify=verify, **ranks
     )
-    stage = state if isinstance(state, StageState) else _PlainState(state)
-    with load_into(stage, reader, **ranks) as filled:
+    with load_into(state, reader, **ranks) as filled:
         read_any_layout(filled, reader, planner, process_group)
     return filled if isinstance(state, StageState) else state
 

@@ -213,7 +213,7 @@ class AsyncSaver:
         timeout: As :func:`~pippy.checkpoint.save_stage`'s, in the background.
 
     Raises:
-        ValueError: ``timeout`` is not a positive number.
+        ValueError: ``timeout`` is not a number of seconds in (0, 365 days].
 
     Note:
         The default stager's CPU buffers (pinned on a GPU) live as long as the

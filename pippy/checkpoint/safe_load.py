@@ -92,7 +92,13 @@ from pippy.checkpoint.steps import (
     storage_ranges,
     verify_item,
 )
-from pippy.checkpoint.storage import Location, is_url, step_file, storage_for
+from pippy.checkpoint.storage import (
+    Location,
+    is_url,
+    same_location,
+    step_file,
+    storage_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +192,11 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
             raise CheckpointNotFoundError(
                 f"{str(folder)!r} is a run's checkpoint folder; pass one of its "
                 f"steps, e.g. {str(steps[-1])!r}"
+            )
+        if parse_step(folder) is None:
+            raise CheckpointNotFoundError(
+                f"{str(folder)!r} is not a checkpoint (no {METADATA_FILE}); pass a "
+                "step folder, <checkpoint folder>/step-<N>"
             )
         raise CheckpointNotFoundError(
             f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
@@ -360,6 +371,15 @@ class SafeFileSystemReader(FileSystemReader):
         self.metadata.storage_meta.load_id = self.load_id
         return self.metadata
 
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """As DCP's; ValueError for a ``checkpoint_id`` other than the step opened."""
+        if checkpoint_id is not None and not same_location(checkpoint_id, self.folder):
+            raise ValueError(
+                f"this reader was opened for {self.folder}, not {checkpoint_id}: "
+                "open_step that step, or leave dcp.load's checkpoint_id out"
+            )
+        super().reset()
+
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
@@ -385,6 +405,14 @@ class SafeFileSystemReader(FileSystemReader):
             already hold the step's values; load another step, or build the
             stage anew, before using it.
         """
+        unsafe = not (self.trusted or isinstance(planner, SafeLoadPlanner))
+        if unsafe and any(req.type == _BYTES for req in plan.items):
+            raise UnsafeCheckpointError(
+                f"refused to load {self.folder} with {type(planner).__name__}: it "
+                "unpickles non-tensor items with plain pickle, which could run "
+                "code. Pass dcp.load the planner open_step returned, or, if you "
+                f"trust the checkpoint, set {TRUST_ENV}=1"
+            )
         per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
         for req in plan.items:
             name = self.storage_data[req.storage_index].relative_path
@@ -401,9 +429,9 @@ class SafeFileSystemReader(FileSystemReader):
                 with self.fs.create_stream(path, "rb") as f:
                     for index, reqs in items.items():
                         self._read_item(f, index, reqs, counted)
-        apply, filled = self.after_reads, getattr(planner, "original_state_dict", None)
-        if apply is not None and filled is not None:  # once
-            self.after_reads = None
+        apply, self.after_reads = self.after_reads, None  # once
+        filled = getattr(planner, "original_state_dict", None)
+        if apply is not None and filled is not None:
             try:
                 apply(filled)
             except Exception as e:  # DCP's last gather sends it to every rank

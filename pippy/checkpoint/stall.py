@@ -45,17 +45,21 @@ LOG_ENV = "PIPPY_WAIT_LOG_SECONDS"
 _DEFAULT_LOG_S = 30.0
 #: Seconds a collective waits past the deadline: time to mark the abort.
 ABORT_WAIT_S = 0.5
+#: The longest ``timeout`` taken, in seconds (365 days).
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
 def seconds(timeout: Timeout) -> float | None:
-    """A ``timeout`` (``timedelta``, seconds or None) in seconds; ValueError if <= 0."""
+    """A ``timeout`` in seconds (None: None); ValueError unless in (0, 365 days]."""
     if timeout is None:
         return None
     value = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT_S:  # far longer ones overflow a group's timeout
         raise ValueError(
-            f"timeout must be a positive number of seconds or a timedelta, not "
-            f"{timeout!r}; None waits without a deadline"
+            "timeout must be a positive number of seconds or a timedelta, of at "
+            f"most 365 days, not {timeout!r}; None waits without a deadline"
         )
     return float(value)
 

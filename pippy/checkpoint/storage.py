@@ -108,6 +108,11 @@ def storage_for(location: Location) -> Storage:
     return LocalStorage()
 
 
+def same_location(a: Location, b: Location) -> bool:
+    """Whether two locations name one place (links resolved, URLs as written)."""
+    return storage_for(a).same_place(a) == storage_for(b).same_place(b)
+
+
 def check_publishable(location: Location) -> Storage:
     """The storage of ``location``; refused if it lacks an atomic rename."""
     storage = storage_for(location)
