@@ -694,6 +694,22 @@ def load_into(
             f"{reader!r}: reader, planner = open_step(path), then "
             "load_into(state, reader)"
         )
+    ours = reader if isinstance(reader, SafeFileSystemReader) else None
+    action = f"loading {ours.folder if ours else getattr(reader, 'path', reader)}"
+    with gc_paused(), stall.waiting(action, "read", timeout, process_group) as waits:
+        with _filled(state, reader, action, process_group, waits) as state_dict:
+            yield state_dict
+
+
+@contextmanager
+def _filled(
+    state: Stateful | dict[str, Any],
+    reader: StorageReader,
+    action: str,
+    process_group: dist.ProcessGroup | None,
+    waits: stall.Waits | None,
+) -> Iterator[dict[str, Any]]:
+    """:func:`load_into`'s block, inside the watch ``waits``."""
     applied = False
     stateful = _PlainState(state) if isinstance(state, dict) else state
 
@@ -703,22 +719,20 @@ def load_into(
         stateful.load_state_dict(filled)
 
     ours = reader if isinstance(reader, SafeFileSystemReader) else None
-    action = f"loading {ours.folder if ours else getattr(reader, 'path', reader)}"
-    with gc_paused(), stall.waiting(action, "read", timeout, process_group) as waits:
-        state_dict, failure = _take(stateful.state_dict)
-        if ours:  # what its dcp.load needs of this block, for that load only
-            ours.waits, ours.after_reads, ours.failure = waits, apply, failure
-        try:
-            with explain_failures(action):
-                yield state_dict
-            if ours and ours.after_reads is not None:  # its read_data never ran
-                raise ValueError(
-                    f"dcp.load in load_into's block did not read with its reader, "
-                    f"so {ours.folder} is not loaded: pass it storage_reader=reader"
-                )
-        finally:
-            if ours:
-                ours.waits = ours.after_reads = ours.failure = None
+    state_dict, failure = _take(stateful.state_dict)
+    if ours:  # what its dcp.load needs of this block, for that load only
+        ours.waits, ours.after_reads, ours.failure = waits, apply, failure
+    try:
+        with explain_failures(action):
+            yield state_dict
+        if ours and ours.after_reads is not None:  # its read_data never ran
+            raise ValueError(
+                f"dcp.load in load_into's block did not read with its reader, "
+                f"so {ours.folder} is not loaded: pass it storage_reader=reader"
+            )
+    finally:
+        if ours:
+            ours.waits = ours.after_reads = ours.failure = None
     if not applied:  # not read by pippy's reader: its own all_gather
         with fail_together(action, process_group):
             if failure is not None:  # another reader's planning did not raise it
@@ -767,12 +781,13 @@ def load_stage(
             Damage found in an item leaves the tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
-    ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
-    reader, planner = open_step(
-        path, must_read=must_read, trusted=trusted, verify=verify, **ranks
-    )
-    with load_into(state, reader, **ranks) as filled:
-        read_any_layout(filled, reader, planner, process_group)
+    action, group = f"loading {path}", process_group
+    with gc_paused(), stall.waiting(action, "read", timeout, group) as waits:
+        # one watch over the open and the load
+        reader = open_reader(path, trusted=trusted, verify=verify, process_group=group)
+        planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
+        with _filled(state, reader, action, group, waits) as filled:
+            read_any_layout(filled, reader, planner, group)
     return filled if isinstance(state, StageState) else state
 
 
