@@ -465,7 +465,17 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         except checkpoint.CheckpointError as e:
             crafted.append([type(e).__name__, marker.exists()])
         dist.barrier()
+    # Step counters that drifted apart (5 on rank 0, 6 on rank 1): refused in
+    # DCP's planning, on both ranks, before anything is written.
+    drift = None
+    try:
+        checkpoint.save_stage({f"w{rank}": torch.ones(2)}, out / "drift", step=5 + rank)
+    except checkpoint.CheckpointError as e:
+        drift = f"{type(e).__name__}: {e}"
+    dist.barrier()
     return {
+        "drift": drift,
+        "drift_folder": sorted(p.name for p in (out / "drift").glob("*")),
         "error": error,
         "path": str(path),
         "in_group": in_group,

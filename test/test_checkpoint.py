@@ -2,6 +2,7 @@
 
 import gc
 import logging
+import subprocess
 import warnings
 
 import pytest
@@ -284,3 +285,60 @@ def test_the_reader_and_writer_refuse_to_be_used_other_than_as_made(tmp_path):
             )
     assert not (tmp_path / "step-3").exists() and not (tmp_path / "elsewhere").exists()
     assert before == {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, "2", 1.5, True])
+def test_a_bad_keep_last_is_refused_before_anything_is_written(tmp_path, keep_last):
+    """It was checked only while pruning, after the step was published."""
+    state = checkpoint.StageState(torch.nn.Linear(2, 2), step=1)
+    message = f"keep_last must be None or a whole number >= 1, not {keep_last!r}"
+    with pytest.raises(ValueError) as e:
+        checkpoint.save_stage(state, tmp_path, keep_last=keep_last)
+    assert str(e.value) == message
+    with pytest.raises(ValueError, match="keep_last"):
+        checkpoint.AsyncSaver(tmp_path, keep_last=keep_last)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("step", [-1, True, "7", 2.0])
+def test_a_step_that_is_not_a_whole_number_is_refused(tmp_path, step):
+    """step--1, step-True, step-7 (a str in its manifest), step-2.0 were written."""
+    state = checkpoint.StageState(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError) as e:
+        checkpoint.save_stage(state, tmp_path, step=step)
+    assert str(e.value) == f"a step is a whole number >= 0, not {step!r}"
+    with pytest.raises(ValueError, match="a step is a whole number"):
+        with checkpoint.publish_step(tmp_path, step):
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_folder_inside_a_step_is_refused(tmp_path):
+    """As FolderOwner refuses it: a save would nest a step in a published one."""
+    state = checkpoint.StageState(torch.nn.Linear(2, 2), step=1)
+    step = checkpoint.save_stage(state, tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    state.step = 2
+    for inside in (step, step / "sub", tmp_path / "step-9"):
+        with pytest.raises(checkpoint.CheckpointDirError, match="lies in the step"):
+            checkpoint.save_stage(state, inside)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_save_whose_pruning_fails_is_saved_and_says_so(tmp_path, caplog):
+    """An old step that cannot be removed (immutable) leaves the save published,
+    with a warning; it was a 'cannot publish' error for a step that was."""
+    state = checkpoint.StageState(torch.nn.Linear(2, 2), step=1)
+    first = checkpoint.save_stage(state, tmp_path)
+    subprocess.run(["chattr", "+i", first], check=True)
+    try:
+        state.step = 2
+        with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.api"):
+            second = checkpoint.save_stage(state, tmp_path, keep_last=1)
+    finally:
+        subprocess.run(["chattr", "-i", first], check=True)
+    assert checkpoint.find_latest_step(tmp_path) == second
+    assert first.is_dir()
+    assert f"saved {second}, but could not remove the steps beyond keep_last=1" in (
+        caplog.text
+    )

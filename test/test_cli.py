@@ -307,6 +307,10 @@ def test_errors_are_one_line_and_exit_2(cli_runs, case):
         (["inspect", "{root}/step-3", "--step", "4"], "--step needs a run folder"),
         (["inspect", "{tmp}"], "holds no step-<N>"),
         (["export", "{root}", "--out", "{tmp}/no/m.pt"], "no folder"),
+        (
+            ["convert", "{root}/step-3", "--to", "torchtitan", "--out", "{tmp}/step-9"],
+            "step-9' would hold step 3: name it step-3",
+        ),
     ],
 )
 def test_more_errors_in_process(run, tmp_path, capsys, argv, expected):

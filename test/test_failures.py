@@ -395,6 +395,14 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
     # trusted, both load it.
     for r in results:
         assert r["crafted"] == [["UnsafeCheckpointError", False], ["loaded", True]]
+    # Steps that differ between ranks: one error on both, nothing written.
+    for rank, r in enumerate(results):
+        assert r["drift"] == (
+            f"CheckpointError: saving step-{5 + rank} failed on 1 rank(s):\n  rank 0: "
+            "ValueError: the ranks save different steps (rank 0: 5, rank 1: 6); every "
+            "rank must save the same step: keep one step counter for the job"
+        )
+        assert r["drift_folder"] == []
     # Under a group of rank 1 alone: its global rank; rank 0 may not enter.
     assert [r["in_group"] for r in results] == [
         "ValueError: fail_together: rank 0 is not in the process group",

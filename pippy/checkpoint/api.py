@@ -52,9 +52,12 @@ from pippy.checkpoint.state import (
 )
 from pippy.checkpoint.steps import (
     ManifestWriter,
+    check_keep_last,
+    check_step,
     holds_its_step,
     is_complete,
     list_steps,
+    refuse_step_folder,
     remove_old_steps,
     step_dir,
 )
@@ -98,6 +101,7 @@ class CheckedSavePlanner(SavePlanner):
         *,
         mesh: DeviceMesh | None = None,
         process_group: dist.ProcessGroup | None = None,
+        step: int | None = None,
     ) -> None:
         if getattr(planner, "_enable_plan_caching", False):
             raise ValueError(
@@ -107,7 +111,7 @@ class CheckedSavePlanner(SavePlanner):
                 "pass a planner without it"
             )
         self.planner = planner or DefaultSavePlanner()
-        self.mesh, self.process_group = mesh, process_group
+        self.mesh, self.process_group, self.step = mesh, process_group, step
         self.failure: Exception | None = None  # set where taking the state failed
         self._state_dict: dict[str, Any] = {}
 
@@ -137,17 +141,28 @@ class CheckedSavePlanner(SavePlanner):
         except Exception as e:
             raise own_error(e) from e
         plan = self.planner.create_local_plan()
-        return dataclasses.replace(plan, planner_data=(offer, plan.planner_data))
+        data = (offer, self.step, plan.planner_data)
+        return dataclasses.replace(plan, planner_data=data)
 
     def create_global_plan(
         self, all_plans: list[SavePlan]
     ) -> tuple[list[SavePlan], Metadata]:
-        """Judges every rank's offer, then ``planner``'s global plan."""
+        """Judges every rank's step and offer, then ``planner``'s global plan."""
+        steps = [p.planner_data[1] for p in all_plans]
+        if len(set(steps)) > 1:  # counters that drifted apart: one folder for all
+            ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+            named = ", ".join(
+                f"rank {r}: {s}" for r, s in zip(ranks, steps, strict=True)
+            )
+            raise ValueError(
+                f"the ranks save different steps ({named}); every rank must save "
+                "the same step: keep one step counter for the job"
+            )
         refuse_losses(
             [p.planner_data[0] for p in all_plans], process_group=self.process_group
         )
         return self.planner.create_global_plan(
-            [dataclasses.replace(p, planner_data=p.planner_data[1]) for p in all_plans]
+            [dataclasses.replace(p, planner_data=p.planner_data[2]) for p in all_plans]
         )
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
@@ -200,7 +215,9 @@ def take_state(
     """
     step = step_of(state, step)
     stall.seconds(timeout)  # refused at once; the waits are the save's
-    checked = CheckedSavePlanner(planner, mesh=mesh, process_group=process_group)
+    checked = CheckedSavePlanner(
+        planner, mesh=mesh, process_group=process_group, step=step
+    )
     return checked.take(lambda: state_to_save(state, step)), step, checked
 
 
@@ -210,7 +227,7 @@ def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
         return state.step
     if step is None:
         raise ValueError("saving a plain state_dict needs its step")
-    return step
+    return check_step(step)
 
 
 def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str, Any]:
@@ -262,7 +279,7 @@ class StepWriter(ManifestWriter):
     ) -> None:
         self.final = step_dir(checkpoint_dir, step)
         super().__init__(self.final, step=step, **kwargs)
-        self.checkpoint_dir, self.keep_last = checkpoint_dir, keep_last
+        self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
         self.storage = storage_for(checkpoint_dir)
         self.staging: Any = None
         self.waits: stall.Waits | None = None  # the watch of the save, in saving()
@@ -302,6 +319,7 @@ class StepWriter(ManifestWriter):
         """On the coordinator: checks that the step is new, makes its staging folder."""
         storage, final = self.storage, self.final
         check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
+        refuse_step_folder(self.checkpoint_dir)  # a step holds no steps
         list_steps(self.checkpoint_dir)  # a file where the folder should be: say so
         if is_complete(final) and holds_its_step(final):
             raise CheckpointDirError(
@@ -355,10 +373,19 @@ class StepWriter(ManifestWriter):
             check_lease(self.checkpoint_dir)
             if self.staging != self.final:  # on a store: committed by its record
                 self.storage.publish(self.staging, self.final)
-            if self.keep_last is not None:  # it logs what it removes
-                remove_old_steps(self.checkpoint_dir, self.keep_last, keep=self.final)
         except OSError as e:
             raise dir_error(f"cannot publish {self.storage.name(self.final)}", e) from e
+        if self.keep_last is None:
+            return
+        try:  # it logs what it removes; the step is saved whatever happens here
+            remove_old_steps(self.checkpoint_dir, self.keep_last, keep=self.final)
+        except OSError as e:
+            logger.warning(
+                "saved %s, but could not remove the steps beyond keep_last=%d: %s",
+                self.final,
+                self.keep_last,
+                e,
+            )
 
     @contextmanager
     def saving(
@@ -399,6 +426,12 @@ def publish_step(
     staging folder, which :func:`~pippy.checkpoint.find_latest_step` never
     picks. If the body raises, nothing is published and the coordinator
     removes the staging folder.
+
+    Note:
+        Every rank must reach ``dcp.save``: one that raises in the body
+        before it leaves the others waiting in DCP's first collective until
+        ``timeout`` (a ``CheckpointTimeout`` naming it) or, without one, the
+        process group's own timeout.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing. On
@@ -655,7 +688,8 @@ def load_into(
         raises, but the stages of the ranks that read their items hold the
         step's tensors, and theirs applied; a rank whose read failed holds
         the items read before the failure. Load another step, or build the
-        stages anew, before training on.
+        stages anew, before training on. As in :func:`publish_step`, every
+        rank must reach ``dcp.load``.
 
     Args:
         state: The stage's :class:`StageState`; ``StageState(module)``

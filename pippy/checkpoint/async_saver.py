@@ -35,7 +35,7 @@ from pippy.checkpoint.api import (
 from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.steps import step_dir
+from pippy.checkpoint.steps import check_keep_last, step_dir
 from pippy.checkpoint.storage import Location
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,8 @@ class AsyncSaver:
         async_stager: AsyncStager | None = None,
         timeout: Timeout = None,
     ):
-        self.checkpoint_dir, self.keep_last, self.mesh = checkpoint_dir, keep_last, mesh
+        self.checkpoint_dir, self.mesh = checkpoint_dir, mesh
+        self.keep_last = check_keep_last(keep_last)
         self.timeout = seconds(timeout)
         self._own_group = process_group is None and dist.is_initialized()
         if self._own_group:
@@ -366,7 +367,7 @@ class AsyncSaver:
         writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
         action = f"saving step-{step} in the background"
         with writer.saving(action, self.timeout, group):
-            planner = CheckedSavePlanner(mesh=self.mesh, process_group=group)
+            planner = CheckedSavePlanner(mesh=self.mesh, process_group=group, step=step)
             copy = planner.take(copied)
             dcp.save(copy, storage_writer=writer, planner=planner, process_group=group)
         if not dist.is_initialized() or dist.get_rank() == 0:

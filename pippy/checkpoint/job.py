@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ from pippy.checkpoint.errors import (
     name_ranks,
     on_coordinator,
 )
-from pippy.checkpoint.steps import is_complete, list_steps, parse_step, remove_staging
+from pippy.checkpoint.steps import list_steps, refuse_step_folder, remove_staging
 from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
 
 __all__ = ["FolderOwner", "StopSignal", "stop_with_launcher"]
@@ -222,14 +221,7 @@ class _LocalRecord(_OwnerRecord):
 
     def acquire(self) -> str:
         """Refuses a step folder; creates the folder if needed and the record."""
-        real = Path(self.storage.same_place(self.root))
-        inside = [p for p in (real, *real.parents) if is_complete(p)]
-        if parse_step(real) is not None or inside:
-            step = inside[0] if inside else real
-            raise CheckpointDirError(
-                f"{str(self.root)!r} is or lies in the step folder {str(step)!r}, "
-                f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
-            )
+        refuse_step_folder(self.root)
         self.created = not self.storage.exists(self.root)
         return super().acquire()
 

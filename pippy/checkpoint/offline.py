@@ -36,7 +36,7 @@ from pippy.checkpoint.state import (
     pippy_name,
     to_torchtitan,
 )
-from pippy.checkpoint.steps import ManifestWriter
+from pippy.checkpoint.steps import ManifestWriter, parse_step
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 
 __all__ = [
@@ -329,7 +329,8 @@ def convert_layout(
 
     Raises:
         FileExistsError: ``out`` exists.
-        ValueError: ``to`` is not a layout, or a key has no place in torchtitan's
+        ValueError: ``out`` is named ``step-<M>`` for another step than the
+            one it holds; ``to`` is not a layout, or a key has no place in torchtitan's
             (see :func:`~pippy.checkpoint.state.to_torchtitan`).
         CheckpointError: As :func:`read_checkpoint`.
     """
@@ -346,6 +347,10 @@ def convert_layout(
     elif _NTOKENS in flat and _is_zero(flat[_NTOKENS]):
         del flat[_NTOKENS]  # no count: what the line above writes for pippy's step
     step = int(flat.get("step", flat.get("train_state.step", 0)))
+    if parse_step(out) not in (None, step):  # find_latest_step would skip it
+        raise ValueError(
+            f"{os.fspath(out)!r} would hold step {step}: name it step-{step}"
+        )
     flat, step, planner = take_state(flat, step=step)
     with _written_whole(storage, out, replace=False) as staging:
         writer = ManifestWriter(staging, step=step)  # loads verify it

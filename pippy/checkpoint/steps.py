@@ -60,6 +60,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import google_crc32c
@@ -104,9 +105,27 @@ _STEP_LIKE = re.compile(r"^step-[0-9]+$")
 _LEFTOVER = re.compile(r"\.step-.*\.(partial|deleting)-.*", re.DOTALL)
 
 
+def check_step(step: Any) -> int:
+    """``step``; ValueError unless it is a whole number >= 0 (a ``bool`` is not)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"a step is a whole number >= 0, not {step!r}")
+    return step
+
+
+def check_keep_last(keep_last: Any) -> int | None:
+    """``keep_last``; ValueError unless None or a whole number >= 1."""
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(
+            f"keep_last must be None or a whole number >= 1, not {keep_last!r}"
+        )
+    return keep_last
+
+
 def step_dir(checkpoint_dir: Location, step: int) -> Any:
     """``<checkpoint_dir>/step-<step>``: a ``Path`` locally, a ``str`` for a URL."""
-    return storage_for(checkpoint_dir).join(checkpoint_dir, f"step-{step}")
+    return storage_for(checkpoint_dir).join(checkpoint_dir, f"step-{check_step(step)}")
 
 
 def is_complete(path: Location) -> bool:
@@ -120,6 +139,20 @@ def parse_step(path: Location) -> int | None:
     """The step of a ``step-<N>`` folder name (no leading zeros), or None."""
     match = _STEP_RE.match(storage_for(path).name(path))
     return int(match.group(1)) if match else None
+
+
+def refuse_step_folder(checkpoint_dir: Location) -> None:
+    """CheckpointDirError if a local ``checkpoint_dir`` is or lies in a step folder."""
+    if is_url(checkpoint_dir):
+        return
+    real = Path(checkpoint_dir).resolve()
+    inside = [p for p in (real, *real.parents) if is_complete(p)]
+    if parse_step(real) is not None or inside:
+        step = inside[0] if inside else real
+        raise CheckpointDirError(
+            f"{str(checkpoint_dir)!r} is or lies in the step folder {str(step)!r}, "
+            f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
+        )
 
 
 def list_steps(checkpoint_dir: Location) -> dict[int, Any]:
@@ -173,8 +206,7 @@ def remove_old_steps(
     Incomplete folders (maybe a save in progress) and folders whose manifest names
     another step or links out are left alone. In a job, rank 0 alone calls it.
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, not {keep_last}")
+    check_keep_last(keep_last)
     storage = storage_for(checkpoint_dir)
     complete = [p for p in list_steps(checkpoint_dir).values() if _counted(p)]
     old = [p for p in complete[:-keep_last] if p != keep]
