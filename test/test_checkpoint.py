@@ -342,3 +342,19 @@ def test_a_save_whose_pruning_fails_is_saved_and_says_so(tmp_path, caplog):
     assert f"saved {second}, but could not remove the steps beyond keep_last=1" in (
         caplog.text
     )
+
+
+def test_a_state_list_a_thread_count_of_0_and_a_closed_saver_are_named(tmp_path):
+    """Each was a bare error from deep inside (AttributeError, min() of an empty
+    sequence, a closed thread pool's RuntimeError)."""
+    with pytest.raises(TypeError, match="a StageState or a state_dict .*not a list"):
+        checkpoint.save_stage([torch.ones(2)], tmp_path, step=1)
+    state = checkpoint.StageState(torch.nn.Linear(2, 2), step=1)
+    with pytest.raises(ValueError, match="thread_count must be a whole number >= 1"):
+        checkpoint.save_stage(state, tmp_path, thread_count=0)
+    assert list(tmp_path.iterdir()) == []
+    saver = checkpoint.AsyncSaver(tmp_path)
+    saver.close()
+    with pytest.raises(RuntimeError, match="this AsyncSaver is closed"):
+        saver.save(state)
+    assert list(tmp_path.iterdir()) == []

@@ -205,6 +205,7 @@ def take_state(
         empty where taking the state failed.
 
     Raises:
+        TypeError: ``state`` is neither a :class:`StageState` nor a mapping.
         ValueError: At once: no ``step`` for a plain state_dict, a ``timeout``
             not in (0, 365 days], or a ``planner`` with DCP's plan
             caching on. From ``dcp.save``: the state's own ``step`` entry is
@@ -223,6 +224,11 @@ def take_state(
 
 def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
     """The step ``state`` is saved as: ``step``, else a :class:`StageState`'s own."""
+    if not isinstance(state, StageState | Mapping):
+        raise TypeError(
+            f"the state to save is a StageState or a state_dict (a dict), not a "
+            f"{type(state).__name__}"
+        )
     if step is None and isinstance(state, StageState):
         return state.step
     if step is None:
@@ -526,13 +532,19 @@ def save_stage(
         The published step folder (a ``Path`` for a local folder).
 
     Raises:
-        ValueError, KeyCollisionError: As :func:`take_state`; nothing is
-            written (the checkpoint folder may be created).
+        TypeError, ValueError, KeyCollisionError: As :func:`take_state`, and
+            a ``thread_count`` under 1; nothing is written (the checkpoint
+            folder may be created).
         CheckpointDirError: As :func:`publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
         CheckpointTimeout: As :func:`publish_step`.
     """
+    whole = isinstance(thread_count, int) and not isinstance(thread_count, bool)
+    if not (whole and thread_count >= 1):
+        raise ValueError(
+            f"thread_count must be a whole number >= 1, not {thread_count!r}"
+        )
     ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
     state_dict, step, checked = take_state(
         state, step=step, mesh=mesh, planner=planner, **ranks

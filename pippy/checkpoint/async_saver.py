@@ -244,6 +244,7 @@ class AsyncSaver:
         self._told: Future | None = None  # a failed save save() raised itself
         # The one thread that writes and publishes, one save after the other.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
+        self._closed = False
         # poll()'s own gloo group, made here on every rank at once: made in
         # poll(), it would wait on the store behind the background thread's
         # wait on the same client, and two ranks would wait for each other.
@@ -273,6 +274,7 @@ class AsyncSaver:
             The step folder it will be published as.
 
         Raises:
+            RuntimeError: The saver is closed.
             ValueError: This rank's state holds another step (the other ranks raise
                 a ``CheckpointError`` naming it, by their next :meth:`poll`,
                 :meth:`wait` or ``save``), or a plain state_dict came without a step
@@ -283,6 +285,8 @@ class AsyncSaver:
                 state_dict failed. What is taken in the background raises in
                 :meth:`wait_for_staging` (or the hooked ``optimizer.step()``).
         """
+        if self._closed:
+            raise RuntimeError("this AsyncSaver is closed: make a new one to save")
         self.wait()
         started = time.perf_counter()
         step = step_of(state, step)
@@ -455,6 +459,7 @@ class AsyncSaver:
 
     def close(self) -> None:
         """Waits for the save in flight, then frees buffers, thread and groups."""
+        self._closed = True
         try:
             self.wait()
         finally:
