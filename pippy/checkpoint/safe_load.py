@@ -383,10 +383,9 @@ class SafeFileSystemReader(FileSystemReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        """As DCP's, after raising this rank's :attr:`failure`, if any, once."""
-        if (failure := self.failure) is not None:
-            self.failure = None
-            raise own_error(failure) from failure
+        """As DCP's, after raising this rank's :attr:`failure`, if any."""
+        if self.failure is not None:
+            raise own_error(self.failure) from self.failure
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -399,6 +398,11 @@ class SafeFileSystemReader(FileSystemReader):
         DCP's reader does, before it is copied into the state_dict. Then,
         under :attr:`waits`, the rank waits for the others, and
         :attr:`after_reads` runs.
+
+        Raises:
+            UnsafeCheckpointError: Unless trusted, ``planner`` is not a
+                :class:`SafeLoadPlanner` and the plan holds non-tensor items.
+            CheckpointError: An item is damaged (cut short, or not its CRC-32C).
 
         Note:
             DCP loads in place: after a damaged item, the items before it
