@@ -41,7 +41,7 @@ from pippy.checkpoint.steps import (
     newest_complete_step,
     parse_step,
 )
-from pippy.checkpoint.storage import storage_for
+from pippy.checkpoint.storage import Storage, storage_for
 
 __all__ = ["main", "parser"]
 
@@ -96,47 +96,47 @@ def _rank(file_name: str) -> str:
     return match.group(1) if match else "?"
 
 
-def _disk_size(folder: Any) -> int:
+def _disk_size(storage: Storage, folder: Any) -> int:
     """Bytes of all files in a step folder."""
-    storage = storage_for(folder)
     sizes = (storage.size(storage.join(folder, n)) for n in storage.listdir(folder))
     return sum(size for size in sizes if size is not None)
 
 
-def _resolve(path: Any, step: int | None) -> tuple[dict[int, Any], Any]:
+def _resolve(
+    storage: Storage, path: Any, step: int | None
+) -> tuple[dict[int, Any], Any]:
     """Returns the run's step folders (none for a step folder) and the chosen one."""
-    storage = storage_for(path)
     if not storage.exists(path):
         raise FileNotFoundError(f"no such folder: {str(path)!r}")
     if not storage.is_dir(path):
         raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
     own_step = parse_step(path)
-    if is_complete(path) or own_step is not None:  # one step: read it
+    if is_complete(storage, path) or own_step is not None:  # one step: read it
         if step is not None and own_step != step:
             raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
         return {}, path
-    steps = list_steps(path)
+    steps = list_steps(storage, path)
     if step is not None:
         if step not in steps:
             raise ValueError(f"no step {step} in {str(path)!r} (steps: {list(steps)})")
         return steps, steps[step]
     # The newest step a resume would take (the table shows why not newer ones).
-    latest, _ = newest_complete_step(path)
+    latest, _ = newest_complete_step(storage, path)
     if latest is None:
         found = f"only incomplete steps {list(steps)}" if steps else "no step-<N>"
         raise checkpoint.CheckpointNotFoundError(f"{str(path)!r} holds {found}")
     return steps, latest
 
 
-def _completeness(folder: Any, args: argparse.Namespace) -> str:
+def _completeness(storage: Storage, folder: Any, args: argparse.Namespace) -> str:
     """The COMPLETE column of a step: yes, or why not."""
-    if not is_complete(folder):
+    if not is_complete(storage, folder):
         return "no (no .metadata)"
     try:
         metadata = read_metadata(folder, trusted=args.trusted)
     except checkpoint.CheckpointError as e:
         return f"no ({type(e).__name__})"
-    damage = find_damage(folder, metadata)
+    damage = find_damage(storage, folder, metadata)
     return (
         f"no (damaged: {damage[0]}{' ...' if len(damage) > 1 else ''})"
         if damage
@@ -146,12 +146,13 @@ def _completeness(folder: Any, args: argparse.Namespace) -> str:
 
 def _inspect(args: argparse.Namespace) -> None:
     """``inspect``: the run's steps, then one step's files (and keys, with --keys)."""
-    steps, folder = _resolve(args.path, args.step)
+    storage = storage_for(args.path)
+    steps, folder = _resolve(storage, args.path, args.step)
     metadata = read_metadata(folder, trusted=args.trusted)
-    damage = find_damage(folder, metadata)
+    damage = find_damage(storage, folder, metadata)
     if args.verify and not damage:
         try:
-            verified = verify_step(folder, trusted=args.trusted)
+            verified = verify_step(folder, trusted=args.trusted, storage=storage)
             print(f"verified: {folder}: {verified} items match its {MANIFEST_FILE}")
         except checkpoint.UnsafeCheckpointError:
             raise  # not damage: refused, in one line
@@ -167,7 +168,8 @@ def _inspect(args: argparse.Namespace) -> None:
     if steps:
         print(f"{args.path}: {len(steps)} step(s)")
         step_rows = [
-            [s, _completeness(p, args), _human(_disk_size(p))] for s, p in steps.items()
+            [s, _completeness(storage, p, args), _human(_disk_size(storage, p))]
+            for s, p in steps.items()
         ]
         _table(["STEP", "COMPLETE", "ON DISK"], step_rows, right={0, 2})
         print()
@@ -179,7 +181,7 @@ def _inspect(args: argparse.Namespace) -> None:
         print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
         _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
         print()
-    _print_files(folder, per_file, len(keys))
+    _print_files(storage, folder, per_file, len(keys))
     if damage:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
 
@@ -219,10 +221,12 @@ def _key_rows(
 
 
 def _print_files(
-    folder: Any, per_file: dict[str, tuple[set[str], int]], count: int
+    storage: Storage,
+    folder: Any,
+    per_file: dict[str, tuple[set[str], int]],
+    count: int,
 ) -> None:
     """The FILE table of the keys shown, its total row counting those files alone."""
-    storage = storage_for(folder)
     rows: list[list] = []
     on_disk = 0
     for name, (names, total) in sorted(per_file.items()):
@@ -235,7 +239,8 @@ def _print_files(
     others = sorted(set(storage.listdir(folder)) - per_file.keys())
     if others:
         also = ", ".join(others)
-        print(f"{folder}: {_human(_disk_size(folder))} on disk in all (also {also})")
+        in_all = _human(_disk_size(storage, folder))
+        print(f"{folder}: {in_all} on disk in all (also {also})")
 
 
 def _export_hf(args: argparse.Namespace, folder: Any) -> None:
@@ -257,7 +262,7 @@ def _export_hf(args: argparse.Namespace, folder: Any) -> None:
 def _export(args: argparse.Namespace) -> None:
     """``export``: a step's model weights into one file (or HF folder), atomically."""
     if args.hf_config:
-        return _export_hf(args, _resolve(args.path, None)[1])
+        return _export_hf(args, _resolve(storage_for(args.path), args.path, None)[1])
     out = args.out
     storage = storage_for(out)  # a file: whole, by rename or by one PUT
     fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "pt")
@@ -267,7 +272,7 @@ def _export(args: argparse.Namespace) -> None:
     if not storage.is_dir(parent):
         name = storage.name(out)
         raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
-    _, folder = _resolve(args.path, None)
+    _, folder = _resolve(storage_for(args.path), args.path, None)
     weights = model_weights(
         folder,
         dtype=_DTYPES.get(args.dtype),
@@ -286,7 +291,7 @@ def _export(args: argparse.Namespace) -> None:
 
 def _convert(args: argparse.Namespace) -> None:
     """``convert``: a step rewritten in the other layout."""
-    _, folder = _resolve(args.path, None)
+    _, folder = _resolve(storage_for(args.path), args.path, None)
     verify = not args.allow_no_manifest
     count = convert_layout(
         folder, args.out, to=args.to, trusted=args.trusted, verify=verify

@@ -25,6 +25,7 @@ from pippy.checkpoint import (
 from pippy.checkpoint.checks import named_leaves, state_dict_size
 from pippy.checkpoint.errors import fail_together
 from pippy.checkpoint.steps import list_steps, step_dir
+from pippy.checkpoint.storage import LocalStorage
 
 import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
@@ -344,7 +345,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
         saver.save(state)
         train_steps(state, stage, schedule, 2)
     saver.wait()
-    steps = sorted(list_steps(out / "ckpt"))
+    steps = sorted(list_steps(LocalStorage(), out / "ckpt"))
     differ = {}
     for step in steps:
         fresh_stage, fresh = build(args, rank, world_size, seed=1)
@@ -362,7 +363,7 @@ def check_async(out: Path, rank: int, world_size: int) -> dict:
     except checkpoint.CheckpointError as e:
         error = str(e)
     saver.close()
-    after = sorted(list_steps(out / "ckpt"))
+    after = sorted(list_steps(LocalStorage(), out / "ckpt"))
     return {
         "steps": steps,
         "differ": differ,
@@ -526,7 +527,7 @@ def check_twins(out: Path, rank: int, world_size: int) -> dict:
         polls += 1
         time.sleep(0.02)
         published = saver.poll()
-    listed = sorted(list_steps(out / "poll"))
+    listed = sorted(list_steps(LocalStorage(), out / "poll"))
     saver.close()
     return {"published": str(published), "polls": polls, "listed": listed}
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "check
 from pippy import checkpoint  # noqa: E402
 from pippy.checkpoint import offline  # noqa: E402
 from pippy.checkpoint.steps import list_steps, step_dir  # noqa: E402
+from pippy.checkpoint.storage import LocalStorage
 
 import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
@@ -49,7 +50,7 @@ def check_durable(out: Path, rank: int, world_size: int) -> dict:
     _, layout, stages, state = example_state(out / "unused", 0)
     train(state, stages)
     checkpoint.save_stage(state, out / "ckpt", mesh=layout.mesh)
-    return {"steps": sorted(list_steps(out / "ckpt"))}
+    return {"steps": sorted(list_steps(LocalStorage(), out / "ckpt"))}
 
 
 def check_plain(out: Path, rank: int, world_size: int) -> dict:
@@ -118,7 +119,7 @@ def check_async_checks(out: Path, rank: int, world_size: int) -> dict:
     saver = checkpoint.AsyncSaver(out / "async", mesh=layout.mesh)
     result = {
         "wrong_step": _error(lambda: saver.save(state.state_dict(), 5)),
-        "steps_after_wrong_step": sorted(list_steps(out / "async")),
+        "steps_after_wrong_step": sorted(list_steps(LocalStorage(), out / "async")),
     }
     # A wrong step on rank 1 alone: it raises at once; rank 0 by a poll(), at
     # the same step of the training loop as rank 1's poll() that says nothing.
@@ -135,11 +136,11 @@ def check_async_checks(out: Path, rank: int, world_size: int) -> dict:
     # (or poll(), or save()) raises it on every rank.
     saver.save(state)
     result["collision"] = _error(saver.wait)
-    result["steps_after_collision"] = sorted(list_steps(out / "async"))
+    result["steps_after_collision"] = sorted(list_steps(LocalStorage(), out / "async"))
     del state.extra["per_rank"]
     saver.save(state)
     saver.close()
-    result["steps"] = sorted(list_steps(out / "async"))
+    result["steps"] = sorted(list_steps(LocalStorage(), out / "async"))
     return result
 
 
@@ -166,11 +167,14 @@ def check_async_staging(out: Path, rank: int, world_size: int) -> dict:
     published.append(str(saver.wait()))
     saver.close()
     differ = {}
-    for step in sorted(list_steps(out / "staged")):
+    for step in sorted(list_steps(LocalStorage(), out / "staged")):
         _, _, _, fresh = example_state(out / "unused", 1)
         checkpoint.load_stage(fresh, step_dir(out / "staged", step))
         differ[step] = offline.diff_state_dicts(fresh.state_dict(), snapshots[step])
-    return {"steps": sorted(list_steps(out / "staged")), "differ": differ}
+    return {
+        "steps": sorted(list_steps(LocalStorage(), out / "staged")),
+        "differ": differ,
+    }
 
 
 CHECKS = {

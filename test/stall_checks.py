@@ -28,6 +28,7 @@ from pippy import checkpoint  # noqa: E402
 from pippy.checkpoint.api import load_into, open_step  # noqa: E402
 from pippy.checkpoint.safe_load import SafeLoadPlanner  # noqa: E402
 from pippy.checkpoint.steps import list_steps  # noqa: E402
+from pippy.checkpoint.storage import LocalStorage
 
 import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
@@ -131,7 +132,10 @@ def check_save_logs(out: Path, rank: int, world_size: int) -> dict:
         )
     finally:
         lines.close()
-    return {"lines": lines.lines, "steps": sorted(list_steps(out / "ckpt"))}
+    return {
+        "lines": lines.lines,
+        "steps": sorted(list_steps(LocalStorage(), out / "ckpt")),
+    }
 
 
 def check_save_timeout(out: Path, rank: int, world_size: int) -> dict:
@@ -172,7 +176,7 @@ def check_start_timeout(out: Path, rank: int, world_size: int) -> dict:
 
     result = outcome(save)
     dist.barrier()  # every rank done, the late one included
-    result["steps"] = sorted(list_steps(out / "ckpt"))
+    result["steps"] = sorted(list_steps(LocalStorage(), out / "ckpt"))
     return result
 
 
@@ -237,7 +241,7 @@ def check_example(out: Path, rank: int, world_size: int) -> dict:
         pippy_dcp.save(state, args, layout.mesh)
 
     saved = outcome(save)
-    return {"save": saved, "steps": sorted(list_steps(out / "example"))}
+    return {"save": saved, "steps": sorted(list_steps(LocalStorage(), out / "example"))}
 
 
 def check_store(out: Path, rank: int, world_size: int) -> dict:

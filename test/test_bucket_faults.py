@@ -21,6 +21,7 @@ from pippy import checkpoint
 from pippy.checkpoint import offline
 from pippy.checkpoint.job import LEASE_ENV
 from pippy.checkpoint.steps import is_complete
+from pippy.checkpoint.storage import storage_for
 
 import helpers
 from helpers import EXAMPLE, Job, PlainReader, loss_lines, torchrun
@@ -146,7 +147,7 @@ def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
     first, good = job.out, step - 1
     names = {p.rsplit("/", 1)[1] for p in fs.ls(f"{key}/step-{step}", refresh=True)}
     assert "manifest.json" not in names and any(n.endswith(".distcp") for n in names)
-    assert not is_complete(f"{run}/step-{step}")
+    assert not is_complete(storage_for(run), f"{run}/step-{step}")
     assert checkpoint.find_latest_step(run) == f"{run}/step-{good}"
     with pytest.raises(checkpoint.CheckpointNotFoundError):
         offline.read_checkpoint(f"{run}/step-{step}")

@@ -16,6 +16,7 @@ from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import TiedParametersError
 from pippy.checkpoint.safe_load import read_metadata
 from pippy.checkpoint.steps import is_complete, list_steps
+from pippy.checkpoint.storage import LocalStorage
 from pippy.stages import check_untied, restore_non_persistent_buffers
 
 from helpers import tiny_gpt
@@ -32,7 +33,7 @@ def save_step(root, step, module):
 def test_publish_step_writes_a_complete_step_folder(tmp_path):
     save_step(tmp_path, 5, tiny_model())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-5"]
-    assert is_complete(tmp_path / "step-5")
+    assert is_complete(LocalStorage(), tmp_path / "step-5")
     assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-5"
 
 
@@ -43,7 +44,7 @@ def test_the_writer_publishes_the_step_inside_dcp_save(tmp_path):
     with publish_step(tmp_path, 3, keep_last=1) as writer:
         dcp.save(state, storage_writer=writer, no_dist=True)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
-        assert is_complete(tmp_path / "step-3")
+        assert is_complete(LocalStorage(), tmp_path / "step-3")
     with publish_step(tmp_path, 4, keep_last=1) as writer:
         dcp.save(state, storage_writer=writer, no_dist=True)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]  # pruned
@@ -61,7 +62,7 @@ def test_failed_save_publishes_nothing(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         with publish_step(tmp_path, 7):
             raise RuntimeError("boom")
-    assert list_steps(tmp_path) == {}
+    assert list_steps(LocalStorage(), tmp_path) == {}
     assert checkpoint.find_latest_step(tmp_path) is None
     save_step(tmp_path, 7, tiny_model())  # the stale staging folder is replaced
     assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-7"
@@ -76,7 +77,7 @@ def test_latest_step_skips_incomplete_folders(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="pippy.checkpoint"):
         assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-10"
     assert "step-20" in caplog.text
-    assert list(list_steps(tmp_path)) == [2, 10, 20]
+    assert list(list_steps(LocalStorage(), tmp_path)) == [2, 10, 20]
 
 
 def test_a_run_folder_where_a_step_is_wanted_names_a_step(tmp_path):

@@ -37,6 +37,7 @@ from pippy.checkpoint.steps import (
     read_manifest,
     remove_old_steps,
 )
+from pippy.checkpoint.storage import LocalStorage
 from pippy.cli import main
 
 import helpers
@@ -222,7 +223,7 @@ def test_a_copied_step_in_the_way_is_moved_aside_and_the_save_goes_on(tmp_path):
     published = checkpoint.save_stage(state, tmp_path)  # it used to be refused
     assert offline.read_checkpoint(published)["step"] == 3
     [aside] = tmp_path.glob(".step-3.incomplete-*")
-    assert read_manifest(aside).step == 2  # kept, not deleted
+    assert read_manifest(LocalStorage(), aside).step == 2  # kept, not deleted
 
 
 def test_a_manifest_edited_to_match_its_folder_is_refused(tmp_path):
@@ -377,8 +378,8 @@ def test_a_step_whose_manifest_links_out_is_refused_as_the_one_to_resume(tmp_pat
             checkpoint.find_latest_step(ckpt, verified=verified)
     assert main(["inspect", str(ckpt)]) == 2  # the step it would detail
     # Retention neither counts nor deletes it.
-    assert remove_old_steps(ckpt, 1) == []
-    assert sorted(list_steps(ckpt)) == [1, 2]
+    assert remove_old_steps(LocalStorage(), ckpt, 1) == []
+    assert sorted(list_steps(LocalStorage(), ckpt)) == [1, 2]
 
 
 def test_the_example_refuses_to_resume_from_a_step_file_linked_out(tmp_path, tiny_run):
@@ -606,9 +607,10 @@ def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, c
     with checkpoint.job.FolderOwner(tmp_path) as first:
         record = json.loads((tmp_path / OWNER_FILE).read_text())
         assert record["pid"] == os.getpid() and record["token"] == first.token
-        with pytest.raises(
+        with pytest.raises(  # another process: test_two_jobs_on_one_folder_...
             checkpoint.CheckpointDirInUseError,
-            match=f"in use by another job \\(host '.*', pid {os.getpid()}, started",
+            match=f"already owned by this process \\(host '.*', pid {os.getpid()}, "
+            "started .*\\), by a FolderOwner not yet released: use that one",
         ):
             checkpoint.job.FolderOwner(tmp_path).acquire()
     assert not (tmp_path / OWNER_FILE).exists()  # released
@@ -750,9 +752,9 @@ def test_ranks_whose_launcher_is_killed_stop_and_publish_nothing_more(tmp_path):
         while example_ranks(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert example_ranks(tmp_path) == []  # without the watch: they train on
-        steps = sorted(list_steps(tmp_path))
+        steps = sorted(list_steps(LocalStorage(), tmp_path))
         time.sleep(2)
-        assert sorted(list_steps(tmp_path)) == steps
+        assert sorted(list_steps(LocalStorage(), tmp_path)) == steps
     finally:
         for pid in example_ranks(tmp_path):
             os.kill(pid, signal.SIGKILL)

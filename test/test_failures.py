@@ -27,6 +27,7 @@ from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
 from pippy.checkpoint.steps import is_complete, list_steps, step_dir
+from pippy.checkpoint.storage import LocalStorage
 from pippy.cli import main as pippy_cli
 
 from helpers import (
@@ -227,7 +228,7 @@ def test_an_incomplete_step_folder_is_moved_aside_not_written_into(tmp_path):
     (tmp_path / "step-1").mkdir()  # written by something else, never completed
     (tmp_path / "step-1" / "stray").write_text("kept")
     save(linear_state(), tmp_path, step=1)
-    assert is_complete(tmp_path / "step-1")
+    assert is_complete(LocalStorage(), tmp_path / "step-1")
     [aside] = tmp_path.glob(".step-1.incomplete-*")
     assert (aside / "stray").read_text() == "kept"
 
@@ -237,13 +238,15 @@ def test_keep_last_removes_old_steps_only_after_a_newer_one_is_published(tmp_pat
     for step in (1, 2, 3):
         with publish_step(tmp_path, step, keep_last=2) as writer:
             # while step 3 is being written, steps 1 and 2 are both still there
-            assert list(list_steps(tmp_path)) == list(range(1, step))[-2:]
+            assert (
+                list(list_steps(LocalStorage(), tmp_path)) == list(range(1, step))[-2:]
+            )
             dcp.save(state.state_dict(), storage_writer=writer)
-    assert list(list_steps(tmp_path)) == [2, 3]
+    assert list(list_steps(LocalStorage(), tmp_path)) == [2, 3]
     with pytest.raises(RuntimeError):
         with publish_step(tmp_path, 4, keep_last=1):
             raise RuntimeError("the save failed")
-    assert list(list_steps(tmp_path)) == [2, 3]  # nothing removed
+    assert list(list_steps(LocalStorage(), tmp_path)) == [2, 3]  # nothing removed
 
 
 # A job's rank 0 pruning with keep_last=1, SIGKILLed as it starts its
@@ -252,6 +255,7 @@ _KILLED_WHILE_PRUNING = """
 import os, signal, sys
 from pippy import checkpoint
 from pippy.checkpoint.steps import remove_old_steps
+from pippy.checkpoint.storage import storage_for
 
 root, kill_at = sys.argv[1], int(sys.argv[2])
 checkpoint.job.FolderOwner(root).acquire()  # killed: a dead job's record is left
@@ -265,7 +269,7 @@ def kill_at_a_deletion(event, args):
             os.kill(os.getpid(), signal.SIGKILL)
 
 sys.addaudithook(kill_at_a_deletion)
-remove_old_steps(root, keep_last=1)
+remove_old_steps(storage_for(root), root, keep_last=1)
 """
 
 
@@ -316,7 +320,7 @@ def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, 
                     else:
                         assert value == new[key], key
 
-            assert list(list_steps(root)) == [2, 3]
+            assert list(list_steps(LocalStorage(), root)) == [2, 3]
             assert checkpoint.find_latest_step(root) == root / "step-3"
             assert pippy_cli(["inspect", str(root)]) == 0
             out = capsys.readouterr().out

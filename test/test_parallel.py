@@ -13,6 +13,7 @@ from pippy import checkpoint
 from pippy.checkpoint import offline
 from pippy.checkpoint.state import merge_parts
 from pippy.checkpoint.steps import read_manifest
+from pippy.checkpoint.storage import LocalStorage
 
 from helpers import plain_read, tiny_gpt
 
@@ -96,7 +97,10 @@ def test_fsdp2_shards_are_saved_and_reload_bitwise(mesh_run):
     # The async saver stages DTensor shards as they are: its step holds the
     # same items, bytes and metadata as the sync save's.
     sync, staged = out / "fsdp" / "step-1", out / "fsdp-async" / "step-1"
-    assert read_manifest(staged).items == read_manifest(sync).items
+    assert (
+        read_manifest(LocalStorage(), staged).items
+        == read_manifest(LocalStorage(), sync).items
+    )
     assert (
         FileSystemReader(staged).read_metadata().state_dict_metadata
         == FileSystemReader(sync).read_metadata().state_dict_metadata

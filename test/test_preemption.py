@@ -20,6 +20,7 @@ from pippy import checkpoint
 from pippy.checkpoint import offline
 from pippy.checkpoint.job import Deadline, check_restarts, launcher_deadline
 from pippy.checkpoint.steps import list_steps
+from pippy.checkpoint.storage import LocalStorage
 
 import helpers
 from helpers import EXAMPLE, TINY_FLAGS, Job, linear_state, loss_lines, torchrun
@@ -89,7 +90,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(
     assert 5 <= step < 30
     for rank in (0, 1):
         assert f"[rank {rank}] stage {rank}: saved" in out  # every rank saved it
-    assert sorted(list_steps(tmp_path)) == [step]
+    assert sorted(list_steps(LocalStorage(), tmp_path)) == [step]
     assert offline.read_checkpoint(tmp_path / f"step-{step}")["step"] == step
 
     resumed = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
@@ -211,7 +212,7 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_equal(
     assert f"resuming from {tmp_path / 'step-10'}" in out
     assert "hang (pytorch/pytorch#135712)" not in out  # its own store: no warning
     assert losses_by_step(out) == reference  # steps 11-15 twice, alike
-    assert sorted(list_steps(tmp_path)) == [10, 20, 30]
+    assert sorted(list_steps(LocalStorage(), tmp_path)) == [10, 20, 30]
     assert_same_tensors(tmp_path / "step-30", ref_folder / "step-30")
     assert "verified:" in out
 
@@ -308,13 +309,16 @@ def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
         r"skipped step-3: moved aside to \.step-3\.damaged-\d+: .* is damaged",
         caplog.text,
     )
-    assert sorted(list_steps(tmp_path)) == [1, 2]
+    assert sorted(list_steps(LocalStorage(), tmp_path)) == [1, 2]
 
     helpers.poison_metadata(tmp_path / "step-2", tmp_path / "marker")
     with pytest.raises(checkpoint.UnsafeCheckpointError, match="refused to load"):
         # not damage: never skipped for it
         checkpoint.find_latest_step(tmp_path, verified=True)
-    assert sorted(list_steps(tmp_path)) == [1, 2] and not (tmp_path / "marker").exists()
+    assert (
+        sorted(list_steps(LocalStorage(), tmp_path)) == [1, 2]
+        and not (tmp_path / "marker").exists()
+    )
 
     (tmp_path / "step-2" / "manifest.json").unlink()
     with pytest.raises(checkpoint.CheckpointError, match="has no manifest.json"):
@@ -324,7 +328,9 @@ def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(checkpoint.CheckpointError, match="no step of .* verifies"):
         checkpoint.find_latest_step(tmp_path, verified=True)
-    assert sorted(list_steps(tmp_path)) == [1]  # nothing moved when none verifies
+    assert sorted(list_steps(LocalStorage(), tmp_path)) == [
+        1
+    ]  # nothing moved when none verifies
 
 
 # --------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_a_url_is_never_a_local_folder_and_a_save_there_commits_by_record(
         assert latest == f"{url}/step-2" and isinstance(latest, str)
         assert sorted(fs.ls(url, detail=False)) == [fs._strip_protocol(latest)]
         # The checksums, taken as the bytes were written, are the bytes'.
-        manifest = read_manifest(latest)
+        manifest = read_manifest(storage_for(latest), latest)
         for (name, offset, length), (_, crc) in manifest.items.items():
             data = fs.cat_file(fs._strip_protocol(f"{latest}/{name}"))
             assert google_crc32c.value(data[offset : offset + length]) == crc
@@ -99,6 +99,41 @@ def test_a_step_in_a_url_is_found_read_and_loaded_through_fsspec(memory_run):
     model = torch.nn.Linear(4, 4)
     assert offline.load_model(latest, model) == 1
     assert torch.equal(model.weight, state.module.weight)
+
+
+@pytest.mark.parametrize("where", ["folder", "url"])
+def test_a_save_and_a_load_resolve_their_location_once(tmp_path, monkeypatch, where):
+    """The checkpoint folder becomes its storage once per call, which travels down:
+    a save (with pruning), a search for the newest step (verified or not) and a
+    load each make one storage object."""
+    made = []
+    for kind in (LocalStorage, FsspecStorage):
+        original = kind.__init__
+
+        def counted(self, *args, _original=original, **kwargs):
+            made.append(type(self).__name__)
+            _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(kind, "__init__", counted)
+    root = tmp_path / "run" if where == "folder" else f"memory://{tmp_path.name}"
+    expected = ["LocalStorage" if where == "folder" else "FsspecStorage"]
+    state, second = linear_state(), linear_state()
+    state.step, second.step = 1, 2
+    calls = {
+        "save": lambda: checkpoint.save_stage(state, root),
+        "save and prune": lambda: checkpoint.save_stage(second, root, keep_last=1),
+        "find": lambda: checkpoint.find_latest_step(root),
+        "find verified": lambda: checkpoint.find_latest_step(root, verified=True),
+    }
+    for name, call in calls.items():
+        made.clear()
+        latest = call()
+        assert made == expected, name
+    made.clear()
+    checkpoint.load_stage(state, latest)
+    assert made == expected and latest == storage_for(root).join(root, "step-2")
+    if where == "url":
+        fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)
 
 
 def test_the_command_line_reads_a_url(memory_run, capsys):
@@ -180,9 +215,11 @@ def test_convert_writes_through_the_save_sequence(tmp_path):
     out = tmp_path / "titan" / "step-4"
     (tmp_path / "titan").mkdir()
     offline.convert_layout(tmp_path / "run" / "step-4", out, to="torchtitan")
-    assert read_manifest(out).step == 4  # its manifest, and loads verify it
+    assert (
+        read_manifest(LocalStorage(), out).step == 4
+    )  # its manifest, and loads verify it
     assert sorted(p.name for p in (tmp_path / "titan").iterdir()) == ["step-4"]
-    assert offline.verify_step(out) == len(read_manifest(out).items)
+    assert offline.verify_step(out) == len(read_manifest(LocalStorage(), out).items)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +233,10 @@ def seam_ranks(two_rank_checks):
 def test_the_examples_save_and_save_stage_write_the_same_step(seam_ranks):
     example = seam_ranks / "example" / "step-2"
     library = seam_ranks / "library" / "step-2"
-    ours, theirs = read_manifest(example), read_manifest(library)
+    ours, theirs = (
+        read_manifest(LocalStorage(), example),
+        read_manifest(LocalStorage(), library),
+    )
     assert ours.items == theirs.items  # same keys, files, offsets, bytes (CRC-32C)
     assert ours.files == theirs.files
     reader = FileSystemReader(example)

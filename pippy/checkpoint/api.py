@@ -284,9 +284,8 @@ class StepWriter(ManifestWriter):
         **kwargs: Any,
     ) -> None:
         self.final = step_dir(checkpoint_dir, step)
-        super().__init__(self.final, step=step, **kwargs)
+        super().__init__(storage_for(checkpoint_dir), self.final, step=step, **kwargs)
         self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
-        self.storage = storage_for(checkpoint_dir)
         self.staging: Any = None
         self.waits: stall.Waits | None = None  # the watch of the save, in saving()
         self.used = False  # by a dcp.save
@@ -325,9 +324,9 @@ class StepWriter(ManifestWriter):
         """On the coordinator: checks that the step is new, makes its staging folder."""
         storage, final = self.storage, self.final
         check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
-        refuse_step_folder(self.checkpoint_dir)  # a step holds no steps
-        list_steps(self.checkpoint_dir)  # a file where the folder should be: say so
-        if is_complete(final) and holds_its_step(final):
+        refuse_step_folder(storage, self.checkpoint_dir)  # a step holds no steps
+        list_steps(storage, self.checkpoint_dir)  # a file, not a folder: say so
+        if is_complete(storage, final) and holds_its_step(storage, final):
             raise CheckpointDirError(
                 f"{os.fspath(final)!r} already exists; checkpoints are never "
                 "overwritten. Resume from it, or save into another checkpoint "
@@ -384,7 +383,9 @@ class StepWriter(ManifestWriter):
         if self.keep_last is None:
             return
         try:  # it logs what it removes; the step is saved whatever happens here
-            remove_old_steps(self.checkpoint_dir, self.keep_last, keep=self.final)
+            remove_old_steps(
+                self.storage, self.checkpoint_dir, self.keep_last, keep=self.final
+            )
         except OSError as e:
             logger.warning(
                 "saved %s, but could not remove the steps beyond keep_last=%d: %s",

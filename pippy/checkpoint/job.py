@@ -185,7 +185,7 @@ class _OwnerRecord:
 
     def acquire(self) -> str:
         """Creates the record, or takes another job's over where it may; the token."""
-        list_steps(self.root)  # a file where the folder should be: say so
+        list_steps(self.storage, self.root)  # a file where the folder should be: say so
         self.token = uuid.uuid4().hex[:12]
         self.since = _when(time.time())
         self.storage.makedirs(self.root)
@@ -216,12 +216,21 @@ class _LocalRecord(_OwnerRecord):
 
     def _mine(self) -> dict[str, Any]:
         """This job's record, with what tells whether its process still runs."""
-        here = {"boot": _boot_id(), "start": _start_time(os.getpid())}
-        return {**super()._mine(), **here}
+        return {**super()._mine(), **self._process()}
+
+    def _process(self) -> dict[str, Any]:
+        """What names this process in a record: host, boot, pid and start time."""
+        pid = os.getpid()
+        return {
+            "host": socket.gethostname(),
+            "boot": _boot_id(),
+            "pid": pid,
+            "start": _start_time(pid),
+        }
 
     def acquire(self) -> str:
         """Refuses a step folder; creates the folder if needed and the record."""
-        refuse_step_folder(self.root)
+        refuse_step_folder(self.storage, self.root)
         self.created = not self.storage.exists(self.root)
         return super().acquire()
 
@@ -233,6 +242,12 @@ class _LocalRecord(_OwnerRecord):
             and record.get("boot") == _boot_id()
             and (not isinstance(pid, int) or _start_time(pid) != record.get("start"))
         )
+        if not gone and all(record.get(k) == v for k, v in self._process().items()):
+            raise CheckpointDirInUseError(
+                f"{self.root} is already owned by this process ({_describe(record)}),"
+                " by a FolderOwner not yet released: use that one, or release it "
+                "before taking the folder again"
+            )
         if not gone:
             raise CheckpointDirInUseError(
                 f"{self.root} is in use by another job ({_describe(record)}): one "
@@ -250,7 +265,7 @@ class _LocalRecord(_OwnerRecord):
             "taking over %s from a job that is gone (%s)", self.root, _describe(record)
         )
         # This job now owns the folder alone: leftovers are the dead one's.
-        for name in remove_staging(self.root):
+        for name in remove_staging(self.storage, self.root):
             logger.warning("removed %s, left by that job", name)
 
 

@@ -353,7 +353,7 @@ def convert_layout(
         )
     flat, step, planner = take_state(flat, step=step)
     with _written_whole(storage, out, replace=False) as staging:
-        writer = ManifestWriter(staging, step=step)  # loads verify it
+        writer = ManifestWriter(storage, staging, step=step)  # loads verify it
         with warnings.catch_warnings(), explain_failures(f"writing {out}"):
             # One process, writing alone, by design.
             warnings.filterwarnings("ignore", "torch.distributed is disabled")

@@ -94,7 +94,9 @@ from pippy.checkpoint.steps import (
 )
 from pippy.checkpoint.storage import (
     Location,
+    Storage,
     is_url,
+    join,
     same_location,
     step_file,
     storage_for,
@@ -181,13 +183,15 @@ class _MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, bytes]:
+def _read_metadata_file(
+    storage: Storage, folder: Location, trusted: bool
+) -> tuple[Metadata, bytes]:
     """A step's ``.metadata`` unpickled (allow-listed unless trusted), its bytes."""
-    storage = storage_for(folder)  # first, whether it is a step that finished
-    if not storage.is_dir(folder):
+    if not storage.is_dir(folder):  # first, whether it is a step that finished
         raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
     if storage.size(storage.join(folder, METADATA_FILE)) is None:
-        steps = [p for p in list_steps(folder).values() if is_complete(p)]
+        listed = list_steps(storage, folder).values()
+        steps = [p for p in listed if is_complete(storage, p)]
         if steps:
             raise CheckpointNotFoundError(
                 f"{str(folder)!r} is a run's checkpoint folder; pass one of its "
@@ -211,7 +215,8 @@ def _read_metadata_file(folder: Location, trusted: bool) -> tuple[Metadata, byte
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
         newer = False
         with suppress(Exception):  # no manifest, or no version in it: no help here
-            writer = cast(Manifest, read_manifest(folder)).written_by["torch"]
+            manifest = cast(Manifest, read_manifest(storage, folder))
+            writer = manifest.written_by["torch"]
             newer = TorchVersion(writer) > torch.__version__
         if newer:
             raise CheckpointError(
@@ -312,6 +317,8 @@ class SafeFileSystemReader(FileSystemReader):
             reads the metadata alone.
         verify: Check the manifest, and each item's checksum as it is read
             (with ``check_files``). False loads one without a manifest.
+        storage: ``path``'s storage, if the caller has it; else found from
+            ``path``.
 
     Raises:
         CheckpointNotFoundError: ``path`` is not a folder, or has no
@@ -338,30 +345,35 @@ class SafeFileSystemReader(FileSystemReader):
         trusted: bool | None = None,
         check_files: bool = True,
         verify: bool = True,
+        storage: Storage | None = None,
     ) -> None:
-        self._open(path, trusted)
-        folder = self.folder
-        self.metadata, self.metadata_bytes = _read_metadata_file(folder, self.trusted)
-        check_structure(folder, self.metadata)
+        self._open(path, trusted, storage)
+        folder, storage = self.folder, self.storage
+        read = _read_metadata_file(storage, folder, self.trusted)
+        self.metadata, self.metadata_bytes = read
+        check_structure(storage, folder, self.metadata)
         if not check_files:
             return
         sizes: dict[str, int | None] = {}  # each file's, asked once
-        problems = find_damage(folder, self.metadata, sizes)
+        problems = find_damage(storage, folder, self.metadata, sizes)
         if problems:
             shown = "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
             raise self._damaged(shown, f"Restore those files, or {MOVE_ASIDE}")
         if verify:
-            self.manifest = check_manifest(folder, storage_ranges(self.metadata), sizes)
+            ranges = storage_ranges(self.metadata)
+            self.manifest = check_manifest(storage, folder, ranges, sizes)
 
-    def _open(self, path: str | os.PathLike, trusted: bool | None) -> None:
+    def _open(
+        self, path: str | os.PathLike, trusted: bool | None, storage: Storage | None
+    ) -> None:
         """DCP's reader of ``path``, set up without touching a file."""
         super().__init__(path)
-        storage = storage_for(path)
+        self.storage = storage = storage or storage_for(path)
         if is_url(path):  # DCP's FileSystemReader would read a local folder
             self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
             self.path = self.fs.init_path(path)
         self.trusted = resolve_trusted(trusted)
-        self.folder = storage.join(path)
+        self.folder = join(path)
         self.manifest = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -535,12 +547,18 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
     return reader.read_metadata()
 
 
-def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
+def verify_step(
+    path: str | os.PathLike,
+    *,
+    trusted: bool | None = None,
+    storage: Storage | None = None,
+) -> int:
     """Checks every item of a step against its manifest, in this process alone.
 
     Args:
         path: A ``step-<N>`` folder.
         trusted: See :class:`SafeFileSystemReader`.
+        storage: See :class:`SafeFileSystemReader`.
 
     Returns:
         The number of items verified.
@@ -549,10 +567,10 @@ def verify_step(path: str | os.PathLike, *, trusted: bool | None = None) -> int:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
             :class:`SafeFileSystemReader` with ``verify``.
     """
-    reader = SafeFileSystemReader(path, trusted=trusted)
+    reader = SafeFileSystemReader(path, trusted=trusted, storage=storage)
     assert reader.manifest is not None
     ranges = storage_ranges(reader.metadata)
-    for place, crc in read_crcs(reader.folder, ranges):
+    for place, crc in read_crcs(reader.storage, reader.folder, ranges):
         verify_item(reader.manifest, place, ranges[place], crc)
     return len(ranges)
 
@@ -881,30 +899,30 @@ def open_reader(
     if made:
         return made[0]
     reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
-    reader._open(path, checked[0])
+    reader._open(path, checked[0], None)
     reader.metadata_bytes, reader.manifest = checked[1:]
     data, name = reader.metadata_bytes, str(reader.folder)
     reader.metadata = _MetadataUnpickler(data, name, reader.trusted).load()
     return reader
 
 
-def _newest_verified(checkpoint_dir: Location) -> Any:
+def _newest_verified(storage: Storage, checkpoint_dir: Location) -> Any:
     """The newest step that verifies, on rank 0; logs each step passed over."""
     found, passed = None, []  # passed: (step, name, why, damaged), newest first
-    for path in reversed(list_steps(checkpoint_dir).values()):
-        name, damaged = storage_for(path).name(path), False
-        if not is_complete(path):
+    for path in reversed(list_steps(storage, checkpoint_dir).values()):
+        name, damaged = storage.name(path), False
+        if not is_complete(storage, path):
             why = "incomplete (no .metadata: its save did not finish)"
-        elif not holds_its_step(path):  # or its manifest is damaged
+        elif not holds_its_step(storage, path):  # or its manifest is damaged
             why = "its manifest names another step"
-        elif read_manifest(path) is None:  # holds_its_step read it: no error now
+        elif read_manifest(storage, path) is None:  # read already: no error now
             raise CheckpointError(
                 f"{os.fspath(path)} has no manifest.json, so it cannot be "
                 "verified: resume from it without verification, or move it aside"
             )
         else:
             try:
-                verify_step(path)
+                verify_step(path, storage=storage)
             except UnsafeCheckpointError:
                 raise
             except CheckpointError as e:
@@ -921,7 +939,6 @@ def _newest_verified(checkpoint_dir: Location) -> Any:
         )
     for path, name, why, damaged in passed:  # moved only once one verifies
         if damaged:  # renamed, kept for a look
-            storage = storage_for(path)
             aside = f".step-{parse_step(path)}.damaged-{int(time.time())}"
             storage.publish(path, storage.join(storage.parent(path), aside))
             why = f"moved aside to {aside}: {why}"
@@ -976,9 +993,10 @@ def find_latest_step(
     """
 
     def decide() -> Any:  # on rank 0
+        storage = storage_for(checkpoint_dir)
         if verified:
-            return _newest_verified(checkpoint_dir)
-        latest, skipped = newest_complete_step(checkpoint_dir)
+            return _newest_verified(storage, checkpoint_dir)
+        latest, skipped = newest_complete_step(storage, checkpoint_dir)
         if skipped:
             logger.warning(
                 "skipping incomplete checkpoints (no .metadata, or a manifest "

@@ -81,12 +81,7 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
-from pippy.checkpoint.storage import (
-    Location,
-    is_url,
-    step_file,
-    storage_for,
-)
+from pippy.checkpoint.storage import Location, Storage, is_url, join, step_file
 
 logger = logging.getLogger(__name__)
 
@@ -125,28 +120,27 @@ def check_keep_last(keep_last: Any) -> int | None:
 
 def step_dir(checkpoint_dir: Location, step: int) -> Any:
     """``<checkpoint_dir>/step-<step>``: a ``Path`` locally, a ``str`` for a URL."""
-    return storage_for(checkpoint_dir).join(checkpoint_dir, f"step-{check_step(step)}")
+    return join(checkpoint_dir, f"step-{check_step(step)}")
 
 
-def is_complete(path: Location) -> bool:
+def is_complete(storage: Storage, path: Location) -> bool:
     """Whether a step folder has ``.metadata`` (and, on an object store, a manifest)."""
-    storage = storage_for(path)
     marks = [METADATA_FILE] + [MANIFEST_FILE] * (not storage.atomic_rename)
     return all(storage.size(storage.join(path, m)) is not None for m in marks)
 
 
 def parse_step(path: Location) -> int | None:
     """The step of a ``step-<N>`` folder name (no leading zeros), or None."""
-    match = _STEP_RE.match(storage_for(path).name(path))
+    match = _STEP_RE.match(os.fspath(path).rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
 
 
-def refuse_step_folder(checkpoint_dir: Location) -> None:
+def refuse_step_folder(storage: Storage, checkpoint_dir: Location) -> None:
     """CheckpointDirError if a local ``checkpoint_dir`` is or lies in a step folder."""
     if is_url(checkpoint_dir):
         return
     real = Path(checkpoint_dir).resolve()
-    inside = [p for p in (real, *real.parents) if is_complete(p)]
+    inside = [p for p in (real, *real.parents) if is_complete(storage, p)]
     if parse_step(real) is not None or inside:
         step = inside[0] if inside else real
         raise CheckpointDirError(
@@ -155,9 +149,8 @@ def refuse_step_folder(checkpoint_dir: Location) -> None:
         )
 
 
-def list_steps(checkpoint_dir: Location) -> dict[int, Any]:
+def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
     """``{step: folder}`` of all step folders; refuses a file or a ``step-08``."""
-    storage = storage_for(checkpoint_dir)
     if storage.size(checkpoint_dir) is not None:
         raise CheckpointDirError(
             f"checkpoint dir {os.fspath(checkpoint_dir)!r} is a file, not a folder"
@@ -177,10 +170,10 @@ def list_steps(checkpoint_dir: Location) -> dict[int, Any]:
     return dict(sorted(steps.items()))
 
 
-def holds_its_step(path: Location) -> bool:
+def holds_its_step(storage: Storage, path: Location) -> bool:
     """False if its manifest names another step or is damaged; raises if unsafe."""
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(storage, path)
     except UnsafeCheckpointError:
         raise  # a link out of the folder: refused, not passed over as damage
     except CheckpointError:
@@ -188,18 +181,24 @@ def holds_its_step(path: Location) -> bool:
     return manifest is None or manifest.step == parse_step(path)
 
 
-def newest_complete_step(checkpoint_dir: Location) -> tuple[Any, list[str]]:
+def newest_complete_step(
+    storage: Storage, checkpoint_dir: Location
+) -> tuple[Any, list[str]]:
     """``(newest complete step folder or None, newer ones passed over)``."""
     skipped: list[str] = []
-    for path in reversed(list_steps(checkpoint_dir).values()):
-        if is_complete(path) and holds_its_step(path):
+    for path in reversed(list_steps(storage, checkpoint_dir).values()):
+        if is_complete(storage, path) and holds_its_step(storage, path):
             return path, skipped
         skipped.append(os.fspath(path))
     return None, skipped
 
 
 def remove_old_steps(
-    checkpoint_dir: Location, keep_last: int, *, keep: Location | None = None
+    storage: Storage,
+    checkpoint_dir: Location,
+    keep_last: int,
+    *,
+    keep: Location | None = None,
 ) -> list[Any]:
     """Deletes all but the newest ``keep_last`` complete steps, never ``keep``.
 
@@ -207,8 +206,8 @@ def remove_old_steps(
     another step or links out are left alone. In a job, rank 0 alone calls it.
     """
     check_keep_last(keep_last)
-    storage = storage_for(checkpoint_dir)
-    complete = [p for p in list_steps(checkpoint_dir).values() if _counted(p)]
+    steps = list_steps(storage, checkpoint_dir).values()
+    complete = [p for p in steps if _counted(storage, p)]
     old = [p for p in complete[:-keep_last] if p != keep]
     for path in old:  # out of view in one operation, then its files deleted
         if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
@@ -225,16 +224,15 @@ def remove_old_steps(
     return old
 
 
-def _counted(path: Location) -> bool:
+def _counted(storage: Storage, path: Location) -> bool:
     """Whether retention counts a step; one whose manifest links out is not."""
     with suppress(UnsafeCheckpointError):
-        return is_complete(path) and holds_its_step(path)
+        return is_complete(storage, path) and holds_its_step(storage, path)
     return False
 
 
-def remove_staging(checkpoint_dir: Location) -> list[str]:
+def remove_staging(storage: Storage, checkpoint_dir: Location) -> list[str]:
     """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
-    storage = storage_for(checkpoint_dir)
     removed = [n for n in storage.listdir(checkpoint_dir) if _LEFTOVER.fullmatch(n)]
     for name in removed:
         storage.remove(storage.join(checkpoint_dir, name))
@@ -257,10 +255,9 @@ class Manifest:
 
 
 def read_crcs(
-    folder: Location, ranges: Iterable[tuple[str, int, int]]
+    storage: Storage, folder: Location, ranges: Iterable[tuple[str, int, int]]
 ) -> Iterator[tuple[tuple[str, int, int], int]]:
     """Each ``(file, offset, length)`` range and the CRC-32C of its stored bytes."""
-    storage = storage_for(folder)
     fs = storage.dcp_filesystem(folder)  # reads as DCP's reader does
     by_file: dict[str, list[tuple[int, int]]] = {}
     for name, offset, length in ranges:
@@ -285,9 +282,12 @@ class ManifestWriter(FileSystemWriter):
     ``torch.save`` framing); ``**kwargs`` go to ``FileSystemWriter``.
     """
 
-    def __init__(self, path: str | os.PathLike, *, step: int, **kwargs: Any) -> None:
+    def __init__(
+        self, storage: Storage, path: str | os.PathLike, *, step: int, **kwargs: Any
+    ) -> None:
         super().__init__(path, **kwargs)
-        self.fs = storage_for(path).dcp_filesystem(path)  # type: ignore[assignment]
+        self.storage = storage
+        self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
         if is_url(path):  # fsspec's streams have no fileno: DCP would os.sync()
             self.path = self.fs.init_path(path)
             self.sync_files = False
@@ -306,7 +306,7 @@ class ManifestWriter(FileSystemWriter):
         ranges = [(i.relative_path, i.offset, i.length) for i in infos]
         crcs = getattr(self.fs, "crcs", {})
         if not all(r in crcs for r in ranges):  # a file system that records none
-            crcs = dict(read_crcs(self.path, ranges))
+            crcs = dict(read_crcs(self.storage, self.path, ranges))
         checked = [  # storage_data (info, crc), for the coordinator
             WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
             for r, k in zip(results, ranges, strict=True)
@@ -347,13 +347,11 @@ class ManifestWriter(FileSystemWriter):
         }
         # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
         data = json.dumps(manifest, separators=(",", ":")).encode()
-        storage = storage_for(self.path)
-        storage.write_atomic(storage.join(self.path, MANIFEST_FILE), data)
+        self.storage.write_atomic(join(self.path, MANIFEST_FILE), data)
 
 
-def read_manifest(folder: Location) -> Manifest | None:
+def read_manifest(storage: Storage, folder: Location) -> Manifest | None:
     """A step folder's ``manifest.json``, or None; refuses a link out or damage."""
-    storage = storage_for(folder)
     path = step_file(storage, folder, MANIFEST_FILE)
     if storage.size(path) is None:
         return None
@@ -384,6 +382,7 @@ def _count(value: Any) -> int:
 
 
 def check_manifest(
+    storage: Storage,
     folder: Location,
     ranges: Mapping[tuple[str, int, int], str],
     sizes: Mapping[str, int | None],
@@ -392,7 +391,7 @@ def check_manifest(
 
     ``sizes``: data files' sizes already found (:func:`find_damage`), not asked again.
     """
-    manifest = read_manifest(folder)
+    manifest = read_manifest(storage, folder)
     if manifest is None:
         raise CheckpointError(
             f"{str(folder)!r} has no {MANIFEST_FILE}, so its content cannot be "
@@ -406,7 +405,6 @@ def check_manifest(
             f"name (step-{manifest.step}) or move it out of the checkpoint folder"
         )
     check_layout_version(manifest.optim_layout, repr(str(folder)))
-    storage = storage_for(folder)
     for name, size in manifest.files.items():
         path = storage.join(folder, name)
         actual = sizes[name] if name in sizes else storage.size(path)
@@ -450,13 +448,15 @@ def verify_item(
 
 
 def find_damage(
-    path: Location, metadata: Metadata, sizes: dict[str, int | None] | None = None
+    storage: Storage,
+    path: Location,
+    metadata: Metadata,
+    sizes: dict[str, int | None] | None = None,
 ) -> list[str]:
     """One line per data file ``.metadata`` names that is missing or short.
 
     ``sizes``, if given, is filled with each file's size (None: missing).
     """
-    storage = storage_for(path)
     problems = []  # check_structure passed: each item has a place
     for name, size in sorted(_file_ends(metadata.storage_data.values()).items()):
         actual = storage.size(storage.join(path, name))
@@ -478,9 +478,8 @@ def _file_ends(infos: Iterable[Any]) -> dict[str, int]:
     return ends
 
 
-def check_structure(folder: Location, metadata: Metadata) -> None:
+def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> None:
     """Refuses ``.metadata`` whose items are not where, or not as large as, it says."""
-    storage = storage_for(folder)
     damaged = f"{os.fspath(storage.join(folder, METADATA_FILE))!r} is damaged"
     try:  # a malformed entry raises anything: it is damage, not a KeyError
         places, items = metadata.storage_data, metadata.state_dict_metadata

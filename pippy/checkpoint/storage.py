@@ -40,6 +40,13 @@ def is_url(location: Location) -> bool:
     return not isinstance(location, Path) and "://" in os.fspath(location)
 
 
+def join(base: Location, *names: str) -> Any:
+    """``base/name/...``: a ``Path`` for a local folder, a ``str`` for a URL."""
+    if is_url(base):
+        return "/".join([os.fspath(base).rstrip("/"), *names])
+    return Path(base).joinpath(*names)
+
+
 class Storage(Protocol):
     """What pippy does with a checkpoint's files, on one kind of storage.
 
@@ -51,13 +58,18 @@ class Storage(Protocol):
     atomic_rename: bool
 
     def join(self, base: Location, *names: str) -> Any:
-        """``base/name/...``, of this storage's kind."""
+        """``base/name/...``, of ``base``'s kind (as :func:`join`)."""
+        return join(base, *names)
 
     def name(self, location: Location) -> str:
         """The last component of ``location``."""
+        return os.fspath(location).rstrip("/").rsplit("/", 1)[-1]
 
     def parent(self, location: Location) -> Any:
-        """The folder holding ``location``."""
+        """The folder holding ``location``, of its kind."""
+        if is_url(location):
+            return os.fspath(location).rstrip("/").rsplit("/", 1)[0]
+        return Path(location).parent
 
     def exists(self, location: Location) -> bool:
         """Whether anything is at ``location``."""
@@ -267,6 +279,15 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _rename_durably(source: Location, target: Location) -> None:
+    """Renames, fsyncing a folder's entries before and the target's holder after."""
+    source, target = Path(source), Path(target)
+    if source.is_dir():
+        _fsync_dir(source)
+    os.rename(source, target)
+    _fsync_dir(target.parent)
+
+
 class _DurableWriter(io.BufferedWriter):
     """A buffered file whose ``close`` flushes, then fsyncs, then closes."""
 
@@ -294,25 +315,13 @@ class DurableFileSystem(_Checksumming, FileSystem):
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         """Renames, then fsyncs the folder holding the new name (as ``publish``)."""
-        LocalStorage().publish(path, new_path)
+        _rename_durably(path, new_path)
 
 
 class LocalStorage(Storage):
     """A POSIX folder: write, flush, fsync, rename, fsync the folder; hard links."""
 
     atomic_rename = True
-
-    def join(self, base: Location, *names: str) -> Path:
-        """``base/name/...`` as a ``Path``."""
-        return Path(base).joinpath(*names)
-
-    def name(self, location: Location) -> str:
-        """The last component of ``location``."""
-        return Path(location).name
-
-    def parent(self, location: Location) -> Path:
-        """The folder holding ``location``."""
-        return Path(location).parent
 
     def exists(self, location: Location) -> bool:
         """Whether anything is at ``location`` (a dangling link is nothing)."""
@@ -379,11 +388,7 @@ class LocalStorage(Storage):
 
     def publish(self, source: Location, target: Location) -> None:
         """Renames, fsyncing a folder's entries before and the target's holder after."""
-        source, target = Path(source), Path(target)
-        if source.is_dir():
-            _fsync_dir(source)
-        os.rename(source, target)
-        _fsync_dir(target.parent)
+        _rename_durably(source, target)
 
     def remove(self, location: Location) -> None:
         """Deletes the file or folder tree; fsyncs the folder that held it."""
@@ -439,18 +444,6 @@ class FsspecStorage(Storage):
         path = cast(str, self.fs._strip_protocol(os.fspath(location)))
         self.fs.invalidate_cache(path)
         return path
-
-    def join(self, base: Location, *names: str) -> str:
-        """``base/name/...`` as a URL."""
-        return "/".join([os.fspath(base).rstrip("/"), *names])
-
-    def name(self, location: Location) -> str:
-        """The last component of the URL."""
-        return os.fspath(location).rstrip("/").rsplit("/", 1)[-1]
-
-    def parent(self, location: Location) -> str:
-        """The URL of the folder holding ``location``."""
-        return os.fspath(location).rstrip("/").rsplit("/", 1)[0]
 
     def exists(self, location: Location) -> bool:
         """Whether anything is at ``location``."""
