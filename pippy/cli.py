@@ -29,6 +29,7 @@ from pippy.checkpoint.offline import (
     convert_layout,
     export_hf,
     model_weights,
+    refuse_out,
     verify_step,
 )
 from pippy.checkpoint.safe_load import read_metadata, resolve_trusted
@@ -266,6 +267,12 @@ def _export(args: argparse.Namespace) -> None:
     out = args.out
     storage = storage_for(out)  # a file: whole, by rename or by one PUT
     fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "pt")
+    refuse_out(storage, out)
+    if storage.is_dir(out):
+        raise IsADirectoryError(
+            f"{str(out)!r} is a folder: --out names the file to write (a Hugging "
+            "Face folder needs --hf-config)"
+        )
     if storage.exists(out) and not args.force:
         raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")
     parent = storage.parent(out)

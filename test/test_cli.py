@@ -322,6 +322,77 @@ def test_more_errors_in_process(run, tmp_path, capsys, argv, expected):
     assert not (tmp_path / "m.pt").exists()
 
 
+def tree_bytes(folder):
+    """{relative path: bytes} of every file under `folder`."""
+    return {
+        p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [  # a wrong --out names the run, a step or a file in one: refused, even forced
+        (
+            ["export", "{step}", "--hf-config", "{tmp}/c.json", "--out", "{run}"],
+            "is a checkpoint folder holding step-1, step-2, which replacing it",
+        ),
+        (
+            [
+                "export",
+                "{step}",
+                "--hf-config",
+                "{tmp}/c.json",
+                "--out",
+                "{run}/step-1",
+            ],
+            "step-1': it is a step, a checkpoint that writing there would damage",
+        ),
+        (["export", "{step}", "--out", "{step}/.metadata"], "lies in the step folder"),
+        (["export", "{step}", "--out", "{run}/step-1/m.pt"], "lies in the step folder"),
+        (
+            ["convert", "{step}", "--to", "torchtitan", "--out", "{step}/titan"],
+            "lies in the step folder",
+        ),
+        (
+            ["convert", "{step}", "--to", "pippy", "--out", "{run}/step-02"],
+            "step-02' would hold step 2: name it step-2",
+        ),
+        (["export", "{step}", "--out", "{tmp}"], "is a folder: --out names the file"),
+        (
+            ["export", "{step}", "--hf-config", "{tmp}/bad.json", "--out", "{tmp}/hf"],
+            "bad.json' is not JSON: Expecting value",
+        ),
+        (
+            ["convert", "{step}", "--to", "pippy", "--out", "{tmp}/a_file/step-2"],
+            "cannot write '{tmp}/a_file/step-2' in '{tmp}/a_file': Not a directory",
+        ),
+    ],
+)
+def test_an_out_that_would_touch_a_checkpoint_is_refused(
+    tmp_path, capsys, argv, expected
+):
+    run = tmp_path / "run"
+    for step in (1, 2):
+        save(run, step, {"step": step, "model": {"w": torch.full((2,), step)}})
+    (tmp_path / "c.json").write_text("{}")
+    (tmp_path / "bad.json").write_text("not json")
+    (tmp_path / "a_file").write_text("")
+    before = tree_bytes(run)
+    names = {"run": run, "step": run / "step-2", "tmp": tmp_path}
+    argv = [arg.format(**names) for arg in argv] + ["--force"] * (argv[0] == "export")
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert expected.format(**names) in lines[0]
+    assert tree_bytes(run) == before  # nothing saved is touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a_file",
+        "bad.json",
+        "c.json",
+        "run",
+    ]
+
+
 def test_bad_arguments_are_argparse_errors(run, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["export", str(run[0])])  # no --out

@@ -25,7 +25,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
 from pippy.checkpoint.checks import diff_state_dicts, tied_groups
-from pippy.checkpoint.errors import CheckpointError, explain_failures
+from pippy.checkpoint.errors import (
+    CheckpointDirError,
+    CheckpointError,
+    explain_failures,
+)
 from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import (
     PIPPY,
@@ -36,7 +40,12 @@ from pippy.checkpoint.state import (
     pippy_name,
     to_torchtitan,
 )
-from pippy.checkpoint.steps import ManifestWriter, parse_step
+from pippy.checkpoint.steps import (
+    ManifestWriter,
+    is_step_name,
+    list_steps,
+    step_holding,
+)
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 
 __all__ = [
@@ -231,16 +240,21 @@ def export_hf(
 
     Raises:
         FileExistsError: ``out`` exists and ``force`` is False.
-        ValueError: ``config`` is not a JSON object, or a model entry of the
-            checkpoint is not a tensor.
+        ValueError: ``out`` is or lies in a step folder, or holds steps (even
+            with ``force``: see :func:`refuse_out`); ``config`` is not a JSON
+            object, or a model entry of the checkpoint is not a tensor.
         CheckpointError: As :func:`read_checkpoint`.
         CheckpointDirError: ``out`` is on storage without atomic renames.
     """
     storage = check_publishable(out)
     if storage.exists(out) and not force:
         raise FileExistsError(f"{os.fspath(out)!r} exists; pass force to replace it")
+    refuse_out(storage, out)
     if not isinstance(config, Mapping):
-        config = json.loads(storage_for(config).read_bytes(config))
+        try:
+            config = json.loads(storage_for(config).read_bytes(config))
+        except ValueError as e:
+            raise ValueError(f"{str(config)!r} is not JSON: {e}") from None
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
     weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
@@ -273,6 +287,33 @@ def model_weights(
     return weights
 
 
+def refuse_out(storage: Storage, out: Location) -> None:
+    """Refuses to write ``out`` where it would damage or replace a checkpoint.
+
+    Args:
+        storage: ``out``'s storage.
+        out: A file or folder an offline tool is about to write (or replace).
+
+    Raises:
+        ValueError: ``out`` is or lies in a complete step folder, or is a
+            folder holding ``step-<N>`` folders (a run's checkpoint folder).
+    """
+    holder = step_holding(storage, out)
+    if holder is not None:
+        inside = storage.same_place(holder) != storage.same_place(out)
+        where = f"lies in the step folder {str(holder)!r}" if inside else "is a step"
+        raise ValueError(
+            f"refused to write {os.fspath(out)!r}: it {where}, a checkpoint that "
+            "writing there would damage. Write it outside every step folder"
+        )
+    if storage.is_dir(out) and (steps := list_steps(storage, out)):
+        raise ValueError(
+            f"refused to write {os.fspath(out)!r}: it is a checkpoint folder holding "
+            f"{', '.join(f'step-{n}' for n in steps)}, which replacing it would "
+            "delete. Write it to a folder of its own"
+        )
+
+
 @contextmanager
 def _written_whole(storage: Storage, out: Location, *, replace: bool) -> Iterator[Any]:
     """A folder to write, published as ``out`` after the block; removed if it fails."""
@@ -280,7 +321,14 @@ def _written_whole(storage: Storage, out: Location, *, replace: bool) -> Iterato
     tmp = storage.join(storage.parent(out), f".{storage.name(out)}.partial-{token}")
     if not storage.atomic_rename:  # written in place, committed by its manifest
         tmp = out
-    storage.makedirs(tmp)
+    try:
+        storage.makedirs(tmp)
+    except OSError as e:  # a file where a folder above it should be, say
+        where = storage.parent(out)
+        why = e.strerror or e
+        raise CheckpointDirError(
+            f"cannot write {str(out)!r} in {str(where)!r}: {why}"
+        ) from e
     try:
         yield tmp
         if tmp != out:
@@ -329,9 +377,11 @@ def convert_layout(
 
     Raises:
         FileExistsError: ``out`` exists.
-        ValueError: ``out`` is named ``step-<M>`` for another step than the
-            one it holds; ``to`` is not a layout, or a key has no place in torchtitan's
-            (see :func:`~pippy.checkpoint.state.to_torchtitan`).
+        ValueError: ``out`` is or lies in a step folder (see
+            :func:`refuse_out`), or is named ``step-<M>`` (``step-06`` too) for
+            another step than the one it holds; ``to`` is not a layout, or a
+            key has no place in torchtitan's (see
+            :func:`~pippy.checkpoint.state.to_torchtitan`).
         CheckpointError: As :func:`read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):
@@ -339,6 +389,7 @@ def convert_layout(
     storage = storage_for(out)
     if storage.exists(out):
         raise FileExistsError(f"{os.fspath(out)!r} exists; converting never overwrites")
+    refuse_out(storage, out)
     flat = read_checkpoint(path, trusted=trusted, verify=verify)  # pippy's names
     if to == TORCHTITAN:
         flat = to_torchtitan(flat, param_groups=True)
@@ -347,7 +398,8 @@ def convert_layout(
     elif _NTOKENS in flat and _is_zero(flat[_NTOKENS]):
         del flat[_NTOKENS]  # no count: what the line above writes for pippy's step
     step = int(flat.get("step", flat.get("train_state.step", 0)))
-    if parse_step(out) not in (None, step):  # find_latest_step would skip it
+    name = storage.name(out)  # find_latest_step would skip or refuse another
+    if is_step_name(name) and name != f"step-{step}":
         raise ValueError(
             f"{os.fspath(out)!r} would hold step {step}: name it step-{step}"
         )

@@ -129,10 +129,28 @@ def is_complete(storage: Storage, path: Location) -> bool:
     return all(storage.size(storage.join(path, m)) is not None for m in marks)
 
 
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` reads as a step folder's: ``step-<digits>``, ``step-08`` too."""
+    return _STEP_LIKE.match(name) is not None
+
+
 def parse_step(path: Location) -> int | None:
     """The step of a ``step-<N>`` folder name (no leading zeros), or None."""
     match = _STEP_RE.match(os.fspath(path).rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
+
+
+def step_holding(storage: Storage, location: Location) -> Any:
+    """The complete step folder ``location`` is or lies in (links resolved), or None."""
+    places: list[Any]
+    if is_url(location):
+        scheme, _, path = os.fspath(location).rstrip("/").partition("://")
+        parts = path.split("/")
+        places = [f"{scheme}://{'/'.join(parts[:n])}" for n in range(len(parts), 0, -1)]
+    else:
+        real = Path(location).resolve()
+        places = [real, *real.parents]
+    return next((p for p in places if is_complete(storage, p)), None)
 
 
 def refuse_step_folder(storage: Storage, checkpoint_dir: Location) -> None:
@@ -140,9 +158,9 @@ def refuse_step_folder(storage: Storage, checkpoint_dir: Location) -> None:
     if is_url(checkpoint_dir):
         return
     real = Path(checkpoint_dir).resolve()
-    inside = [p for p in (real, *real.parents) if is_complete(storage, p)]
-    if parse_step(real) is not None or inside:
-        step = inside[0] if inside else real
+    inside = step_holding(storage, real)
+    if parse_step(real) is not None or inside is not None:
+        step = inside or real
         raise CheckpointDirError(
             f"{str(checkpoint_dir)!r} is or lies in the step folder {str(step)!r}, "
             f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
@@ -159,7 +177,7 @@ def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
     for name in storage.listdir(checkpoint_dir):
         path = storage.join(checkpoint_dir, name)
         step = parse_step(path)
-        if step is None and _STEP_LIKE.match(name):
+        if step is None and is_step_name(name):
             raise CheckpointDirError(
                 f"{os.fspath(path)!r} is not a step folder name pippy writes (it "
                 f"would be step-{int(name[5:])}): one step could have two names. "
