@@ -85,6 +85,12 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         result["per_rank_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["per_rank_error"] = str(e)
+    # An LR scheduler over another number of param groups on each stage.
+    try:
+        checks.check_keys({"lr_scheduler": {"base_lrs": [1e-3] * (rank + 1)}})
+        result["scheduler_error"] = None
+    except checkpoint.KeyCollisionError as e:
+        result["scheduler_error"] = str(e)
     # Tracing without restore_non_persistent_buffers: "rope" on every stage.
     args = pippy_dcp.parse_args([*TINY, "--split", "trace"])
     _, state = build(args, rank, world_size, seed=0)

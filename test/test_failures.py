@@ -180,6 +180,52 @@ def test_another_optimizer_class_is_refused_not_loaded_with_wrong_options(tmp_pa
         load(radam, folder)
 
 
+def adam_state(kind, params="all"):
+    """A StageState of Linear(4, 4) with optimizer `kind` over its weight and bias,
+    or its bias alone (the weight frozen), stepped once."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    trained = [model.bias] if params == "bias" else list(model.parameters())
+    optimizer = getattr(torch.optim, kind)(trained, lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return checkpoint.StageState(model, optimizer)
+
+
+@pytest.mark.parametrize(
+    "saved, loaded, expected",
+    [  # AdamW is Adam with decoupled_weight_decay=True: same state, same options
+        (
+            ("AdamW",),
+            ("Adam",),
+            "param group 0 here has decoupled_weight_decay=False, the checkpoint "
+            "decoupled_weight_decay=True for 'weight': it was saved by another "
+            "optimizer class",
+        ),
+        (
+            ("Adam",),
+            ("NAdam",),
+            "has no 'state.bias.mu_product', 'state.weight.mu_product', though it "
+            "has other state of the same parameters: it was saved by another "
+            "optimizer class (or edited)",
+        ),
+        (
+            ("AdamW", "bias"),
+            ("AdamW",),
+            "Only the optimizer differs: it holds other parameters than the saved "
+            "one did (one frozen in a run and trained in the other)",
+        ),
+    ],
+)
+def test_another_optimizer_is_named_as_such(tmp_path, saved, loaded, expected):
+    folder = save(adam_state(*saved), tmp_path)
+    state = adam_state(*loaded)
+    options = [dict(group) for group in state.optimizer.param_groups]
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(expected)):
+        load(state, folder)
+    assert [dict(group) for group in state.optimizer.param_groups] == options
+
+
 def test_a_checkpoint_from_before_the_packed_layout_says_so(tmp_path):
     state = linear_state()
     flat = get_optimizer_state_dict(

@@ -69,8 +69,14 @@ def test_stage_keys_are_disjoint_and_cover_the_model(request, tmp_path, world_si
         error = ranks[0]["per_rank_error"]
         assert error is not None and "'rng.state'" in error
         assert all(r["per_rank_error"] == error for r in ranks)
+        error = ranks[0]["scheduler_error"]  # pippy's key: the fix is the groups
+        assert error is not None and error.endswith(
+            "Give every stage the same param groups (in number and options), so "
+            "that the LR scheduler's per-group lists agree."
+        )
+        assert all(r["scheduler_error"] == error for r in ranks)
     else:
-        assert ranks[0]["per_rank_error"] is None
+        assert ranks[0]["per_rank_error"] is ranks[0]["scheduler_error"] is None
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -307,9 +307,14 @@ def refuse_losses(
         key: min(by.values(), key=len) for key, by in shared.items() if len(by) > 1
     }
     if differing:
+        fix = (  # the scheduler's key is pippy's: it must agree
+            "Give every stage the same param groups (in number and options), so "
+            "that the LR scheduler's per-group lists agree"
+            if all(key.startswith("lr_scheduler.") for key in differing)
+            else "Keep per-rank state under a key that names the stage, or make "
+            "it equal on all ranks"
+        )
         raise KeyCollisionError(
             f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
-            f"{_with_ranks(differing)}. DCP would keep one rank's value. Keep "
-            "per-rank state under a key that names the stage, or make it equal "
-            "on all ranks."
+            f"{_with_ranks(differing)}. DCP would keep one rank's value. {fix}."
         )

@@ -743,6 +743,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 "run that saved it did (its class, and options that add state, "
                 "such as amsgrad or momentum)."
             )
+        if all(_section(self.layout_name(k)) == "optim." for k in problems):
+            return (
+                "Only the optimizer differs: it holds other parameters than the "
+                "saved one did (one frozen in a run and trained in the other), or "
+                "is of another class. Build it over the same parameters as the "
+                "run that saved it did."
+            )
         if all(re.search(r"(^|\.)lr_scheduler\.", k) for k in problems):
             return "Build the LR scheduler (or none) as the run that saved it did."
         if self._in_model(problems):

@@ -332,8 +332,9 @@ class StageState(Stateful):
         if lost:  # a parameter with none of its state is taken as stateless
             raise CheckpointError(
                 f"the checkpoint's optimizer state has no {_listed(lost)}, though it "
-                "has other state of the same parameters: the checkpoint is "
-                "damaged or was edited; load an earlier step"
+                "has other state of the same parameters: it was saved by another "
+                "optimizer class (or edited). Build the optimizer as the run that "
+                "saved it did"
             )
         for what, odd in (("has no", missing), ("has entries this one lacks:", extra)):
             if odd:
@@ -360,6 +361,18 @@ class StageState(Stateful):
 
         for index, group in self._all_groups():
             fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
+            for option, value in group.items():  # a switch of the algorithm
+                saved = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
+                if isinstance(value, bool) and option not in _IMPLEMENTATION_OPTIONS:
+                    if any(isinstance(v, bool) and v != value for v in saved):
+                        raise CheckpointError(
+                            f"param group {index} here has {option}={value}, the "
+                            f"checkpoint {option}={not value} for {fqns[0]!r}: it "
+                            "was saved by another optimizer class (AdamW is Adam "
+                            "with decoupled_weight_decay=True) or with that option "
+                            "switched, which loading would switch back. Build the "
+                            "optimizer as the run that saved it did"
+                        )
             differ: dict[str, tuple[str, Any, Any]] = {}
             options = sorted(group.keys() - _IMPLEMENTATION_OPTIONS, key="lr".__ne__)
             for option in options:
