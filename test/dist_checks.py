@@ -91,6 +91,12 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         result["scheduler_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["scheduler_error"] = str(e)
+    # An entry DCP cannot pickle: its repr (an address) differs between ranks.
+    try:
+        checks.check_keys({"cfg": {"fn": lambda x: x}})
+        result["lambda_error"] = None
+    except TypeError as e:
+        result["lambda_error"] = str(e)
     # Tracing without restore_non_persistent_buffers: "rope" on every stage.
     args = pippy_dcp.parse_args([*TINY, "--split", "trace"])
     _, state = build(args, rank, world_size, seed=0)
@@ -254,7 +260,11 @@ def check_memory(out: Path, rank: int, world_size: int) -> dict:
 
 
 class NoPickle:
-    """A value that compares equal on every rank and copies, but cannot be pickled."""
+    """A value that compares equal on every rank and copies, and pickles once
+    (for the checks before a save), then no more (in the writer)."""
+
+    def __init__(self):
+        self.pickled = False
 
     def __repr__(self):
         return "NoPickle()"
@@ -263,6 +273,9 @@ class NoPickle:
         return self
 
     def __reduce__(self):
+        if not self.pickled:
+            self.pickled = True
+            return NoPickle, ()
         raise TypeError("cannot pickle a NoPickle")
 
 

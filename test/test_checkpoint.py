@@ -345,7 +345,9 @@ def test_a_save_whose_pruning_fails_is_saved_and_says_so(tmp_path, caplog):
     )
 
 
-def test_a_state_list_a_thread_count_of_0_and_a_closed_saver_are_named(tmp_path):
+def test_a_state_list_a_thread_count_of_0_a_closed_saver_and_a_dict_extra_are_named(
+    tmp_path,
+):
     """Each was a bare error from deep inside (AttributeError, min() of an empty
     sequence, a closed thread pool's RuntimeError)."""
     with pytest.raises(TypeError, match="a StageState or a state_dict .*not a list"):
@@ -358,4 +360,10 @@ def test_a_state_list_a_thread_count_of_0_and_a_closed_saver_are_named(tmp_path)
     saver.close()
     with pytest.raises(RuntimeError, match="this AsyncSaver is closed"):
         saver.save(state)
+    assert list(tmp_path.iterdir()) == []
+    state.extra["sampler"] = {"epoch": 3}  # not a Stateful: could not be loaded back
+    with pytest.raises(
+        TypeError, match="extra state 'sampler' is a dict, not a Stateful"
+    ):
+        checkpoint.save_stage(state, tmp_path)
     assert list(tmp_path.iterdir()) == []

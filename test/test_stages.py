@@ -75,6 +75,11 @@ def test_stage_keys_are_disjoint_and_cover_the_model(request, tmp_path, world_si
             "that the LR scheduler's per-group lists agree."
         )
         assert all(r["scheduler_error"] == error for r in ranks)
+        for r in ranks:  # not "differ between ranks": cannot be saved at all
+            assert r["lambda_error"].startswith(
+                "'cfg.fn' cannot be saved: DCP pickles an entry that is not a "
+                "tensor, and this function cannot be pickled"
+            )
     else:
         assert ranks[0]["per_rank_error"] is ranks[0]["scheduler_error"] is None
 

@@ -9,6 +9,7 @@ per-rank state under a shared key, which :func:`check_keys` refuses.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -65,6 +66,20 @@ def fingerprint(value: Any) -> str:
     shard = local(value)
     crc = google_crc32c.value(_raw_bytes(shard).cpu().numpy())
     return f"{shard.dtype}{tuple(shard.shape)}:{crc:08x}"
+
+
+def _storable(key: str, value: Any) -> str:
+    """``fingerprint(value)``; TypeError naming ``key`` if DCP cannot pickle it."""
+    if not isinstance(value, torch.Tensor):
+        try:
+            pickle.dumps(value)
+        except Exception as e:  # PicklingError, AttributeError, TypeError
+            raise TypeError(
+                f"{key!r} cannot be saved: DCP pickles an entry that is not a "
+                f"tensor, and this {type(value).__name__} cannot be pickled ({e}). "
+                "Save plain values (numbers, strings, lists, dicts) or tensors"
+            ) from None
+    return fingerprint(value)
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
@@ -188,6 +203,8 @@ def check_keys(
             model or optimizer state, at any depth.
         ValueError: ``mesh`` has no ``pp`` dim, or spans other ranks than
             ``process_group`` (a slice).
+        TypeError: An entry that is not a tensor cannot be pickled (on the
+            ranks holding it, before the all-gather).
 
     Note:
         Known causes of collisions: layers renumbered per stage, tied weights,
@@ -236,7 +253,7 @@ def offer_keys(
             for k, v in owned.items()
             if dp_dims and _replicated(v, dp_dims)
         },
-        "shared": {k: fingerprint(v) for k, v in named_leaves(others)},
+        "shared": {k: _storable(k, v) for k, v in named_leaves(others)},
         "nested": [s for s, v in others.items() if _holds_state(v)],
     }
 

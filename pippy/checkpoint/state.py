@@ -231,6 +231,12 @@ class StageState(Stateful):
         if self.lr_schedulers:
             sd["lr_scheduler"] = self._scheduler_state()
         for name, obj in self.extra.items():
+            if not isinstance(obj, Stateful):
+                raise TypeError(
+                    f"extra state {name!r} is a {type(obj).__name__}, not a Stateful "
+                    "(an object with state_dict() and load_state_dict()): loading "
+                    "could not put its values back. Wrap it in one"
+                )
             sd[name] = obj.state_dict()
         return sd
 
