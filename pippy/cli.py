@@ -276,7 +276,7 @@ def _export(args: argparse.Namespace) -> None:
     if storage.exists(out) and not args.force:
         raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")
     parent = storage.parent(out)
-    if not storage.is_dir(parent):
+    if storage.atomic_rename and not storage.is_dir(parent):  # a store has no folders
         name = storage.name(out)
         raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
     _, folder = _resolve(storage_for(args.path), args.path, None)

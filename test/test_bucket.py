@@ -8,6 +8,9 @@ write held with a lease.
 """
 
 import json
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,10 +18,18 @@ import pytest
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
+from pippy.checkpoint.job import OWNER_FILE, _boot_id
 from pippy.cli import main
 
 import helpers
-from helpers import EXAMPLE, TINY_FLAGS, TINY_RUN_FLAGS, loss_lines, torchrun
+from helpers import (
+    EXAMPLE,
+    TINY_FLAGS,
+    TINY_RUN_FLAGS,
+    linear_state,
+    loss_lines,
+    torchrun,
+)
 
 FLAGS = [*TINY_FLAGS, "--save-every", "2", "--keep-last", "2"]
 
@@ -146,6 +157,95 @@ def test_one_job_per_bucket_folder_and_an_expired_lease_is_taken_over(bucket):
     assert f"taking over {run} from a job whose lease expired at " in taken.stdout
     assert f"verified: {run}/step-2" in taken.stdout
     assert not fs.exists(f"{run[5:]}/.owner.json")  # released at the end
+
+
+def two_steps(root, name):
+    """A run of this process alone in the bucket, saved at steps 1 and 2."""
+    run, state = f"{root}/{name}", linear_state()
+    for step in (1, 2):
+        state.step = step
+        checkpoint.save_stage(state, run)
+    return run, state
+
+
+def test_urls_that_would_touch_other_objects_are_refused(bucket, capsys):
+    fs, root = bucket
+    run, state = two_steps(root, "run-a")
+    fs.invalidate_cache()
+    before = {p: fs.cat_file(p) for p in fs.find(root[5:])}
+    # fsspec reads * ? [ as wildcards: run-? would take run-a's objects
+    for url in (f"{root}/run-?", f"{root}/run-*", f"{root}/run-[ab]"):
+        with pytest.raises(checkpoint.CheckpointDirError, match="reads as a wildcard"):
+            checkpoint.save_stage(state, url)
+    # a step folder is no run's folder, on a bucket as on a disk
+    with pytest.raises(checkpoint.CheckpointDirError, match="lies in the step folder"):
+        checkpoint.job.FolderOwner(f"{run}/step-2").acquire()
+    with pytest.raises(checkpoint.CheckpointDirError, match="lies in the step folder"):
+        checkpoint.save_stage(state, f"{run}/step-2/inner")
+    # a bucket that does not exist (a typo) is not created
+    with pytest.raises(checkpoint.CheckpointDirError, match="no bucket 'pippy-typo'"):
+        checkpoint.save_stage(state, "s3://pippy-typo/run")
+    fs.invalidate_cache()
+    assert not fs.exists("pippy-typo")
+    assert {p: fs.cat_file(p) for p in fs.find(root[5:])} == before
+    # export writes a file under a prefix that holds nothing yet
+    out = f"{root}/exports/model.safetensors"
+    assert main(["export", f"{run}/step-2", "--out", out]) == 0
+    assert fs.exists(out[5:])
+
+
+def test_a_damaged_step_in_a_bucket_is_moved_aside_whole_and_passed_over(bucket):
+    fs, root = bucket
+    run, _ = two_steps(root, "skip-damaged")
+    path = f"{run[5:]}/step-2/__0_0.distcp"
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+    fs.invalidate_cache()
+    damaged = {p[len(run) - 5 :]: fs.cat_file(p) for p in fs.find(f"{run[5:]}/step-2")}
+    assert checkpoint.find_latest_step(run, verified=True) == f"{run}/step-1"
+    fs.invalidate_cache()
+    aside, kept = (p.rsplit("/", 1)[1] for p in fs.ls(run[5:], detail=False))
+    assert aside.startswith(".step-2.damaged-") and kept == "step-1"
+    moved = fs.find(f"{run[5:]}/{aside}")  # every object, byte for byte
+    assert {
+        p[len(run) - 5 :].replace(aside, "step-2"): fs.cat_file(p) for p in moved
+    } == (damaged)
+    assert checkpoint.find_latest_step(run, verified=True) == f"{run}/step-1"
+
+
+def test_a_lease_of_a_process_gone_from_this_host_or_a_dead_claim_is_taken_over(
+    bucket, caplog
+):
+    """torchrun restarting a job whose rank 0 was killed (its lease still runs),
+    and a job that died while taking over an expired lease (its claim left)."""
+    fs, root = bucket
+    run = f"{root}/restarted"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = {"host": socket.gethostname(), "boot": _boot_id(), "pid": dead.pid}
+    record = {**here, "start": 1.0, "since": "then", "token": "abc"}
+    lease = {"expires": time.time() + 600, "lease_seconds": 60}
+    fs.pipe_file(f"{run[5:]}/{OWNER_FILE}", json.dumps({**record, **lease}).encode())
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
+        with checkpoint.job.FolderOwner(run):
+            pass
+    assert "from a job whose process ran on this host and is gone" in caplog.text
+    # An expired lease, and a claim on it by a job that died meanwhile.
+    other = {**record, "host": "node7", "pid": 4242}
+    expired = {"expires": time.time() - 1, "lease_seconds": 60}
+    fs.pipe_file(f"{run[5:]}/{OWNER_FILE}", json.dumps({**other, **expired}).encode())
+    claim = f"{run[5:]}/{OWNER_FILE}.takeover-abc"
+    fs.pipe_file(claim, json.dumps({**other, **expired, "token": "def"}).encode())
+    with checkpoint.job.FolderOwner(run):
+        pass
+    # A claim whose lease still runs: refused, naming it.
+    fs.pipe_file(f"{run[5:]}/{OWNER_FILE}", json.dumps({**other, **expired}).encode())
+    fs.pipe_file(claim, json.dumps({**other, **lease, "token": "def"}).encode())
+    with pytest.raises(
+        checkpoint.CheckpointDirInUseError, match="another job is taking"
+    ):
+        checkpoint.job.FolderOwner(run).acquire()
 
 
 def test_a_damaged_object_is_refused_and_nothing_is_lost(bucket, four_steps):

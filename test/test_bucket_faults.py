@@ -389,13 +389,14 @@ def test_a_lease_that_is_no_number_of_seconds_is_refused_in_one_line(
     FolderOwner's acquire; a bad value is one line naming it, nothing written."""
     fs, root = bucket
     run = f"{root}/bad-lease"
-    for text in ("soon", "0", "-5", "nan"):
+    for text in ("soon", "0", "-5", "nan", "inf", "1e300"):
         monkeypatch.setenv(LEASE_ENV, text)
         with pytest.raises(ValueError) as e:
             checkpoint.job.FolderOwner(run).acquire()
         assert str(e.value) == (
             f"PIPPY_LEASE_SECONDS={text!r} is not a lease: give a number of "
-            "seconds above 0, or leave it unset for the default of 60"
+            "seconds above 0 and at most 365 days, or leave it unset for the "
+            "default of 60"
         )
     monkeypatch.delenv(LEASE_ENV)
     with pytest.raises(ValueError, match="^lease_seconds=0 is not a lease"):

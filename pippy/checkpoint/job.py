@@ -48,6 +48,7 @@ from pippy.checkpoint.errors import (
     name_ranks,
     on_coordinator,
 )
+from pippy.checkpoint.stall import MAX_TIMEOUT_S
 from pippy.checkpoint.steps import list_steps, refuse_step_folder, remove_staging
 from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
 
@@ -110,11 +111,11 @@ def _resolve_lease_seconds(seconds: float | None) -> float:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
+    if not 0 < value <= MAX_TIMEOUT_S:  # a longer one overflows a timestamp
         where = f"{LEASE_ENV}={text!r}" if seconds is None else f"lease_seconds={text}"
         raise ValueError(
-            f"{where} is not a lease: give a number of seconds above 0, or "
-            "leave it unset for the default of 60"
+            f"{where} is not a lease: give a number of seconds above 0 and at "
+            "most 365 days, or leave it unset for the default of 60"
         )
     return value
 
@@ -150,13 +151,29 @@ class _OwnerRecord:
         self.created = False  # the folder did not exist: release removes it empty
 
     def _mine(self) -> dict[str, Any]:
-        """This job's record."""
+        """This job's record, with what tells whether its process still runs."""
+        pid = os.getpid()
+        here = {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid}
         return {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
+            **here,
+            "start": _start_time(pid),
             "since": self.since,
             "token": self.token,
         }
+
+    def _gone(self, record: dict[str, Any]) -> bool:
+        """Whether ``record``'s process ran on this host and boot and is gone."""
+        pid = record.get("pid")
+        return (
+            record.get("host") == socket.gethostname()
+            and record.get("boot") == _boot_id()
+            and (not isinstance(pid, int) or _start_time(pid) != record.get("start"))
+        )
+
+    def _this_process(self, record: dict[str, Any]) -> bool:
+        """Whether ``record`` is this process's (an owner not yet released)."""
+        mine = self._mine()
+        return all(record.get(k) == mine[k] for k in ("host", "boot", "pid", "start"))
 
     def _encoded(self) -> bytes:
         """This job's record as written."""
@@ -185,6 +202,7 @@ class _OwnerRecord:
 
     def acquire(self) -> str:
         """Creates the record, or takes another job's over where it may; the token."""
+        refuse_step_folder(self.storage, self.root)  # a step holds no steps
         list_steps(self.storage, self.root)  # a file where the folder should be: say so
         self.token = uuid.uuid4().hex[:12]
         self.since = _when(time.time())
@@ -214,35 +232,15 @@ class _OwnerRecord:
 class _LocalRecord(_OwnerRecord):
     """The owner record of a local folder; a dead owner's is taken over."""
 
-    def _mine(self) -> dict[str, Any]:
-        """This job's record, with what tells whether its process still runs."""
-        return {**super()._mine(), **self._process()}
-
-    def _process(self) -> dict[str, Any]:
-        """What names this process in a record: host, boot, pid and start time."""
-        pid = os.getpid()
-        return {
-            "host": socket.gethostname(),
-            "boot": _boot_id(),
-            "pid": pid,
-            "start": _start_time(pid),
-        }
-
     def acquire(self) -> str:
-        """Refuses a step folder; creates the folder if needed and the record."""
-        refuse_step_folder(self.storage, self.root)
+        """Creates the folder if needed and the record."""
         self.created = not self.storage.exists(self.root)
         return super().acquire()
 
     def _take_over(self, record: dict[str, Any]) -> None:
         """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
-        pid = record.get("pid")
-        gone = (  # this host and boot, and no process with its pid and start time
-            record.get("host") == socket.gethostname()
-            and record.get("boot") == _boot_id()
-            and (not isinstance(pid, int) or _start_time(pid) != record.get("start"))
-        )
-        if not gone and all(record.get(k) == v for k, v in self._process().items()):
+        gone = self._gone(record)
+        if self._this_process(record):
             raise CheckpointDirInUseError(
                 f"{self.root} is already owned by this process ({_describe(record)}),"
                 " by a FolderOwner not yet released: use that one, or release it "
@@ -309,8 +307,9 @@ class StoreLease(_OwnerRecord):
         return token
 
     def _take_over(self, record: dict[str, Any]) -> None:
-        """Deletes an expired record, if this job claims it first; else refuses."""
-        if record["expires"] > time.time():
+        """Deletes an expired or dead owner's record if this job claims it first."""
+        gone = self._gone(record)  # a job restarted here: its lease need not run out
+        if record["expires"] > time.time() and not gone:
             raise CheckpointDirInUseError(
                 f"{self.root} is in use by another job ({_describe(record)}; its "
                 f"lease runs until {_when(record['expires'])}): one writer per "
@@ -320,16 +319,27 @@ class StoreLease(_OwnerRecord):
             )
         claim = f"{self.record}.takeover-{record.get('token')}"
         if not self.storage.create_exclusive(claim, self._encoded()):
-            raise CheckpointDirInUseError(
-                f"{self.root}: another job is taking over the expired lease of "
-                f"({_describe(record)}); use another folder, or retry once it is done"
+            version = self.storage.version(claim)  # a claimer that died meanwhile?
+            other = self._read(claim, strict=False)
+            dead = other is not None and (
+                other.get("expires", 0) <= time.time() or self._gone(other)
             )
+            if not dead or not self.storage.replace_if_unchanged(
+                claim, self._encoded(), version
+            ):
+                raise CheckpointDirInUseError(
+                    f"{self.root}: another job is taking over the expired lease of "
+                    f"({_describe(record)}); use another folder, or retry once it "
+                    f"is done (its claim, {claim}, expires with its own lease)"
+                )
         self.storage.remove(self.record)
+        why = (
+            "process ran on this host and is gone"
+            if gone
+            else f"lease expired at {_when(record['expires'])}"
+        )
         logger.warning(
-            "taking over %s from a job whose lease expired at %s (%s)",
-            self.root,
-            _when(record["expires"]),
-            _describe(record),
+            "taking over %s from a job whose %s (%s)", self.root, why, _describe(record)
         )
 
     def _renew(self) -> None:

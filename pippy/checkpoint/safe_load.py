@@ -1006,8 +1006,9 @@ def find_latest_step(
         latest, skipped = newest_complete_step(storage, checkpoint_dir)
         if skipped:
             logger.warning(
-                "skipping incomplete checkpoints (no .metadata, or a manifest "
-                "naming another step) %s",
+                "skipping steps never completed (no .metadata; on an object store "
+                "also no manifest.json, the step's commit record) or whose "
+                "manifest names another step: %s",
                 skipped,
             )
         return latest

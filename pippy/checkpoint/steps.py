@@ -154,16 +154,15 @@ def step_holding(storage: Storage, location: Location) -> Any:
 
 
 def refuse_step_folder(storage: Storage, checkpoint_dir: Location) -> None:
-    """CheckpointDirError if a local ``checkpoint_dir`` is or lies in a step folder."""
-    if is_url(checkpoint_dir):
-        return
-    real = Path(checkpoint_dir).resolve()
+    """CheckpointDirError if ``checkpoint_dir`` is or lies in a step folder."""
+    real = storage.same_place(checkpoint_dir)
     inside = step_holding(storage, real)
     if parse_step(real) is not None or inside is not None:
         step = inside or real
         raise CheckpointDirError(
             f"{str(checkpoint_dir)!r} is or lies in the step folder {str(step)!r}, "
-            f"not a run's checkpoint folder (its parent {str(step.parent)!r} is)"
+            f"not a run's checkpoint folder (its parent {str(storage.parent(step))!r} "
+            "is)"
         )
 
 

@@ -427,7 +427,13 @@ class FsspecStorage(Storage):
     atomic_rename = False
 
     def __init__(self, url: str) -> None:
-        self.protocol = url.split("://", 1)[0]
+        self.protocol, _, path = url.partition("://")
+        if magic := sorted({c for c in path if c in "*?["}):
+            raise CheckpointDirError(
+                f"{url!r} holds {' '.join(magic)}, which fsspec reads as a wildcard: "
+                "it would move or delete other objects than this folder's. Name "
+                "the folder without * ? ["
+            )
         try:
             self.fs, _ = url_to_fs(url)
         except ImportError as e:
@@ -467,8 +473,15 @@ class FsspecStorage(Storage):
         return sorted(self.name(e) for e in entries)
 
     def makedirs(self, location: Location) -> None:
-        """Creates the folder (a no-op on stores without folders)."""
-        self.fs.makedirs(self._path(location), exist_ok=True)
+        """Creates the folder (a no-op on stores without folders); never a bucket."""
+        path = self._path(location)
+        bucket = path.split("/", 1)[0]
+        if self.protocol in _EXTRAS and not self.fs.exists(bucket):
+            raise CheckpointDirError(
+                f"no bucket {bucket!r} for {os.fspath(location)!r}: create it "
+                "first (a job never creates a bucket), or correct the URL"
+            )
+        self.fs.makedirs(path, exist_ok=True)
 
     def read_bytes(self, location: Location) -> bytes:
         """The whole object at ``location``."""
@@ -526,13 +539,27 @@ class FsspecStorage(Storage):
         return str(out["ETag"])
 
     def publish(self, source: Location, target: Location) -> None:
-        """Moves ``source`` to ``target``: a copy, then a delete (not atomic)."""
-        self.fs.mv(self._path(source), self._path(target), recursive=True)
+        """Moves ``source`` to ``target`` object by object: copies, then deletes.
+
+        Not atomic. Each object is named: a store without folders has no
+        object for the prefix itself to copy.
+        """
+        source, target = self._path(source), self._path(target)
+        objects = self.fs.find(source) if self.fs.isdir(source) else [source]
+        for name in objects:
+            self.fs.copy(name, target + name[len(source) :])
+        self.remove(source)  # no wildcard: refused in the URL
 
     def remove(self, location: Location) -> None:
-        """Deletes the object or the tree under ``location``."""
-        path = self._path(location)
-        if self.fs.exists(path):
+        """Deletes the object or the tree under ``location``.
+
+        A tree's folder entry, which a store with folders (SeaweedFS) keeps
+        once its objects are gone, goes on a second pass.
+        """
+        for _ in range(2):
+            path = self._path(location)  # listings as they are now
+            if not self.fs.exists(path):
+                return
             self.fs.rm(path, recursive=True)
 
     def same_place(self, location: Location) -> str:
