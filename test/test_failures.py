@@ -212,6 +212,11 @@ def adam_state(kind, params="all"):
         (
             ("AdamW", "bias"),
             ("AdamW",),
+            "the checkpoint does not match this optimizer (3 problem(s)): ",
+        ),
+        (
+            ("AdamW", "bias"),
+            ("AdamW",),
             "Only the optimizer differs: it holds other parameters than the saved "
             "one did (one frozen in a run and trained in the other)",
         ),

@@ -715,7 +715,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     )
         if problems:
             shown = "; ".join(list(problems.values())[:6])
-            what = "this model" if self._in_model(problems) else "this run's state"
+            sections = {_section(self.layout_name(k)) for k in problems}
+            what = (
+                "this optimizer"
+                if sections == {"optim."}
+                else "this model"
+                if self._in_model(problems)
+                else "this run's state"
+            )
             raise CheckpointError(
                 f"the checkpoint does not match {what} ({len(problems)} "
                 f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
