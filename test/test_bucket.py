@@ -231,6 +231,11 @@ def test_a_lease_of_a_process_gone_from_this_host_or_a_dead_claim_is_taken_over(
         with checkpoint.job.FolderOwner(run):
             pass
     assert "from a job whose process ran on this host and is gone" in caplog.text
+    # A pid of another PID namespace (another container on this host): cannot tell.
+    contained = {**record, **lease, "pidns": "pid:[1]"}
+    fs.pipe_file(f"{run[5:]}/{OWNER_FILE}", json.dumps(contained).encode())
+    with pytest.raises(checkpoint.CheckpointDirInUseError, match="in use by another"):
+        checkpoint.job.FolderOwner(run).acquire()
     # An expired lease, and a claim on it by a job that died meanwhile.
     other = {**record, "host": "node7", "pid": 4242}
     expired = {"expires": time.time() - 1, "lease_seconds": 60}

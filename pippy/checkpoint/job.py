@@ -83,6 +83,14 @@ def _boot_id() -> str:
     return (_proc("sys/kernel/random/boot_id") or "").strip()
 
 
+def _pid_namespace() -> str:
+    """This process's PID namespace (containers on one host each have theirs)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def _start_time(pid: int) -> str | None:
     """When process ``pid`` started (ticks after boot, field 22 of proc(5)), or None."""
     stat = _proc(f"{pid}/stat")
@@ -154,6 +162,7 @@ class _OwnerRecord:
         """This job's record, with what tells whether its process still runs."""
         pid = os.getpid()
         here = {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid}
+        here["pidns"] = _pid_namespace()  # a pid names a process only within it
         return {
             **here,
             "start": _start_time(pid),
@@ -162,11 +171,12 @@ class _OwnerRecord:
         }
 
     def _gone(self, record: dict[str, Any]) -> bool:
-        """Whether ``record``'s process ran on this host and boot and is gone."""
+        """Whether the process of ``record`` ran here (host, boot, PID ns), now gone."""
         pid = record.get("pid")
         return (
             record.get("host") == socket.gethostname()
             and record.get("boot") == _boot_id()
+            and record.get("pidns", _pid_namespace()) == _pid_namespace()
             and (not isinstance(pid, int) or _start_time(pid) != record.get("start"))
         )
 
