@@ -37,6 +37,7 @@ from helpers import (
     TwoHeads,
     launch,
     linear_state,
+    plain_read,
     torchrun,
     torchrun_together,
 )
@@ -229,6 +230,59 @@ def test_another_optimizer_is_named_as_such(tmp_path, saved, loaded, expected):
     with pytest.raises(checkpoint.CheckpointError, match=re.escape(expected)):
         load(state, folder)
     assert [dict(group) for group in state.optimizer.param_groups] == options
+
+
+_GROUP_DESTROYED_MID_SAVE = """
+import sys, time, torch, torch.distributed as dist
+import torch.distributed.checkpoint
+from pippy import checkpoint
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+module = torch.nn.ModuleDict({f"l{rank}": torch.nn.Linear(4, 4)})  # a stage each
+state = checkpoint.StageState(module, torch.optim.AdamW(module.parameters()), step=1)
+saver = checkpoint.AsyncSaver(sys.argv[1], keep_last=1)
+saver.save(state)
+saver.wait()  # step-1: whole
+state.step = 2
+save = torch.distributed.checkpoint.save
+def late_save(*args, **kwargs):  # the background save reaches dcp.save late ...
+    time.sleep(3)
+    return save(*args, **kwargs)
+torch.distributed.checkpoint.save = late_save
+saver.save(state)
+time.sleep(1)
+dist.destroy_process_group()  # ... after a script ended its group, no close()
+try:
+    saver._upload.result()
+except BaseException as e:
+    print(f"[rank {rank}] {type(e).__name__}: {e}")
+"""
+
+
+def test_a_group_destroyed_while_a_background_save_is_in_flight_publishes_nothing(
+    tmp_path,
+):
+    """Each rank's save then runs as one process's (DCP's no_dist): each
+    published a step of its own stage alone, and keep_last deleted step-1."""
+    script = tmp_path / "destroyed.py"
+    script.write_text(_GROUP_DESTROYED_MID_SAVE)
+    run = torchrun(2, script, tmp_path / "ckpt")
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] CheckpointError: saving step-2 in the background "
+            "failed on 1 rank(s):" in run.stdout
+        ), run.stdout
+    assert "step-2 was to be saved by 2 ranks, but 1 took part" in run.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-1"]
+    assert sorted(
+        k for k in plain_read(tmp_path / "ckpt" / "step-1") if "model." in k
+    ) == [
+        "model.l0.bias",
+        "model.l0.weight",
+        "model.l1.bias",
+        "model.l1.weight",
+    ]
 
 
 def test_a_checkpoint_from_before_the_packed_layout_says_so(tmp_path):

@@ -30,6 +30,7 @@ from pippy.checkpoint import stall
 from pippy.checkpoint.checks import named_leaves, offer_keys, refuse_losses
 from pippy.checkpoint.errors import (
     CheckpointDirError,
+    CheckpointError,
     dir_error,
     explain_failures,
     fail_together,
@@ -269,6 +270,10 @@ class StepWriter(ManifestWriter):
     written last, commits it. Made by :func:`publish_step`, whose arguments
     and errors it takes.
 
+    ``ranks``, if given, is how many ranks were to save when the save was
+    asked for: DCP's planning refuses any other number (a process group
+    destroyed meanwhile would leave each rank saving alone, as one process).
+
     Attributes:
         final: ``<checkpoint_dir>/step-<step>``, what readers see.
         staging: The folder made, on the coordinator once made; None
@@ -281,9 +286,10 @@ class StepWriter(ManifestWriter):
         step: int,
         *,
         keep_last: int | None = None,
+        ranks: int | None = None,
         **kwargs: Any,
     ) -> None:
-        self.final = step_dir(checkpoint_dir, step)
+        self.final, self.ranks = step_dir(checkpoint_dir, step), ranks
         super().__init__(storage_for(checkpoint_dir), self.final, step=step, **kwargs)
         self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
         self.staging: Any = None
@@ -306,6 +312,13 @@ class StepWriter(ManifestWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """DCP's plans, each carrying the staging folder made here."""
+        if self.ranks is not None and len(plans) != self.ranks:
+            raise CheckpointError(
+                f"step-{self.step} was to be saved by {self.ranks} ranks, but "
+                f"{len(plans)} took part (the process group was destroyed while "
+                "the save was in flight?): nothing is published. Wait for a "
+                "save to finish (close the AsyncSaver) before ending the group"
+            )
         try:
             self.staging = self._make_staging()
         except OSError as e:

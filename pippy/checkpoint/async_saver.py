@@ -289,13 +289,15 @@ class AsyncSaver:
             raise RuntimeError("this AsyncSaver is closed: make a new one to save")
         self.wait()
         started = time.perf_counter()
+        group = self.process_group  # who saves, now: checked again in the background
+        ranks = dist.get_world_size(group) if dist.is_initialized() else 1
         step = step_of(state, step)
         try:
             taken = self._stage(state, step)
         except Exception as e:
             # The others learn of it in the background, by their next poll(),
             # which this rank's poll() joins; its wait() then says nothing more.
-            failed = self._executor.submit(self._write, e, step, started)
+            failed = self._executor.submit(self._write, e, step, started, ranks)
             wait([failed])
             self._upload = self._told = failed
             raise
@@ -303,7 +305,7 @@ class AsyncSaver:
         self._staging = taken if isinstance(taken, Future) else None
         if self._staging is None and self._stager.should_synchronize_after_execute:
             self._stager.synchronize_staging()
-        self._upload = self._executor.submit(self._write, taken, step, started)
+        self._upload = self._executor.submit(self._write, taken, step, started, ranks)
         if self._staging is not None and isinstance(state, StageState):
             self._hooks = [
                 o.register_step_pre_hook(self._staged) for o in state.optimizers
@@ -359,7 +361,7 @@ class AsyncSaver:
 
         return stager.stage(now, later=take)
 
-    def _write(self, taken: Any, step: int, started: float) -> Any:
+    def _write(self, taken: Any, step: int, started: float, ranks: int) -> Any:
         """In the background: the wait, the staging folder, the write, publishing."""
         group = self.process_group
 
@@ -368,7 +370,9 @@ class AsyncSaver:
                 raise taken
             return taken.result() if isinstance(taken, Future) else taken
 
-        writer = StepWriter(self.checkpoint_dir, step, keep_last=self.keep_last)
+        writer = StepWriter(
+            self.checkpoint_dir, step, keep_last=self.keep_last, ranks=ranks
+        )
         action = f"saving step-{step} in the background"
         with writer.saving(action, self.timeout, group):
             planner = CheckedSavePlanner(mesh=self.mesh, process_group=group, step=step)

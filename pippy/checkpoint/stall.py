@@ -122,6 +122,8 @@ class Waits:
         self._thread.join()
         for backend, before in self._timeouts:
             backend.set_timeout(before)
+        if not dist.is_initialized():  # the group was destroyed: no store to read
+            return None
         if failed:
             self._read_mark()
         if self._posted:
