@@ -493,7 +493,16 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     except checkpoint.CheckpointError as e:
         drift = f"{type(e).__name__}: {e}"
     dist.barrier()
+    # Ranks that load different steps: refused on both, not taken for damage.
+    steps = [checkpoint.save_stage(staged, out / "two") for staged.step in (1, 2)]
+    mixed = None
+    try:
+        checkpoint.load_stage(copy.deepcopy(staged), steps[rank], timeout=60)
+    except (checkpoint.CheckpointError, ValueError) as e:  # rank 1: its own
+        mixed = f"{type(e).__name__}: {e}"
+    dist.barrier()
     return {
+        "mixed": mixed,
         "drift": drift,
         "drift_folder": sorted(p.name for p in (out / "drift").glob("*")),
         "error": error,

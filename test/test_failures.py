@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -512,6 +513,20 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
             "rank must save the same step: keep one step counter for the job"
         )
         assert r["drift_folder"] == []
+        two = Path(r["path"]).parent.parent / "two"  # steps 1 and 2, loaded by rank
+        line = (
+            f"ValueError: this rank opened '{two / 'step-2'}' and rank 0 "
+            f"'{two / 'step-1'}': every rank must load the same step (one "
+            "checkpoint_id for all ranks)"
+        )
+        assert (
+            r["mixed"] == line
+            if rank == 1
+            else (
+                f"CheckpointError: loading {two / 'step-1'} failed on 1 rank(s):\n  "
+                f"rank 1: {line}"
+            )
+        )
     # Under a group of rank 1 alone: its global rank; rank 0 may not enter.
     assert [r["in_group"] for r in results] == [
         "ValueError: fail_together: rank 0 is not in the process group",

@@ -781,7 +781,8 @@ def _filled(
     ours = reader if isinstance(reader, SafeFileSystemReader) else None
     state_dict, failure = _take(stateful.state_dict)
     if ours:  # what its dcp.load needs of this block, for that load only
-        ours.waits, ours.after_reads, ours.failure = waits, apply, failure
+        ours.waits, ours.after_reads = waits, apply
+        ours.failure = failure or ours.failure  # or open_step's (another step)
     try:
         with explain_failures(action):
             yield state_dict

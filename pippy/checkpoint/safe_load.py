@@ -907,16 +907,21 @@ def open_reader(
         made.append(SafeFileSystemReader(path, trusted=trusted, verify=verify))
         # .metadata's bytes, not the object: pickling DCP's Metadata again
         # costs rank 0 more than the others' unpickling it
-        return made[0].trusted, made[0].metadata_bytes, made[0].manifest
+        return made[0].trusted, made[0].metadata_bytes, made[0].manifest, str(path)
 
     checked = on_coordinator(f"cannot read {os.fspath(path)}", check, process_group)
     if made:
         return made[0]
     reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
     reader._open(path, checked[0], None)
-    reader.metadata_bytes, reader.manifest = checked[1:]
+    reader.metadata_bytes, reader.manifest, theirs = checked[1:]
     data, name = reader.metadata_bytes, str(reader.folder)
     reader.metadata = _MetadataUnpickler(data, name, reader.trusted).load()
+    if reader.storage.name(theirs) != reader.storage.name(path):  # another step
+        reader.failure = ValueError(  # raised in DCP's planning, so on every rank
+            f"this rank opened {str(path)!r} and rank 0 {theirs!r}: every rank "
+            "must load the same step (one checkpoint_id for all ranks)"
+        )
     return reader
 
 
