@@ -91,6 +91,14 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         result["scheduler_error"] = None
     except checkpoint.KeyCollisionError as e:
         result["scheduler_error"] = str(e)
+    # The first and last stages alone draw batches: which ranks agree, not
+    # the fewer of them, is what the error shows.
+    ends = torch.tensor([rank in (0, world_size - 1)])
+    try:
+        checks.check_keys({"data": {"drawn": ends}})
+        result["ends_error"] = None
+    except checkpoint.KeyCollisionError as e:
+        result["ends_error"] = str(e)
     # An entry DCP cannot pickle: its repr (an address) differs between ranks.
     try:
         checks.check_keys({"cfg": {"fn": lambda x: x}})

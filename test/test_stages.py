@@ -67,7 +67,10 @@ def test_stage_keys_are_disjoint_and_cover_the_model(request, tmp_path, world_si
             assert error is not None and key in error, check
             assert all(r[check] == error for r in ranks)
         error = ranks[0]["per_rank_error"]
-        assert error is not None and "'rng.state'" in error
+        each = " vs ".join(f"[{r}]" for r in range(world_size))
+        assert error is not None and f"'rng.state' (ranks {each})" in error
+        if world_size == 4:
+            assert "'data.drawn' (ranks [0, 3] vs [1, 2])" in ranks[0]["ends_error"]
         assert all(r["per_rank_error"] == error for r in ranks)
         error = ranks[0]["scheduler_error"]  # pippy's key: the fix is the groups
         assert error is not None and error.endswith(

@@ -343,7 +343,8 @@ class StepWriter(ManifestWriter):
             raise CheckpointDirError(
                 f"{os.fspath(final)!r} already exists; checkpoints are never "
                 "overwritten. Resume from it, or save into another checkpoint "
-                "folder."
+                "folder. (A step is named by the state's step: does this run "
+                "advance StageState.step with each optimizer step?)"
             )
         staging = storage.join(
             self.checkpoint_dir, f".step-{self.step}.partial-{uuid.uuid4().hex[:12]}"

@@ -124,7 +124,7 @@ def diff_state_dicts(
     return sorted(differ)
 
 
-def _with_ranks(items: dict[str, list[int]]) -> str:
+def _with_ranks(items: Mapping[str, Any]) -> str:
     """The first ten keys with their ranks, for an error message."""
     text = ", ".join(f"{k!r} (ranks {r})" for k, r in sorted(items.items())[:10])
     return text + (" ..." if len(items) > 10 else "")
@@ -320,8 +320,10 @@ def refuse_losses(
             "step every replica's optimizer alike), then save."
         )
     shared = _ranks_by(offers, lambda o: o["shared"].items())
-    differing = {  # the odd rank(s) out
-        key: min(by.values(), key=len) for key, by in shared.items() if len(by) > 1
+    differing = {  # the ranks of each value: "[0, 3] vs [1, 2]"
+        key: " vs ".join(map(str, sorted(by.values())))
+        for key, by in shared.items()
+        if len(by) > 1
     }
     if differing:
         fix = (  # the scheduler's key is pippy's: it must agree

@@ -207,27 +207,30 @@ class Waits:
         if not late:
             return
         line, point = "; ".join(parts), self.points[self.reached - 1]
+        skipped = "not started" in line  # maybe never: code that skips the call
         if decide:
             saving = self.action.startswith("saving")
             undone = "step is not published" if saving else "stage is not loaded"
+            why = ", code that skips the call on them" if skipped else ""
             message = (
                 f"{self.reached}|{self.action} timed out: {name_ranks(late)} did not "
                 f"arrive at {point} within {self.timeout:g} s ({line}). The "
-                f"{undone}; find what holds them (a slow disk, a hung process), "
-                "or raise the timeout"
+                f"{undone}; find what holds them (a slow disk, a hung process{why}),"
+                " or raise the timeout"
             )
             mark = store.compare_set(f"{self.prefix}/abort", "", message)
             self._marked = mark.decode() == message
             self._read_mark()
         elif log and there and there[0] == self.rank:
             logger.warning(
-                "%s: %s not at %s after %.0f s (%s); %s waiting",
+                "%s: %s not at %s after %.0f s (%s); %s waiting%s",
                 self.action,
                 name_ranks(late),
                 point,
                 waited,
                 line,
                 name_ranks(there),
+                " (every rank must make this call)" if skipped else "",
             )
 
     @contextmanager
