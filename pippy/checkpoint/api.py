@@ -57,10 +57,10 @@ from pippy.checkpoint.steps import (
     check_step,
     holds_its_step,
     is_complete,
-    list_steps,
     refuse_step_folder,
     remove_old_steps,
     step_dir,
+    step_names,
 )
 from pippy.checkpoint.storage import Location, same_location, storage_for
 
@@ -338,7 +338,7 @@ class StepWriter(ManifestWriter):
         storage, final = self.storage, self.final
         check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
         refuse_step_folder(storage, self.checkpoint_dir)  # a step holds no steps
-        list_steps(storage, self.checkpoint_dir)  # a file, not a folder: say so
+        step_names(storage, self.checkpoint_dir)  # a file, a step-08: say so
         if is_complete(storage, final) and holds_its_step(storage, final):
             raise CheckpointDirError(
                 f"{os.fspath(final)!r} already exists; checkpoints are never "

@@ -166,8 +166,8 @@ def refuse_step_folder(storage: Storage, checkpoint_dir: Location) -> None:
         )
 
 
-def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
-    """``{step: folder}`` of all step folders; refuses a file or a ``step-08``."""
+def step_names(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
+    """``{step: path}`` of each ``step-<N>`` name (no stat); refuses as list_steps."""
     if storage.size(checkpoint_dir) is not None:
         raise CheckpointDirError(
             f"checkpoint dir {os.fspath(checkpoint_dir)!r} is a file, not a folder"
@@ -182,9 +182,15 @@ def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
                 f"would be step-{int(name[5:])}): one step could have two names. "
                 "Rename it, or move it out of the checkpoint folder"
             )
-        if step is not None and storage.is_dir(path):
+        if step is not None:
             steps[step] = path
     return dict(sorted(steps.items()))
+
+
+def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
+    """``{step: folder}`` of all step folders; refuses a file or a ``step-08``."""
+    names = step_names(storage, checkpoint_dir).items()
+    return {step: path for step, path in names if storage.is_dir(path)}
 
 
 def holds_its_step(storage: Storage, path: Location) -> bool:
