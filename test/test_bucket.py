@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
-from pippy.checkpoint.job import OWNER_FILE, _boot_id
+from pippy.checkpoint.job import OWNER_FILE
 from pippy.cli import main
 
 import helpers
@@ -223,7 +224,8 @@ def test_a_lease_of_a_process_gone_from_this_host_or_a_dead_claim_is_taken_over(
     run = f"{root}/restarted"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    here = {"host": socket.gethostname(), "boot": _boot_id(), "pid": dead.pid}
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    here = {"host": socket.gethostname(), "boot": boot, "pid": dead.pid}
     record = {**here, "start": 1.0, "since": "then", "token": "abc"}
     lease = {"expires": time.time() + 600, "lease_seconds": 60}
     fs.pipe_file(f"{run[5:]}/{OWNER_FILE}", json.dumps({**record, **lease}).encode())
