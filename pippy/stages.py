@@ -210,7 +210,8 @@ def split_model(
     if not isinstance(container, nn.ModuleList | nn.ModuleDict):
         raise StageBuildError(
             f"{layers!r} is a {type(container).__name__}, not an nn.ModuleList "
-            "or nn.ModuleDict of layers"
+            "or nn.ModuleDict of layers: hold the layers in one, or split by "
+            "tracing (pippy.pipeline with pippy.SplitPoint)"
         )
     keys = list(range(len(container))) if isinstance(container, nn.ModuleList) else []
     if isinstance(container, nn.ModuleDict):

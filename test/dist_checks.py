@@ -501,6 +501,14 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     except checkpoint.CheckpointError as e:
         drift = f"{type(e).__name__}: {e}"
     dist.barrier()
+    # A folder per rank (one name for a shared folder and one for the other):
+    # refused on both ranks in DCP's planning, before any folder is made.
+    apart = None
+    try:
+        checkpoint.save_stage({f"w{rank}": torch.ones(2)}, out / f"apart{rank}", step=1)
+    except checkpoint.CheckpointDirError as e:
+        apart = f"{type(e).__name__}: {e}"
+    dist.barrier()
     # Ranks that load different steps: refused on both, not taken for damage.
     steps = [checkpoint.save_stage(staged, out / "two") for staged.step in (1, 2)]
     mixed = None
@@ -513,6 +521,8 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         "mixed": mixed,
         "drift": drift,
         "drift_folder": sorted(p.name for p in (out / "drift").glob("*")),
+        "apart": apart,
+        "apart_folders": sorted(p.name for p in out.glob("apart*")),
         "error": error,
         "path": str(path),
         "in_group": in_group,

@@ -513,6 +513,13 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
             "rank must save the same step: keep one step counter for the job"
         )
         assert r["drift_folder"] == []
+        # A folder per rank: the same error on both, no folder made.
+        assert r["apart"] == (
+            "CheckpointDirError: the ranks save into different step folders (rank "
+            "0: 'apart0/step-1'; rank 1: 'apart1/step-1'): every rank must pass the "
+            "same checkpoint folder and step"
+        )
+        assert r["apart_folders"] == []
         two = Path(r["path"]).parent.parent / "two"  # steps 1 and 2, loaded by rank
         line = (
             f"ValueError: this rank opened '{two / 'step-2'}' and rank 0 "

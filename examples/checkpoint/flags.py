@@ -29,6 +29,15 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -60,14 +69,21 @@ def _signals(text: str) -> tuple:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(description="Pipeline-parallel training, checkpointed through DCP.")
+    p = _Parser(
+        description="Pipeline-parallel training, checkpointed through DCP.",
+        formatter_class=_Help,
+    )
     add = p.add_argument
     add("--checkpoint-dir", default="checkpoints", help="one step-<N> folder per save")
     add("--steps", type=_positive, default=20, help="steps in all, resumed included")
     add("--save-every", type=_positive, default=10, help="save every N and the last")
     add("--stop-after", type=_positive, help="stop after this step, as if interrupted")
     add("--split", choices=["manual", "trace"], default="manual", help="stage build")
-    add("--schedule", choices=SCHEDULES, help="default: gpipe; interleaved-1f1b")
+    add(
+        "--schedule",
+        choices=SCHEDULES,
+        help="default: gpipe; with --stages-per-rank > 1, interleaved-1f1b",
+    )
     add("--stages-per-rank", type=_positive, default=1, help="> 1: a looped schedule")
     add("--dp", type=_positive, default=1, help="data-parallel degree; pp = ranks/dp")
     add("--fsdp", action="store_true", help="with --dp: FSDP2 shards, not DDP")

@@ -34,6 +34,7 @@ from pippy.checkpoint.errors import (
     dir_error,
     explain_failures,
     fail_together,
+    name_ranks,
     own_error,
 )
 from pippy.checkpoint.job import check_lease, lease_lost
@@ -62,7 +63,7 @@ from pippy.checkpoint.steps import (
     step_dir,
     step_names,
 )
-from pippy.checkpoint.storage import Location, same_location, storage_for
+from pippy.checkpoint.storage import Location, is_url, same_location, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +250,12 @@ def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str,
     return state_dict
 
 
+def _last_two(final: Location) -> str:
+    """``<folder name>/step-<N>``: the same on every rank, whatever its mount."""
+    path = os.fspath(final) if is_url(final) else os.path.abspath(final)
+    return "/".join(path.rstrip("/").rsplit("/", 2)[-2:])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Staged:
     """A rank's storage plan: its files' prefix (as DCP's) and the folder to write."""
@@ -306,9 +313,9 @@ class StepWriter(ManifestWriter):
         super().reset()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """The plan as is: the coordinator alone looks at the folder, and makes it."""
+        """The plan, naming the step saved: the coordinator alone makes its folder."""
         self.used = True
-        return plan
+        return dataclasses.replace(plan, storage_data=_last_two(self.final))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """DCP's plans, each carrying the staging folder made here."""
@@ -319,6 +326,16 @@ class StepWriter(ManifestWriter):
                 "the save was in flight?): nothing is published. Wait for a "
                 "save to finish (close the AsyncSaver) before ending the group"
             )
+        by_name: dict[str, list[int]] = {}  # by first rank
+        for rank, plan in enumerate(plans):
+            by_name.setdefault(plan.storage_data, []).append(rank)
+        if len(by_name) > 1:
+            saved = "; ".join(f"{name_ranks(r)}: {n!r}" for n, r in by_name.items())
+            raise CheckpointDirError(
+                f"the ranks save into different step folders ({saved}): every "
+                "rank must pass the same checkpoint folder and step"
+            )
+        plans = [dataclasses.replace(p, storage_data=None) for p in plans]
         try:
             self.staging = self._make_staging()
         except OSError as e:
@@ -472,8 +489,9 @@ def publish_step(
         The :class:`StepWriter` to pass to ``dcp.save`` as ``storage_writer``.
 
     Raises:
-        CheckpointDirError: On every rank: ``step-<step>`` exists, or
-            ``checkpoint_dir`` is a file or cannot be written.
+        CheckpointDirError: On every rank: ``step-<step>`` exists,
+            ``checkpoint_dir`` is a file or cannot be written, or the ranks
+            pass folders of different names.
         CheckpointDirInUseError: On every rank: this job lost the folder's
             lease to another job.
         CheckpointError: ``dcp.save`` in the body failed on some rank (one

@@ -49,6 +49,7 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import itertools
 import json
@@ -346,16 +347,12 @@ class ManifestWriter(FileSystemWriter):
         ]
         super().finish(metadata, plain)
         written = [(r.index.fqn, *r.storage_data) for r in itertools.chain(*results)]
-        try:
-            pippy = importlib.metadata.version("pippy")
-        except importlib.metadata.PackageNotFoundError:  # run from a source tree
-            pippy = "unknown"
         manifest = {
             "format": _FORMAT,
             "step": self.step,
             "checksum": "crc32c",
             "optim_layout": LAYOUT_VERSION,
-            "written_by": {"torch": str(torch.__version__), "pippy": pippy},
+            "written_by": {"torch": str(torch.__version__), "pippy": _pippy_version()},
             "files": dict(sorted(_file_ends(i for _, i, _ in written).items())),
             "items": [
                 {
@@ -371,6 +368,15 @@ class ManifestWriter(FileSystemWriter):
         # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
         data = json.dumps(manifest, separators=(",", ":")).encode()
         self.storage.write_atomic(join(self.path, MANIFEST_FILE), data)
+
+
+@functools.cache
+def _pippy_version() -> str:
+    """Pippy's installed version, once per process (a lookup takes milliseconds)."""
+    try:
+        return importlib.metadata.version("pippy")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
 
 
 def read_manifest(storage: Storage, folder: Location) -> Manifest | None:
