@@ -383,7 +383,7 @@ class StepWriter(ManifestWriter):
                 final,
                 storage.name(aside),
             )
-        storage.makedirs(staging)
+        storage.makedirs(staging, staged=staging != final)
         return staging
 
     def write_data(

@@ -322,7 +322,7 @@ def _written_whole(storage: Storage, out: Location, *, replace: bool) -> Iterato
     if not storage.atomic_rename:  # written in place, committed by its manifest
         tmp = out
     try:
-        storage.makedirs(tmp)
+        storage.makedirs(tmp, staged=tmp != out)
     except OSError as e:  # a file where a folder above it should be, say
         where = storage.parent(out)
         why = e.strerror or e

@@ -367,7 +367,8 @@ class ManifestWriter(FileSystemWriter):
         }
         # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
         data = json.dumps(manifest, separators=(",", ":")).encode()
-        self.storage.write_atomic(join(self.path, MANIFEST_FILE), data)
+        # In a staging folder, whose publishing makes the names in it durable.
+        self.storage.write_atomic(join(self.path, MANIFEST_FILE), data, staged=True)
 
 
 @functools.cache

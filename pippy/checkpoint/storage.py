@@ -83,19 +83,31 @@ class Storage(Protocol):
     def listdir(self, location: Location) -> list[str]:
         """The names in folder ``location``, sorted; empty if it does not exist."""
 
-    def makedirs(self, location: Location) -> None:
-        """Creates folder ``location`` and its parents, durably; fine if it exists."""
+    def makedirs(self, location: Location, *, staged: bool = False) -> None:
+        """Creates folder ``location`` and its parents, durably; fine if it exists.
+
+        ``staged``: ``location`` is a folder to :meth:`publish`, which makes its
+        name durable then; only its missing parents are made durable now.
+        """
 
     def read_bytes(self, location: Location) -> bytes:
         """The whole file at ``location``."""
 
-    def write_atomic(self, location: Location, data: bytes) -> None:
+    def write_atomic(
+        self, location: Location, data: bytes, *, staged: bool = False
+    ) -> None:
         """Writes ``data`` at ``location`` whole or not at all, durably."""
-        with self.open_atomic(location) as f:
+        with self.open_atomic(location, staged=staged) as f:
             f.write(data)
 
-    def open_atomic(self, location: Location) -> AbstractContextManager[IO[bytes]]:
-        """A stream whose bytes appear at ``location`` whole, once the block ends."""
+    def open_atomic(
+        self, location: Location, *, staged: bool = False
+    ) -> AbstractContextManager[IO[bytes]]:
+        """A stream whose bytes appear at ``location`` whole, once the block ends.
+
+        ``staged``: ``location`` lies in a folder to :meth:`publish`, which makes
+        its names durable then; the file's bytes are durable at once either way.
+        """
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
         """Creates the file ``location`` holding ``data``; False if it exists."""
@@ -302,9 +314,12 @@ class _DurableWriter(io.BufferedWriter):
 
 
 class DurableFileSystem(_Checksumming, FileSystem):
-    """DCP's local ``FileSystem``: fsync at close and after a rename, items checksummed.
+    """DCP's local ``FileSystem``: fsync at close, items checksummed.
 
-    torch 2.13's own fsyncs ``.metadata`` before flushing it and never a folder.
+    torch 2.13's own fsyncs ``.metadata`` before flushing it and never a
+    folder. pippy's DCP writers write into a staging folder alone, whose names
+    :meth:`LocalStorage.publish` makes durable (an fsync of the folder) before
+    it renames it: ``.metadata``'s rename needs no fsync of its own.
     """
 
     def _open(self, path: str | os.PathLike, mode: str) -> AbstractContextManager[Any]:
@@ -312,10 +327,6 @@ class DurableFileSystem(_Checksumming, FileSystem):
         if "w" not in mode:
             return super()._open(path, mode)
         return _DurableWriter(io.FileIO(os.fspath(path), "wb"))
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        """Renames, then fsyncs the folder holding the new name (as ``publish``)."""
-        _rename_durably(path, new_path)
 
 
 class LocalStorage(Storage):
@@ -343,7 +354,7 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):  # as Path.exists: nothing
             return []
 
-    def makedirs(self, location: Location) -> None:
+    def makedirs(self, location: Location, *, staged: bool = False) -> None:
         """Creates the folder and missing parents, fsyncing each new name's holder."""
         path = Path(location)
         missing = [p for p in (path, *path.parents) if not p.exists()]
@@ -352,7 +363,8 @@ class LocalStorage(Storage):
                 folder.mkdir()
             except FileExistsError:
                 continue  # another process made it meanwhile
-            _fsync_dir(folder.parent)
+            if not (staged and folder == path):
+                _fsync_dir(folder.parent)
         if not path.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(location))
 
@@ -361,7 +373,9 @@ class LocalStorage(Storage):
         return Path(location).read_bytes()
 
     @contextmanager
-    def _draft(self, location: Location, commit: Callable) -> Iterator[IO[bytes]]:
+    def _draft(
+        self, location: Location, commit: Callable, staged: bool = False
+    ) -> Iterator[IO[bytes]]:
         """A hidden file fsynced, then ``commit(draft, path)``; on error, nothing."""
         path = Path(location)
         draft = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -371,11 +385,14 @@ class LocalStorage(Storage):
             commit(draft, path)
         finally:
             draft.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        if not staged:
+            _fsync_dir(path.parent)
 
-    def open_atomic(self, location: Location) -> AbstractContextManager[IO[bytes]]:
+    def open_atomic(
+        self, location: Location, *, staged: bool = False
+    ) -> AbstractContextManager[IO[bytes]]:
         """Writes a temp file, fsyncs, renames, fsyncs the folder; on error, nothing."""
-        return self._draft(location, os.replace)
+        return self._draft(location, os.replace, staged)
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
         """Writes a draft, then hard-links it to ``location`` (atomic, also on NFS)."""
@@ -472,7 +489,7 @@ class FsspecStorage(Storage):
         entries = self.fs.ls(path, detail=False, refresh=True)
         return sorted(self.name(e) for e in entries)
 
-    def makedirs(self, location: Location) -> None:
+    def makedirs(self, location: Location, *, staged: bool = False) -> None:
         """Creates the folder (a no-op on stores without folders); never a bucket."""
         path = self._path(location)
         bucket = path.split("/", 1)[0]
@@ -488,7 +505,9 @@ class FsspecStorage(Storage):
         return cast(bytes, self.fs.cat_file(self._path(location)))
 
     @contextmanager
-    def open_atomic(self, location: Location) -> Iterator[IO[bytes]]:
+    def open_atomic(
+        self, location: Location, *, staged: bool = False
+    ) -> Iterator[IO[bytes]]:
         """Collects the bytes, then writes them in one PUT (atomic on object stores)."""
         buffer = io.BytesIO()
         yield buffer
