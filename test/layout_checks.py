@@ -176,6 +176,13 @@ def check_mesh(out: Path, rank: int, world_size: int) -> dict:
     if mesh.get_local_rank("dp") == 1:
         sd["model"] = {k: v for k, v in sd["model"].items() if k != "norm.weight"}
     result["lacking"] = error_of(lambda: check_keys(sd, mesh=mesh))
+    # The mesh passed on the second pipeline's ranks (2 and 3) only: named so,
+    # not taken for diverged replicas.
+    try:
+        check_keys(sd, mesh=mesh if mesh.get_local_rank("dp") == 1 else None)
+        result["mesh_some"] = None
+    except ValueError as e:
+        result["mesh_some"] = f"{type(e).__name__}: {e}"
     return result
 
 

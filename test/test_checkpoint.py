@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from pippy import SplitPoint, checkpoint, pipeline
 from pippy.checkpoint import offline
@@ -56,6 +56,37 @@ def test_publish_step_never_overwrites_a_step(tmp_path):
     with pytest.raises(checkpoint.CheckpointDirError, match="never overwritten"):
         save_step(tmp_path, 5, tiny_model())
     assert (tmp_path / "step-5" / ".metadata").read_bytes() == before
+
+
+def test_a_step_another_save_published_meanwhile_is_kept_and_named(tmp_path):
+    """Two saves of one step into one folder at once (two process groups, or a
+    job without FolderOwner): the one that publishes second is discarded with
+    that cause, and the first one's step is kept as it was."""
+
+    class Rival(DefaultSavePlanner):
+        def finish_plan(self, new_plan):  # while this save writes, another publishes
+            checkpoint.save_stage({"w": torch.zeros(2)}, tmp_path, step=1)
+            return super().finish_plan(new_plan)
+
+    with pytest.raises(checkpoint.CheckpointDirError) as raised:
+        checkpoint.save_stage({"w": torch.ones(2)}, tmp_path, step=1, planner=Rival())
+    assert str(raised.value) == (
+        f"{str(tmp_path / 'step-1')!r} was published by another save while this one "
+        "wrote (a second process group or job saving into this folder?): this save "
+        "is discarded. Give each its own folder"
+    )
+    kept = {"w": torch.ones(2)}
+    dcp.load(kept, checkpoint_id=tmp_path / "step-1", no_dist=True)
+    assert torch.equal(kept["w"], torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]  # no staging
+
+
+def test_a_step_path_of_none_is_named(tmp_path):
+    """find_latest_step's None passed on to a load: named, not a TypeError."""
+    state = checkpoint.StageState(tiny_model())
+    for call in (checkpoint.load_stage, lambda _, path: checkpoint.open_step(path)):
+        with pytest.raises(checkpoint.CheckpointNotFoundError, match="no step to load"):
+            call(state, checkpoint.find_latest_step(tmp_path))
 
 
 def test_failed_save_publishes_nothing(tmp_path):

@@ -139,6 +139,11 @@ def test_diverged_replicas_mix_in_plain_dcp_and_are_refused(mesh_run):
         assert result["lacking"].startswith("DivergedReplicasError: ")
         assert "differ in 1 entr(ies)" in result["lacking"]
         assert "'model.norm.weight' (ranks [1, 3])" in result["lacking"]
+        # The mesh on some ranks only: named, on every rank.
+        assert result["mesh_some"] == (
+            "ValueError: ranks 2, 3 passed a mesh and ranks 0, 1 did not: pass "
+            "the same mesh on every rank"
+        )
 
 
 def test_hsdp_saves_reloads_and_refuses_diverged_replicate_groups(mesh_run):
@@ -164,8 +169,9 @@ def test_hsdp_saves_reloads_and_refuses_diverged_replicate_groups(mesh_run):
             "'model.tok_embeddings.weight' (ranks [0, 1, 2, 3]). DCP writes one "
             "replica's value of each key, so the checkpoint would mix them. Keep "
             "the replicas in sync (wrap each stage in DDP or FSDP2 over the "
-            "data-parallel dim, and step every replica's optimizer alike), then "
-            "save."
+            "data-parallel dim, and step every replica's optimizer alike; FSDP2 "
+            "leaves buffers, such as BatchNorm's running statistics, to you: "
+            "SyncBatchNorm, or broadcast them), then save."
         )
 
 

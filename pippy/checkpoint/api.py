@@ -410,6 +410,12 @@ class StepWriter(ManifestWriter):
             if self.staging != self.final:  # on a store: committed by its record
                 self.storage.publish(self.staging, self.final)
         except OSError as e:
+            if self.staging != self.final and self.storage.exists(self.final):
+                raise CheckpointDirError(
+                    f"{os.fspath(self.final)!r} was published by another save while "
+                    "this one wrote (a second process group or job saving into this "
+                    "folder?): this save is discarded. Give each its own folder"
+                ) from e
             raise dir_error(f"cannot publish {self.storage.name(self.final)}", e) from e
         if self.keep_last is None:
             return
@@ -490,8 +496,9 @@ def publish_step(
 
     Raises:
         CheckpointDirError: On every rank: ``step-<step>`` exists,
-            ``checkpoint_dir`` is a file or cannot be written, or the ranks
-            pass folders of different names.
+            ``checkpoint_dir`` is a file or cannot be written, the ranks pass
+            folders of different names, or another save published the step
+            meanwhile.
         CheckpointDirInUseError: On every rank: this job lost the folder's
             lease to another job.
         CheckpointError: ``dcp.save`` in the body failed on some rank (one
@@ -852,7 +859,8 @@ def load_stage(
         The state_dict as loaded (tensors are the stage's own).
 
     Raises:
-        CheckpointNotFoundError: ``path`` is not a complete checkpoint.
+        CheckpointNotFoundError: ``path`` is not a complete checkpoint, or
+            is None.
         UnsafeCheckpointError: It holds a pickle that could run code.
         CheckpointError: It is damaged or does not match the stage (keys,
             shapes, dtypes, optimizer or param groups), or the state could

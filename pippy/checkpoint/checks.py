@@ -25,6 +25,7 @@ from pippy.checkpoint.errors import (
     DivergedReplicasError,
     KeyCollisionError,
     NestedStateError,
+    name_ranks,
 )
 
 _OWNED = ("model", "optim")  # the sections whose every key one stage owns
@@ -201,8 +202,8 @@ def check_keys(
             values (by CRC-32C), or an entry (not a shard) only some have.
         NestedStateError: A section other than ``model`` and ``optim`` holds
             model or optimizer state, at any depth.
-        ValueError: ``mesh`` has no ``pp`` dim, or spans other ranks than
-            ``process_group`` (a slice).
+        ValueError: ``mesh`` has no ``pp`` dim, spans other ranks than
+            ``process_group`` (a slice), or is passed on some ranks only.
         TypeError: An entry that is not a tensor cannot be pickled (on the
             ranks holding it, before the all-gather).
 
@@ -268,6 +269,13 @@ def refuse_losses(
         dist.get_global_rank(process_group, r) if process_group else r: offer
         for r, offer in enumerate(gathered)
     }
+    with_mesh = [r for r, offer in offers.items() if offer["meshed"]]
+    if 0 < len(with_mesh) < len(offers):
+        without = [r for r in offers if r not in with_mesh]
+        raise ValueError(
+            f"{name_ranks(with_mesh)} passed a mesh and {name_ranks(without)} did "
+            "not: pass the same mesh on every rank"
+        )
     nested = _ranks_by(offers, lambda o: ((s, None) for s in o["nested"]))
     if nested:
         raise NestedStateError(
@@ -292,7 +300,8 @@ def refuse_losses(
             + (
                 "data-parallel replicas must differ only in the mesh's other dims."
                 if meshed
-                else "pass the mesh if these ranks are data-parallel replicas."
+                else "pass the mesh if these ranks are data-parallel replicas or "
+                "FSDP2 shards."
             )
         )
     members: dict[int, set[int]] = {}  # the ranks that hold each stage
@@ -317,7 +326,9 @@ def refuse_losses(
             "writes one replica's value of each key, so the checkpoint would mix "
             "them. Keep the replicas in sync "
             "(wrap each stage in DDP or FSDP2 over the data-parallel dim, and "
-            "step every replica's optimizer alike), then save."
+            "step every replica's optimizer alike; FSDP2 leaves buffers, such as "
+            "BatchNorm's running statistics, to you: SyncBatchNorm, or broadcast "
+            "them), then save."
         )
     shared = _ranks_by(offers, lambda o: o["shared"].items())
     differing = {  # the ranks of each value: "[0, 3] vs [1, 2]"

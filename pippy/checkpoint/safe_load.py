@@ -139,6 +139,15 @@ def resolve_trusted(trusted: bool | None) -> bool:
     return os.environ.get(TRUST_ENV) == "1" if trusted is None else trusted
 
 
+def _refuse_none(path: Location | None) -> None:
+    """CheckpointNotFoundError for a step ``None``: find_latest_step found none."""
+    if path is None:
+        raise CheckpointNotFoundError(
+            "no step to load: the path is None (find_latest_step returns None "
+            "where the folder holds no complete step); check for it first"
+        )
+
+
 def _refusal(what: str, refused: str) -> UnsafeCheckpointError:
     """The error for loading ``what``, whose pickle would import ``refused``."""
     return UnsafeCheckpointError(
@@ -321,8 +330,8 @@ class SafeFileSystemReader(FileSystemReader):
             ``path``.
 
     Raises:
-        CheckpointNotFoundError: ``path`` is not a folder, or has no
-            ``.metadata`` (its save did not finish).
+        CheckpointNotFoundError: ``path`` is None, is not a folder, or has
+            no ``.metadata`` (its save did not finish).
         UnsafeCheckpointError: ``.metadata`` holds a refused global, or a
             file of the step lies or leads out of the step folder.
         CheckpointError: ``.metadata`` is damaged or not DCP's, or an item
@@ -367,6 +376,7 @@ class SafeFileSystemReader(FileSystemReader):
         self, path: str | os.PathLike, trusted: bool | None, storage: Storage | None
     ) -> None:
         """DCP's reader of ``path``, set up without touching a file."""
+        _refuse_none(path)
         super().__init__(path)
         self.storage = storage = storage or storage_for(path)
         if is_url(path):  # DCP's FileSystemReader would read a local folder
@@ -899,6 +909,7 @@ def open_reader(
     no_dist: bool = False,
 ) -> SafeFileSystemReader:
     """A :class:`SafeFileSystemReader` made on rank 0, its metadata broadcast."""
+    _refuse_none(path)
     if no_dist or not dist.is_initialized():
         return SafeFileSystemReader(path, trusted=trusted, verify=verify)
     made: list[SafeFileSystemReader] = []
