@@ -41,6 +41,7 @@ from pippy.checkpoint.steps import (
     list_steps,
     newest_complete_step,
     parse_step,
+    read_manifest,
 )
 from pippy.checkpoint.storage import Storage, storage_for
 
@@ -151,7 +152,12 @@ def _inspect(args: argparse.Namespace) -> None:
     steps, folder = _resolve(storage, args.path, args.step)
     metadata = read_metadata(folder, trusted=args.trusted)
     damage = find_damage(storage, folder, metadata)
-    if args.verify and not damage:
+    if args.verify and not damage and read_manifest(storage, folder) is None:
+        print(
+            f"not verified: {folder} has no {MANIFEST_FILE} to verify against "
+            "(written by plain DCP or torchtitan, or the file was lost)"
+        )
+    elif args.verify and not damage:
         try:
             verified = verify_step(folder, trusted=args.trusted, storage=storage)
             print(f"verified: {folder}: {verified} items match its {MANIFEST_FILE}")

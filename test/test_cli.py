@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -366,6 +367,15 @@ def tree_bytes(folder):
             ["convert", "{step}", "--to", "pippy", "--out", "{tmp}/a_file/step-2"],
             "cannot write '{tmp}/a_file/step-2' in '{tmp}/a_file': Not a directory",
         ),
+        (  # a folder holding the run (and more): --force replaces an export only
+            ["export", "{step}", "--hf-config", "{tmp}/c.json", "--out", "{tmp}"],
+            "refused to replace '{tmp}': it holds a_file, bad.json, c.json, run, "
+            "which no Hugging Face export writes",
+        ),
+        (
+            ["export", "{step}", "--hf-config", "{tmp}/no.json", "--out", "{tmp}/hf"],
+            "no Hugging Face config at '{tmp}/no.json' (config, --hf-config)",
+        ),
     ],
 )
 def test_an_out_that_would_touch_a_checkpoint_is_refused(
@@ -391,6 +401,41 @@ def test_an_out_that_would_touch_a_checkpoint_is_refused(
         "c.json",
         "run",
     ]
+
+
+def test_a_forced_hf_export_replaces_an_earlier_export_never_the_current_folder(
+    run, tmp_path, monkeypatch, capsys
+):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "gpt2"}')
+    out = tmp_path / "hf"
+    argv = ["export", str(run[0] / "step-3"), "--hf-config", str(config), "--out"]
+    assert main([*argv, str(out)]) == 0
+    assert main([*argv, str(out)]) == 2  # exists
+    assert "exists; pass force=True (--force) to replace it" in capsys.readouterr().err
+    before = tree_bytes(out)
+    assert main([*argv, str(out), "--force"]) == 0  # an earlier export: replaced
+    assert tree_bytes(out) == before
+    monkeypatch.chdir(out)  # the folder it would replace holds the current one
+    capsys.readouterr()
+    assert main([*argv, ".", "--force"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (
+        "error: refused to replace '.': it is or holds the current folder. Write "
+        "the export to a folder of its own"
+    )
+    assert tree_bytes(out) == before
+
+
+def test_inspect_verify_of_a_step_without_manifest_says_so_not_damaged(
+    tmp_path, capsys
+):
+    folder = tmp_path / "step-1"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=folder, no_dist=True)  # plain DCP
+    assert main(["inspect", str(folder), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"not verified: {folder} has no manifest.json to verify against" in out
+    assert "damaged" not in out
 
 
 def test_bad_arguments_are_argparse_errors(run, capsys):

@@ -405,6 +405,71 @@ def test_the_example_refuses_to_resume_from_a_step_file_linked_out(tmp_path, tin
         assert not (tmp_path / name / "ckpt" / "step-7").exists()
 
 
+def _negative(metadata):  # a shape no tensor has, its chunk filling it
+    item = metadata.state_dict_metadata["model.weight"]
+    item.size = item.chunks[0].sizes = torch.Size([-4, 4])
+
+
+def _unlisted(metadata):  # stored (and in the manifest), but not a key to load
+    del metadata.state_dict_metadata["model.bias"]
+
+
+@pytest.mark.parametrize(
+    "edit, damage",
+    [
+        (_negative, "'model.weight' has shape [-4, 4]"),
+        (_unlisted, "it stores 'model.bias', no key"),
+    ],
+)
+def test_a_crafted_metadata_that_misshapes_or_hides_a_key_is_damage(
+    tmp_path, capsys, edit, damage
+):
+    _, folder = saved_linear(tmp_path / "ckpt")
+    craft(folder, edit)
+    for read in READ_PATHS.values():
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(damage)):
+            read(folder)
+    for argv in (["inspect", "--verify"], ["export", "--out", str(tmp_path / "m.pt")]):
+        assert main([argv[0], str(folder), *argv[1:]]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: ") and damage in line
+    assert not (tmp_path / "m.pt").exists()
+
+
+def test_a_metadata_that_is_no_file_is_refused_or_damage(tmp_path):
+    _, folder = saved_linear(tmp_path / "a")
+    (folder / ".metadata").unlink()
+    (folder / ".metadata").symlink_to("/dev/zero")
+    with pytest.raises(
+        checkpoint.UnsafeCheckpointError, match="it is a link to '/dev/zero'"
+    ):
+        read_metadata(folder)
+    _, folder = saved_linear(tmp_path / "b")
+    (folder / ".metadata").unlink()
+    os.mkfifo(folder / ".metadata")
+    with pytest.raises(
+        checkpoint.CheckpointError, match="is damaged: it is not a file"
+    ):
+        read_metadata(folder)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_a_parameter_of_no_element_saves_and_loads(tmp_path):
+    def state(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 0))
+        return checkpoint.StageState(model, torch.optim.AdamW(model.parameters()))
+
+    saved = state(0)
+    step = checkpoint.save_stage(saved, tmp_path)
+    fresh = state(1)
+    checkpoint.load_stage(fresh, step)
+    assert offline.diff_state_dicts(fresh.state_dict(), saved.state_dict()) == []
+    assert main(["export", str(step), "--out", str(tmp_path / "m.pt")]) == 0
+    exported = torch.load(tmp_path / "m.pt")
+    assert exported["1.weight"].shape == (0, 4)
+
+
 def test_a_tensor_larger_than_its_place_is_refused_before_allocation(tmp_path):
     _, folder = saved_linear(tmp_path)
 

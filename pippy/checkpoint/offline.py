@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -231,7 +233,8 @@ def export_hf(
         config: The model's Hugging Face config, a dict or a ``config.json`` path.
         max_shard_size: Above this many bytes, write shards and an index.
         dtype: If given, floating-point tensors are converted to it.
-        force: Replace an existing ``out``.
+        force: Replace an existing ``out``: a file, or the folder of an
+            earlier export (nothing else in it).
         trusted: As :func:`read_checkpoint`.
         verify: As :func:`~pippy.checkpoint.load_stage`.
 
@@ -241,20 +244,29 @@ def export_hf(
     Raises:
         FileExistsError: ``out`` exists and ``force`` is False.
         ValueError: ``out`` is or lies in a step folder, or holds steps (even
-            with ``force``: see :func:`refuse_out`); ``config`` is not a JSON
-            object, or a model entry of the checkpoint is not a tensor.
+            with ``force``: see :func:`refuse_out`); with ``force``, ``out`` is
+            a folder holding anything an export does not write, or holds the
+            current folder; ``config`` is not a JSON object, or a model entry
+            of the checkpoint is not a tensor.
         CheckpointError: As :func:`read_checkpoint`.
         CheckpointDirError: ``out`` is on storage without atomic renames.
     """
     storage = check_publishable(out)
     if storage.exists(out) and not force:
-        raise FileExistsError(f"{os.fspath(out)!r} exists; pass force to replace it")
+        raise FileExistsError(
+            f"{os.fspath(out)!r} exists; pass force=True (--force) to replace it"
+        )
     refuse_out(storage, out)
+    _refuse_replacing(storage, out)
     if not isinstance(config, Mapping):
         try:
             config = json.loads(storage_for(config).read_bytes(config))
         except ValueError as e:
             raise ValueError(f"{str(config)!r} is not JSON: {e}") from None
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no Hugging Face config at {str(config)!r} (config, --hf-config)"
+            ) from None
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
     weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
@@ -311,6 +323,32 @@ def refuse_out(storage: Storage, out: Location) -> None:
             f"refused to write {os.fspath(out)!r}: it is a checkpoint folder holding "
             f"{', '.join(f'step-{n}' for n in steps)}, which replacing it would "
             "delete. Write it to a folder of its own"
+        )
+
+
+# The names export_hf writes: what force may replace.
+_HF_NAMES = re.compile(
+    r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors"
+)
+
+
+def _refuse_replacing(storage: Storage, out: Location) -> None:
+    """ValueError unless ``out`` is no folder, or a folder of an HF export alone."""
+    if not storage.is_dir(out):
+        return
+    here = Path.cwd()
+    if storage.atomic_rename and Path(out).resolve() in (here, *here.parents):
+        raise ValueError(
+            f"refused to replace {os.fspath(out)!r}: it is or holds the current "
+            "folder. Write the export to a folder of its own"
+        )
+    others = [n for n in storage.listdir(out) if not _HF_NAMES.fullmatch(n)]
+    if others:
+        shown = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
+        raise ValueError(
+            f"refused to replace {os.fspath(out)!r}: it holds {shown}, which no "
+            "Hugging Face export writes, and force replaces an earlier export "
+            "only. Write the export to a folder of its own"
         )
 
 

@@ -198,7 +198,10 @@ def _read_metadata_file(
     """A step's ``.metadata`` unpickled (allow-listed unless trusted), its bytes."""
     if not storage.is_dir(folder):  # first, whether it is a step that finished
         raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
-    if storage.size(storage.join(folder, METADATA_FILE)) is None:
+    path = step_file(storage, folder, METADATA_FILE)  # a link out is refused
+    if storage.exists(path) and storage.size(path) is None:  # a FIFO, a device
+        raise CheckpointError(f"{path} is damaged: it is not a file")
+    if storage.size(path) is None:
         listed = list_steps(storage, folder).values()
         steps = [p for p in listed if is_complete(storage, p)]
         if steps:
@@ -215,7 +218,6 @@ def _read_metadata_file(
             f"{str(folder)!r} is not a complete checkpoint (no {METADATA_FILE}: "
             "its save did not finish); use an earlier step"
         )
-    path = step_file(storage, folder, METADATA_FILE)
     try:
         data = storage.read_bytes(path)
         metadata = _MetadataUnpickler(data, str(path), trusted).load()
@@ -794,10 +796,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's global plan, after checking that no required key is left unread."""
         global_plan = super().create_global_plan(global_plan)
         read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
-        unread = sorted(
+        unread = sorted(  # a tensor of no element has nothing to read
             key
-            for key in (self.metadata.state_dict_metadata if self.metadata else {})
-            if key.startswith(self.must_read) and key not in read
+            for key, item in (
+                self.metadata.state_dict_metadata if self.metadata else {}
+            ).items()
+            if key.startswith(self.must_read)
+            and key not in read
+            and not (isinstance(item, TensorStorageMetadata) and 0 in item.size)
         )
         if not unread:
             return global_plan

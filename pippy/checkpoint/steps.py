@@ -401,7 +401,10 @@ def read_manifest(storage: Storage, folder: Location) -> Manifest | None:
         step = _count(raw["step"])
         return Manifest(step, files, items, raw.get("optim_layout"), versions)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{path} is damaged: {e}") from None
+        raise CheckpointError(
+            f"{path} is damaged ({type(e).__name__}: {e}): restore it, or load "
+            "the step unverified (verify=False, --allow-no-manifest)"
+        ) from None
 
 
 def _count(value: Any) -> int:
@@ -535,12 +538,16 @@ def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> N
                 raise CheckpointError(
                     f"{damaged}: item {index.fqn!r} has no valid place"
                 )
+            if index.fqn not in items:  # stored, and left out of the keys loaded
+                raise CheckpointError(f"{damaged}: it stores {index.fqn!r}, no key")
             lengths[index.fqn, index.offset] = length
         for key, item in items.items():
             if isinstance(item, BytesStorageMetadata):
                 chunks: list[tuple[Any, int]] = [(None, 0)]
             elif isinstance(item, TensorStorageMetadata):
                 itemsize, shape = item.properties.dtype.itemsize, item.size
+                if not all(type(d) is int and d >= 0 for d in shape):
+                    raise CheckpointError(f"{damaged}: {key!r} has shape {list(shape)}")
                 chunks, volume, inside = [], 0, True
                 for c in item.chunks:
                     n = math.prod(c.sizes)
