@@ -409,7 +409,9 @@ def parser() -> argparse.ArgumentParser:
         help="convert floating-point tensors to this dtype",
     )
     export.add_argument(
-        "--force", action="store_true", help="overwrite FILE if it exists"
+        "--force",
+        action="store_true",
+        help="overwrite FILE, or an earlier --hf-config export, if it exists",
     )
     export.set_defaults(run=_export)
     convert = commands.add_parser(

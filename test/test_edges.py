@@ -698,6 +698,31 @@ def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, c
         checkpoint.job.FolderOwner(tmp_path).acquire()
 
 
+def test_a_slurm_job_requeued_onto_other_nodes_takes_its_folder_back(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    with checkpoint.job.FolderOwner(tmp_path):
+        record = json.loads((tmp_path / OWNER_FILE).read_text())
+    assert record["slurm"] == ["4242", 0]
+    record.update(host="node-a", token="killed")  # its rank 0 ran on another node
+    (tmp_path / OWNER_FILE).write_text(json.dumps(record))
+    for job, restarts in (("4242", "0"), ("4343", "1")):  # the same run, another job
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
+        with pytest.raises(checkpoint.CheckpointDirInUseError, match="node-a"):
+            checkpoint.job.FolderOwner(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # requeued: Slurm ended the first
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
+        with checkpoint.job.FolderOwner(tmp_path):
+            assert json.loads((tmp_path / OWNER_FILE).read_text())["slurm"] == [
+                "4242",
+                1,
+            ]
+    assert "taking over" in caplog.text and "'node-a'" in caplog.text
+
+
 @pytest.mark.parametrize("how", ["itself", "inside", "symlink"])
 def test_a_step_folder_is_refused_as_a_run_folder(tmp_path, how):
     _, folder = saved_linear(tmp_path / "run")

@@ -66,7 +66,9 @@ def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
 
 def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
     """What an exact resume needs: weights, AdamW moments (keyed by FQN, not by
-    index, which restarts at 0 on every stage), LR schedule, step, data order."""
+    index, which restarts at 0 on every stage), LR schedule, step, data order.
+    (A model with dropout would add each rank's RNG state, under a key naming
+    its stage, "rng.stage_3": the ranks' values differ.)"""
     modules = [stage.submod for stage in stages]  # StageState looks inside DDP
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
@@ -100,7 +102,7 @@ def load(
     """Every rank at once: fills its stage(s) from a step opened by open_step,
     in place. Returns the state_dict it filled."""
     # DCP loads in place, into tensors that must exist: load_into gives
-    # state_dict(), this stage's own tensors (AdamW's moments made empty), so
+    # state_dict(), this stage's own tensors (AdamW's made by a step of lr 0), so
     # each rank reads only its keys, then applies them; if one fails, all raise.
     target = checkpoint.StageState(state.module) if weights_only else state
     with checkpoint.load_into(target, reader, timeout=timeout) as state_dict:
@@ -299,7 +301,7 @@ def main(args) -> None:
     rank, device = parallel.setup_distributed()
     checkpoint.job.stop_with_launcher()
     stop = stop_on_signals(args)
-    owner = checkpoint.job.FolderOwner(args.checkpoint_dir)
+    owner, saver = checkpoint.job.FolderOwner(args.checkpoint_dir), None
     try:
         # lay the ranks out on a (dp, pp) mesh; build and split the model, the
         # schedule, and the state to checkpoint. A failure on one rank stops
@@ -315,13 +317,18 @@ def main(args) -> None:
         resume(state, args, layout)
         # train, saving every --save-every steps and at the last; with
         # --async-save, in the background, one save at a time
-        saver = None
         if args.async_save:
-            folder, keep = args.checkpoint_dir, args.keep_last
-            saver = checkpoint.AsyncSaver(folder, keep_last=keep, mesh=layout.mesh)
+            folder, keep, wait = (
+                args.checkpoint_dir,
+                args.keep_last,
+                args.checkpoint_timeout,
+            )
+            saver = checkpoint.AsyncSaver(
+                folder, keep_last=keep, mesh=layout.mesh, timeout=wait
+            )
         stopped = train(args, state, stages, schedule, device, layout, saver, stop)
         if saver is not None:
-            saver.close()  # waits for the last save, then publishes it
+            saver.close()  # waits for the last save, which its thread publishes
         # verify: load the final checkpoint into fresh stages, compare bit for
         # bit; not after a stop signal, whose grace period a load would spend
         final = checkpoint.find_latest_step(args.checkpoint_dir)
@@ -339,6 +346,11 @@ def main(args) -> None:
         log(f"[rank {rank}] error: {e}{flag}")
         ok = False
     finally:
+        if saver is not None:  # a save in flight when training failed still lands
+            try:
+                saver.close()
+            except checkpoint.CheckpointError as e:
+                log(f"[rank {rank}] error: {e}")
         owner.release()
         dist.destroy_process_group()
     sys.exit(0 if ok else 1)

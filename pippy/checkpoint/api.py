@@ -285,6 +285,9 @@ class StepWriter(ManifestWriter):
         final: ``<checkpoint_dir>/step-<step>``, what readers see.
         staging: The folder made, on the coordinator once made; None
             elsewhere. On an object store (no rename), ``final``.
+        written: After the save, ``(tensors, bytes)`` this rank wrote (bytes
+            with ``torch.save``'s framing): replicated items count on the one
+            replica that wrote them.
     """
 
     def __init__(

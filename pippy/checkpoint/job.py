@@ -97,6 +97,13 @@ def _start_time(pid: int) -> str | None:
     return None if stat is None else stat.rsplit(")", 1)[1].split()[19]
 
 
+def _slurm_job() -> list[Any] | None:
+    """``[job id, restarts]`` of this process's Slurm job, or None outside Slurm."""
+    job = os.environ.get("SLURM_JOB_ID")
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    return [job, int(restarts) if restarts.isdigit() else 0] if job else None
+
+
 def _describe(record: dict[str, Any]) -> str:
     """The owner, for a message: host, pid and when it started."""
     return (
@@ -165,14 +172,23 @@ class _OwnerRecord:
         here["pidns"] = _pid_namespace()  # a pid names a process only within it
         return {
             **here,
+            "slurm": _slurm_job(),
             "start": _start_time(pid),
             "since": self.since,
             "token": self.token,
         }
 
     def _gone(self, record: dict[str, Any]) -> bool:
-        """Whether the process of ``record`` ran here (host, boot, PID ns), now gone."""
-        pid = record.get("pid")
+        """Whether ``record``'s process ended: ran here, or before a Slurm requeue."""
+        pid, job, theirs = record.get("pid"), _slurm_job(), record.get("slurm")
+        # Slurm ends every process of a job, on every node, before it requeues it.
+        if job and isinstance(theirs, list) and len(theirs) == 2:
+            if (
+                theirs[0] == job[0]
+                and isinstance(theirs[1], int)
+                and theirs[1] < job[1]
+            ):
+                return True
         return (
             record.get("host") == socket.gethostname()
             and record.get("boot") == _boot_id()
@@ -261,7 +277,8 @@ class _LocalRecord(_OwnerRecord):
                 f"{self.root} is in use by another job ({_describe(record)}): one "
                 "writer per checkpoint folder. Wait for that job to end or stop "
                 "it, or use another folder. If it is gone (it ran on another "
-                f"host), delete {self.record}"
+                f"host, and not in this Slurm job before a requeue), delete "
+                f"{self.record}"
             )
         stale = self.storage.join(self.root, f".owner-gone-{uuid.uuid4().hex}")
         try:
@@ -431,9 +448,13 @@ class FolderOwner:
     Without ``with``: :meth:`acquire`, then :meth:`release` in a ``finally``.
     A dead owner's record (same host and boot, no process with its pid and
     start time) is taken over with a warning, and its staging folders and the
-    steps its retention hid but did not delete are removed; a record from
-    another host never is (its job may still run). On an object store (an
-    fsspec URL) rank 0 holds the record with a lease (:class:`StoreLease`).
+    steps its retention hid but did not delete are removed. So is the record
+    of the same Slurm job before a requeue (``SLURM_JOB_ID`` equal,
+    ``SLURM_RESTART_COUNT`` higher: sbatch(1)), from any node, as Slurm ends
+    a job's processes before it requeues it (scontrol(1), ``requeue``). Any
+    other record from another host never is (its job may still run). On an
+    object store (an fsspec URL) rank 0 holds the record with a lease
+    (:class:`StoreLease`).
 
     Args:
         checkpoint_dir: The run's checkpoint folder.

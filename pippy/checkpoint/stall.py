@@ -11,7 +11,10 @@ collective of the block waits at most ``timeout`` + :data:`ABORT_WAIT_S`
 (``ProcessGroup.set_timeout``, put back at the end), so every rank raises one
 :class:`~pippy.checkpoint.errors.CheckpointTimeout`. The group is then unfit
 for more collectives: end the job. A rank that arrived less than an interval
-before another's deadline may still be named.
+before another's deadline may still be named. On nccl alone the watchdog ends
+a timed-out collective by stopping the process (``ProcessGroupNCCL.hpp``,
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``): save and load over gloo (a
+``cuda:nccl,cpu:gloo`` group runs object collectives on gloo).
 
 Private torch names (no public getter): the store (``_get_default_store``)
 and a group's backends' ``options._timeout``; :mod:`~pippy.checkpoint.steps`
