@@ -8,6 +8,7 @@ checks share one launch of ranks: starting ranks is the slow part here.
 """
 
 import copy
+import os
 import sys
 import threading
 import time
@@ -509,6 +510,12 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
     except checkpoint.CheckpointDirError as e:
         apart = f"{type(e).__name__}: {e}"
     dist.barrier()
+    # The same folder, named through a link on rank 1: one step, saved.
+    if rank == 0:
+        (out / "linked").symlink_to(out / "real", target_is_directory=True)
+    dist.barrier()
+    folder = out / ("real" if rank == 0 else "linked")
+    linked = checkpoint.save_stage({f"w{rank}": torch.ones(2)}, folder, step=1)
     # Ranks that load different steps: refused on both, not taken for damage.
     steps = [checkpoint.save_stage(staged, out / "two") for staged.step in (1, 2)]
     mixed = None
@@ -522,6 +529,7 @@ def check_refusal(out: Path, rank: int, world_size: int) -> dict:
         "drift": drift,
         "drift_folder": sorted(p.name for p in (out / "drift").glob("*")),
         "apart": apart,
+        "linked": [str(linked), sorted(os.listdir(out / "real"))],
         "apart_folders": sorted(p.name for p in out.glob("apart*")),
         "error": error,
         "path": str(path),

@@ -425,6 +425,12 @@ def test_a_forced_hf_export_replaces_an_earlier_export_never_the_current_folder(
         "the export to a folder of its own"
     )
     assert tree_bytes(out) == before
+    monkeypatch.chdir(tmp_path)
+    kept = out.parent / "kept"  # a folder named like an export file is no export
+    (kept / "model.safetensors" / "run").mkdir(parents=True)
+    assert main([*argv, str(kept), "--force"]) == 2
+    assert "it holds model.safetensors, which no" in capsys.readouterr().err
+    assert (kept / "model.safetensors" / "run").is_dir()
 
 
 def test_inspect_verify_of_a_step_without_manifest_says_so_not_damaged(

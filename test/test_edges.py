@@ -702,25 +702,54 @@ def test_a_slurm_job_requeued_onto_other_nodes_takes_its_folder_back(
     tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "north")
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     with checkpoint.job.FolderOwner(tmp_path):
         record = json.loads((tmp_path / OWNER_FILE).read_text())
-    assert record["slurm"] == ["4242", 0]
+    assert record["slurm"] == ["north", "4242", 0]
     record.update(host="node-a", token="killed")  # its rank 0 ran on another node
     (tmp_path / OWNER_FILE).write_text(json.dumps(record))
-    for job, restarts in (("4242", "0"), ("4343", "1")):  # the same run, another job
+    for cluster, job, restarts in (  # the same run; another job, here or there
+        ("north", "4242", "0"),
+        ("north", "4343", "1"),
+        ("south", "4242", "1"),
+    ):
+        monkeypatch.setenv("SLURM_CLUSTER_NAME", cluster)
         monkeypatch.setenv("SLURM_JOB_ID", job)
         monkeypatch.setenv("SLURM_RESTART_COUNT", restarts)
         with pytest.raises(checkpoint.CheckpointDirInUseError, match="node-a"):
             checkpoint.job.FolderOwner(tmp_path).acquire()
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # requeued: Slurm ended the first
+    monkeypatch.setenv("SLURM_CLUSTER_NAME", "north")  # requeued: Slurm ended it
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
     with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
         with checkpoint.job.FolderOwner(tmp_path):
             assert json.loads((tmp_path / OWNER_FILE).read_text())["slurm"] == [
+                "north",
                 "4242",
                 1,
             ]
     assert "taking over" in caplog.text and "'node-a'" in caplog.text
+
+
+def test_an_owner_whose_record_was_taken_over_writes_nothing_more(tmp_path):
+    """A job taken for gone (a Slurm requeue while a cut-off node still ran):
+    its next save stops at the record, instead of writing beside the new owner."""
+    state = checkpoint.StageState(torch.nn.Linear(2, 2))
+    with checkpoint.job.FolderOwner(tmp_path):
+        state.step = 1
+        checkpoint.save_stage(state, tmp_path)
+        record = json.loads((tmp_path / OWNER_FILE).read_text())
+        record.update(host="node-b", token="newowner")  # the other job's now
+        (tmp_path / OWNER_FILE).write_text(json.dumps(record))
+        with pytest.raises(
+            checkpoint.CheckpointDirInUseError,
+            match=f"this job lost {re.escape(str(tmp_path))}: another job took it "
+            r"over \(host 'node-b'",
+        ):
+            state.step = 2
+            checkpoint.save_stage(state, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE, "step-1"]
+    assert json.loads((tmp_path / OWNER_FILE).read_text())["token"] == "newowner"
 
 
 @pytest.mark.parametrize("how", ["itself", "inside", "symlink"])

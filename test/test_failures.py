@@ -520,6 +520,8 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
             "same checkpoint folder and step"
         )
         assert r["apart_folders"] == []
+        real = Path(r["path"]).parent.parent / ("real" if rank == 0 else "linked")
+        assert r["linked"] == [str(real / "step-1"), ["step-1"]]
         two = Path(r["path"]).parent.parent / "two"  # steps 1 and 2, loaded by rank
         line = (
             f"ValueError: this rank opened '{two / 'step-2'}' and rank 0 "

@@ -346,13 +346,14 @@ def main(args) -> None:
         log(f"[rank {rank}] error: {e}{flag}")
         ok = False
     finally:
-        if saver is not None:  # a save in flight when training failed still lands
-            try:
+        try:
+            if saver is not None:  # a save in flight when training failed lands
                 saver.close()
-            except checkpoint.CheckpointError as e:
-                log(f"[rank {rank}] error: {e}")
-        owner.release()
-        dist.destroy_process_group()
+        except checkpoint.CheckpointError as e:
+            log(f"[rank {rank}] error: {e}")
+        finally:
+            owner.release()
+            dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 
 

@@ -251,8 +251,8 @@ def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str,
 
 
 def _last_two(final: Location) -> str:
-    """``<folder name>/step-<N>``: the same on every rank, whatever its mount."""
-    path = os.fspath(final) if is_url(final) else os.path.abspath(final)
+    """``<folder name>/step-<N>``, links resolved: alike on every rank, any mount."""
+    path = os.fspath(final) if is_url(final) else os.path.realpath(final)
     return "/".join(path.rstrip("/").rsplit("/", 2)[-2:])
 
 
@@ -413,7 +413,8 @@ class StepWriter(ManifestWriter):
             if self.staging != self.final:  # on a store: committed by its record
                 self.storage.publish(self.staging, self.final)
         except OSError as e:
-            if self.staging != self.final and self.storage.exists(self.final):
+            theirs = self.staging != self.final and self.storage.exists(self.staging)
+            if theirs and self.storage.exists(self.final):  # not renamed: another's
                 raise CheckpointDirError(
                     f"{os.fspath(self.final)!r} was published by another save while "
                     "this one wrote (a second process group or job saving into this "

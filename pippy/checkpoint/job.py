@@ -22,7 +22,11 @@ each write that could touch another job's objects (a step's first file, its
 commit record, retention) the saving code calls :func:`check_lease` (one GET).
 Left open: a data PUT under way when the job stalled lands when it wakes, in
 that job's uncommitted step (a step of the same number the new owner saved
-meanwhile fails its manifest's checksums at load).
+meanwhile fails its manifest's checksums at load). A local folder's record,
+held without a lease, is checked the same way (one read of ``.owner.json``):
+a job whose record was taken over (taken for gone, or from before a Slurm
+requeue while a node cut off from the controller still ran) stops at its
+next save instead of writing on beside the new owner.
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ LEASE_SECONDS = 60.0
 #: Environment variable that sets the lease, in seconds, where none is given.
 LEASE_ENV = "PIPPY_LEASE_SECONDS"
 
-# The leases this process holds, by folder URL: the saving code checks them.
-_HELD: dict[str, StoreLease] = {}
+# The owner records this process holds, by folder: the saving code checks them.
+_HELD: dict[str, _OwnerRecord] = {}
 
 
 def _proc(name: str) -> str | None:
@@ -98,10 +102,10 @@ def _start_time(pid: int) -> str | None:
 
 
 def _slurm_job() -> list[Any] | None:
-    """``[job id, restarts]`` of this process's Slurm job, or None outside Slurm."""
-    job = os.environ.get("SLURM_JOB_ID")
+    """``[cluster, job id, restarts]`` of this Slurm job; None outside Slurm."""
+    job, cluster = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_CLUSTER_NAME")
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return [job, int(restarts) if restarts.isdigit() else 0] if job else None
+    return [cluster, job, int(restarts) if restarts.isdigit() else 0] if job else None
 
 
 def _describe(record: dict[str, Any]) -> str:
@@ -141,7 +145,7 @@ def _key(root: Location) -> str:
 
 
 def check_lease(checkpoint_dir: Location) -> None:
-    """CheckpointDirInUseError if this process's :class:`StoreLease` here was lost."""
+    """CheckpointDirInUseError if another job took this process's folder over."""
     if (lease := _HELD.get(_key(checkpoint_dir))) is not None:
         lease.check()
 
@@ -164,6 +168,7 @@ class _OwnerRecord:
         self.token = ""
         self.since = ""  # when this job acquired the record
         self.created = False  # the folder did not exist: release removes it empty
+        self.lost = ""  # once another job took the folder over: the message
 
     def _mine(self) -> dict[str, Any]:
         """This job's record, with what tells whether its process still runs."""
@@ -182,11 +187,11 @@ class _OwnerRecord:
         """Whether ``record``'s process ended: ran here, or before a Slurm requeue."""
         pid, job, theirs = record.get("pid"), _slurm_job(), record.get("slurm")
         # Slurm ends every process of a job, on every node, before it requeues it.
-        if job and isinstance(theirs, list) and len(theirs) == 2:
+        if job and isinstance(theirs, list) and len(theirs) == 3:
             if (
-                theirs[0] == job[0]
-                and isinstance(theirs[1], int)
-                and theirs[1] < job[1]
+                theirs[:2] == job[:2]
+                and isinstance(theirs[2], int)
+                and theirs[2] < job[2]
             ):
                 return True
         return (
@@ -244,8 +249,32 @@ class _OwnerRecord:
         """Removes another job's ``record`` where it may be taken over; else refuses."""
         raise NotImplementedError
 
+    def check(self, *, always: bool = False) -> None:
+        """One read: CheckpointDirInUseError if another job took the record over."""
+        if not self.lost:
+            record = self._read(strict=False)
+            if record is None or record.get("token") != self.token:
+                self._lose(record)
+        if self.lost:
+            raise CheckpointDirInUseError(self.lost)
+
+    def _lose(self, record: dict[str, Any] | None, when: str = "") -> None:
+        """Notes that another job took the folder over; raises saying so."""
+        if record is not None:
+            other = f"another job took it over ({_describe(record)})"
+        else:
+            other = "its owner record is gone (another job took it over)"
+        self.lost = (
+            f"this job lost {self.root}: {other}{when}, so this job writes "
+            "nothing more there. Stop this job; the other job's steps are "
+            "untouched: resume from them once it has ended"
+        )
+        raise CheckpointDirInUseError(self.lost)
+
     def release(self) -> bool:
         """Removes the record if still this job's (and an empty folder acquire made)."""
+        if _HELD.get(_key(self.root)) is self:
+            del _HELD[_key(self.root)]
         record = self._read()
         if record is None or record.get("token") != self.token:
             return False
@@ -259,9 +288,11 @@ class _LocalRecord(_OwnerRecord):
     """The owner record of a local folder; a dead owner's is taken over."""
 
     def acquire(self) -> str:
-        """Creates the folder if needed and the record."""
+        """Creates the folder if needed and the record; the saving code checks it."""
         self.created = not self.storage.exists(self.root)
-        return super().acquire()
+        token = super().acquire()
+        _HELD[_key(self.root)] = self
+        return token
 
     def _take_over(self, record: dict[str, Any]) -> None:
         """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
@@ -307,7 +338,6 @@ class StoreLease(_OwnerRecord):
         self.lease_seconds = _resolve_lease_seconds(lease_seconds)
         self._version: str | None = None  # of this job's record, as last written
         self.expires = 0.0  # of this job's record, as last written
-        self.lost = ""  # once another job took the folder over: the message
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(  # started by acquire
@@ -399,12 +429,8 @@ class StoreLease(_OwnerRecord):
                     self._lose(self._read(strict=False))
                 self._version = version or None
 
-    def _lose(self, record: dict[str, Any] | None) -> None:
-        """Notes that another job took the folder over; raises saying so."""
-        if record is not None:
-            other = f"another job took it over ({_describe(record)})"
-        else:
-            other = "its owner record is gone (another job took it over)"
+    def _lose(self, record: dict[str, Any] | None, when: str = "") -> None:
+        """Notes that another job took the folder over, and when; raises saying so."""
         if time.time() >= self.expires:
             when = (
                 f" after this job's lease expired at {_when(self.expires)} (not "
@@ -412,12 +438,7 @@ class StoreLease(_OwnerRecord):
             )
         else:
             when = f", though this job's lease ran until {_when(self.expires)}"
-        self.lost = (
-            f"this job lost {self.root}: {other}{when}, so this job writes "
-            "nothing more there. Stop this job; the other job's steps are "
-            "untouched: resume from them once it has ended"
-        )
-        raise CheckpointDirInUseError(self.lost)
+        super()._lose(record, when)
 
     def release(self) -> bool:
         """Stops renewing; deletes the record if still this job's (not once lost)."""
@@ -449,10 +470,12 @@ class FolderOwner:
     A dead owner's record (same host and boot, no process with its pid and
     start time) is taken over with a warning, and its staging folders and the
     steps its retention hid but did not delete are removed. So is the record
-    of the same Slurm job before a requeue (``SLURM_JOB_ID`` equal,
-    ``SLURM_RESTART_COUNT`` higher: sbatch(1)), from any node, as Slurm ends
-    a job's processes before it requeues it (scontrol(1), ``requeue``). Any
-    other record from another host never is (its job may still run). On an
+    of the same Slurm job before a requeue (``SLURM_CLUSTER_NAME`` and
+    ``SLURM_JOB_ID`` equal, ``SLURM_RESTART_COUNT`` higher: sbatch(1)), from
+    any node, as Slurm ends a job's processes before it requeues it
+    (scontrol(1), ``requeue``); a node cut off from the controller may still
+    run them, so a job whose record was taken over stops at its next save.
+    Any other record from another host never is (its job may still run). On an
     object store (an fsspec URL) rank 0 holds the record with a lease
     (:class:`StoreLease`).
 

@@ -342,7 +342,11 @@ def _refuse_replacing(storage: Storage, out: Location) -> None:
             f"refused to replace {os.fspath(out)!r}: it is or holds the current "
             "folder. Write the export to a folder of its own"
         )
-    others = [n for n in storage.listdir(out) if not _HF_NAMES.fullmatch(n)]
+    others = [  # a folder named model.safetensors is no export's
+        n
+        for n in storage.listdir(out)
+        if not _HF_NAMES.fullmatch(n) or storage.size(storage.join(out, n)) is None
+    ]
     if others:
         shown = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
         raise ValueError(
