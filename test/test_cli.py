@@ -444,6 +444,24 @@ def test_inspect_verify_of_a_step_without_manifest_says_so_not_damaged(
     assert "damaged" not in out
 
 
+def test_an_export_names_the_weights_it_leaves_outside_the_model_section(
+    tmp_path, capsys, caplog
+):
+    folder = tmp_path / "step-5"  # plain DCP, keyed as a Hugging Face model is
+    state = {"model": {"norm.weight": torch.ones(2)}, "lm_head.weight": torch.ones(2)}
+    state["rng"] = torch.zeros(4, dtype=torch.uint8)  # not a weight: not named
+    dcp.save(state, checkpoint_id=folder, no_dist=True)
+    out = tmp_path / "m.pt"
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.offline"):
+        argv = ["export", str(folder), "--out", str(out), "--allow-no-manifest"]
+        assert main(argv) == 0
+    assert list(torch.load(out)) == ["norm.weight"]
+    assert caplog.messages == [
+        f"{folder}: only its model section is exported; 1 floating-point "
+        "tensor(s) outside it and the optimizer's are left out: lm_head.weight"
+    ]
+
+
 def test_bad_arguments_are_argparse_errors(run, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["export", str(run[0])])  # no --out

@@ -250,9 +250,8 @@ def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str,
     return state_dict
 
 
-def _last_two(final: Location) -> str:
-    """``<folder name>/step-<N>``, links resolved: alike on every rank, any mount."""
-    path = os.fspath(final) if is_url(final) else os.path.realpath(final)
+def _last_two(path: str) -> str:
+    """``<folder name>/step-<N>`` of a step's path: alike on every rank, any mount."""
     return "/".join(path.rstrip("/").rsplit("/", 2)[-2:])
 
 
@@ -318,7 +317,9 @@ class StepWriter(ManifestWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """The plan, naming the step saved: the coordinator alone makes its folder."""
         self.used = True
-        return dataclasses.replace(plan, storage_data=_last_two(self.final))
+        final = self.final  # as written: only the coordinator looks at the folder
+        named = os.fspath(final) if is_url(final) else os.path.abspath(final)
+        return dataclasses.replace(plan, storage_data=named)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """DCP's plans, each carrying the staging folder made here."""
@@ -331,8 +332,9 @@ class StepWriter(ManifestWriter):
             )
         by_name: dict[str, list[int]] = {}  # by first rank
         for rank, plan in enumerate(plans):
-            by_name.setdefault(plan.storage_data, []).append(rank)
-        if len(by_name) > 1:
+            by_name.setdefault(_last_two(plan.storage_data), []).append(rank)
+        places = (self.storage.same_place(p.storage_data) for p in plans)
+        if len(by_name) > 1 and len(set(places)) > 1:  # not one folder, linked
             saved = "; ".join(f"{name_ranks(r)}: {n!r}" for n, r in by_name.items())
             raise CheckpointDirError(
                 f"the ranks save into different step folders ({saved}): every "

@@ -10,6 +10,7 @@ and bool tensors in torch 2.13, pytorch/pytorch#192485).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import uuid
@@ -32,7 +33,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     explain_failures,
 )
-from pippy.checkpoint.safe_load import verify_step
+from pippy.checkpoint.safe_load import read_metadata, verify_step
 from pippy.checkpoint.state import (
     PIPPY,
     TORCHTITAN,
@@ -58,6 +59,8 @@ __all__ = [
     "read_checkpoint",
     "verify_step",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def read_checkpoint(
@@ -286,10 +289,31 @@ def model_weights(
 ) -> dict[str, torch.Tensor]:
     """A step's model weights, ``{fqn: contiguous CPU tensor}`` (``model.`` removed).
 
-    Args and errors as :func:`export_hf`.
+    Floating-point tensors outside the model's and optimizer's sections (a
+    plain DCP step keyed as a Hugging Face model keeps ``lm_head.weight``
+    there) are left out with a warning naming them. Args and errors as
+    :func:`export_hf`.
     """
     weights = {}
     state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
+    saved = read_metadata(path, trusted=trusted).state_dict_metadata
+    name = pippy_name if detect_layout(saved) == TORCHTITAN else str
+    left = [  # weights a foreign layout keeps outside model. (lm_head.weight)
+        key
+        for key, item in saved.items()
+        if isinstance(item, TensorStorageMetadata)
+        and item.properties.dtype.is_floating_point
+        and not name(key).startswith(("model.", "optim."))
+    ]
+    if left:
+        shown = ", ".join(left[:5]) + (" ..." if len(left) > 5 else "")
+        logger.warning(
+            "%s: only its model section is exported; %d floating-point "
+            "tensor(s) outside it and the optimizer's are left out: %s",
+            path,
+            len(left),
+            shown,
+        )
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"model.{key} in {str(path)!r} is not a tensor")
