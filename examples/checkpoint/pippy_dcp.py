@@ -66,9 +66,8 @@ def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
 
 def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
     """What an exact resume needs: weights, AdamW moments (keyed by FQN, not by
-    index, which restarts at 0 on every stage), LR schedule, step, data order.
-    (A model with dropout would add each rank's RNG state, under a key naming
-    its stage, "rng.stage_3": the ranks' values differ.)"""
+    index, which restarts at 0 on every stage), LR schedule, step, data order
+    (with dropout, each rank's RNG state too, under a key naming its stage)."""
     modules = [stage.submod for stage in stages]  # StageState looks inside DDP
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
@@ -318,13 +317,9 @@ def main(args) -> None:
         # train, saving every --save-every steps and at the last; with
         # --async-save, in the background, one save at a time
         if args.async_save:
-            folder, keep, wait = (
-                args.checkpoint_dir,
-                args.keep_last,
-                args.checkpoint_timeout,
-            )
+            keep, wait = args.keep_last, args.checkpoint_timeout
             saver = checkpoint.AsyncSaver(
-                folder, keep_last=keep, mesh=layout.mesh, timeout=wait
+                args.checkpoint_dir, keep_last=keep, mesh=layout.mesh, timeout=wait
             )
         stopped = train(args, state, stages, schedule, device, layout, saver, stop)
         if saver is not None:
