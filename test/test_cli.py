@@ -457,7 +457,7 @@ def test_an_export_names_the_weights_it_leaves_outside_the_model_section(
         assert main(argv) == 0
     assert list(torch.load(out)) == ["norm.weight"]
     assert caplog.messages == [
-        f"{folder}: only its model section is exported; 1 floating-point "
+        f"{folder}: only its model section is read; 1 floating-point "
         "tensor(s) outside it and the optimizer's are left out: lm_head.weight"
     ]
 

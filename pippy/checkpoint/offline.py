@@ -33,7 +33,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     explain_failures,
 )
-from pippy.checkpoint.safe_load import read_metadata, verify_step
+from pippy.checkpoint.safe_load import verify_step
 from pippy.checkpoint.state import (
     PIPPY,
     TORCHTITAN,
@@ -75,8 +75,11 @@ def read_checkpoint(
 
     Keys come back flat, in pippy's names (a torchtitan checkpoint's too), with
     ``prefix`` removed: ``prefix="model."`` gives the un-split model's
-    ``state_dict``. This rank alone reads, with no collective, through the safe
-    reader and planner.
+    ``state_dict``; floating-point tensors outside the model's and the
+    optimizer's sections are then left out with a warning naming them (a plain
+    DCP step keyed as a Hugging Face model keeps ``lm_head.weight`` there).
+    This rank alone reads, with no collective, through the safe reader and
+    planner.
 
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
@@ -99,6 +102,7 @@ def read_checkpoint(
     saved = reader.read_metadata().state_dict_metadata
     name = (lambda k: k) if detect_layout(saved) == PIPPY else pippy_name
     state_dict: dict[str, Any] = {}
+    left = []  # reading the model: weights a foreign layout keeps outside it
     for key, item in saved.items():
         fqn = name(key)
         if fqn.startswith(prefix) and (keys is None or fqn[len(prefix) :] in keys):
@@ -106,6 +110,21 @@ def read_checkpoint(
                 state_dict[key] = torch.empty(item.size, dtype=item.properties.dtype)
             else:
                 state_dict[key] = None  # replaced by the loaded value
+        elif (
+            prefix == "model."
+            and isinstance(item, TensorStorageMetadata)
+            and item.properties.dtype.is_floating_point
+            and not fqn.startswith(("model.", "optim."))
+        ):
+            left.append(key)
+    if left:
+        logger.warning(
+            "%s: only its model section is read; %d floating-point tensor(s) "
+            "outside it and the optimizer's are left out: %s",
+            path,
+            len(left),
+            ", ".join(left[:5]) + (" ..." if len(left) > 5 else ""),
+        )
     if not state_dict:
         raise KeyError(f"no key in {str(path)!r} starts with {prefix!r}")
     planner.must_read = tuple(state_dict)
@@ -289,31 +308,11 @@ def model_weights(
 ) -> dict[str, torch.Tensor]:
     """A step's model weights, ``{fqn: contiguous CPU tensor}`` (``model.`` removed).
 
-    Floating-point tensors outside the model's and optimizer's sections (a
-    plain DCP step keyed as a Hugging Face model keeps ``lm_head.weight``
-    there) are left out with a warning naming them. Args and errors as
-    :func:`export_hf`.
+    Args and errors as :func:`export_hf`; what is left out, as
+    :func:`read_checkpoint`.
     """
     weights = {}
     state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
-    saved = read_metadata(path, trusted=trusted).state_dict_metadata
-    name = pippy_name if detect_layout(saved) == TORCHTITAN else str
-    left = [  # weights a foreign layout keeps outside model. (lm_head.weight)
-        key
-        for key, item in saved.items()
-        if isinstance(item, TensorStorageMetadata)
-        and item.properties.dtype.is_floating_point
-        and not name(key).startswith(("model.", "optim."))
-    ]
-    if left:
-        shown = ", ".join(left[:5]) + (" ..." if len(left) > 5 else "")
-        logger.warning(
-            "%s: only its model section is exported; %d floating-point "
-            "tensor(s) outside it and the optimizer's are left out: %s",
-            path,
-            len(left),
-            shown,
-        )
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"model.{key} in {str(path)!r} is not a tensor")

@@ -199,9 +199,9 @@ def _read_metadata_file(
     if not storage.is_dir(folder):  # first, whether it is a step that finished
         raise CheckpointNotFoundError(f"no checkpoint folder at {str(folder)!r}")
     path = step_file(storage, folder, METADATA_FILE)  # a link out is refused
-    if storage.exists(path) and storage.size(path) is None:  # a FIFO, a device
+    if (size := storage.size(path)) is None and storage.exists(path):  # a FIFO
         raise CheckpointError(f"{path} is damaged: it is not a file")
-    if storage.size(path) is None:
+    if size is None:
         listed = list_steps(storage, folder).values()
         steps = [p for p in listed if is_complete(storage, p)]
         if steps:
