@@ -31,6 +31,7 @@ out of it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -301,24 +302,47 @@ def meta_init() -> Iterator[None]:
         buffers on ``meta`` too; :func:`materialize` refuses it if any is
         non-persistent, since no checkpoint holds those.
     """
-    register = nn.Module.register_parameter
-
-    def register_on_meta(
-        module: nn.Module, name: str, param: nn.Parameter | None
-    ) -> None:
-        register(module, name, param)
-        if param is not None and param.device.type != "meta":
-            kept = module._parameters[name]
-            assert kept is not None
-            kwargs = dict(kept.__dict__)
-            kwargs["requires_grad"] = kept.requires_grad
-            module._parameters[name] = type(kept)(kept.to("meta"), **kwargs)
-
-    nn.Module.register_parameter = register_on_meta  # type: ignore[assignment]
+    global _meta_users
+    with _meta_lock:
+        if not _meta_users:
+            nn.Module.register_parameter = _register_on_meta  # type: ignore[method-assign,assignment]
+        _meta_users += 1
+    _meta_thread.active = getattr(_meta_thread, "active", 0) + 1
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        _meta_thread.active -= 1
+        with _meta_lock:
+            _meta_users -= 1
+            if not _meta_users:
+                nn.Module.register_parameter = _register  # type: ignore[method-assign]
+
+
+#: meta_init's state: nn.Module.register_parameter is patched while any thread
+#: is inside it (_meta_users counts them), and acts in those threads alone
+#: (ranks may be threads of one process).
+_register = nn.Module.register_parameter
+_meta_lock = threading.Lock()
+_meta_users = 0
+_meta_thread = threading.local()
+
+
+def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """Registers as nn.Module.register_parameter; on ``meta`` in meta_init.
+
+    The parameter moves to ``meta`` in a thread inside :func:`meta_init`.
+    """
+    _register(module, name, param)
+    if (
+        getattr(_meta_thread, "active", 0)
+        and param is not None
+        and param.device.type != "meta"
+    ):
+        kept = module._parameters[name]
+        assert kept is not None
+        kwargs = dict(kept.__dict__)
+        kwargs["requires_grad"] = kept.requires_grad
+        module._parameters[name] = type(kept)(kept.to("meta"), **kwargs)
 
 
 def _non_persistent(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

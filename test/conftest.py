@@ -1,21 +1,32 @@
 """pytest setup: the example's folder on sys.path (`import gpt`, `import pippy_dcp`),
-and the launches of ranks that tests of several modules share.
+the runs of ranks that tests of several modules share, and the ``launches``
+mark.
 
-Starting ranks is what the suite spends most of its time on (every process
-imports torch), so a launch whose output several modules read runs once per
-session: the checks of test/*_checks.py on 2 and on 4 ranks, the
-example's uninterrupted and stopped 4-rank runs, and a tiny 2-rank run. A
-module run alone starts them as well, on first use.
+Ranks are threads of the test process (test/ranks.py) unless the process is
+what a test is about: the launcher, signals, process death, a process's
+memory. Starting a process costs about 2 s of CPU (importing torch), so a
+run whose output several modules read runs once per session: the checks of
+test/*_checks.py on 2 and on 4 ranks (threads), the example's uninterrupted
+and stopped 4-rank runs and a tiny 2-rank run (torchrun). A module run alone
+starts them as well, on first use.
+
+A test that starts a Python process (torchrun, ``python -m pippy``, a
+snippet) is marked ``launches``, or uses a fixture that does (LAUNCHING);
+``pytest -m "not launches"`` runs the rest, the developer's inner loop, and
+a test that starts one unmarked fails, saying so.
 """
 
 import importlib.util
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
+
+from ranks import run_checks  # noqa: E402
 
 from helpers import (  # noqa: E402
     EXAMPLE,
@@ -28,62 +39,84 @@ from helpers import (  # noqa: E402
 
 SHARED_CHECKS = Path(__file__).with_name("shared_checks.py")
 
-#: The checks of test/*_checks.py that run on 2 ranks, by script, in one
-#: launch (shared_checks.py): dist_checks.py's for test_stages (keys, train, ops),
-#: test_failures (async, refusal), test_edges (twins, one_fails) and test_hf
-#: (hf, where transformers is installed); seam_checks.py's for test_seam,
-#: layout_checks.py's for test_parallel, test_cost.py's own (save),
-#: fsdp_checks.py's for test_topology, and stop_checks.py's for test_preemption
-#: (stop: the last, since it leaves a SIGUSR1 handler behind). Each script's
-#: checks write into a folder of its own.
+#: The checks of test/*_checks.py that run on 2 ranks, by script, as threads
+#: of this process (test/ranks.py): dist_checks.py's for test_stages (keys,
+#: train), test_failures (async, refusal), test_edges (twins, one_fails),
+#: test_cost (ops) and test_hf (hf, where transformers is installed);
+#: seam_checks.py's for test_seam, layout_checks.py's for test_parallel,
+#: test_cost.py's own (save). Each script's checks write into a folder of its
+#: own.
 TWO_RANK_CHECKS = {
     "dist_checks": ["keys", "train", "async", "refusal", "twins", "one_fails", "ops"],
     "seam_checks": ["same", "async_checks", "async_staging"],
     "layout_checks": ["parts"],
     "test_cost": ["save"],
-    "fsdp_checks": ["fsdp"],
 }
 if importlib.util.find_spec("transformers") is not None:
     TWO_RANK_CHECKS["dist_checks"].append("hf")
-TWO_RANK_CHECKS["stop_checks"] = ["stop"]
-#: ... and on 4 ranks: dist_checks.py's for test_stages (keys, train) and
-#: test_topology (logits, memory), the operation counts (ops), layout_checks.py's for test_parallel.
-#: memory runs first: it measures the peak RSS of building a stage against
-#: the process's high-water mark, which a check before it could raise.
+#: ... and on 4 ranks: dist_checks.py's for test_stages (keys, train),
+#: test_topology (logits) and test_cost (ops), layout_checks.py's for
+#: test_parallel.
 FOUR_RANK_CHECKS = {
-    "dist_checks": ["memory", "keys", "train", "logits", "ops"],
+    "dist_checks": ["keys", "train", "logits", "ops"],
     "layout_checks": ["mesh", "hsdp"],
 }
 
 
-def launch_checks(tmp_path_factory, nproc, checks, given=None):
-    """One launch of `nproc` ranks running `checks`; {script: its folder}.
-    `given`: {script: {name: a folder copied there first}}."""
+def run_checks_in(tmp_path_factory, nproc, checks, given=None):
+    """`checks` on `nproc` ranks as threads of this process (ranks.run_checks),
+    in a new folder holding `given` ({script: {name: a folder to copy
+    there}}); {script: its folder}."""
     out = tmp_path_factory.mktemp(f"checks-{nproc}")
     for script, folders in (given or {}).items():
         for name, folder in folders.items():
             shutil.copytree(folder, out / script / name)
-    names = [f"{script}.{check}" for script, names in checks.items() for check in names]
-    torchrun(nproc, SHARED_CHECKS, ",".join(names), out, timeout=400)
-    return {script: out / script for script in checks}
+    return run_checks(nproc, checks, out)
 
 
 @pytest.fixture(scope="session")
-def two_rank_checks(tmp_path_factory, four_rank_checks):
-    """{script: the folder of its checks in TWO_RANK_CHECKS}: <check>-rank<R>.json
-    and what the checks saved. Launched after FOUR_RANK_CHECKS: fsdp_checks.py
-    loads the pipeline checkpoint their logits check saved."""
-    pipeline = {"ckpt": four_rank_checks["dist_checks"] / "ckpt"}
-    return launch_checks(
-        tmp_path_factory, 2, TWO_RANK_CHECKS, given={"fsdp_checks": pipeline}
-    )
+def two_rank_checks(tmp_path_factory):
+    """{script: the folder of its checks in TWO_RANK_CHECKS}:
+    <check>-rank<R>.json and what the checks saved."""
+    return run_checks_in(tmp_path_factory, 2, TWO_RANK_CHECKS)
 
 
 @pytest.fixture(scope="session")
 def four_rank_checks(tmp_path_factory):
     """{script: the folder of its checks in FOUR_RANK_CHECKS}, as above; the
     logits check's folder holds ckpt/step-2, stage-<R>.pt and logits.pt."""
-    return launch_checks(tmp_path_factory, 4, FOUR_RANK_CHECKS)
+    return run_checks_in(tmp_path_factory, 4, FOUR_RANK_CHECKS)
+
+
+@pytest.fixture(scope="session")
+def fsdp_checks(tmp_path_factory, four_rank_checks):
+    """The folder of fsdp_checks.py's check on 2 ranks (test_topology), which
+    loads the pipeline checkpoint the 4-rank logits check saved."""
+    pipeline = {"fsdp_checks": {"ckpt": four_rank_checks["dist_checks"] / "ckpt"}}
+    checks = {"fsdp_checks": ["fsdp"]}
+    return run_checks_in(tmp_path_factory, 2, checks, pipeline)["fsdp_checks"]
+
+
+def launch_checks(tmp_path_factory, nproc, script, check):
+    """The checks that need processes of their own, under torchrun
+    (shared_checks.py): the folder of `check` of `script` on `nproc` ranks."""
+    out = tmp_path_factory.mktemp(f"launch-{check}")
+    torchrun(nproc, SHARED_CHECKS, f"{script}.{check}", out, timeout=400)
+    return out / script
+
+
+@pytest.fixture(scope="session")
+def stop_launch(tmp_path_factory):
+    """stop_checks.py's check on 2 ranks (test_preemption): a signal is the
+    process's."""
+    return launch_checks(tmp_path_factory, 2, "stop_checks", "stop")
+
+
+@pytest.fixture(scope="session")
+def memory_launch(tmp_path_factory):
+    """dist_checks.py's memory check on 4 ranks (test_topology): it measures
+    the peak RSS of building a stage, the process's high-water mark."""
+    return launch_checks(tmp_path_factory, 4, "dist_checks", "memory")
 
 
 @pytest.fixture(scope="session")
@@ -140,3 +173,42 @@ def s3_endpoint(tmp_path_factory):
     finally:
         proc.kill()  # weed takes ~25 s to stop on SIGTERM; nothing here to keep
         proc.wait(timeout=30)
+
+
+#: The fixtures that start Python processes: a test using one is marked
+#: ``launches``.
+LAUNCHING = {
+    "four_rank_runs",
+    "tiny_run",
+    "s3_endpoint",
+    "stop_launch",
+    "memory_launch",
+}
+
+
+def pytest_collection_modifyitems(items):
+    """Marks ``launches`` each test that uses a LAUNCHING fixture."""
+    for item in items:
+        if LAUNCHING & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.launches)
+
+
+@pytest.fixture(autouse=True)
+def _launches_are_marked(request, monkeypatch):
+    """A test not marked ``launches`` fails if it starts a Python process, so
+    that ``-m "not launches"`` stays free of them."""
+    if request.node.get_closest_marker("launches") is not None:
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def refuse_python(self, args, *rest, **kwargs):
+        program = args if isinstance(args, str) else str(args[0])
+        if Path(program).name.startswith("python"):
+            pytest.fail(
+                f"{request.node.nodeid} starts a Python process ({program}): "
+                "mark it @pytest.mark.launches",
+                pytrace=False,
+            )
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)

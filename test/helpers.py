@@ -194,6 +194,31 @@ def torchrun_together(*launches, timeout=240, expect_ok=True):
         return [future.result() for future in futures]
 
 
+def pippy_cli(*argv, env=None):
+    """``python -m pippy ARGV`` in this process (pippy.cli.main): a
+    CompletedProcess with its exit status, stdout and stderr. `env`: variables
+    to set (a value of None unsets one) while it runs."""
+    import contextlib
+    import io
+
+    from pippy import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = [str(a) for a in argv]
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in (env or {}).items():
+            if value is None:
+                patch.delenv(name, raising=False)
+            else:
+                patch.setenv(name, value)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(argv)
+            except SystemExit as e:  # argparse's errors
+                code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def loss_lines(stdout):
     """The "step N | loss X | lr Y" part of the example's progress lines."""
     lines = stdout.splitlines()
@@ -235,12 +260,16 @@ def linear_state(optimizer_groups=None):
 
 #: Tiny Hugging Face models, built from configs: never a download.
 HF_LAYERS = 4
+#: transformers' lazy module imports a name on first use, which two threads
+#: (ranks, test/ranks.py) must not do at once.
+_TRANSFORMERS_LOCK = threading.Lock()
 
 
 def hf_config(name):
     """A tiny config of a `transformers` Llama or GPT-2 (untied, no dropout)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import GPT2Config, LlamaConfig
+    with _TRANSFORMERS_LOCK:
+        from transformers import GPT2Config, LlamaConfig
 
     if name == "llama":
         return LlamaConfig(
@@ -269,7 +298,8 @@ def hf_config(name):
 
 
 def hf_model_class(name):
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    with _TRANSFORMERS_LOCK:
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
     return LlamaForCausalLM if name == "llama" else GPT2LMHeadModel
 
@@ -596,51 +626,77 @@ class _CountingStore:
 
 
 class CountedOps:
-    """Counts, in this thread, the collectives called through torch.distributed
-    (the outermost: all_gather_object's own all_gather is not counted) and the
-    store operations of pippy's waits (stall.py's only store, from any
-    thread: its progress records included). A context manager; ``counts`` is
-    a Counter by name, ``total`` their sum."""
+    """Counts, for this rank, the collectives its thread calls through
+    torch.distributed (the outermost: all_gather_object's own all_gather is not
+    counted) and the store operations of pippy's waits (stall.py's only store,
+    from any of the rank's threads: its progress records included). A context
+    manager; ``counts`` is a Counter by name, ``total`` their sum.
+
+    Ranks may be threads of one process (test/ranks.py): the counting wrappers
+    are installed once for the process and count for the rank whose
+    CountedOps is open."""
 
     def __enter__(self):
         from collections import Counter
 
-        import torch.distributed as dist
-
-        from pippy.checkpoint import stall
-
-        self.counts, self._saved, depth = Counter(), {}, threading.local()
-        for name in COLLECTIVES:
-            real = self._saved[name] = getattr(dist, name)
-
-            def counted(*args, _real=real, _name=name, **kwargs):
-                outer = getattr(depth, "n", 0) == 0
-                if outer and threading.current_thread() is self._thread:
-                    self.counts[_name] += 1
-                depth.n = getattr(depth, "n", 0) + 1
-                try:
-                    return _real(*args, **kwargs)
-                finally:
-                    depth.n -= 1
-
-            setattr(dist, name, counted)
-        self._thread = threading.current_thread()
-        self._store = stall._get_default_store
-        stall._get_default_store = lambda: _CountingStore(self._store(), self.counts)
+        _install_counting()
+        self.counts, self._thread = Counter(), threading.current_thread()
+        _counting[_rank()] = self
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        from pippy.checkpoint import stall
-
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
-        stall._get_default_store = self._store
+        _counting.pop(_rank(), None)
 
     @property
     def total(self):
         return sum(self.counts.values())
+
+
+#: The open CountedOps, by rank.
+_counting: dict = {}
+_counting_depth = threading.local()
+_counting_lock = threading.Lock()
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _install_counting():
+    """Wraps torch.distributed's collectives and stall.py's store getter, once,
+    to count for the rank's open CountedOps."""
+    import torch.distributed as dist
+
+    from pippy.checkpoint import stall
+
+    with _counting_lock:
+        if getattr(dist, "_pippy_counted", False):
+            return
+        for name in COLLECTIVES:
+            real = getattr(dist, name)
+
+            def counted(*args, _real=real, _name=name, **kwargs):
+                depth = getattr(_counting_depth, "n", 0)
+                ops = _counting.get(_rank()) if depth == 0 else None
+                if ops is not None and threading.current_thread() is ops._thread:
+                    ops.counts[_name] += 1
+                _counting_depth.n = depth + 1
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    _counting_depth.n = depth
+
+            setattr(dist, name, counted)
+        store = stall._get_default_store
+
+        def counted_store():
+            ops = _counting.get(_rank())
+            return store() if ops is None else _CountingStore(store(), ops.counts)
+
+        stall._get_default_store = counted_store
+        dist._pippy_counted = True
 
 
 #: strace, for the tests that read a run's system calls (the README's setup

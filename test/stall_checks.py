@@ -34,23 +34,26 @@ import parallel  # noqa: E402
 import pippy_dcp  # noqa: E402
 from helpers import TINY_FLAGS, CountedOps, run_checks  # noqa: E402
 
-os.environ["PIPPY_WAIT_LOG_SECONDS"] = "1"  # pippy's waits log every second
+#: pippy's waits log every second (PIPPY_WAIT_LOG_SECONDS).
+LOG_SECONDS = "1"
 SLOW = 1
 PER_ITEM_S = 0.15
 TIMEOUT_S = 1.0
 
 
 class Lines(logging.Handler):
-    """The WARNING lines pippy's waits log, with the seconds since ``start``."""
+    """The WARNING lines this rank's waits log, with the seconds since
+    ``start`` (ranks may be threads of one process, sharing the logger)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
-        self.start = time.monotonic()
+        self.start, self.rank = time.monotonic(), dist.get_rank()
         self.lines: list[tuple[float, str]] = []
         logging.getLogger("pippy.checkpoint.stall").addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append((time.monotonic() - self.start, record.getMessage()))
+        if dist.get_rank() == self.rank:
+            self.lines.append((time.monotonic() - self.start, record.getMessage()))
 
     def close(self) -> None:
         logging.getLogger("pippy.checkpoint.stall").removeHandler(self)
@@ -269,15 +272,16 @@ def check_store(out: Path, rank: int, world_size: int) -> dict:
     }
 
 
+CHECKS = {
+    "store": check_store,
+    "save_logs": check_save_logs,
+    "save_timeout": check_save_timeout,
+    "start_timeout": check_start_timeout,
+    "load_logs": check_load_logs,
+    "load_timeout": check_load_timeout,
+    "example": check_example,
+}
+
 if __name__ == "__main__":
-    run_checks(
-        {
-            "store": check_store,
-            "save_logs": check_save_logs,
-            "save_timeout": check_save_timeout,
-            "start_timeout": check_start_timeout,
-            "load_logs": check_load_logs,
-            "load_timeout": check_load_timeout,
-            "example": check_example,
-        }
-    )
+    os.environ["PIPPY_WAIT_LOG_SECONDS"] = LOG_SECONDS
+    run_checks(CHECKS)

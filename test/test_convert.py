@@ -4,16 +4,14 @@ from it; the torchtitan step holds the model's weights, and nothing else, at its
 root."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import helpers
 from gpt import GPT, ModelArgs
 from helpers import (
     EXAMPLE,
-    ROOT,
     TINY_FLAGS,
     TINY_RUN_FLAGS,
     loss_lines,
@@ -25,9 +23,8 @@ RUN = [*TINY_FLAGS, "--save-every", "2"]
 
 
 def pippy_cli(*args):
-    """Runs ``python -m pippy ARGS`` as a user would; returns its stdout."""
-    cmd = [sys.executable, "-m", "pippy", *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    """Runs ``python -m pippy ARGS`` (in this process); returns its stdout."""
+    proc = helpers.pippy_cli(*args)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

@@ -339,13 +339,13 @@ def test_verified_latest_step_skips_damage_only_and_names_why(tmp_path, caplog):
 
 
 def test_ranks_agree_on_a_stop_without_waiting_for_each_other_each_step(
-    two_rank_checks,
+    stop_launch,
 ):
     """Each call reads the agreement the previous call started: no rank waits
     for the others in the call that starts it (the old per-step all_reduce
     deadlocked here), and every rank stops at the same call (stop_checks.py,
-    in the 2-rank launch of checks that conftest.py shares)."""
-    out = two_rank_checks["stop_checks"]
+    launched by conftest.py)."""
+    out = stop_launch
     for rank in (0, 1):
         assert (out / f"rank-{rank}").read_text() == (
             "[False, False, True, True] SIGUSR1 received by rank 1"

@@ -4,10 +4,10 @@ import json
 from collections import Counter
 
 import pytest
+from ranks import run_checks
 
 import pippy_dcp
 from gpt import GPT, ModelArgs
-from helpers import DIST_CHECKS, torchrun
 
 
 def results(out, check, world_size):
@@ -33,8 +33,7 @@ def launched(request, tmp_path, check, world_size):
     """The folder of a launch that ran `check` on `world_size` ranks: 2 and 4
     ranks share a launch with other checks (conftest.py), 1 rank runs alone."""
     if world_size == 1:
-        torchrun(1, DIST_CHECKS, check, tmp_path)
-        return tmp_path
+        return run_checks(1, {"dist_checks": [check]}, tmp_path)["dist_checks"]
     shared = {2: "two_rank_checks", 4: "four_rank_checks"}[world_size]
     return request.getfixturevalue(shared)["dist_checks"]
 

@@ -1,4 +1,4 @@
-"""A rank that stalls in a save or a load, on 3 real ranks under torchrun.
+"""A rank that stalls in a save or a load, on 3 ranks (threads over real gloo, test/ranks.py).
 
 Rank 1 is put to sleep (test/stall_checks.py): mid-write, mid-read, or before
 the save starts. The others log, every PIPPY_WAIT_LOG_SECONDS (1 s here),
@@ -9,17 +9,16 @@ with the same CheckpointTimeout naming rank 1, long before gloo's own timeout
 
 import json
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
+import stall_checks
+from ranks import run_checks
 
 from pippy import checkpoint
 from pippy.checkpoint import stall
 
 import helpers
-from helpers import torchrun
 
-CHECKS = Path(__file__).with_name("stall_checks.py")
 ALL = "store,save_logs,save_timeout,start_timeout,load_logs,load_timeout,example"
 FIX = "find what holds them (a slow disk, a hung process), or raise the timeout"
 SKIPPED = (  # a rank not started at all
@@ -30,9 +29,12 @@ SKIPPED = (  # a rank not started at all
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Every check's result, by check and rank, from one launch of 3 ranks."""
+    """Every check's result, by check and rank, from one run of 3 ranks."""
     out = tmp_path_factory.mktemp("stall")
-    torchrun(3, CHECKS, ALL, out, timeout=120)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PIPPY_WAIT_LOG_SECONDS", stall_checks.LOG_SECONDS)
+        out = run_checks(3, {"stall_checks": ALL.split(",")}, out, timeout=120)
+    out = out["stall_checks"]
     found = {}
     for name in ALL.split(","):
         found[name] = [

@@ -121,11 +121,11 @@ def test_checkpoint_loads_into_the_unsplit_model(pipeline_outputs):
 
 
 def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(
-    pipeline_outputs, two_rank_checks
+    pipeline_outputs, fsdp_checks
 ):
-    # dist_checks.py's fsdp check on 2 ranks, from a copy of the pipeline's
-    # ckpt/, in the launch of checks conftest.py shares.
-    fsdp = two_rank_checks["fsdp_checks"]
+    # fsdp_checks.py's check on 2 ranks, from a copy of the pipeline's ckpt/
+    # (conftest.py).
+    fsdp = fsdp_checks
     ranks = [json.loads((fsdp / f"fsdp-rank{r}.json").read_text()) for r in range(2)]
     saved = offline.read_checkpoint(
         pipeline_outputs / "ckpt" / "step-2", prefix="model."
@@ -152,9 +152,9 @@ def test_pipeline_checkpoint_loads_into_fsdp2_and_trains_on(
     assert ranks[0]["losses"] == pytest.approx(losses, rel=1e-5)
 
 
-def test_each_rank_allocates_only_its_own_stage(four_rank_checks):
-    out = four_rank_checks["dist_checks"]
-    for rank in range(4):  # the memory check ran first in its launch
+def test_each_rank_allocates_only_its_own_stage(memory_launch):
+    out = memory_launch
+    for rank in range(4):  # the memory check runs alone in its launch
         r = json.loads((out / f"memory-rank{rank}.json").read_text())
         assert r["layers"] == list(pippy.layer_range(rank, 4, 16))
         assert r["stage_bytes"] < 0.3 * r["full_bytes"]
