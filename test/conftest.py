@@ -16,6 +16,7 @@ snippet) is marked ``launches``, or uses a fixture that does (LAUNCHING);
 a test that starts one unmarked fails, saying so.
 """
 
+import contextlib
 import importlib.util
 import shutil
 import subprocess
@@ -193,11 +194,12 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.launches)
 
 
-@pytest.fixture(autouse=True)
-def _launches_are_marked(request, monkeypatch):
-    """A test not marked ``launches`` fails if it starts a Python process, so
-    that ``-m "not launches"`` stays free of them."""
-    if request.node.get_closest_marker("launches") is not None:
+@contextlib.contextmanager
+def _no_python_processes(item):
+    """Fails `item` if it starts a Python process while not marked
+    ``launches``, so that ``-m "not launches"`` stays free of them."""
+    if item.get_closest_marker("launches") is not None:
+        yield
         return
     popen_init = subprocess.Popen.__init__
 
@@ -205,10 +207,28 @@ def _launches_are_marked(request, monkeypatch):
         program = args if isinstance(args, str) else str(args[0])
         if Path(program).name.startswith("python"):
             pytest.fail(
-                f"{request.node.nodeid} starts a Python process ({program}): "
+                f"{item.nodeid} starts a Python process ({program}): "
                 "mark it @pytest.mark.launches",
                 pytrace=False,
             )
         popen_init(self, args, *rest, **kwargs)
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse_python)
+    subprocess.Popen.__init__ = refuse_python
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = popen_init
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """Its fixtures (of any scope) start no Python process unless marked."""
+    with _no_python_processes(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Nor does the test itself."""
+    with _no_python_processes(item):
+        yield

@@ -130,6 +130,7 @@ def started(tmp_path_factory):
             command.kill()
 
 
+@pytest.mark.launches
 def test_the_benchmark_runs_every_method_and_reports_every_target(started):
     folder, command = started["bench"]
     command.finish()
@@ -185,6 +186,7 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(started):
             assert sum(row[p] for p in parts) <= row["wall_s"] * 1.01, row
 
 
+@pytest.mark.launches
 def test_the_gpu_check_runs_dry_on_the_cpu(started):
     """bench/gpu_check.sh --dry: the GPU check's three rows, on gloo and the CPU."""
     _, command = started["gpu"]
@@ -199,6 +201,7 @@ def test_the_gpu_check_runs_dry_on_the_cpu(started):
     assert rows["async blocking / bare copy"].endswith("x")
 
 
+@pytest.mark.launches
 def test_the_overlap_benchmark_runs_every_mode(started):
     """bench/overlap.py on a tiny stage: its one row, every mode's ratio."""
     folder, command = started["overlap"]

@@ -152,6 +152,7 @@ def test_inspect_totals_count_the_keys_and_files_shown(run, capsys):
     ), out
 
 
+@pytest.mark.launches
 def test_inspect_counts_a_sharded_key_in_each_file_by_its_shard(tmp_path, capsys):
     flags = [*TINY_FLAGS, "--steps", "1", "--dp", "2", "--fsdp"]
     torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
@@ -284,6 +285,7 @@ def cli_runs(run, tmp_path_factory):
     return results
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "case",
     [
@@ -476,6 +478,7 @@ def test_bad_arguments_are_argparse_errors(run, capsys):
     assert "required: --out" in capsys.readouterr().err
 
 
+@pytest.mark.launches
 def test_export_from_the_command_line(run, cli_runs):
     _, returncode, stderr, _ = cli_runs["ok_export"]
     assert returncode == 0 and stderr == ""  # no warning from DCP either
@@ -483,11 +486,13 @@ def test_export_from_the_command_line(run, cli_runs):
     assert all(torch.equal(state[key], value) for key, value in run[1].items())
 
 
+@pytest.mark.launches
 def test_an_existing_out_file_is_left_unchanged(cli_runs):
     assert cli_runs["existing"].read_bytes() == b"keep me"
     assert list(cli_runs["existing"].parent.glob(".*.tmp")) == []
 
 
+@pytest.mark.launches
 def test_poisoned_checkpoints_run_no_code(cli_runs):
     for case in ("inspect", "export"):
         assert "--trust-checkpoint" in cli_runs[f"poisoned_{case}"][2]

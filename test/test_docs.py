@@ -105,6 +105,7 @@ def ran(tmp_path_factory):
     return run
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("page", PAGES)
 def test_snippets_run_as_written(ran, page):
     _, procs = ran(page)
@@ -115,6 +116,7 @@ def test_snippets_run_as_written(ran, page):
         )
 
 
+@pytest.mark.launches
 def test_the_readme_training_script_resumes_bit_for_bit(ran, tmp_path):
     """README's "Your own training script": stopped after step 3 (its step-6
     taken away), it resumes there and ends as the uninterrupted run did."""
@@ -149,6 +151,7 @@ def test_the_readme_training_script_resumes_bit_for_bit(ran, tmp_path):
     assert offline.diff_state_dicts(resumed, whole) == []
 
 
+@pytest.mark.launches
 def test_the_readme_shows_what_the_example_prints(tmp_path):
     """README's sample output is a real run's of the command above it: every
     line it shows, timings aside (and losses, on another Python)."""

@@ -13,7 +13,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -663,7 +662,7 @@ def test_groups_in_another_order_would_swap_scheduled_lrs_and_are_refused(tmp_pa
 
 
 def dead_pid():
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc = subprocess.Popen(["true"])  # a process, ended
     proc.wait()
     return proc.pid
 
@@ -853,6 +852,7 @@ def example_ranks(folder):
     return [int(p) for p in found.stdout.split()]
 
 
+@pytest.mark.launches
 def test_ranks_whose_launcher_is_killed_stop_and_publish_nothing_more(tmp_path):
     job = launch(
         "--steps",
@@ -896,6 +896,7 @@ def test_ranks_whose_launcher_is_killed_stop_and_publish_nothing_more(tmp_path):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.launches
 def test_sigterm_saves_the_current_step_and_the_next_run_resumes_there(tmp_path):
     job = launch(
         "--steps", "100000", "--save-every", "1000", "--checkpoint-dir", tmp_path
@@ -967,6 +968,7 @@ def test_a_full_disk_says_so_and_leaves_no_partial_folder(small_disk):
     assert {p.name: p.read_bytes() for p in kept.iterdir()} == before
 
 
+@pytest.mark.launches
 def test_keep_last_below_one_is_refused_before_training(tmp_path):
     run = torchrun(
         2,

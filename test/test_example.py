@@ -47,6 +47,7 @@ def stop_and_resume(world_size, flags, resumed, first=None):
     return torchrun(world_size, EXAMPLE, *flags, "--checkpoint-dir", resumed)
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "world_size, split, schedule", [(4, "manual", "gpipe"), (2, "trace", "1f1b")]
 )
@@ -120,6 +121,7 @@ def test_checkpoint_layout_one_file_per_rank_and_original_fqns(four_rank_run):
     assert files_of["model.output.weight"] == {f"__{world_size - 1}_0.distcp"}
 
 
+@pytest.mark.launches
 def test_the_example_says_what_happened(tmp_path):
     import re
 

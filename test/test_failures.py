@@ -261,6 +261,7 @@ except BaseException as e:
 """
 
 
+@pytest.mark.launches
 def test_a_group_destroyed_while_a_background_save_is_in_flight_publishes_nothing(
     tmp_path,
 ):
@@ -379,6 +380,7 @@ remove_old_steps(storage_for(root), root, keep_last=1)
 """
 
 
+@pytest.mark.launches
 def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, capsys):
     """keep_last=1 over steps 1-3, SIGKILLed as it starts its 1st, 2nd or
     4th deletion: right after step-1 is renamed aside, then with none and with
@@ -634,6 +636,7 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
         assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
 
 
+@pytest.mark.launches
 def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):
     """SIGKILL one rank while step 4 is being written (a ~40 MB stage per rank,
     so the save takes long enough to be caught in the middle)."""

@@ -59,6 +59,7 @@ def test_hf_stages_keep_keys_and_resume_bitwise(hf_run, name):
     assert all(x is not None for x in ranks[1][name]["losses_a"])
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", MODELS)
 def test_hf_two_stages_into_one_and_into_from_pretrained(hf_run, tmp_path, name):
     out, _ = hf_run

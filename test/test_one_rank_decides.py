@@ -102,6 +102,7 @@ def traced(tmp_path):
     return tmp_path
 
 
+@pytest.mark.launches
 def test_only_rank_0_lists_or_looks_at_the_checkpoint_folder(traced):
     root = (traced / "ckpt").resolve()
     torchrun(NPROC, EXAMPLE, *FLAGS, "--stop-after", "2", "--checkpoint-dir", root)

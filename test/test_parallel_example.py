@@ -121,6 +121,7 @@ def assert_close(actual, expected, rtol):
             assert a == b, key
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize(
     "layout, reference, other, other_reference",
     [
@@ -174,6 +175,7 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     )
 
 
+@pytest.mark.launches
 def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
     uninterrupted,
 ):
@@ -273,6 +275,7 @@ elif rank is not None:
 """
 
 
+@pytest.mark.launches
 def test_a_flag_error_is_printed_even_when_rank_0_starts_last(tmp_path):
     """Under torchrun, a rank that exits stops the others: the ranks that do not
     print the error wait to be stopped, so rank 0, started after the others

@@ -65,6 +65,7 @@ def uninterrupted(tmp_path_factory):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.launches
 def test_a_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(
     tmp_path, uninterrupted
 ):
@@ -100,6 +101,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(
     assert_same_tensors(tmp_path / "step-30", ref_folder / "step-30")
 
 
+@pytest.mark.launches
 def test_sigusr1_stops_too_and_the_launchers_deadline_is_said_and_checked(tmp_path):
     """Slurm's early warning is SIGUSR1; torchrun's --shutdown-timeout (which
     wins over TORCH_ELASTIC_SHUTDOWN_TIMEOUT, as in torchrun) is read from
@@ -187,6 +189,7 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.launches
 def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_equal(
     tmp_path, uninterrupted
 ):
@@ -217,6 +220,7 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_equal(
     assert "verified:" in out
 
 
+@pytest.mark.launches
 def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
     """Rank 0, the coordinator, killed while step 4 is written: its staging
     folder is removed by the job that takes over, which resumes from step-2."""
@@ -261,6 +265,7 @@ def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.launches
 def test_a_damaged_newest_step_is_refused_and_with_skip_damaged_gone_past(
     tmp_path, uninterrupted
 ):

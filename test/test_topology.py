@@ -170,6 +170,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.launches
 def test_two_nodes_write_one_checkpoint_then_one_node_resumes(tmp_path):
     """Two torchrun launchers on localhost stand in for two nodes of 2 ranks
     (a tiny model: what is tested is who writes and who resumes)."""
