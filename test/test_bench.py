@@ -94,7 +94,8 @@ def started(tmp_path_factory):
     """The three commands below, started at once: none of them keeps both
     cores busy all the time (the benchmark fsyncs and drops caches, the
     overlap loop sleeps, launches wait on each other), and each test waits
-    for its own. Their figures are not judged, so sharing the cores is fine."""
+    for its own (the shortest first). Their figures are
+    not judged, so sharing the cores is fine."""
     folders = {n: tmp_path_factory.mktemp(n) for n in ("bench", "gpu", "overlap")}
     bench = folders["bench"]
     commands = {
@@ -128,6 +129,41 @@ def started(tmp_path_factory):
     finally:
         for command in running.values():
             command.kill()
+
+
+@pytest.mark.launches
+def test_the_overlap_benchmark_runs_every_mode(started):
+    """bench/overlap.py on a tiny stage: its one row, every mode's ratio."""
+    folder, command = started["overlap"]
+    command.finish()
+    out = folder / "out"
+    run = json.loads((out / "results.json").read_text())
+    assert {k.split("/")[1] for k in run["results"]} == {
+        "none",
+        "sync",
+        "async",
+        "copy",
+    }
+    text = (out / "results.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| 0.05 |"))
+    assert row.count("x") == 4
+    assert run["twin_differs"] == {}  # every async step bitwise the twin's
+    assert "against a sync twin (the stage stepped again, nothing saved): all" in text
+
+
+@pytest.mark.launches
+def test_the_gpu_check_runs_dry_on_the_cpu(started):
+    """bench/gpu_check.sh --dry: the GPU check's three rows, on gloo and the CPU."""
+    _, command = started["gpu"]
+    stdout = command.finish()
+    rows = dict(
+        tuple(cell.strip() for cell in line.split("|"))
+        for line in stdout.splitlines()
+        if line.count("|") == 1
+    )
+    assert rows["example, 2 ranks (gloo, CPU)"].startswith("ok, verified bitwise")
+    assert rows["stop at 2, resume to 4"] == "resumed; last step bitwise"
+    assert rows["async blocking / bare copy"].endswith("x")
 
 
 @pytest.mark.launches
@@ -184,38 +220,3 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(started):
         if row["method"] == "pippy_sync":
             assert all(0 < row[p] < row["wall_s"] for p in parts), row
             assert sum(row[p] for p in parts) <= row["wall_s"] * 1.01, row
-
-
-@pytest.mark.launches
-def test_the_gpu_check_runs_dry_on_the_cpu(started):
-    """bench/gpu_check.sh --dry: the GPU check's three rows, on gloo and the CPU."""
-    _, command = started["gpu"]
-    stdout = command.finish()
-    rows = dict(
-        tuple(cell.strip() for cell in line.split("|"))
-        for line in stdout.splitlines()
-        if line.count("|") == 1
-    )
-    assert rows["example, 2 ranks (gloo, CPU)"].startswith("ok, verified bitwise")
-    assert rows["stop at 2, resume to 4"] == "resumed; last step bitwise"
-    assert rows["async blocking / bare copy"].endswith("x")
-
-
-@pytest.mark.launches
-def test_the_overlap_benchmark_runs_every_mode(started):
-    """bench/overlap.py on a tiny stage: its one row, every mode's ratio."""
-    folder, command = started["overlap"]
-    command.finish()
-    out = folder / "out"
-    run = json.loads((out / "results.json").read_text())
-    assert {k.split("/")[1] for k in run["results"]} == {
-        "none",
-        "sync",
-        "async",
-        "copy",
-    }
-    text = (out / "results.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| 0.05 |"))
-    assert row.count("x") == 4
-    assert run["twin_differs"] == {}  # every async step bitwise the twin's
-    assert "against a sync twin (the stage stepped again, nothing saved): all" in text

@@ -613,8 +613,22 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
         in layers_run.stdout
     )
 
-    # A damaged step: a data file truncated in one copy, missing in the other
-    # (both runs at once).
+    # Nothing that was saved before was lost or changed by the failed runs.
+    for folder in (ckpt, other):
+        assert {p.name: p.read_bytes() for p in (folder / "step-6").iterdir()} == (
+            before
+        )
+        assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6"]
+
+
+@pytest.mark.launches
+def test_a_damaged_step_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
+    """A data file truncated in one copy of tiny_run's steps, missing in the
+    other (both runs at once): every rank stops with the same line."""
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    for folder in (ckpt, other):
+        shutil.copytree(tiny_run[0], folder)
+    before = {p.name: p.read_bytes() for p in (ckpt / "step-6").iterdir()}
     data = [folder / "step-6" / "__1_0.distcp" for folder in (ckpt, other)]
     data[0].write_bytes(before["__1_0.distcp"][:1000])  # truncated
     data[1].unlink()  # missing

@@ -73,15 +73,9 @@ def assert_nothing_left_for_finalization(layout, stdout):
     assert alive == {str(rank): "0" for rank in range(LAYOUTS[layout][0])}
 
 
-@pytest.fixture(scope="module")
-def from_scratch(tmp_path_factory):
-    """Every run of this module that starts from nothing, launched at once
-    (none reads what another writes): 6 steps with and without data
-    parallelism, the references; and each tested layout stopped after step 3.
-    {"dp" | "pp" | layout: (folder, stdout)}."""
-    runs = {"dp": ("ddp", ()), "pp": ("one rank", ())}
-    for layout in ("ddp", "fsdp", "interleaved"):
-        runs[layout] = (layout, ("--stop-after", "3"))
+def launched_at_once(tmp_path_factory, runs):
+    """`runs` ({name: (layout, flags)}) from nothing, launched at once (none
+    reads what another writes): {name: (folder, stdout)}."""
     folders = {name: tmp_path_factory.mktemp("run") for name in runs}
     launched = torchrun_together(
         *[
@@ -96,12 +90,26 @@ def from_scratch(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(from_scratch):
-    """6 steps with and without data parallelism: the references."""
+def references(tmp_path_factory):
+    """6 steps with and without data parallelism: {"dp" | "pp": (folder, stdout)}."""
+    runs = {"dp": ("ddp", ()), "pp": ("one rank", ())}
+    return launched_at_once(tmp_path_factory, runs)
+
+
+@pytest.fixture(scope="module")
+def from_scratch(tmp_path_factory):
+    """Each tested layout stopped after step 3: {layout: (folder, stdout)}."""
+    runs = {layout: (layout, ("--stop-after", "3")) for layout in LABELS}
+    del runs["one rank"]
+    return launched_at_once(tmp_path_factory, runs)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(references):
+    """The references' folders and loss lines."""
     return {
         name: (folder, loss_lines(stdout))
-        for name, (folder, stdout) in from_scratch.items()
-        if name in ("dp", "pp")
+        for name, (folder, stdout) in references.items()
     }
 
 
@@ -119,6 +127,33 @@ def assert_close(actual, expected, rtol):
             assert ((a - b).abs().max() / scale).item() <= rtol, key
         elif not isinstance(a, torch.Tensor):
             assert a == b, key
+
+
+@pytest.mark.launches
+def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
+    uninterrupted,
+):
+    (dp, dp_losses), (pp, pp_losses) = uninterrupted["dp"], uninterrupted["pp"]
+    assert losses(dp_losses) == pytest.approx(losses(pp_losses), abs=1e-4)
+    # The DDP run's files, read with plain DCP in this process, hold what
+    # pippy reads; and the checkpoint loads into the un-split model.
+    plain = plain_read(dp / "step-6")
+    ours = dict(named_leaves(offline.read_checkpoint(dp / "step-6")))
+    assert offline.diff_state_dicts(plain, ours) == []  # every item
+    model = GPT(ModelArgs(4, 32, max_seq_len=32))
+    assert offline.load_model(dp / "step-6", model) == 6
+    weights = {k: v for k, v in ours.items() if k.startswith("model.")}
+    assert (
+        offline.diff_state_dicts(
+            {f"model.{k}": v for k, v in model.state_dict().items()}, weights
+        )
+        == []
+    )
+    assert_close(
+        offline.read_checkpoint(dp / "step-6"),
+        offline.read_checkpoint(pp / "step-6"),
+        RESHARD_RTOL,
+    )
 
 
 @pytest.mark.launches
@@ -171,33 +206,6 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     assert_close(
         offline.read_checkpoint(there / "step-6"),
         offline.read_checkpoint(folder / "step-6"),
-        RESHARD_RTOL,
-    )
-
-
-@pytest.mark.launches
-def test_references_agree_across_dp_degrees_and_load_into_the_plain_model(
-    uninterrupted,
-):
-    (dp, dp_losses), (pp, pp_losses) = uninterrupted["dp"], uninterrupted["pp"]
-    assert losses(dp_losses) == pytest.approx(losses(pp_losses), abs=1e-4)
-    # The DDP run's files, read with plain DCP in this process, hold what
-    # pippy reads; and the checkpoint loads into the un-split model.
-    plain = plain_read(dp / "step-6")
-    ours = dict(named_leaves(offline.read_checkpoint(dp / "step-6")))
-    assert offline.diff_state_dicts(plain, ours) == []  # every item
-    model = GPT(ModelArgs(4, 32, max_seq_len=32))
-    assert offline.load_model(dp / "step-6", model) == 6
-    weights = {k: v for k, v in ours.items() if k.startswith("model.")}
-    assert (
-        offline.diff_state_dicts(
-            {f"model.{k}": v for k, v in model.state_dict().items()}, weights
-        )
-        == []
-    )
-    assert_close(
-        offline.read_checkpoint(dp / "step-6"),
-        offline.read_checkpoint(pp / "step-6"),
         RESHARD_RTOL,
     )
 
