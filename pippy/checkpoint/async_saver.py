@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +41,15 @@ from pippy.checkpoint.storage import Location
 
 logger = logging.getLogger(__name__)
 _ATOMIC = (int, float, bool, str, type(None))  # values deepcopy returns as they are
+
+
+def changed_in_place(key: str) -> str:
+    """The one line for a saved tensor changed between ``save()`` and its copy."""
+    return (
+        f"{key} was changed in place after save() returned and before it was "
+        "copied, so this step is not published: call the saver's "
+        "wait_for_staging() before changing saved tensors"
+    )
 
 
 class KeptBufferStager:
@@ -79,49 +89,69 @@ class KeptBufferStager:
         state_dict: Mapping[str, Any],
         *,
         later: Callable[[], Mapping[str, Any]] | None = None,
+        after: Callable[[], None] | None = None,
     ) -> dict[str, Any] | Future[dict[str, Any]]:
         """A copy of ``state_dict`` in the buffers, or (``in_background``) its Future.
 
         Its tensors are valid until the next :meth:`stage` or :meth:`close`.
         ``later`` (``in_background`` only) takes more of the state_dict in the
         stager's thread before the copy; what it reads must not change until then.
+        ``after`` runs once the bytes are copied (``in_background``: in the
+        stager's thread), to check what the copy read.
+
+        Raises:
+            CheckpointError: A tensor was changed in place (its version counter
+                moved) between the call and its copy: the copy may hold a later
+                value (``in_background``: from the Future).
         """
         if self._staging is not None:  # the buffers are free again (its error told)
             wait([self._staging])
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor, int, tuple]] = []
         staged = self._copy(state_dict, (), pairs)
         if not self.in_background:
             if later is not None:
                 raise ValueError("only a stager in_background takes state later")
-            return self._fill(pairs, None, staged)
+            return self._fill(pairs, None, staged, None, after)
         ready = None
         on_gpu = later is not None and torch.cuda.is_initialized()
-        if on_gpu or any(src.is_cuda for _, src in pairs):
+        if on_gpu or any(src.is_cuda for _, src, _, _ in pairs):
             if self._stream is None:  # made on the caller's thread, as DCP's
                 self._stream = torch.cuda.Stream()
             ready = torch.cuda.current_stream().record_event()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-staging")
-        self._staging = self._executor.submit(self._fill, pairs, ready, staged, later)
+        self._staging = self._executor.submit(
+            self._fill, pairs, ready, staged, later, after
+        )
         return self._staging
 
     @torch.no_grad()
     def _fill(
-        self, pairs: list, ready: Any, staged: Any = None, later: Any = None
+        self,
+        pairs: list,
+        ready: Any,
+        staged: Any = None,
+        later: Any = None,
+        after: Any = None,
     ) -> Any:
-        """Copies each (buffer, source) pair, ``later``'s too; after ``ready``."""
+        """Copies ``pairs`` (``later``'s too) after ``ready``; checks the sources."""
         if later is not None:
             staged = {**self._copy(later(), (), pairs), **staged}
         side = self._stream if ready is not None else None
         with torch.cuda.stream(side) if side is not None else nullcontext():
             if side is not None:
                 side.wait_event(ready)  # the sources hold the values of the call
-            for buffer, source in pairs:
+            for buffer, source, _, _ in pairs:
                 buffer.copy_(source, non_blocking=self.pin_memory)
         if side is not None:
             side.synchronize()
         elif self.pin_memory and torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies are done
+        for _, source, version, path in pairs:
+            if source._version != version:
+                raise CheckpointError(changed_in_place(".".join(map(str, path))))
+        if after is not None:
+            after()
         return staged
 
     def _copy(self, value: Any, path: tuple[Any, ...], pairs: list) -> Any:
@@ -158,7 +188,7 @@ class KeptBufferStager:
             buffer = torch.empty_like(tensor, device="cpu", pin_memory=self.pin_memory)
             kept = (layout, buffer.requires_grad_(tensor.requires_grad))
             self._buffers[path] = kept
-        pairs.append((kept[1], tensor))
+        pairs.append((kept[1], tensor, tensor._version, path))
         return kept[1]
 
     def synchronize_staging(self) -> None:
@@ -187,10 +217,14 @@ class AsyncSaver:
     at the call; a parameter or buffer replaced meanwhile is saved as it was),
     except before the optimizers have state (DCP makes it with a step), under
     FSDP (it swaps parameters in forward), or with an optimizer's own
-    ``state_dict``. Nothing may change the saved tensors in place until the
-    copy is done: ``save`` hooks a ``StageState``'s optimizers' ``step`` to
-    wait for it; anything else that writes them (a manual ``p.add_()``,
-    BatchNorm's running statistics) must call :meth:`wait_for_staging` first.
+    ``state_dict``. A ``StageState``'s buffers (BatchNorm's kernels update
+    running statistics in place without moving their version counters) and
+    extra state are copied at the call. Its parameters and optimizer tensors
+    are copied later: ``save`` hooks the optimizers' ``step`` to wait for the
+    copy, and a tensor changed in place before its copy (a ``clamp_``, an
+    ``add_``: its version counter moves) fails the save on every rank, naming
+    it, and nothing is published; call :meth:`wait_for_staging` before such a
+    change. Writes through ``.data`` move no version counter and are not seen.
     A plain state_dict's ``save`` returns once copied.
 
     The rest runs in one background thread over a gloo group of its own (async
@@ -332,14 +366,35 @@ class AsyncSaver:
                 for m in state.module.modules()
             )
         ):
-            return stager.stage(state_to_save(state, step))
+            taken = state_to_save(state, step)
+            if isinstance(state, StageState):  # what has no version: its copy now
+                fqns = _buffer_fqns(state.module)
+                model = taken["model"]
+                taken = {
+                    k: v if k in ("model", "optim") else _cloned(v)
+                    for k, v in taken.items()
+                }
+                taken["model"] = {
+                    k: _cloned(v) if k in fqns else v for k, v in model.items()
+                }
+            return stager.stage(taken)
         now = state_to_save({"step": state.step}, step)  # the step checked
         if state.lr_schedulers:
             now["lr_scheduler"] = state._scheduler_state()
         now.update((name, obj.state_dict()) for name, obj in state.extra.items())
+        now = _cloned(now)  # extra state, as it is now: small
         # The optimizers' options as they are now (an LR set before the next
-        # step must not be saved), and the module's tensors as they are now.
+        # step must not be saved), and the module's tensors as they are now:
+        # buffers copied (BatchNorm's kernels update running statistics in place
+        # without moving their version counters), the rest by the stager after
+        # a check of their version counters.
         held = state.module.state_dict(keep_vars=True)
+        buffers = {
+            key: tensor.detach().clone()
+            for key, tensor in held.items()
+            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter)
+        }
+        versions = _versions(state)
         later = copy.copy(state)
         later.optimizer = [_options_now(o) for o in state.optimizers]
         later.lr_scheduler, later.extra = None, {}
@@ -353,13 +408,18 @@ class AsyncSaver:
                     "returned: call the saver's wait_for_staging() first"
                 )
             for key, tensor in held.items():  # replaced since: the one of the call
-                if now_held[key] is not tensor:
+                if now_held[key] is not tensor or key in buffers:
                     for fqn in _get_fqns(state.module, key):
                         if fqn in taken["model"]:
-                            taken["model"][fqn] = tensor.detach()
+                            taken["model"][fqn] = buffers.get(key, tensor.detach())
             return taken  # its step is the one taken now
 
-        return stager.stage(now, later=take)
+        def unchanged() -> None:  # after the copy: what it read is the call's
+            for key, tensor, version in versions:
+                if tensor._version != version:
+                    raise CheckpointError(changed_in_place(key))
+
+        return stager.stage(now, later=take, after=unchanged)
 
     def _write(self, taken: Any, step: int, started: float, ranks: int) -> Any:
         """In the background: the wait, the staging folder, the write, publishing."""
@@ -476,6 +536,43 @@ class AsyncSaver:
                 dist.destroy_process_group(self.process_group)
                 self._own_group = False
                 self.process_group = None
+
+
+def _cloned(value: Any) -> Any:
+    """``value`` with each tensor in its dicts, lists and tuples cloned."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_cloned(v) for v in value)
+    return value
+
+
+def _buffer_fqns(module: nn.Module) -> set[str]:
+    """The FQNs of ``module``'s buffers, as its state_dict for DCP names them."""
+    return {
+        fqn for name, _ in module.named_buffers() for fqn in _get_fqns(module, name)
+    }
+
+
+def _versions(state: StageState) -> list[tuple[str, torch.Tensor, int]]:
+    """Each parameter's and optimizer state tensor's key and version counter."""
+    fqn_of: dict[torch.Tensor, str] = {
+        p: name for name, p in state.module.named_parameters()
+    }
+    found: list[tuple[str, torch.Tensor, int]] = [
+        (f"model.{name}", p, p._version) for p, name in fqn_of.items()
+    ]
+    for optimizer in state.optimizers:
+        for param, entries in optimizer.state.items():
+            name = fqn_of.get(param, "?")
+            found += [
+                (f"optim.state.{name}.{key}", value, value._version)
+                for key, value in entries.items()
+                if isinstance(value, torch.Tensor)
+            ]
+    return found
 
 
 def _options_now(optimizer: Optimizer) -> Optimizer:
