@@ -7,8 +7,10 @@ what a test is about: the launcher, signals, process death, a process's
 memory. Starting a process costs about 2 s of CPU (importing torch), so a
 run whose output several modules read runs once per session: the checks of
 test/*_checks.py on 2 and on 4 ranks (threads), the example's uninterrupted
-and stopped 4-rank runs and a tiny 2-rank run (torchrun). A module run alone
-starts them as well, on first use.
+and stopped 4-rank runs and a tiny 2-rank run. The example runs on a pool of
+rank processes kept across tests (rank_pool.py) unless the launcher or the
+process is what a test is about (torchrun). A module run alone starts them as
+well, on first use.
 
 A test that starts a Python process (torchrun, ``python -m pippy``, a
 snippet) is marked ``launches``, or uses a fixture that does (LAUNCHING);
@@ -30,12 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "check
 from ranks import run_checks  # noqa: E402
 
 from helpers import (  # noqa: E402
-    EXAMPLE,
     FOUR_RANK_FLAGS,
     TINY_RUN_FLAGS,
+    example,
+    examples,
     start_s3_server,
     torchrun,
-    torchrun_together,
 )
 
 SHARED_CHECKS = Path(__file__).with_name("shared_checks.py")
@@ -123,14 +125,14 @@ def memory_launch(tmp_path_factory):
 @pytest.fixture(scope="session")
 def four_rank_runs(tmp_path_factory):
     """The example on 4 ranks with FOUR_RANK_FLAGS, uninterrupted and stopped
-    after step 3 (--stop-after 3), two independent launches at once:
+    after step 3 (--stop-after 3), on a pool of rank processes (rank_pool.py):
     {"run": (folder, stdout), "stopped": (folder, stdout)}."""
     folders = {
         n: tmp_path_factory.mktemp(f"four-ranks-{n}") for n in ("run", "stopped")
     }
-    run, stopped = torchrun_together(
-        (4, EXAMPLE, *FOUR_RANK_FLAGS, "--checkpoint-dir", folders["run"]),
-        (4, EXAMPLE, *FOUR_RANK_FLAGS, "--checkpoint-dir", folders["stopped"])
+    run, stopped = examples(
+        (4, *FOUR_RANK_FLAGS, "--checkpoint-dir", folders["run"]),
+        (4, *FOUR_RANK_FLAGS, "--checkpoint-dir", folders["stopped"])
         + ("--stop-after", 3),
     )
     return {
@@ -155,12 +157,13 @@ def four_rank_stopped(four_rank_runs):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """The example on 2 ranks with TINY_RUN_FLAGS, uninterrupted: (folder
+    """The example on 2 ranks with TINY_RUN_FLAGS, uninterrupted (a pool of
+    rank processes): (folder
     holding step-3 and step-6, stdout). test_bucket's, test_edges' and
     test_example's reference; test_convert, test_edges, test_failures and
     test_safety start from a copy of its steps. Read it; copy it to change it."""
     folder = tmp_path_factory.mktemp("tiny-run")
-    run = torchrun(2, EXAMPLE, *TINY_RUN_FLAGS, "--checkpoint-dir", folder)
+    run = example(2, *TINY_RUN_FLAGS, "--checkpoint-dir", folder)
     return folder, run.stdout
 
 

@@ -194,6 +194,28 @@ def torchrun_together(*launches, timeout=240, expect_ok=True):
         return [future.result() for future in futures]
 
 
+def example(nproc, *args, timeout=240, expect_ok=True):
+    """The example with `args` on `nproc` ranks of a pool of rank processes
+    kept across tests (rank_pool.py), as torchrun runs it but without a
+    launcher: for runs whose subject is neither the launcher nor the process.
+    A CompletedProcess, each rank's output in turn."""
+    from rank_pool import run_example
+
+    return run_example(nproc, *args, timeout=timeout, expect_ok=expect_ok)
+
+
+def examples(*launches, expect_ok=True):
+    """`example` for each of `launches` (``(nproc, *args)``), in turn (a
+    pool's warm run takes well under a second more than its work); with
+    expect_ok, one for all or one per launch. Their processes, in order."""
+    if isinstance(expect_ok, bool):
+        expect_ok = [expect_ok] * len(launches)
+    return [
+        example(*launch, expect_ok=ok)
+        for launch, ok in zip(launches, expect_ok, strict=True)
+    ]
+
+
 def pippy_cli(*argv, env=None):
     """``python -m pippy ARGV`` in this process (pippy.cli.main): a
     CompletedProcess with its exit status, stdout and stderr. `env`: variables

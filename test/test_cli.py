@@ -19,13 +19,12 @@ from pippy.cli import main
 
 from gpt import GPT, ModelArgs
 from helpers import (
-    EXAMPLE,
     ROOT,
     TINY_FLAGS,
+    example,
     pippy_cli,
     poison_metadata,
     tiny_gpt,
-    torchrun,
 )
 
 MODEL_ARGS = ModelArgs(n_layers=2, dim=32, max_seq_len=16)
@@ -155,7 +154,7 @@ def test_inspect_totals_count_the_keys_and_files_shown(run, capsys):
 @pytest.mark.launches
 def test_inspect_counts_a_sharded_key_in_each_file_by_its_shard(tmp_path, capsys):
     flags = [*TINY_FLAGS, "--steps", "1", "--dp", "2", "--fsdp"]
-    torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    example(2, *flags, "--checkpoint-dir", tmp_path)
     assert main(["inspect", str(tmp_path), "--keys", "model.layers.0.*"]) == 0
     out = capsys.readouterr().out
     keys = table_rows(out, ("model.",))

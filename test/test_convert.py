@@ -11,12 +11,11 @@ import torch
 import helpers
 from gpt import GPT, ModelArgs
 from helpers import (
-    EXAMPLE,
     TINY_FLAGS,
     TINY_RUN_FLAGS,
+    examples,
     loss_lines,
     plain_read,
-    torchrun_together,
 )
 
 RUN = [*TINY_FLAGS, "--save-every", "2"]
@@ -84,11 +83,8 @@ def test_the_example_resumes_from_the_round_tripped_step(converted, tmp_path):
     names = ("original", "round-tripped")
     for name, source in zip(names, (step, back), strict=True):
         shutil.copytree(source, tmp_path / name / "step-6")
-    launched = torchrun_together(  # independent: at once
-        *[
-            (2, EXAMPLE, *RUN, "--steps", 8, "--checkpoint-dir", tmp_path / n)
-            for n in names
-        ]
+    launched = examples(
+        *[(2, *RUN, "--steps", 8, "--checkpoint-dir", tmp_path / n) for n in names]
     )
     runs = {name: run.stdout for name, run in zip(names, launched, strict=True)}
     for name in names:

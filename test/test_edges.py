@@ -45,9 +45,10 @@ from helpers import (
     TINY_FLAGS,
     TINY_RUN_FLAGS,
     TwoHeads,
+    example,
+    examples,
     linear_state,
     torchrun,
-    torchrun_together,
 )
 
 # --------------------------------------------------------------------------
@@ -389,9 +390,9 @@ def test_the_example_refuses_to_resume_from_a_step_file_linked_out(tmp_path, tin
         shutil.copytree(tiny_run[0], tmp_path / name / "ckpt")
         step = tmp_path / name / "ckpt" / "step-6"
         refused[name] = link_out(step, name, tmp_path / name / "elsewhere" / name)
-    runs = torchrun_together(
+    runs = examples(
         *[
-            (2, EXAMPLE, *TINY_FLAGS, "--steps", "7")
+            (2, *TINY_FLAGS, "--steps", "7")
             + ("--checkpoint-dir", tmp_path / name / "ckpt")
             for name in names
         ],
@@ -878,9 +879,8 @@ def test_ranks_whose_launcher_is_killed_stop_and_publish_nothing_more(tmp_path):
         for pid in example_ranks(tmp_path):
             os.kill(pid, signal.SIGKILL)
     # The next job takes the folder over from the dead one and resumes.
-    run = torchrun(
+    run = example(
         2,
-        EXAMPLE,
         *TINY_FLAGS,
         "--steps",
         str(steps[-1] + 1),
@@ -925,8 +925,8 @@ def test_sigterm_saves_the_current_step_and_the_next_run_resumes_there(tmp_path)
     skipped = f"not verifying {tmp_path / f'step-{step}'}: stopped by a signal"
     assert skipped in out
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{step}"]
-    run = torchrun(
-        2, EXAMPLE, *TINY_FLAGS, "--steps", str(step + 1), "--checkpoint-dir", tmp_path
+    run = example(
+        2, *TINY_FLAGS, "--steps", str(step + 1), "--checkpoint-dir", tmp_path
     )
     assert f"resuming from {tmp_path / f'step-{step}'}" in run.stdout
 
@@ -970,9 +970,8 @@ def test_a_full_disk_says_so_and_leaves_no_partial_folder(small_disk):
 
 @pytest.mark.launches
 def test_keep_last_below_one_is_refused_before_training(tmp_path):
-    run = torchrun(
+    run = example(
         2,
-        EXAMPLE,
         *TINY_FLAGS,
         "--keep-last",
         "0",

@@ -18,9 +18,10 @@ from helpers import (
     FOUR_RANK_FLAGS,
     TINY_FLAGS,
     TINY_RUN_FLAGS,
+    example,
+    examples,
     loss_lines,
     torchrun,
-    torchrun_together,
 )
 
 STEPS = ["--steps", "6", "--save-every", "3"]
@@ -37,14 +38,14 @@ def stop_and_resume(world_size, flags, resumed, first=None):
     the resumed run's process."""
     if first is None:
         stop = ("--checkpoint-dir", resumed, "--stop-after", 3)
-        first = torchrun(world_size, EXAMPLE, *flags, *stop)
+        first = example(world_size, *flags, *stop)
     assert "stopping after step 3 (--stop-after)" in first.stdout
     assert "resuming" not in first.stdout
     for rank in range(world_size):
         assert f"[rank {rank}] stage {rank}: saved " in first.stdout
     assert sorted(p.name for p in resumed.iterdir()) == ["step-3"]
 
-    return torchrun(world_size, EXAMPLE, *flags, "--checkpoint-dir", resumed)
+    return example(world_size, *flags, "--checkpoint-dir", resumed)
 
 
 @pytest.mark.launches
@@ -133,10 +134,10 @@ def test_the_example_says_what_happened(tmp_path):
         "--checkpoint-dir",
         tmp_path / "new",
     )
-    run, sync, failed = torchrun_together(  # independent: at once
-        (2, EXAMPLE, *flags, "--async-save", "--checkpoint-dir", ckpt),
-        (2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "sync"),
-        (2, EXAMPLE, *flags, *nowhere),
+    run, sync, failed = examples(
+        (2, *flags, "--async-save", "--checkpoint-dir", ckpt),
+        (2, *flags, "--checkpoint-dir", tmp_path / "sync"),
+        (2, *flags, *nowhere),
         expect_ok=[True, True, False],
     )
     out = run.stdout
@@ -174,7 +175,7 @@ def test_a_raised_steps_resumes_onto_the_new_schedule(tmp_path, tiny_run):
     assert TINY_RUN_FLAGS == [*TINY_FLAGS, "--steps", "6", "--save-every", "3"]
     shutil.copytree(tiny_run[0], tmp_path, dirs_exist_ok=True)
     flags = [*TINY_FLAGS, "--save-every", "3", "--checkpoint-dir", tmp_path]
-    lines = loss_lines(torchrun(2, EXAMPLE, *flags, "--steps", "10").stdout)
+    lines = loss_lines(example(2, *flags, "--steps", "10").stdout)
     printed = [line.split("| lr ")[1].split()[0] for line in lines]
     lr = pippy_dcp.parse_args(["--steps", "10"]).lr
     # Step s trains at the schedule's value after s - 1 scheduler steps.

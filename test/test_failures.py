@@ -36,6 +36,8 @@ from helpers import (
     TINY_RUN_FLAGS,
     PlainReader,
     TwoHeads,
+    example,
+    examples,
     launch,
     linear_state,
     plain_read,
@@ -546,12 +548,16 @@ def test_a_load_one_rank_refuses_stops_every_rank_with_its_error(two_ranks):
     ]
 
 
-def failing_examples(*launches):
-    """Runs of the example that must fail, each ``(nproc, *flags)``, at once
-    (none writes what another reads); each fails without a traceback."""
-    runs = torchrun_together(
-        *[(nproc, EXAMPLE, *flags) for nproc, *flags in launches], expect_ok=False
-    )
+def failing_examples(*launches, launcher=False):
+    """Runs of the example that must fail, each ``(nproc, *flags)``, on a pool
+    of rank processes or (`launcher`) under torchrun, at once (none writes
+    what another reads); each fails without a traceback."""
+    if launcher:
+        runs = torchrun_together(
+            *[(nproc, EXAMPLE, *flags) for nproc, *flags in launches], expect_ok=False
+        )
+    else:
+        runs = examples(*launches, expect_ok=False)
     for run in runs:
         assert run.returncode != 0
         assert "Traceback" not in run.stdout
@@ -578,14 +584,18 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
             "argument --microbatches: 1f1b needs at least one per stage (4)",
         ),
     ]
-    # These runs read what they are given and change nothing: all at once.
-    file_run, sub_run, *flag_runs, dim_run, layers_run = failing_examples(
-        (2, *TINY, "--checkpoint-dir", a_file),
-        (2, *TINY, "--checkpoint-dir", a_file / "sub"),
+    # These runs read what they are given and change nothing; the flag errors
+    # under torchrun, which is what prints them once.
+    flag_runs = failing_examples(
         *[
             (4, *TINY, *flags, "--checkpoint-dir", tmp_path / "x")
             for flags, _ in bad_flags
         ],
+        launcher=True,
+    )
+    file_run, sub_run, dim_run, layers_run = failing_examples(
+        (2, *TINY, "--checkpoint-dir", a_file),
+        (2, *TINY, "--checkpoint-dir", a_file / "sub"),
         (2, *TINY, "--steps", "7", "--dim", "64", "--checkpoint-dir", ckpt),
         (2, *TINY, "--steps", "7", "--n-layers", "2", "--checkpoint-dir", other),
     )
@@ -696,7 +706,7 @@ def test_a_rank_killed_mid_save_leaves_the_last_step_loadable(tmp_path):
     assert checkpoint.find_latest_step(tmp_path) == tmp_path / "step-2"
     assert offline.read_checkpoint(tmp_path / "step-2")["step"] == 2
 
-    run = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    run = example(2, *flags, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / 'step-2'}" in run.stdout
     assert "verified:" in run.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]

@@ -23,7 +23,15 @@ from pippy.checkpoint.steps import list_steps
 from pippy.checkpoint.storage import LocalStorage
 
 import helpers
-from helpers import EXAMPLE, TINY_FLAGS, Job, linear_state, loss_lines, torchrun
+from helpers import (
+    EXAMPLE,
+    TINY_FLAGS,
+    Job,
+    example,
+    linear_state,
+    loss_lines,
+    torchrun,
+)
 
 #: An uninterrupted run's flags: 30 steps, saved at 10, 20, 30.
 STEPS = ["--steps", "30", "--save-every", "10"]
@@ -54,7 +62,7 @@ def assert_same_tensors(folder, reference):
 def uninterrupted(tmp_path_factory):
     """An uninterrupted run of STEPS: its losses by step, and its folder."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    run = torchrun(2, EXAMPLE, *TINY_FLAGS, *STEPS, "--checkpoint-dir", folder)
+    run = example(2, *TINY_FLAGS, *STEPS, "--checkpoint-dir", folder)
     losses = losses_by_step(run.stdout)
     assert sorted(losses) == list(range(1, 31))
     return losses, folder
@@ -94,7 +102,7 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(
     assert sorted(list_steps(LocalStorage(), tmp_path)) == [step]
     assert offline.read_checkpoint(tmp_path / f"step-{step}")["step"] == step
 
-    resumed = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    resumed = example(2, *flags, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / f'step-{step}'}" in resumed.stdout
     both = {**losses_by_step(out), **losses_by_step(resumed.stdout)}
     assert both == reference  # steps 1..step, then step+1..30
@@ -276,7 +284,7 @@ def test_a_damaged_newest_step_is_refused_and_with_skip_damaged_gone_past(
     data.write_bytes(data.read_bytes()[:1000])  # a copy cut short
     flags = [*TINY_FLAGS, *STEPS, "--checkpoint-dir", folder]
 
-    refused = torchrun(2, EXAMPLE, *flags, expect_ok=False)
+    refused = example(2, *flags, expect_ok=False)
     assert refused.returncode != 0
     for rank in (0, 1):  # the default: every restart would fail alike
         assert (
@@ -284,7 +292,7 @@ def test_a_damaged_newest_step_is_refused_and_with_skip_damaged_gone_past(
         )
     assert sorted(p.name for p in folder.iterdir()) == ["step-10", "step-20", "step-30"]
 
-    run = torchrun(2, EXAMPLE, *flags, "--skip-damaged")
+    run = example(2, *flags, "--skip-damaged")
     assert re.search(  # rank 0, which decided, says what it skipped, and why
         r"\[rank 0\] skipped step-30: moved aside to \.step-30\.damaged-\d+: "
         r"'.*step-30' is damaged: __1_0\.distcp has 1000 bytes",

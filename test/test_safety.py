@@ -14,7 +14,7 @@ from pippy import checkpoint
 from pippy.checkpoint import offline
 from pippy.checkpoint.safe_load import read_metadata
 
-from helpers import EXAMPLE, TINY_FLAGS, Payload, poison_metadata, torchrun
+from helpers import TINY_FLAGS, Payload, example, poison_metadata
 
 
 def save_step(root, step=1, **extra):
@@ -119,7 +119,7 @@ def test_example_refuses_to_resume_from_a_poisoned_checkpoint(tmp_path, tiny_run
     shutil.copytree(tiny_run[0], ckpt)
     flags = ["--checkpoint-dir", ckpt, *TINY_FLAGS]
     poison_metadata(ckpt / "step-6", marker)
-    run = torchrun(2, EXAMPLE, *flags, "--steps", "7", expect_ok=False)
+    run = example(2, *flags, "--steps", "7", expect_ok=False)
     assert run.returncode != 0
     assert not marker.exists()
     for rank in range(2):

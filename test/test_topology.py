@@ -18,7 +18,7 @@ from pippy.checkpoint.checks import named_leaves
 import parallel
 import pippy_dcp
 from gpt import GPT, ModelArgs
-from helpers import EXAMPLE, ROOT, TINY_FLAGS, loss_lines, torchrun
+from helpers import EXAMPLE, ROOT, TINY_FLAGS, example, loss_lines
 
 FLAGS = ["--steps", "6", "--save-every", "3"]
 TINY = ModelArgs(4, 32, max_seq_len=32)
@@ -41,8 +41,8 @@ def test_resume_on_another_number_of_stages(
         shutil.copytree(stopped, tmp_path, dirs_exist_ok=True)
     else:
         stop = ["--checkpoint-dir", tmp_path, "--stop-after", "3"]
-        torchrun(before, EXAMPLE, *FLAGS, *stop)
-    run = torchrun(after, EXAMPLE, *FLAGS, "--checkpoint-dir", tmp_path)
+        example(before, *FLAGS, *stop)
+    run = example(after, *FLAGS, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / 'step-3'}" in run.stdout
     assert "verified:" in run.stdout
     reference, reference_losses = uninterrupted
@@ -60,7 +60,7 @@ def test_init_from_takes_the_weights_and_nothing_else(tmp_path, uninterrupted):
     source = uninterrupted[0] / "step-6"
     # lr 0: one AdamW step leaves the weights as loaded, and moves the rest.
     flags = ["--steps", "1", "--lr", "0", "--init-from", source]
-    run = torchrun(2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path)
+    run = example(2, *flags, "--checkpoint-dir", tmp_path)
     assert f"starting from the weights of {source}" in run.stdout
     new, old = (
         offline.read_checkpoint(tmp_path / "step-1"),
@@ -207,6 +207,6 @@ def test_two_nodes_write_one_checkpoint_then_one_node_resumes(tmp_path):
         "manifest.json"
     ]
 
-    run = torchrun(4, EXAMPLE, *TINY_FLAGS, *FLAGS, "--checkpoint-dir", tmp_path)
+    run = example(4, *TINY_FLAGS, *FLAGS, "--checkpoint-dir", tmp_path)
     assert f"resuming from {tmp_path / 'step-3'}" in run.stdout
     assert "verified:" in run.stdout

@@ -1,0 +1,131 @@
+"""Rank processes kept across tests, for runs of the example whose subject
+is not the launcher nor the process.
+
+Under torchrun each run starts a launcher and one process per rank, and each
+imports torch (about 1.3 s of CPU for the launcher, 2.5 s for a rank, before
+any work). A pool of ``nproc`` rank processes (test/rank_server.py) imports
+once and runs the example's ``main`` for each request, with the environment
+torchrun gives its workers and a fresh TCP store each run; its output is each
+rank's, rank 0 first. Tests of signals, restarts, a killed launcher or rank,
+the launcher's own output, or what happens at interpreter exit launch with
+torchrun (helpers.torchrun).
+"""
+
+import atexit
+import json
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+SERVER = Path(__file__).with_name("rank_server.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+_lock = threading.Lock()
+_idle: dict[int, list["Pool"]] = {}  # by nproc: pools that run nothing now
+_all: list["Pool"] = []
+
+
+class Pool:
+    """``nproc`` rank processes, one run at a time."""
+
+    def __init__(self, nproc, env):
+        self.nproc, self.scratch = nproc, Path(tempfile.mkdtemp(prefix="rank-pool-"))
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-u", str(SERVER), str(rank), str(nproc)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(self.scratch / f"server-{rank}.log", "wb"),  # noqa: SIM115
+                text=True,
+                cwd=ROOT,
+                env=env,
+            )
+            for rank in range(nproc)
+        ]
+
+    def run(self, argv, cwd, timeout):
+        """The example's main with `argv` on every rank: (codes, stdout, stderr)."""
+        from helpers import _free_ports
+
+        port = _free_ports(1)[0]
+        files = [
+            (self.scratch / f"out-{r}", self.scratch / f"err-{r}")
+            for r in range(self.nproc)
+        ]
+        for proc, (out, err) in zip(self.procs, files, strict=True):
+            request = {"argv": argv, "port": port, "cwd": str(cwd)}
+            proc.stdin.write(json.dumps({**request, "out": str(out), "err": str(err)}))
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        codes, deadline = [None] * self.nproc, time.monotonic() + timeout
+        while None in codes:
+            waiting = {
+                p.stdout: r for r, p in enumerate(self.procs) if codes[r] is None
+            }
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select(list(waiting), [], [], max(left, 0))
+            if not ready:
+                self.kill()
+                raise TimeoutError(f"the example did not end in {timeout} s: {argv}")
+            for stream in ready:
+                line = stream.readline()
+                if not line:  # the server died: a crash, as a process's
+                    self.kill()
+                    raise RuntimeError(f"rank {waiting[stream]} of a pool died: {argv}")
+                codes[waiting[stream]] = json.loads(line)["code"]
+        stdout = "".join(out.read_text(errors="replace") for out, _ in files)
+        stderr = "".join(err.read_text(errors="replace") for _, err in files)
+        return codes, stdout, stderr
+
+    def kill(self):
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=30)
+        self.procs = []
+
+
+@atexit.register
+def _stop_all():
+    for pool in _all:
+        if pool.procs:
+            pool.kill()
+
+
+def run_example(nproc, *args, timeout=240, expect_ok=True):
+    """The example on `nproc` ranks of a pool, as helpers.torchrun runs it:
+    a CompletedProcess whose returncode is the first non-zero rank's (0 if
+    none) and whose stdout and stderr are the ranks', rank 0 first. Runs at
+    once use pools of their own."""
+    from helpers import _ENV
+
+    with _lock:
+        idle = _idle.setdefault(nproc, [])
+        pool = idle.pop() if idle else None
+    if pool is None:
+        pool = Pool(nproc, {**_ENV, "PYTHONPATH": str(ROOT)})
+        with _lock:
+            _all.append(pool)
+    argv = [str(a) for a in args]
+    try:
+        codes, stdout, stderr = pool.run(argv, ROOT, timeout)
+    except (TimeoutError, RuntimeError) as e:
+        pytest.fail(f"{e}\n--- server logs in {pool.scratch}")
+    code = next((c for c in codes if c), 0)
+    if code == 0:  # a failed run's processes are not reused
+        with _lock:
+            _idle[nproc].append(pool)
+    else:
+        pool.kill()
+    proc = subprocess.CompletedProcess(["pool", *argv], code, stdout, stderr)
+    if expect_ok and code != 0:
+        pytest.fail(
+            f"the example {' '.join(argv)} on a pool of {nproc} exited {code}\n"
+            f"--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}"
+        )
+    return proc
