@@ -151,9 +151,9 @@ def _inspect(args: argparse.Namespace) -> None:
     storage = storage_for(args.path)
     steps, folder = _resolve(storage, args.path, args.step)
     metadata = read_metadata(folder, trusted=args.trusted)
-    damage = find_damage(storage, folder, metadata)
+    damage, unverified = find_damage(storage, folder, metadata), None
     if args.verify and not damage and read_manifest(storage, folder) is None:
-        print(
+        unverified = (
             f"not verified: {folder} has no {MANIFEST_FILE} to verify against "
             "(written by plain DCP or torchtitan, or the file was lost)"
         )
@@ -191,6 +191,8 @@ def _inspect(args: argparse.Namespace) -> None:
     _print_files(storage, folder, per_file, len(keys))
     if damage:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
+    if unverified:  # a script trusting the exit status must not take it as verified
+        raise checkpoint.CheckpointError(unverified)
 
 
 def _key_rows(
@@ -358,7 +360,8 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--verify",
         action="store_true",
-        help="read every item and check it against the step's manifest.json",
+        help="read every item and check it against the step's manifest.json "
+        "(exit status 2 where it cannot)",
     )
     inspect.set_defaults(run=_inspect)
     unverified = argparse.ArgumentParser(add_help=False)  # export, convert

@@ -446,10 +446,15 @@ def test_inspect_verify_of_a_step_without_manifest_says_so_not_damaged(
 ):
     folder = tmp_path / "step-1"
     dcp.save({"w": torch.ones(2)}, checkpoint_id=folder, no_dist=True)  # plain DCP
-    assert main(["inspect", str(folder), "--verify"]) == 0
-    out = capsys.readouterr().out
-    assert f"not verified: {folder} has no manifest.json to verify against" in out
-    assert "damaged" not in out
+    # Not verified is not success: a script trusting the exit status stops.
+    assert main(["inspect", str(folder), "--verify"]) == 2
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    assert line.startswith(
+        f"error: not verified: {folder} has no manifest.json to verify against"
+    )
+    assert "damaged" not in out + err
+    assert main(["inspect", str(folder)]) == 0  # without --verify: the listing
 
 
 def test_an_export_names_the_weights_it_leaves_outside_the_model_section(

@@ -183,3 +183,20 @@ def test_a_raised_steps_resumes_onto_the_new_schedule(tmp_path, tiny_run):
         f"{lr * pippy_dcp.lr_factor(s - 1, 10):.2e}" for s in (7, 8, 9, 10)
     ]
     assert printed[0] == "4.72e-04"  # not 6 steps' last value, 1.86e-04
+
+
+@pytest.mark.parametrize("steps", ["3", "2"])
+def test_steps_at_or_below_the_saved_step_end_at_once_and_cleanly(
+    tmp_path, tiny_run, steps
+):
+    """Nothing to train (--steps at or below the saved step-3 of 6 steps,
+    whose schedule --steps 3 or 2 would change): exit 0, the line that says
+    so, nothing saved."""
+    shutil.copytree(tiny_run[0] / "step-3", tmp_path / "step-3")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "step-3").iterdir()}
+    flags = [*TINY_FLAGS, "--save-every", "3", "--checkpoint-dir", tmp_path]
+    run = example(2, *flags, "--steps", steps)
+    assert f"already at step 3 of {steps}: nothing to train" in run.stdout
+    assert "differ" not in run.stdout and loss_lines(run.stdout) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "step-3").iterdir()} == before

@@ -314,6 +314,7 @@ def main(args) -> None:
         owner.acquire()
         # resume if a checkpoint exists (its optimizer and LR schedule win over --lr)
         resume(state, args, layout)
+        resumed_at = state.step
         # train, saving every --save-every steps and at the last; with
         # --async-save, in the background, one save at a time
         if args.async_save:
@@ -331,8 +332,10 @@ def main(args) -> None:
             ok = True
             if rank == 0:
                 log(f"not verifying {final}: stopped by a signal, exiting now")
-        else:  # unless --stop-after ended it past the last save
+        else:  # the step this run saved: none if --stop-after ended it past the
+            # last save, or if it had nothing to train
             saved = final is not None and Path(final).name == f"step-{state.step}"
+            saved = saved and state.step > resumed_at
             ok = not saved or verify(args, state, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about
