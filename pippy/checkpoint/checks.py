@@ -17,8 +17,9 @@ import google_crc32c
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from pippy.checkpoint.errors import (
@@ -61,7 +62,12 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(value: Any) -> str:
-    """A text that differs when a leaf does: repr, or a tensor's (local) CRC-32C."""
+    """A text that differs when a leaf does: repr, or a tensor's (local) CRC-32C.
+
+    A ShardedTensor's is its local shards', in order.
+    """
+    if isinstance(value, ShardedTensor):
+        return "|".join(fingerprint(s.tensor) for s in value.local_shards())
     if not isinstance(value, torch.Tensor):
         return repr(value)
     shard = local(value)
@@ -131,15 +137,28 @@ def _with_ranks(items: Mapping[str, Any]) -> str:
     return text + (" ..." if len(items) > 10 else "")
 
 
-def _chunk(value: Any) -> tuple[int, ...] | None:
-    """Where a DTensor's local shard starts in the whole tensor; None otherwise."""
+def _chunk(value: Any) -> tuple[Any, ...] | None:
+    """Where the chunks DCP writes of a leaf start; None for a whole tensor.
+
+    A DTensor's local shard, a ShardedTensor's local shards.
+    """
     if isinstance(value, DTensor):
         return tuple(
             compute_local_shape_and_global_offset(
                 value.shape, value.device_mesh, value.placements
             )[1]
         )
+    if isinstance(value, ShardedTensor):
+        return tuple(tuple(s.metadata.shard_offsets) for s in value.local_shards())
     return None
+
+
+def _replica(value: Any) -> bool:
+    """Whether a DTensor's own placements replicate it over several ranks."""
+    return isinstance(value, DTensor) and any(
+        isinstance(p, Replicate) and value.device_mesh.size(dim) > 1
+        for dim, p in enumerate(value.placements)
+    )
 
 
 def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
@@ -149,6 +168,19 @@ def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
     names = value.device_mesh.mesh_dim_names or ()
     sharded_on_all = all(p.is_shard() for p in value.placements)
     return not (sharded_on_all and set(dp_dims) <= set(names))
+
+
+def _parameter_of(key: str) -> str | None:
+    """The FQN of the parameter an optimizer entry belongs to, or None.
+
+    ``optim.state.<fqn>.<name>`` and ``optim.scalars.<fqn>``: every rank
+    holding a shard of the parameter holds the entry.
+    """
+    section, _, rest = key.partition(".")
+    kind, _, name = rest.partition(".")
+    if section != "optim":
+        return None
+    return name.rsplit(".", 1)[0] if kind == "state" else name
 
 
 def _holds_state(value: Any) -> bool:
@@ -245,16 +277,28 @@ def offer_keys(
         dp_dims = tuple(n for n in names if n != "pp" and mesh.size(names.index(n)) > 1)
     owned = dict(named_leaves({s: v for s, v in state_dict.items() if s in _OWNED}))
     others = {s: v for s, v in state_dict.items() if s not in _OWNED}
+    spread = {  # parameters a DTensor spreads over several ranks
+        k.removeprefix("model.")
+        for k, v in owned.items()
+        if isinstance(v, DTensor) and v.device_mesh.size() > 1
+    }
     return {
         "stage": stage,
         "meshed": mesh is not None,
         "owned": {k: _chunk(v) for k, v in owned.items()},
+        # Replicas by their own placements: compared with every rank holding
+        # the same chunk, whatever its stage.
+        "replicas": [
+            k
+            for k, v in owned.items()
+            if _replica(v) or (_parameter_of(k) in spread and _chunk(v) is None)
+        ],
         "digests": {
             k: fingerprint(v)
             for k, v in owned.items()
-            if dp_dims and _replicated(v, dp_dims)
+            if (dp_dims and _replicated(v, dp_dims)) or _replica(v)
         },
-        "shared": {k: _storable(k, v) for k, v in named_leaves(others)},
+        "shared": {k: (_chunk(v), _storable(k, v)) for k, v in named_leaves(others)},
         "nested": [s for s, v in others.items() if _holds_state(v)],
     }
 
@@ -287,8 +331,19 @@ def refuse_losses(
             "optimizers (StageState([stage0, stage2], ...)) instead of nesting "
             "their state_dicts"
         )
-    stages = _ranks_by(offers, lambda o: ((k, o["stage"]) for k in o["owned"]))
-    collisions = {key: _all(by) for key, by in stages.items() if len(by) > 1}
+    # A key's chunk on two stages is lost; other chunks of it are shards.
+    stages = _ranks_by(
+        offers,
+        lambda o: (
+            ((k, chunk), o["stage"])
+            for k, chunk in o["owned"].items()
+            if k not in o["replicas"]
+        ),
+    )
+    collisions: dict[str, list[int]] = {}
+    for (key, _), by in stages.items():
+        if len(by) > 1:
+            collisions[key] = sorted({*collisions.get(key, []), *_all(by)})
     if collisions:
         meshed = all(offer["meshed"] for offer in offers.values())
         raise KeyCollisionError(
@@ -310,15 +365,17 @@ def refuse_losses(
     replicas = _ranks_by(
         offers,
         lambda o: (
-            ((k, o["stage"], o["owned"][k]), d) for k, d in o["digests"].items()
+            ((k, None if k in o["replicas"] else o["stage"], o["owned"][k]), d)
+            for k, d in o["digests"].items()
         ),
     )
     differ: dict[str, list[int]] = {}
     for (key, stage, chunk), by_value in replicas.items():
         # A whole tensor is on every replica of its stage; a shard, on some.
-        lacking = chunk is None and set(_all(by_value)) != members[stage]
+        held = members[stage] if stage is not None else set(_all(by_value))
+        lacking = chunk is None and set(_all(by_value)) != held
         if len(by_value) > 1 or lacking:  # one key may have several chunks (HSDP)
-            differ[key] = sorted({*differ.get(key, []), *members[stage]})
+            differ[key] = sorted({*differ.get(key, []), *held})
     if differ:
         raise DivergedReplicasError(
             f"the data-parallel replicas differ in {len(differ)} entr(ies) (in "
@@ -330,10 +387,13 @@ def refuse_losses(
             "BatchNorm's running statistics, to you: SyncBatchNorm, or broadcast "
             "them), then save."
         )
-    shared = _ranks_by(offers, lambda o: o["shared"].items())
+    # Each chunk of a shared entry (the whole of a plain one) must agree.
+    shared = _ranks_by(
+        offers, lambda o: (((k, c), v) for k, (c, v) in o["shared"].items())
+    )
     differing = {  # the ranks of each value: "[0, 3] vs [1, 2]"
         key: " vs ".join(map(str, sorted(by.values())))
-        for key, by in shared.items()
+        for (key, _), by in shared.items()
         if len(by) > 1
     }
     if differing:

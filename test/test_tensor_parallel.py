@@ -1,0 +1,114 @@
+"""Tensor-parallel and other sharded DTensors, judged by their own placements.
+
+DCP writes every shard of a DTensor (the chunk each rank holds) and reshards
+on load; equal chunks on several ranks are replicas, written once. pippy's
+key check decides from the same facts: different chunks of one key are
+shards, never a collision; ranks that its placements replicate it over are
+compared, and a replica that differs is refused. 2 ranks as threads over
+real gloo (test/ranks.py), each read back with plain DCP.
+"""
+
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from pippy import checkpoint
+from pippy.checkpoint.checks import diff_state_dicts
+
+from helpers import plain_read
+
+
+def tp_mlp(seed):
+    """A two-layer MLP, column- then row-parallel over every rank."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    return parallelize_module(model, mesh, plan), mesh
+
+
+def error_of(call):
+    try:
+        call()
+    except checkpoint.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def tp_round_trip(rank, world_size, folder):
+    model, _ = tp_mlp(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()
+    state = checkpoint.StageState(model, optimizer, step=1)
+    checkpoint.save_stage(state, folder)  # no mesh: the placements say it all
+    fresh_model, _ = tp_mlp(seed=1)
+    fresh_optimizer = torch.optim.AdamW(fresh_model.parameters())
+    fresh_model(torch.ones(2, 8)).sum().backward()
+    fresh_optimizer.step()
+    fresh = checkpoint.StageState(fresh_model, fresh_optimizer, step=0)
+    checkpoint.load_stage(fresh, folder / "step-1")
+    differ = diff_state_dicts(state.state_dict(), fresh.state_dict())
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return {"differ": differ, "full": full, "step": fresh.step}
+
+
+def test_tensor_parallel_layers_save_and_load_bitwise_without_a_mesh(tmp_path):
+    ranks = run_ranks(2, tp_round_trip, tmp_path)
+    for result in ranks:
+        assert result["differ"] == [] and result["step"] == 1
+    plain = plain_read(tmp_path / "step-1")  # the whole tensors, by plain DCP
+    for key, tensor in ranks[0]["full"].items():
+        assert torch.equal(plain[f"model.{key}"], tensor), key
+
+
+def sharded_and_replicated(rank, world_size, folder):
+    mesh = init_device_mesh("cpu", (world_size,))
+    whole = torch.arange(16.0).reshape(4, 4)
+    sharded = distribute_tensor(whole, mesh, [Shard(0)])
+    # Another section's DTensor, sharded: each rank writes its own rows.
+    shard_error = error_of(
+        lambda: checkpoint.save_stage({"dtensor": sharded}, folder / "a", step=1)
+    )
+    # Replicated by its placements, but one rank's copy differs: DCP would
+    # write one of them.
+    replicated = distribute_tensor(whole, mesh, [Replicate()])
+    if rank == 1:
+        replicated.to_local().add_(1)
+    replica_error = error_of(
+        lambda: checkpoint.save_stage({"dtensor": replicated}, folder / "b", step=1)
+    )
+    # Under the model section: a replica that differs is refused too.
+    model = nn.Linear(4, 4, bias=False)
+    model.weight = nn.Parameter(distribute_tensor(whole, mesh, [Replicate()]))
+    if rank == 1:
+        with torch.no_grad():
+            model.weight.to_local().add_(1)
+    model_error = error_of(
+        lambda: checkpoint.save_stage(
+            checkpoint.StageState(model, step=1), folder / "c"
+        )
+    )
+    return {"shard": shard_error, "replica": replica_error, "model": model_error}
+
+
+def test_shards_of_one_key_are_saved_and_diverged_replicas_refused(tmp_path):
+    ranks = run_ranks(2, sharded_and_replicated, tmp_path)
+    assert [r["shard"] for r in ranks] == [None, None]
+    plain = plain_read(tmp_path / "a" / "step-1")
+    assert torch.equal(plain["dtensor"], torch.arange(16.0).reshape(4, 4))
+    for r in ranks:
+        assert r["replica"].startswith("KeyCollisionError: 1 shared checkpoint entr")
+        assert "'dtensor'" in r["replica"]
+        assert r["model"].startswith("DivergedReplicasError: the data-parallel")
+        assert "'model.weight'" in r["model"]
+    assert not (tmp_path / "b" / "step-1").exists()
+    assert not (tmp_path / "c" / "step-1").exists()
