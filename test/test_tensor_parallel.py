@@ -112,3 +112,22 @@ def test_shards_of_one_key_are_saved_and_diverged_replicas_refused(tmp_path):
         assert "'model.weight'" in r["model"]
     assert not (tmp_path / "b" / "step-1").exists()
     assert not (tmp_path / "c" / "step-1").exists()
+
+
+def sharded_tensor(rank, world_size, folder):
+    from torch.distributed._shard.sharded_tensor import empty
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(
+        dim=0, placements=[f"rank:{r}/cpu" for r in range(world_size)]
+    )
+    st = empty(spec, 4, 4)
+    st.local_shards()[0].tensor.copy_(torch.arange(8.0).reshape(2, 4) + 8 * rank)
+    return error_of(lambda: checkpoint.save_stage({"st": st}, folder, step=1))
+
+
+def test_a_sharded_tensors_local_shards_are_saved(tmp_path):
+    """DCP's older sharded type: each rank's local shards are its chunks."""
+    assert run_ranks(2, sharded_tensor, tmp_path) == [None, None]
+    plain = plain_read(tmp_path / "step-1")
+    assert torch.equal(plain["st"], torch.arange(16.0).reshape(4, 4))

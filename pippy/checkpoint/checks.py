@@ -225,7 +225,11 @@ def check_keys(
         process_group: The ranks that save; the default group if None.
         mesh: The ranks' whole ``DeviceMesh`` (``("dp", "pp")``): ranks with
             the same ``pp`` coordinate hold the same stage(s), as replicas or
-            FSDP2 shards. None: every rank holds its own stage(s).
+            FSDP2 shards; needed where plain tensors are replicated (DDP).
+            None: every rank holds its own stage(s). DTensors (and
+            ShardedTensors) are judged by their own placements either way:
+            different chunks of a key are shards; ranks a DTensor is
+            replicated over, by its placements, hold replicas.
 
     Raises:
         KeyCollisionError: A key under ``model`` or ``optim`` is on two
