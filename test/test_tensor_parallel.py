@@ -131,3 +131,49 @@ def test_a_sharded_tensors_local_shards_are_saved(tmp_path):
     assert run_ranks(2, sharded_tensor, tmp_path) == [None, None]
     plain = plain_read(tmp_path / "step-1")
     assert torch.equal(plain["st"], torch.arange(16.0).reshape(4, 4))
+
+
+def dcp_recipe(rank, world_size, folder):
+    """{"model", "optimizer"} from get_state_dict, as DCP's recipe saves it:
+    DDP replicas (one model, declared by the mesh), then two pipeline stages
+    (each its own layer: their param_groups differ under one key)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def recipe(model):
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def linear():  # the same values on every rank (threads share torch's RNG)
+        layer = nn.Linear(4, 4)
+        with torch.no_grad():
+            layer.weight.copy_(torch.arange(16.0).reshape(4, 4) / 16)
+            layer.bias.fill_(0.5)
+        return layer
+
+    replicas = recipe(linear())
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "pp"))
+    saved = error_of(
+        lambda: checkpoint.save_stage(replicas, folder / "ddp", step=1, mesh=mesh)
+    )
+    stage = nn.Sequential()
+    stage.add_module(f"layer{rank}", linear())
+    refused = error_of(
+        lambda: checkpoint.save_stage(recipe(stage), folder / "pp", step=1)
+    )
+    return {"saved": saved, "refused": refused, "weight": replicas["model"]["weight"]}
+
+
+def test_the_dcp_recipes_model_and_optimizer_sections(tmp_path):
+    ranks = run_ranks(2, dcp_recipe, tmp_path)
+    assert [r["saved"] for r in ranks] == [None, None]
+    plain = plain_read(tmp_path / "ddp" / "step-1")
+    assert torch.equal(plain["model.weight"], ranks[0]["weight"])
+    assert "optimizer.state.weight.exp_avg" in plain
+    # Two stages' param_groups under one key: DCP would keep one rank's.
+    for r in ranks:
+        assert r["refused"].startswith("KeyCollisionError: ")
+        assert "'optimizer.param_groups" in r["refused"]
+    assert not (tmp_path / "pp" / "step-1").exists()

@@ -183,6 +183,22 @@ def _parameter_of(key: str) -> str | None:
     return name.rsplit(".", 1)[0] if kind == "state" else name
 
 
+def _by_fqn(section: str, value: Any) -> bool:
+    """Whether a section is DCP's recipe's ``optimizer``, naming no layout.
+
+    An optimizer state_dict keyed by FQNs, as ``get_state_dict`` gives it.
+    """
+    if section != "optimizer" or not isinstance(value, Mapping):
+        return False
+    state, groups = value.get("state"), value.get("param_groups")
+    return (
+        isinstance(state, Mapping)
+        and isinstance(groups, list)
+        and all(isinstance(k, str) for k in state)
+        and all(isinstance(p, str) for g in groups for p in g.get("params", []))
+    )
+
+
 def _holds_state(value: Any) -> bool:
     """Whether a mapping holds a model or optim section or an optimizer's state_dict."""
     if not isinstance(value, Mapping):
@@ -237,7 +253,8 @@ def check_keys(
         DivergedReplicasError: A stage's data-parallel replicas hold different
             values (by CRC-32C), or an entry (not a shard) only some have.
         NestedStateError: A section other than ``model`` and ``optim`` holds
-            model or optimizer state, at any depth.
+            model or optimizer state, at any depth (``optimizer`` may hold an
+            optimizer state_dict keyed by FQNs, as ``get_state_dict`` gives).
         ValueError: ``mesh`` has no ``pp`` dim, spans other ranks than
             ``process_group`` (a slice), or is passed on some ranks only.
         TypeError: An entry that is not a tensor cannot be pickled (on the
@@ -303,7 +320,9 @@ def offer_keys(
             if (dp_dims and _replicated(v, dp_dims)) or _replica(v)
         },
         "shared": {k: (_chunk(v), _storable(k, v)) for k, v in named_leaves(others)},
-        "nested": [s for s, v in others.items() if _holds_state(v)],
+        "nested": [
+            s for s, v in others.items() if _holds_state(v) and not _by_fqn(s, v)
+        ],
     }
 
 
