@@ -27,7 +27,7 @@ SERVER = Path(__file__).with_name("rank_server.py")
 ROOT = Path(__file__).resolve().parents[1]
 
 _lock = threading.Lock()
-_idle: dict[int, list["Pool"]] = {}  # by nproc: pools that run nothing now
+_idle: dict[tuple, list["Pool"]] = {}  # by nproc and env: pools running nothing
 _all: list["Pool"] = []
 
 
@@ -101,14 +101,17 @@ def run_example(nproc, *args, timeout=240, expect_ok=True):
     """The example on `nproc` ranks of a pool, as helpers.torchrun runs it:
     a CompletedProcess whose returncode is the first non-zero rank's (0 if
     none) and whose stdout and stderr are the ranks', rank 0 first. Runs at
-    once use pools of their own."""
+    once, or in another environment (helpers._ENV: a bucket's settings), use
+    pools of their own."""
     from helpers import _ENV
 
+    env = {**_ENV, "PYTHONPATH": str(ROOT)}  # a bucket's settings, as they are now
+    key = (nproc, tuple(sorted(env.items())))
     with _lock:
-        idle = _idle.setdefault(nproc, [])
+        idle = _idle.setdefault(key, [])
         pool = idle.pop() if idle else None
     if pool is None:
-        pool = Pool(nproc, {**_ENV, "PYTHONPATH": str(ROOT)})
+        pool = Pool(nproc, env)
         with _lock:
             _all.append(pool)
     argv = [str(a) for a in args]
@@ -119,7 +122,7 @@ def run_example(nproc, *args, timeout=240, expect_ok=True):
     code = next((c for c in codes if c), 0)
     if code == 0:  # a failed run's processes are not reused
         with _lock:
-            _idle[nproc].append(pool)
+            _idle[key].append(pool)
     else:
         pool.kill()
     proc = subprocess.CompletedProcess(["pool", *argv], code, stdout, stderr)

@@ -10,7 +10,8 @@ MASTER_ADDR/PORT), its stdout and stderr (file descriptors 1 and 2) written to
 ``out`` and ``err``. It answers each with one line, ``{"code": N}``, the
 exit status the run would have had. A run is a process of its own in all but
 its start: the same rank each time (the example's logging format names it),
-warnings shown again, the default process group destroyed by ``main``.
+warnings shown again, fsspec's cached file systems dropped, the default
+process group destroyed by ``main``.
 """
 
 import json
@@ -31,6 +32,7 @@ def run(request: dict) -> int:
     import pippy_dcp
 
     assert not dist.is_initialized(), "the last run left its process group"
+    _forget_file_systems()
     os.environ["MASTER_PORT"] = str(request["port"])
     os.chdir(request["cwd"])
     for module in list(sys.modules.values()):  # warnings shown once per run
@@ -50,6 +52,18 @@ def run(request: dict) -> int:
     except BaseException:  # noqa: B036 (as an uncaught error ends a process)
         traceback.print_exc()
         return 1
+
+
+def _forget_file_systems() -> None:
+    """Drops fsspec's cached file systems (and their listings), as a new
+    process starts without them."""
+    from fsspec.spec import AbstractFileSystem
+
+    classes = [AbstractFileSystem]
+    while classes:
+        cls = classes.pop()
+        cls.clear_instance_cache()
+        classes += cls.__subclasses__()
 
 
 def serve(rank: int, world_size: int) -> None:

@@ -39,8 +39,13 @@ def bucket(s3_endpoint):
     yield from helpers.s3_bucket(s3_endpoint)
 
 
-def example(run, *flags, ok=True):
-    return torchrun(2, EXAMPLE, *FLAGS, *flags, "--checkpoint-dir", run, expect_ok=ok)
+def example(run, *flags, ok=True, launcher=False):
+    """The example on 2 ranks in the bucket: on a pool of rank processes, or
+    (`launcher`) under torchrun, end to end."""
+    if launcher:
+        args = (2, EXAMPLE, *FLAGS, *flags, "--checkpoint-dir", run)
+        return torchrun(*args, expect_ok=ok)
+    return helpers.example(2, *FLAGS, *flags, "--checkpoint-dir", run, expect_ok=ok)
 
 
 def test_the_example_trains_saves_and_resumes_in_a_bucket(
@@ -48,12 +53,12 @@ def test_the_example_trains_saves_and_resumes_in_a_bucket(
 ):
     fs, root = bucket
     run = f"{root}/resume"
-    example(run, "--steps", "6", "--stop-after", "4")  # as if interrupted at 4
+    example(run, "--steps", "6", "--stop-after", "4", launcher=True)  # stopped at 4
     assert sorted(fs.ls(run[5:], detail=False)) == [
         f"{run[5:]}/step-2",
         f"{run[5:]}/step-4",
     ]
-    second = example(run, "--steps", "6")
+    second = example(run, "--steps", "6", launcher=True)
     assert f"resuming from {run}/step-4" in second.stdout
     assert f"verified: {run}/step-6 loaded into fresh stages" in second.stdout
     assert "[rank 0] removed step-2 (keeping the newest 2)" in second.stdout

@@ -160,7 +160,7 @@ def test_a_job_killed_mid_save_in_a_bucket_resumes_from_the_last_good_step(
     # The restart saves at 5 (if after N-1) and 8, keeping 2: were step N
     # counted, one more good step would go at each save. On this host, it
     # sees the dead job's processes gone: it need not wait for their lease.
-    again = torchrun(2, EXAMPLE, *flags, "--save-every", "5")
+    again = helpers.example(2, *flags, "--save-every", "5")
     assert (
         f"[rank 0] taking over {run} from a job whose process ran on this host "
         "and is gone" in again.stdout

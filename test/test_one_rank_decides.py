@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import _ENV, EXAMPLE, ROOT, TINY_FLAGS, s3_env, torchrun
+from helpers import _ENV, EXAMPLE, ROOT, TINY_FLAGS, example, s3_env
 
 STRACE = shutil.which("strace")
 SYSCALLS = "getdents64,openat,newfstatat,statx,stat,lstat,access"
@@ -105,7 +105,7 @@ def traced(tmp_path):
 @pytest.mark.launches
 def test_only_rank_0_lists_or_looks_at_the_checkpoint_folder(traced):
     root = (traced / "ckpt").resolve()
-    torchrun(NPROC, EXAMPLE, *FLAGS, "--stop-after", "2", "--checkpoint-dir", root)
+    example(NPROC, *FLAGS, "--stop-after", "2", "--checkpoint-dir", root)
     out = traced / "traces"
     out.mkdir()
     second = _traced_example(out, *FLAGS, "--checkpoint-dir", root)
