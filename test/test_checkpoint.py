@@ -58,6 +58,16 @@ def test_publish_step_never_overwrites_a_step(tmp_path):
     assert (tmp_path / "step-5" / ".metadata").read_bytes() == before
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_overwrite_option_is_refused_not_ignored(tmp_path, overwrite):
+    """DCP's writer option means nothing for a step written into a folder of
+    its own: refused, before anything is made."""
+    with pytest.raises(ValueError, match=rf"overwrite={overwrite} cannot be honoured"):
+        with publish_step(tmp_path / "ckpt", 1, overwrite=overwrite):
+            pass
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_a_step_another_save_published_meanwhile_is_kept_and_named(tmp_path):
     """Two saves of one step into one folder at once (two process groups, or a
     job without FolderOwner): the one that publishes second is discarded with

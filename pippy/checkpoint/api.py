@@ -298,6 +298,12 @@ class StepWriter(ManifestWriter):
         ranks: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if "overwrite" in kwargs:  # DCP's option, which a new folder makes moot
+            raise ValueError(
+                f"overwrite={kwargs['overwrite']!r} cannot be honoured: a step is "
+                "written into a folder of its own and never overwritten once "
+                "published; save another step, or delete the old one first"
+            )
         self.final, self.ranks = step_dir(checkpoint_dir, step), ranks
         super().__init__(storage_for(checkpoint_dir), self.final, step=step, **kwargs)
         self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
@@ -514,8 +520,9 @@ def publish_step(
             nothing is published. The group then holds a collective that
             timed out: end the job.
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
-            ``dcp.save`` in the body saved with another writer, or another
-            ``checkpoint_id``.
+            ``overwrite`` is among ``writer_options`` (before anything is
+            made: a published step is never overwritten); ``dcp.save`` in
+            the body saved with another writer, or another ``checkpoint_id``.
     """
     stall.seconds(timeout)  # a bad timeout is refused before anything is made
     writer = StepWriter(checkpoint_dir, step, keep_last=keep_last, **writer_options)
