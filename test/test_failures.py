@@ -837,6 +837,27 @@ def test_param_groups_joining_parameters_saved_with_other_options_are_refused(
         )
         == []
     )
+    # One saved group split in two with options of their own (a no-decay
+    # group added): loading would give both the saved weight_decay.
+    whole = heads(one_group)
+    folder = save(whole, tmp_path, step=3)
+
+    def no_decay_b(model):
+        return [
+            {"params": model.a.parameters(), "lr": 0.3},
+            {"params": model.b.parameters(), "lr": 0.3, "weight_decay": 0.0},
+        ]
+
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match="param groups 0 and 1 here hold 'a.weight' and 'b.weight', saved in "
+        "one group: loading would give both its weight_decay, not this run's",
+    ):
+        load(heads(no_decay_b), folder)
+    # Split with the same options: nothing to lose, it loads.
+    split = heads(per_head([0.3, 0.3]))
+    load(split, folder)
+    assert [g["lr"] for g in split.optimizer.param_groups] == [0.3, 0.3]
 
 
 def lambda_lr(optimizer):

@@ -268,7 +268,9 @@ class StageState(Stateful):
                 ``step`` and ignore extra ones); part of a parameter's state is
                 missing; a param group here joins parameters saved with
                 different options (``set_state_dict`` would give them all the
-                first one's); or, with an LR scheduler, it was saved for another
+                first one's); param groups here with different options hold
+                parameters of one saved group (they would all get its
+                options); or, with an LR scheduler, it was saved for another
                 number of param groups or the groups were built in another order.
             RuntimeError: A model key is missing or unexpected
                 (``set_state_dict`` is strict).
@@ -292,6 +294,7 @@ class StageState(Stateful):
         fqn_of, keys = _param_fqns(self.module)
         stateless = self._check_entries(wanted, optim_sd, keys)
         self._check_groups(optim_sd, fqn_of)
+        self._check_split_groups(saved_groups, fqn_of)
         if self.lr_schedulers:
             self._check_scheduler(state_dict["lr_scheduler"], saved_groups, fqn_of)
         for param, fqn in fqn_of.items():
@@ -396,6 +399,41 @@ class StageState(Stateful):
                     "get the first one's. Build the param groups as the run that "
                     "saved it did"
                 )
+
+    def _check_split_groups(
+        self, saved_groups: Mapping[str, int], fqn_of: Mapping[nn.Parameter, str]
+    ) -> None:
+        """Refuses groups with options of their own holding one saved group's params.
+
+        Loading would give them all the saved group's options.
+        """
+        first: dict[tuple[int, int], tuple[int, str]] = {}
+        for number, optimizer in enumerate(self.optimizers):
+            groups = optimizer.param_groups
+            for index, group in enumerate(groups):
+                for param in group["params"]:
+                    fqn = fqn_of.get(param, "")
+                    if (saved := saved_groups.get(fqn)) is None:
+                        continue  # not saved in groups (older steps)
+                    other, other_fqn = first.setdefault((number, saved), (index, fqn))
+                    if other == index:
+                        continue
+                    differ = sorted(
+                        option
+                        for option in groups[other].keys() - _IMPLEMENTATION_OPTIONS
+                        if option != "initial_lr"
+                        and fingerprint(groups[other][option])
+                        != fingerprint(group.get(option))
+                    )
+                    if differ:
+                        raise CheckpointError(
+                            f"param groups {other} and {index} here hold "
+                            f"{other_fqn!r} and {fqn!r}, saved in one group: "
+                            f"loading would give both its {', '.join(differ)}, "
+                            "not this run's. Build the param groups as the run "
+                            "that saved it did, or load the weights alone "
+                            "(a StageState without the optimizer)"
+                        )
 
     def _check_scheduler(
         self,
