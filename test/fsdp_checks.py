@@ -4,5 +4,5 @@ checks that conftest.py shares: the 4-rank logits check's pipeline checkpoint
 
 from dist_checks import check_fsdp
 
-#: For test/shared_checks.py: this module's checks by name.
+#: For ranks.run_checks and shared_checks.py: this module's checks by name.
 CHECKS = {"fsdp": check_fsdp}

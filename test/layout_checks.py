@@ -1,5 +1,5 @@
 """Checks of pippy's library on parallel layouts; launched with torchrun (the tests
-run them through shared_checks.py, in one launch with other scripts' checks).
+run them as threads, test/ranks.py's run_checks, with other scripts' checks).
 
     torchrun --nproc-per-node N test/layout_checks.py CHECK[,CHECK...] OUT_DIR
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import _ENV, ROOT, _free_ports
+
 SERVER = Path(__file__).with_name("rank_server.py")
-ROOT = Path(__file__).resolve().parents[1]
 
 _lock = threading.Lock()
 _idle: dict[tuple, list["Pool"]] = {}  # by nproc and env: pools running nothing
@@ -51,8 +52,6 @@ class Pool:
 
     def run(self, argv, cwd, timeout):
         """The example's main with `argv` on every rank: (codes, stdout, stderr)."""
-        from helpers import _free_ports
-
         port = _free_ports(1)[0]
         files = [
             (self.scratch / f"out-{r}", self.scratch / f"err-{r}")
@@ -103,8 +102,6 @@ def run_example(nproc, *args, timeout=240, expect_ok=True):
     none) and whose stdout and stderr are the ranks', rank 0 first. Runs at
     once, or in another environment (helpers._ENV: a bucket's settings), use
     pools of their own."""
-    from helpers import _ENV
-
     env = {**_ENV, "PYTHONPATH": str(ROOT)}  # a bucket's settings, as they are now
     key = (nproc, tuple(sorted(env.items())))
     with _lock:

@@ -34,5 +34,5 @@ def check_stop(out: Path, rank: int, world_size: int) -> dict:
     return {}
 
 
-#: For test/shared_checks.py: this module's checks by name.
+#: For ranks.run_checks and shared_checks.py: this module's checks by name.
 CHECKS = {"stop": check_stop}

@@ -71,7 +71,7 @@ def check_save(out: Path, rank: int, world_size: int) -> dict:
     return {"crc32_after": get_crc32_options(), "other_thread": sorted(seen)}
 
 
-#: For test/shared_checks.py: this module's checks by name.
+#: For ranks.run_checks and shared_checks.py: this module's checks by name.
 CHECKS = {"save": check_save}
 
 

@@ -10,6 +10,7 @@ real gloo (test/ranks.py), each read back with plain DCP.
 
 import torch
 import torch.distributed as dist
+from layout_checks import error_of
 from ranks import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -33,14 +34,6 @@ def tp_mlp(seed):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     return parallelize_module(model, mesh, plan), mesh
-
-
-def error_of(call):
-    try:
-        call()
-    except checkpoint.CheckpointError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def tp_round_trip(rank, world_size, folder):

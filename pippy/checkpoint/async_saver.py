@@ -368,15 +368,11 @@ class AsyncSaver:
         ):
             taken = state_to_save(state, step)
             if isinstance(state, StageState):  # what has no version: its copy now
-                fqns = _buffer_fqns(state.module)
-                model = taken["model"]
                 taken = {
                     k: v if k in ("model", "optim") else _cloned(v)
                     for k, v in taken.items()
                 }
-                taken["model"] = {
-                    k: _cloned(v) if k in fqns else v for k, v in model.items()
-                }
+                _put(taken["model"], _buffers_now(state.module))
             return stager.stage(taken)
         now = state_to_save({"step": state.step}, step)  # the step checked
         if state.lr_schedulers:
@@ -389,12 +385,7 @@ class AsyncSaver:
         # without moving their version counters), the rest by the stager after
         # a check of their version counters.
         held = state.module.state_dict(keep_vars=True)
-        buffers = {
-            key: tensor.detach().clone()
-            for key, tensor in held.items()
-            if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter)
-        }
-        versions = _versions(state)
+        buffers, versions = _buffers_now(state.module), _versions(state)
         later = copy.copy(state)
         later.optimizer = [_options_now(o) for o in state.optimizers]
         later.lr_scheduler, later.extra = None, {}
@@ -408,10 +399,11 @@ class AsyncSaver:
                     "returned: call the saver's wait_for_staging() first"
                 )
             for key, tensor in held.items():  # replaced since: the one of the call
-                if now_held[key] is not tensor or key in buffers:
+                if now_held[key] is not tensor:
                     for fqn in _get_fqns(state.module, key):
                         if fqn in taken["model"]:
-                            taken["model"][fqn] = buffers.get(key, tensor.detach())
+                            taken["model"][fqn] = tensor.detach()
+            _put(taken["model"], buffers)
             return taken  # its step is the one taken now
 
         def unchanged() -> None:  # after the copy: what it read is the call's
@@ -549,11 +541,23 @@ def _cloned(value: Any) -> Any:
     return value
 
 
-def _buffer_fqns(module: nn.Module) -> set[str]:
-    """The FQNs of ``module``'s buffers, as its state_dict for DCP names them."""
+def _buffers_now(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of each persistent buffer of ``module``, by the FQN DCP saves.
+
+    BatchNorm's kernels update running statistics in place without moving
+    their version counters, so buffers are copied at the call.
+    """
     return {
-        fqn for name, _ in module.named_buffers() for fqn in _get_fqns(module, name)
+        fqn: tensor.detach().clone()
+        for key, tensor in module.state_dict(keep_vars=True).items()
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, nn.Parameter)
+        for fqn in _get_fqns(module, key)
     }
+
+
+def _put(model: dict[str, Any], copies: Mapping[str, torch.Tensor]) -> None:
+    """Puts each copy in ``model`` in place of the entry of its FQN, if any."""
+    model.update((fqn, value) for fqn, value in copies.items() if fqn in model)
 
 
 def _versions(state: StageState) -> list[tuple[str, torch.Tensor, int]]:

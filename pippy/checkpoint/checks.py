@@ -309,11 +309,11 @@ def offer_keys(
         "owned": {k: _chunk(v) for k, v in owned.items()},
         # Replicas by their own placements: compared with every rank holding
         # the same chunk, whatever its stage.
-        "replicas": [
+        "replicas": {
             k
             for k, v in owned.items()
             if _replica(v) or (_parameter_of(k) in spread and _chunk(v) is None)
-        ],
+        },
         "digests": {
             k: fingerprint(v)
             for k, v in owned.items()
