@@ -14,12 +14,14 @@ world, as in a process every thread sees the process group.
 
 import threading
 import traceback
+import types
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _register_process_group
+from torch.distributed.checkpoint import _version
 from torch.distributed.pipelining._IR import Pipe
 from torch.testing._internal.distributed import multi_threaded_pg
 
@@ -62,7 +64,26 @@ def _install() -> None:
                 return trace(*args, **kwargs)
 
         Pipe._trace_with_export = staticmethod(trace_alone)
+        # DCP's load planner sets the module-level _derived_version to "2_3"
+        # for a moment when a rank's keys are a subset of the step's (every
+        # pipeline stage): another rank flattening then would keep its non-tensor
+        # sections whole. In a process of its own, no other rank sees it.
+        _version.__class__ = _PerThreadVersion
         _installed = True
+
+
+class _PerThreadVersion(types.ModuleType):
+    """DCP's ``_version`` module, its ``_derived_version`` one per thread."""
+
+    _local = threading.local()
+
+    @property
+    def _derived_version(self):
+        return getattr(self._local, "value", None)
+
+    @_derived_version.setter
+    def _derived_version(self, value):
+        self._local.value = value
 
 
 def run_ranks(nproc, fn, *args, timeout=120):
