@@ -41,6 +41,7 @@ import numpy
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -330,6 +331,9 @@ class SafeFileSystemReader(FileSystemReader):
             (with ``check_files``). False loads one without a manifest.
         storage: ``path``'s storage, if the caller has it; else found from
             ``path``.
+        extension_registry: DCP's registry of the stream extensions the step
+            was written with (``FileSystemWriter``'s ``_extensions``); None:
+            DCP's default one (ZStandard).
 
     Raises:
         CheckpointNotFoundError: ``path`` is None, is not a folder, or has
@@ -338,7 +342,9 @@ class SafeFileSystemReader(FileSystemReader):
             file of the step lies or leads out of the step folder.
         CheckpointError: ``.metadata`` is damaged or not DCP's, or an item
             does not fit its file; with ``verify``, the manifest is missing,
-            names another step or disagrees with the files.
+            names another step or disagrees with the files. Reading an item
+            written with a stream extension ``extension_registry`` lacks
+            raises it too (:meth:`check_extensions`).
     """
 
     manifest: Manifest | None
@@ -357,8 +363,9 @@ class SafeFileSystemReader(FileSystemReader):
         check_files: bool = True,
         verify: bool = True,
         storage: Storage | None = None,
+        extension_registry: ExtensionRegistry | None = None,
     ) -> None:
-        self._open(path, trusted, storage)
+        self._open(path, trusted, storage, extension_registry)
         folder, storage = self.folder, self.storage
         read = _read_metadata_file(storage, folder, self.trusted)
         self.metadata, self.metadata_bytes = read
@@ -375,11 +382,16 @@ class SafeFileSystemReader(FileSystemReader):
             self.manifest = check_manifest(storage, folder, ranges, sizes)
 
     def _open(
-        self, path: str | os.PathLike, trusted: bool | None, storage: Storage | None
+        self,
+        path: str | os.PathLike,
+        trusted: bool | None,
+        storage: Storage | None,
+        extension_registry: ExtensionRegistry | None,
     ) -> None:
         """DCP's reader of ``path``, set up without touching a file."""
         _refuse_none(path)
-        super().__init__(path)
+        super().__init__(path, _extension_registry=extension_registry)
+        self.extension_registry = extension_registry or ExtensionRegistry()
         self.storage = storage = storage or storage_for(path)
         if is_url(path):  # DCP's FileSystemReader would read a local folder
             self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
@@ -387,6 +399,29 @@ class SafeFileSystemReader(FileSystemReader):
         self.trusted = resolve_trusted(trusted)
         self.folder = join(path)
         self.manifest = None
+
+    def check_extensions(self) -> None:
+        """Refuses a step whose items need a stream extension not registered.
+
+        Raises:
+            CheckpointError: An item was written with a stream extension
+                that the reader's ``extension_registry`` cannot make.
+        """
+        named = {
+            tuple(d)
+            for info in self.metadata.storage_data.values()
+            if (d := getattr(info, "transform_descriptors", None))
+        }
+        for descriptors in named:
+            try:
+                self.extension_registry.from_descriptor_list(descriptors)
+            except Exception as e:  # noqa: BLE001 (unknown, or its module missing)
+                raise CheckpointError(
+                    f"{self.folder} was written with DCP's stream extension(s) "
+                    f"{list(descriptors)}, which this reader cannot undo ({e}): "
+                    "pass open_step an extension_registry holding them, with "
+                    "their modules installed"
+                ) from None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Returns the metadata read and checked when the reader was made."""
@@ -441,6 +476,7 @@ class SafeFileSystemReader(FileSystemReader):
                 "code. Pass dcp.load the planner open_step returned, or, if you "
                 f"trust the checkpoint, set {TRUST_ENV}=1"
             )
+        self.check_extensions()
         per_file: dict[str, dict[MetadataIndex, list[ReadItem]]] = {}
         for req in plan.items:
             name = self.storage_data[req.storage_index].relative_path
@@ -487,12 +523,14 @@ class SafeFileSystemReader(FileSystemReader):
         else:
             data = self._slice_file(f, info).read(-1)
             crc = google_crc32c.value(data) if self.manifest else None
-            self._check_item(index.fqn, info, len(data), crc, data)
+            self._check_item(index.fqn, info, len(data), crc)
             stream = self.transforms.transform_load_stream(
                 reqs[0], descriptors or (), io.BytesIO(data)
             )
             if reqs[0].type == _BYTES:  # handed over as DCP's reader does
                 data = stream.read(-1)
+                if index.fqn == "step" and crc is not None:
+                    self._check_step(data)
                 for req in reqs:
                     planner.load_bytes(req, io.BytesIO(data))
                 return
@@ -516,9 +554,7 @@ class SafeFileSystemReader(FileSystemReader):
             target.copy_(part)
             planner.commit_tensor(req, target)
 
-    def _check_item(
-        self, key: str, info: Any, size: int, crc: int | None, data: bytes = b""
-    ) -> None:
+    def _check_item(self, key: str, info: Any, size: int, crc: int | None) -> None:
         """Raises unless the item is whole (``size`` bytes), its CRC-32C ``crc``."""
         name, offset, length = info.relative_path, info.offset, info.length
         if size != length:
@@ -529,7 +565,10 @@ class SafeFileSystemReader(FileSystemReader):
         if self.manifest is None or crc is None:
             return
         verify_item(self.manifest, (name, offset, length), key, crc)
-        if key == "step":  # the stored step, the name and the manifest agree
+
+    def _check_step(self, data: bytes) -> None:
+        """Raises unless the stored step (``data``) is the manifest's."""
+        if self.manifest is not None:  # the stored step, the name and manifest agree
             step = _restricted_load(io.BytesIO(data))
             if step != self.manifest.step:
                 raise CheckpointError(
@@ -913,15 +952,24 @@ def open_reader(
     verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
+    extension_registry: ExtensionRegistry | None = None,
 ) -> SafeFileSystemReader:
     """A :class:`SafeFileSystemReader` made on rank 0, its metadata broadcast."""
     _refuse_none(path)
+
+    def make() -> SafeFileSystemReader:
+        reader = SafeFileSystemReader(
+            path, trusted=trusted, verify=verify, extension_registry=extension_registry
+        )
+        reader.check_extensions()
+        return reader
+
     if no_dist or not dist.is_initialized():
-        return SafeFileSystemReader(path, trusted=trusted, verify=verify)
+        return make()
     made: list[SafeFileSystemReader] = []
 
     def check() -> Any:  # on rank 0; a CheckpointError reaches every rank as itself
-        made.append(SafeFileSystemReader(path, trusted=trusted, verify=verify))
+        made.append(make())
         # .metadata's bytes, not the object: pickling DCP's Metadata again
         # costs rank 0 more than the others' unpickling it
         return made[0].trusted, made[0].metadata_bytes, made[0].manifest, str(path)
@@ -930,7 +978,7 @@ def open_reader(
     if made:
         return made[0]
     reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
-    reader._open(path, checked[0], None)
+    reader._open(path, checked[0], None, extension_registry)
     reader.metadata_bytes, reader.manifest, theirs = checked[1:]
     data, name = reader.metadata_bytes, str(reader.folder)
     reader.metadata = _MetadataUnpickler(data, name, reader.trusted).load()
