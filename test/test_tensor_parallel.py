@@ -170,3 +170,40 @@ def test_the_dcp_recipes_model_and_optimizer_sections(tmp_path):
         assert r["refused"].startswith("KeyCollisionError: ")
         assert "'optimizer.param_groups" in r["refused"]
     assert not (tmp_path / "pp" / "step-1").exists()
+
+
+def dcp_recipe_round_trip(rank, world_size, folder):
+    """{"model", "optimizer"} from get_state_dict, nested and with flattened
+    optimizer keys (as torchtitan's), saved by DDP replicas and loaded by name
+    into another run's: each key where DCP would put it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+    )
+
+    def recipe(seed, flatten):  # threads share torch's RNG: values set
+        model = nn.Linear(4, 4)
+        with torch.no_grad():
+            model.weight.copy_(torch.arange(16.0).reshape(4, 4) / 16 + seed)
+            model.bias.fill_(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "pp"))
+    differ = {}
+    for flatten in (False, True):
+        saved = recipe(0, flatten)  # alike on each rank: replicas
+        step = checkpoint.save_stage(saved, folder / str(flatten), step=1, mesh=mesh)
+        loaded = recipe(1, flatten)
+        checkpoint.load_stage(loaded, step)
+        differ[flatten] = diff_state_dicts(loaded, saved)
+    return differ
+
+
+def test_the_dcp_recipes_layouts_load_back_by_name(tmp_path):
+    for differ in run_ranks(2, dcp_recipe_round_trip, tmp_path):
+        assert differ == {False: [], True: []}

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, SavePlanner
+from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.stateful import Stateful
@@ -624,6 +625,7 @@ def open_step(
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
     timeout: Timeout = None,
+    extension_registry: ExtensionRegistry | None = None,
 ) -> tuple[SafeFileSystemReader, SafeLoadPlanner]:
     """The storage reader and load planner to pass to ``dcp.load`` for a step.
 
@@ -645,6 +647,9 @@ def open_step(
             ``dcp.load``'s ``no_dist``.
         timeout: Seconds (or a ``timedelta``) the ranks wait for each other
             to open it; None: no deadline. Late ranks are logged either way.
+        extension_registry: DCP's registry of the stream extensions the step
+            was written with (:func:`publish_step`'s ``_extensions``), as
+            ``FileSystemReader``'s; None: DCP's default (ZStandard).
 
     Returns:
         ``(storage_reader, planner)``. The reader reads this step alone (a
@@ -668,6 +673,7 @@ def open_step(
             verify=verify,
             process_group=process_group,
             no_dist=no_dist,
+            extension_registry=extension_registry,
         )
     return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
 
@@ -683,6 +689,17 @@ def read_into(
         # Without a process group, one process reading alone is the intent.
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state_dict, storage_reader=reader, planner=planner, **options)
+
+
+def _by_name(wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
+    """Whether a step holds as many of ``wanted``'s keys by name as renamed
+    to torchtitan's (a state_dict of DCP's recipe, with ``optimizer.`` keys)."""
+    try:
+        renamed = to_torchtitan(wanted)
+    except ValueError:  # a key with no torchtitan name
+        return True
+    found = sum(k in saved for k in wanted)
+    return found == len(wanted) or found >= sum(k in saved for k in renamed)
 
 
 def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
@@ -702,11 +719,13 @@ def read_any_layout(
     planner: SafeLoadPlanner,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Fills a state_dict in pippy's names from a step in either layout, in place."""
+    """Fills a state_dict from a step in either layout, in place: by name,
+    unless the step is in torchtitan's layout and pippy's names for the state
+    (``model.``, ``optim.``, ``step``) renamed to torchtitan's find more of it."""
     saved = reader.read_metadata().state_dict_metadata
-    if detect_layout(saved) == PIPPY:
-        return read_into(state_dict, reader, planner, process_group=process_group)
     wanted, must_read = dict(named_leaves(state_dict)), planner.must_read
+    if detect_layout(saved) == PIPPY or _by_name(wanted, saved):
+        return read_into(state_dict, reader, planner, process_group=process_group)
     flat = to_torchtitan(wanted)
     # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
     # optimizer without one may leave it unread (pippy keeps it in scalars).
