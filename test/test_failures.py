@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from ranks import run_ranks
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -305,6 +306,22 @@ def test_a_checkpoint_from_before_the_packed_layout_says_so(tmp_path):
     model = torch.nn.Linear(4, 4)
     assert offline.load_model(folder, model) == 0
     assert torch.equal(model.weight, state.module.weight)
+
+
+def load_model_on_rank_0(rank, world_size, folder):
+    """Rank 0 alone loads the un-split model; rank 1 does nothing."""
+    if rank == 0:
+        model = torch.nn.Linear(4, 4)
+        return offline.load_model(folder, model), model.weight.detach().clone()
+    return None
+
+
+def test_load_model_on_one_rank_of_a_group_loads_alone(tmp_path):
+    state = linear_state()
+    folder = save(state, tmp_path, step=3)
+    # a collective on rank 0 would wait for rank 1 until the run's timeout
+    loaded = run_ranks(2, load_model_on_rank_0, folder, timeout=30)[0]
+    assert loaded[0] == 3 and torch.equal(loaded[1], state.module.weight)
 
 
 def test_dtype_mismatch_is_an_error_where_dcp_converts_silently(tmp_path):

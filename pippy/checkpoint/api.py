@@ -692,8 +692,10 @@ def read_into(
 
 
 def _by_name(wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
-    """Whether a step holds as many of ``wanted``'s keys by name as renamed
-    to torchtitan's (a state_dict of DCP's recipe, with ``optimizer.`` keys)."""
+    """Whether a step holds as many of ``wanted``'s keys by name as renamed.
+
+    Renamed: to torchtitan's names. By name: DCP's recipe, ``optimizer.`` keys.
+    """
     try:
         renamed = to_torchtitan(wanted)
     except ValueError:  # a key with no torchtitan name
@@ -717,15 +719,18 @@ def read_any_layout(
     state_dict: dict[str, Any],
     reader: SafeFileSystemReader,
     planner: SafeLoadPlanner,
-    process_group: dist.ProcessGroup | None = None,
+    **options: Any,
 ) -> None:
-    """Fills a state_dict from a step in either layout, in place: by name,
-    unless the step is in torchtitan's layout and pippy's names for the state
-    (``model.``, ``optim.``, ``step``) renamed to torchtitan's find more of it."""
+    """Fills a state_dict from a step in either layout, in place.
+
+    By name, unless the step is in torchtitan's layout and pippy's names for
+    the state (``model.``, ``optim.``, ``step``) renamed to torchtitan's find
+    more of it.
+    """
     saved = reader.read_metadata().state_dict_metadata
     wanted, must_read = dict(named_leaves(state_dict)), planner.must_read
     if detect_layout(saved) == PIPPY or _by_name(wanted, saved):
-        return read_into(state_dict, reader, planner, process_group=process_group)
+        return read_into(state_dict, reader, planner, **options)
     flat = to_torchtitan(wanted)
     # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
     # optimizer without one may leave it unread (pippy keeps it in scalars).
@@ -745,7 +750,7 @@ def read_any_layout(
             apply(state_dict)
 
     reader.after_reads = convert
-    read_into(flat, reader, planner, process_group=process_group)
+    read_into(flat, reader, planner, **options)
 
 
 @contextmanager
@@ -867,6 +872,7 @@ def load_stage(
     trusted: bool | None = None,
     verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
     timeout: Timeout = None,
 ) -> dict[str, Any]:
     """Loads a step into this rank's stage, on every rank.
@@ -885,6 +891,8 @@ def load_stage(
         trusted: As :func:`open_step`.
         verify: As :func:`open_step`.
         process_group: The ranks that load; the default group if None.
+        no_dist: This process loads alone, with no collective (as
+            ``dcp.load``'s ``no_dist``), whatever group it is a rank of.
         timeout: As :func:`load_into`.
 
     Returns:
@@ -902,12 +910,18 @@ def load_stage(
         CheckpointTimeout: As :func:`load_into`.
     """
     action, group = f"loading {path}", process_group
-    with gc_paused(), stall.waiting(action, "read", timeout, group) as waits:
+    waiting = stall.waiting(action, "read", timeout, group)
+    with gc_paused(), nullcontext() if no_dist else waiting as waits:
         # one watch over the open and the load
-        reader = open_reader(path, trusted=trusted, verify=verify, process_group=group)
+        reader = open_reader(
+            path, trusted=trusted, verify=verify, process_group=group, no_dist=no_dist
+        )
         planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
         with _filled(state, reader, action, group, waits) as filled:
-            read_any_layout(filled, reader, planner, group)
+            if no_dist:
+                read_any_layout(filled, reader, planner, no_dist=True)
+            else:
+                read_any_layout(filled, reader, planner, process_group=group)
     return filled if isinstance(state, StageState) else state
 
 

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
 from pippy.checkpoint.checks import diff_state_dicts, tied_groups
@@ -170,7 +171,9 @@ def load_model(
 ) -> int:
     """Loads a pipeline checkpoint into the un-split model, in one process.
 
-    Also into a model sharded with FSDP2, called on every rank of its group.
+    A model of plain tensors loads in this process alone, also on one rank
+    of a group. A model sharded with FSDP2 (DTensors) loads on every rank of
+    its group at once.
 
     Args:
         path: A ``step-<N>`` folder.
@@ -193,7 +196,11 @@ def load_model(
     _check_ties(path, model, trusted, verify)
     state = StageState(model, optimizer)
     must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
-    load_stage(state, path, must_read=must_read, trusted=trusted, verify=verify)
+    sharded = any(isinstance(t, DTensor) for t in model.state_dict().values())
+    alone = not sharded
+    load_stage(
+        state, path, must_read=must_read, trusted=trusted, verify=verify, no_dist=alone
+    )
     return state.step
 
 
