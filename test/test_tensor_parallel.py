@@ -207,3 +207,48 @@ def dcp_recipe_round_trip(rank, world_size, folder):
 def test_the_dcp_recipes_layouts_load_back_by_name(tmp_path):
     for differ in run_ranks(2, dcp_recipe_round_trip, tmp_path):
         assert differ == {False: [], True: []}
+
+
+def two_d_and_submeshes(rank, world_size, folder):
+    """4 ranks: a 2-D mesh (dp, tp) and its tp submeshes, no mesh= given."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    whole = torch.arange(32.0).reshape(8, 4)
+    # Replicated over dp, sharded over tp: each chunk on two ranks, compared.
+    hsdp = distribute_tensor(whole, mesh, [Replicate(), Shard(0)])
+    saved = error_of(lambda: checkpoint.save_stage({"w": hsdp}, folder / "2d", step=1))
+    # Loaded into another layout of the same mesh: DCP reshards, bitwise.
+    other = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0), Shard(1)])
+    loaded = {"w": other}
+    checkpoint.load_stage(loaded, folder / "2d" / "step-1")
+    full = loaded["w"].full_tensor()
+    # A dp replica that differs is refused, by the placements alone.
+    diverged = distribute_tensor(whole, mesh, [Replicate(), Shard(0)])
+    if tuple(mesh.get_coordinate()) == (1, 0):
+        diverged.to_local().add_(1)
+    refused = error_of(
+        lambda: checkpoint.save_stage({"w": diverged}, folder / "diverged", step=1)
+    )
+    # Pipeline x tensor parallel: each stage (a dp row, here pp) its own
+    # layer, sharded over its tp submesh.
+    stage = mesh.get_coordinate()[0]
+    layer = distribute_tensor(whole + stage, mesh["tp"], [Shard(1)])
+    pp_tp = error_of(
+        lambda: checkpoint.save_stage({f"layer{stage}": layer}, folder / "pp", step=1)
+    )
+    return {"saved": saved, "full": full, "refused": refused, "pp_tp": pp_tp}
+
+
+def test_a_2d_mesh_and_submeshes_save_reshard_and_refuse_by_placements(tmp_path):
+    ranks = run_ranks(4, two_d_and_submeshes, tmp_path)
+    whole = torch.arange(32.0).reshape(8, 4)
+    assert [r["saved"] for r in ranks] == [None] * 4
+    assert torch.equal(plain_read(tmp_path / "2d" / "step-1")["w"], whole)
+    for r in ranks:
+        assert torch.equal(r["full"], whole)
+        assert r["refused"].startswith("KeyCollisionError: 1 shared checkpoint entr")
+        assert r["pp_tp"] is None
+    assert not (tmp_path / "diverged" / "step-1").exists()
+    plain = plain_read(tmp_path / "pp" / "step-1")
+    assert torch.equal(plain["layer0"], whole) and torch.equal(
+        plain["layer1"], whole + 1
+    )
