@@ -13,7 +13,6 @@ import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import google_crc32c
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -28,6 +27,7 @@ from pippy.checkpoint.errors import (
     NestedStateError,
     name_ranks,
 )
+from pippy.checkpoint.storage import crc32c
 
 _OWNED = ("model", "optim")  # the sections whose every key one stage owns
 
@@ -71,7 +71,7 @@ def fingerprint(value: Any) -> str:
     if not isinstance(value, torch.Tensor):
         return repr(value)
     shard = local(value)
-    crc = google_crc32c.value(_raw_bytes(shard).cpu().numpy())
+    crc = crc32c(_raw_bytes(shard).cpu().numpy())
     return f"{shard.dtype}{tuple(shard.shape)}:{crc:08x}"
 
 

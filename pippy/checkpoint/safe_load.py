@@ -36,8 +36,6 @@ from contextlib import nullcontext, suppress
 from types import SimpleNamespace
 from typing import IO, Any, cast
 
-import google_crc32c
-import numpy
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
@@ -96,6 +94,7 @@ from pippy.checkpoint.steps import (
 from pippy.checkpoint.storage import (
     Location,
     Storage,
+    crc32c,
     is_url,
     join,
     same_location,
@@ -278,18 +277,17 @@ class _ItemReader(io.RawIOBase):
             self._extend()
             return n
         self._extend(start)  # with the bytes before it that torch.load skips
-        array = numpy.frombuffer(view[self.checked - start : n], dtype=numpy.uint8)
-        self.crc = google_crc32c.extend(self.crc, array)
+        self.crc = crc32c(view[self.checked - start : n], self.crc)
         self.checked = self.pos
         return n
 
     def _extend(self, until: int = 0) -> None:
         """Extends the checksum over the kept reads, and the file up to ``until``."""
-        while True:
+        while self.crc is not None:
             at = self.checked
             if found := [s for s, d in self.kept.items() if s <= at < s + len(d)]:
                 data = self.kept.pop(found[0])
-                self.crc = google_crc32c.extend(self.crc, data[at - found[0] :])
+                self.crc = crc32c(data[at - found[0] :], self.crc)
                 self.checked = found[0] + len(data)
                 continue
             if at >= until:
@@ -299,7 +297,7 @@ class _ItemReader(io.RawIOBase):
             data = self.file.read(end - at)
             if not data:  # the file ends inside the item
                 return
-            self.crc = google_crc32c.extend(self.crc, data)
+            self.crc = crc32c(data, self.crc)
             self.checked += len(data)
 
     def finish(self) -> tuple[int, int | None]:
@@ -522,7 +520,7 @@ class SafeFileSystemReader(FileSystemReader):
                 self._check_item(index.fqn, info, *item.finish())
         else:
             data = self._slice_file(f, info).read(-1)
-            crc = google_crc32c.value(data) if self.manifest else None
+            crc = crc32c(data) if self.manifest else None
             self._check_item(index.fqn, info, len(data), crc)
             stream = self.transforms.transform_load_stream(
                 reqs[0], descriptors or (), io.BytesIO(data)

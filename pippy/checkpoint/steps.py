@@ -64,7 +64,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -82,7 +81,14 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
-from pippy.checkpoint.storage import Location, Storage, is_url, join, step_file
+from pippy.checkpoint.storage import (
+    Location,
+    Storage,
+    crc32c,
+    is_url,
+    join,
+    step_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +299,7 @@ def read_crcs(
                 data = f.read(length)
                 if len(data) != length:
                     raise CheckpointError(f"{name} ended at byte {offset + len(data)}")
-                yield (name, offset, length), google_crc32c.value(data)
+                yield (name, offset, length), crc32c(data)
 
 
 class ManifestWriter(FileSystemWriter):

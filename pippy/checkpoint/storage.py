@@ -34,6 +34,27 @@ from pippy.checkpoint.errors import CheckpointDirError, UnsafeCheckpointError
 #: A checkpoint location: a local path, or an fsspec URL as a ``str``.
 Location = str | os.PathLike
 
+#: Bytes one CRC-32C call takes: google_crc32c holds the GIL in a call, and
+#: other threads (the one launching kernels) run between calls.
+CRC_CHUNK = 4 << 20
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """The CRC-32C of ``data`` (bytes-like), extending ``crc``, in chunks.
+
+    Args:
+        data: Contiguous bytes-like (``bytes``, a ``memoryview``, an array).
+        crc: The CRC-32C of the bytes before ``data`` (0: none).
+
+    Returns:
+        The CRC-32C, as one ``google_crc32c.extend`` call over all of it
+        would give; each call takes at most :data:`CRC_CHUNK` bytes.
+    """
+    array = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
+    for start in range(0, len(array), CRC_CHUNK):
+        crc = google_crc32c.extend(crc, array[start : start + CRC_CHUNK])
+    return crc
+
 
 def is_url(location: Location) -> bool:
     """Tells whether ``location`` is an fsspec URL (``<protocol>://...``)."""
@@ -210,15 +231,14 @@ class _Crc32cStream:
             self.small += data
             return size
         self._pass_small()
-        array = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
-        self.crc = google_crc32c.extend(self.crc, array)
+        self.crc = crc32c(data, self.crc)
         return self.raw.write(data)
 
     def _pass_small(self) -> None:
         """Checksums the gathered small writes and passes them on."""
         if self.small:
             data = bytes(self.small)
-            self.crc = google_crc32c.extend(self.crc, data)
+            self.crc = crc32c(data, self.crc)
             self.raw.write(data)
             self.small.clear()
 

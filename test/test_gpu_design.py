@@ -1,0 +1,51 @@
+"""On a GPU by design: what a save or a load does that would stall training
+there, counted on the CPU.
+
+google_crc32c holds the GIL for a whole call, so a checksum over a large
+tensor in one call stalls every other Python thread (on a GPU, the one that
+launches kernels) for its length: every call takes at most CRC_CHUNK bytes.
+"""
+
+import google_crc32c
+import pytest
+import torch
+
+from pippy import checkpoint
+from pippy.checkpoint import checks, offline
+from pippy.checkpoint.storage import CRC_CHUNK, crc32c
+
+
+@pytest.fixture
+def crc_calls(monkeypatch):
+    """The size in bytes of every google_crc32c call made meanwhile."""
+    sizes = []
+    for name in ("extend", "value"):
+        real = getattr(google_crc32c, name)
+
+        def recorded(*args, real=real):
+            sizes.append(len(args[-1]))
+            return real(*args)
+
+        monkeypatch.setattr(google_crc32c, name, recorded)
+    return sizes
+
+
+def test_checksums_hold_the_gil_for_one_chunk_at_a_time(tmp_path, crc_calls):
+    big = torch.randn(3 * CRC_CHUNK // 4 + 5)  # 3 chunks and a little more
+    state = {"model": {"w": big}, "step": 1}
+    step = checkpoint.save_stage(state, tmp_path, step=1)
+    assert offline.verify_step(step) == 2
+    loaded = {"model": {"w": torch.zeros_like(big)}, "step": 0}
+    checkpoint.load_stage(loaded, step)  # read straight into the tensor, checked
+    assert torch.equal(loaded["model"]["w"], big)
+    checks.fingerprint(big)  # the replica check's
+    assert max(crc_calls) <= CRC_CHUNK
+    assert sum(size >= CRC_CHUNK for size in crc_calls) >= 4 * 3  # each path chunked
+
+
+def test_a_chunked_checksum_is_the_checksum_of_the_whole():
+    data = torch.randint(0, 256, (2 * CRC_CHUNK + 7,), dtype=torch.uint8).numpy()
+    whole = google_crc32c.value(data.tobytes())
+    assert crc32c(data) == whole
+    assert crc32c(data[CRC_CHUNK + 3 :], crc32c(data[: CRC_CHUNK + 3])) == whole
+    assert crc32c(b"") == 0
