@@ -49,3 +49,38 @@ def test_a_chunked_checksum_is_the_checksum_of_the_whole():
     assert crc32c(data) == whole
     assert crc32c(data[CRC_CHUNK + 3 :], crc32c(data[: CRC_CHUNK + 3])) == whole
     assert crc32c(b"") == 0
+
+
+def test_the_optimizer_scalars_of_a_save_are_one_host_copy(monkeypatch):
+    """Fused or capturable AdamW keeps each parameter's ``step`` on the GPU:
+    taken one ``.item()`` at a time, a save would sync the device once per
+    parameter. Counted here: no ``.item()``, one stack per device and dtype."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
+    optimizer = torch.optim.AdamW(model.parameters())  # step: a 0-dim tensor
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    state = checkpoint.StageState(model, optimizer, step=1)
+    calls = {"item": 0, "stack": 0}
+    item, stack = torch.Tensor.item, torch.stack
+
+    def counted_item(self):
+        calls["item"] += 1
+        return item(self)
+
+    def counted_stack(*args, **kwargs):
+        calls["stack"] += 1
+        return stack(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "item", counted_item)
+    monkeypatch.setattr(torch, "stack", counted_stack)
+    taken = state.state_dict()
+    monkeypatch.undo()
+    assert calls == {"item": 0, "stack": 1}
+    steps = {
+        e[1]
+        for v in taken["optim"].values()
+        if isinstance(v, list)
+        for e in v
+        if e[0] == "state.step"
+    }
+    assert steps == {1.0}

@@ -570,6 +570,7 @@ def _pack_scalars(
     # a metadata entry): AdamW gets 3 items per parameter instead of 14.
     packed: dict[str, Any] = {}
     scalars: dict[str, list[list[Any]]] = {}
+    zero_dim: list[tuple[list[Any], torch.Tensor]] = []  # (entry, tensor)
     for key, value in optim_sd.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             packed[key] = value
@@ -583,13 +584,37 @@ def _pack_scalars(
         section, fqn, name = parsed
         entry = [f"{section}.{name}", value]
         if isinstance(value, torch.Tensor):
-            entry = [entry[0], value.item(), str(value.dtype).removeprefix("torch.")]
+            entry.append(str(value.dtype).removeprefix("torch."))
+            zero_dim.append((entry, value))
         scalars.setdefault(fqn, []).append(entry)
+    tensors = [tensor for _, tensor in zero_dim]
+    for (entry, _), number in zip(zero_dim, _numbers(tensors), strict=True):
+        entry[1] = number
     for fqn, index in groups.items():
         if fqn in scalars:
             scalars[fqn].append(["group", index])
     packed.update((f"scalars.{fqn}", entries) for fqn, entries in scalars.items())
     return packed
+
+
+def _numbers(tensors: list[torch.Tensor]) -> list[Any]:
+    """The Python numbers of 0-dim tensors: one host copy per device and dtype.
+
+    Fused or capturable AdamW keeps ``step`` on the GPU, where ``.item()``
+    on each would sync the device once per parameter.
+    """
+    numbers: list[Any] = [None] * len(tensors)
+    alike: dict[tuple[Any, ...], list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        if type(tensor) in (torch.Tensor, nn.Parameter):
+            alike.setdefault((tensor.device, tensor.dtype), []).append(i)
+        else:  # a tensor subclass: its own item()
+            numbers[i] = tensor.item()
+    for indices in alike.values():
+        stacked = torch.stack([tensors[i].detach() for i in indices])
+        for i, number in zip(indices, stacked.tolist(), strict=True):
+            numbers[i] = number
+    return numbers
 
 
 def _unpack_scalars(packed: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
