@@ -98,6 +98,7 @@ def traced_save(checks: str, out: Path) -> str:
     return trace.read_text()
 
 
+@pytest.mark.launches
 def test_a_step_saved_by_pippy_is_durable_when_published(traced):
     trace, out = traced
     root = out / "ckpt"
@@ -117,8 +118,17 @@ def test_a_step_saved_by_pippy_is_durable_when_published(traced):
     ]
     assert any("O_CREAT" in ln for ln in opened), opened
     assert [ln for ln in opened if "O_RDONLY" in ln] == []
+    # Each data file fsynced once (DCP's sync_files would add a second).
+    fsyncs = {}
+    for line in strace_joined(trace.splitlines()):
+        m = STRACE_LINE.match(line)
+        fd = m and m["call"] in ("fsync", "fdatasync") and STRACE_FD.match(m["args"])
+        if fd and fd["path"].endswith(".distcp") and str(root) in fd["path"]:
+            fsyncs[fd["path"]] = fsyncs.get(fd["path"], 0) + 1
+    assert len(fsyncs) == 2 and set(fsyncs.values()) == {1}, fsyncs
 
 
+@pytest.mark.launches
 def test_the_checker_finds_the_holes_of_plain_dcp_and_a_rename(traced):
     trace, out = traced
     holes = durability_holes(trace, out / "plain")

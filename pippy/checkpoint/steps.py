@@ -318,9 +318,11 @@ class ManifestWriter(FileSystemWriter):
         super().__init__(path, **kwargs)
         self.storage = storage
         self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
-        if is_url(path):  # fsspec's streams have no fileno: DCP would os.sync()
+        # A local stream fsyncs at close; fsspec's have no fileno (DCP would
+        # os.sync()): DCP's own fsync of each file would be a second one.
+        self.sync_files = False
+        if is_url(path):
             self.path = self.fs.init_path(path)
-            self.sync_files = False
         self.step = step
         self.written = (0, 0)
 
