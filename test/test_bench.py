@@ -8,15 +8,9 @@ otherwise), and that it reports every target.
 
 import importlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
+import bench_runs
 import pytest
-
-from helpers import ROOT
 
 SAVE_METHODS = {
     "pippy_sync",
@@ -56,79 +50,15 @@ def installed_peers():
     return found
 
 
-class Command:
-    """A command started in the background, its output into files."""
-
-    def __init__(self, folder, cmd, timeout):
-        self.deadline = time.monotonic() + timeout
-        self.stdout, self.stderr = folder / "stdout.txt", folder / "stderr.txt"
-        # gpu_check.sh runs `python`: this interpreter, in a venv or not
-        path = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path}
-        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen(
-                list(map(str, cmd)),
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,  # its own group: cleaned up by its id
-            )
-
-    def finish(self):
-        """Waits for it (until its deadline); its exit status and stdout."""
-        self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-        stdout, stderr = self.stdout.read_text(), self.stderr.read_text()
-        assert self.proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-        return stdout
-
-    def kill(self):
-        """Ends it and what it started, if it still runs."""
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
-    """The three commands below, started at once: none of them keeps both
-    cores busy all the time (the benchmark fsyncs and drops caches, the
-    overlap loop sleeps, launches wait on each other), and each test waits
-    for its own (the shortest first). Their figures are
-    not judged, so sharing the cores is fine."""
-    folders = {n: tmp_path_factory.mktemp(n) for n in ("bench", "gpu", "overlap")}
-    bench = folders["bench"]
-    commands = {
-        "bench": (
-            [
-                sys.executable,
-                "bench/bench_checkpoint.py",
-                *("--sizes-mb", "2", "--stages", "2", "--keys-x", "2"),
-                *("--n-layers", "4"),  # half the default 8: fewer items, same bytes
-                *("--repeats", "1", "--out-dir", bench / "out"),
-                *("--work-dir", bench / "work", "--timeout", "300"),
-            ],
-            600,
-        ),
-        "gpu": (["bash", "bench/gpu_check.sh", "--dry"], 400),
-        "overlap": (
-            [
-                sys.executable,
-                "bench/overlap.py",
-                *("--out-dir", folders["overlap"] / "out", "--mb-per-rank", "1"),
-                *("--compute", "0.05", "--steps", "2"),
-            ],
-            300,
-        ),
-    }
-    running = {}
+    """The benchmark's three commands (bench_runs.py): started when the
+    session's tests were collected, or now; each test waits for its own."""
+    commands = bench_runs.start(tmp_path_factory)
     try:
-        for name, (cmd, timeout) in commands.items():
-            running[name] = Command(folders[name], cmd, timeout)
-        yield {name: (folders[name], command) for name, command in running.items()}
+        yield commands
     finally:
-        for command in running.values():
-            command.kill()
+        bench_runs.kill()
 
 
 @pytest.mark.launches

@@ -84,6 +84,7 @@ def _need_strace():
     require_strace()
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("width", [256, 1024])
 def test_a_verified_load_reads_each_stored_byte_once(tmp_path, width):
     from pippy import checkpoint
