@@ -84,3 +84,18 @@ def test_the_optimizer_scalars_of_a_save_are_one_host_copy(monkeypatch):
         if e[0] == "state.step"
     }
     assert steps == {1.0}
+
+
+def test_fingerprints_tell_states_apart_without_holding_both():
+    """The example's verification frees the trained stages before building the
+    fresh ones (one set of stages on a GPU), comparing fingerprints."""
+    state = {"model": {"w": torch.arange(6.0)}, "step": 3, "lr": [0.1]}
+    same = {"model": {"w": torch.arange(6.0)}, "step": 3, "lr": [0.1]}
+    assert offline.fingerprints(state) == offline.fingerprints(same)
+    flipped = same["model"]["w"].view(torch.int32)
+    flipped[5] ^= 1  # the lowest bit of one float
+    differ = offline.fingerprints(state).items() ^ offline.fingerprints(same).items()
+    assert {k for k, _ in differ} == {"model.w"}
+    assert offline.fingerprints({"w": torch.zeros(2)}) != offline.fingerprints(
+        {"w": torch.zeros(2, dtype=torch.float64)}
+    )

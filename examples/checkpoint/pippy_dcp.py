@@ -25,6 +25,7 @@ if __name__ == "__main__":  # a bad flag fails now, before torch loads, once
     ARGS = parse_args()
 
 import functools
+import gc
 import math
 import time
 import warnings
@@ -263,16 +264,21 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> bool:
     return False
 
 
-def verify(args, state, path: Path, layout: parallel.Layout, device) -> bool:
-    """Loads `path` into freshly initialised stages and compares every tensor
-    (with FSDP2, every rank its own shards)."""
+def verify(args, expected: dict, data, path: Path, layout, device) -> bool:
+    """Loads `path` into freshly initialised stages and compares every entry
+    with `expected`, the trained stages' fingerprints (a CRC-32C of each
+    tensor; with FSDP2, every rank its own shards): the trained stages are
+    freed first, so a GPU holds one set of stages, not two."""
     start = time.perf_counter()
     fresh_stages = build_stages(args, layout, device, seed=args.seed + 1)
-    fresh = build_state(args, fresh_stages, state.extra["data"].data)
+    fresh = build_state(args, fresh_stages, data)
     note = " into a fresh stage" if len(fresh_stages) == 1 else " into fresh stages"
     tensors, nbytes = held(load(fresh, *checkpoint.open_step(path)))
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {path}{note}", start)
-    differ = checkpoint.offline.diff_state_dicts(state.state_dict(), fresh.state_dict())
+    found = checkpoint.offline.fingerprints(fresh.state_dict())
+    differ = sorted(
+        k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k)
+    )
     if differ:
         log(f"{layout.label}: {len(differ)} entries differ: {differ[:5]}")
     failed = torch.tensor([len(differ)], device=device)
@@ -336,7 +342,12 @@ def main(args) -> None:
             # last save, or if it had nothing to train
             saved = final is not None and Path(final).name == f"step-{state.step}"
             saved = saved and state.step > resumed_at
-            ok = not saved or verify(args, state, final, layout, device)
+            if saved:  # the trained stages' fingerprints, then free them
+                expected = checkpoint.offline.fingerprints(state.state_dict())
+                data = state.extra["data"].data
+                del state, stages, schedule
+                gc.collect()  # and what reference cycles of theirs keep alive
+            ok = not saved or verify(args, expected, data, final, layout, device)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:  # not a traceback
         # pippy names no flag of ours: say which one a folder error is about
         dir_errors = checkpoint.CheckpointDirError, checkpoint.CheckpointDirInUseError

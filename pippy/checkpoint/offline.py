@@ -28,7 +28,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
-from pippy.checkpoint.checks import diff_state_dicts, tied_groups
+from pippy.checkpoint.checks import (
+    diff_state_dicts,
+    fingerprint,
+    named_leaves,
+    tied_groups,
+)
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
@@ -55,6 +60,7 @@ from pippy.checkpoint.storage import Location, Storage, check_publishable, stora
 __all__ = [
     "convert_layout",
     "diff_state_dicts",
+    "fingerprints",
     "export_hf",
     "load_model",
     "read_checkpoint",
@@ -159,6 +165,25 @@ def _check_ties(
                 "would keep one and silently lose the other. Load into a model "
                 "with them untied (for Hugging Face, tie_word_embeddings=False)"
             )
+
+
+def fingerprints(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """A short text per leaf of a (nested) state_dict that differs when it does.
+
+    Compare two with ``==`` to tell whether two states are equal bit for bit
+    without holding both, e.g. a model's before it is freed and another's
+    after its checkpoint was loaded into it.
+
+    Args:
+        state_dict: As from ``StageState.state_dict()``.
+
+    Returns:
+        ``{dotted key (as DCP names it): text}``; a tensor's text is its
+        dtype, shape and the CRC-32C of its bytes (a DTensor's, this rank's
+        shard; a GPU tensor is copied to the host one at a time), another
+        value's its ``repr``.
+    """
+    return {key: fingerprint(value) for key, value in named_leaves(state_dict)}
 
 
 def load_model(
