@@ -15,7 +15,7 @@ from pippy.checkpoint import offline
 from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import TiedParametersError
 from pippy.checkpoint.safe_load import read_metadata
-from pippy.checkpoint.steps import is_complete, list_steps
+from pippy.checkpoint.steps import is_complete, list_steps, wait_for_deletions
 from pippy.checkpoint.storage import LocalStorage
 from pippy.stages import check_untied, restore_non_persistent_buffers
 
@@ -47,6 +47,7 @@ def test_the_writer_publishes_the_step_inside_dcp_save(tmp_path):
         assert is_complete(LocalStorage(), tmp_path / "step-3")
     with publish_step(tmp_path, 4, keep_last=1) as writer:
         dcp.save(state, storage_writer=writer, no_dist=True)
+        wait_for_deletions()  # step-3's files: deleted by a thread
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4"]  # pruned
 
 

@@ -35,6 +35,7 @@ from pippy.checkpoint.steps import (
     list_steps,
     read_manifest,
     remove_old_steps,
+    wait_for_deletions,
 )
 from pippy.checkpoint.storage import LocalStorage
 from pippy.cli import main
@@ -211,6 +212,7 @@ def test_a_step_folder_holding_another_step_is_never_taken_for_it(tmp_path):
     state = linear_state()
     state.step = 3
     published = checkpoint.save_stage(state, tmp_path, keep_last=1)
+    wait_for_deletions()  # step-2's files: deleted by a thread
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-3"]
     assert checkpoint.find_latest_step(tmp_path) == published
 

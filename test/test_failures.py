@@ -401,12 +401,13 @@ remove_old_steps(storage_for(root), root, keep_last=1)
 
 @pytest.mark.launches
 def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, capsys):
-    """keep_last=1 over steps 1-3, SIGKILLed as it starts its 1st, 2nd or
-    4th deletion: right after step-1 is renamed aside, then with none and with
-    two of its files deleted (deleting in place: its manifest, then also a
-    data file, gone from step-1). Every folder named step-<N> is whole and
-    loads with plain DCP in another process; no scan, listing or inspect
-    shows the aside folder, and the folder's next owner deletes it."""
+    """keep_last=1 over steps 1-3, SIGKILLed as its deletion thread starts
+    its 1st, 2nd or 4th deletion: right after step-1 and step-2 are renamed
+    aside (both out of view at once), then with none and with two of
+    step-1's files deleted (deleting in place: its manifest, then also a
+    data file). Every folder named step-<N> is whole and loads with plain
+    DCP in another process; no scan, listing or inspect shows the aside
+    folders, and the folder's next owner deletes them."""
     state = linear_state()
     reader = PlainReader(tmp_path)
     try:
@@ -414,7 +415,7 @@ def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, 
             root = tmp_path / f"run-{kill_at}"
             for step in (1, 2, 3):
                 save(state, root, step=step)
-            before = reader.read([root / "step-2", root / "step-3"])
+            before = reader.read([root / "step-3"])
             child = subprocess.run(
                 [sys.executable, "-c", _KILLED_WHILE_PRUNING, str(root), str(kill_at)],
                 capture_output=True,
@@ -434,11 +435,12 @@ def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, 
                     "manifest.json",
                 ], f"kill at deletion {kill_at}: {name} is partial"
                 assert offline.verify_step(folder) == 9
-            assert steps == ["step-2", "step-3"]
+            assert steps == ["step-3"]
             assert re.fullmatch(r"\.step-1\.deleting-[0-9a-f]{12}", names[1])
+            assert re.fullmatch(r"\.step-2\.deleting-[0-9a-f]{12}", names[2])
             assert names[0] == ".owner.json" and len(names) == 4
             after = reader.read([root / name for name in steps])
-            assert [items["step"] for items in after] == [2, 3]
+            assert [items["step"] for items in after] == [3]
             for old, new in zip(before, after, strict=True):  # as saved
                 assert old.keys() == new.keys()
                 for key, value in old.items():
@@ -447,16 +449,15 @@ def test_a_kill_while_keep_last_deletes_leaves_no_partial_step_folder(tmp_path, 
                     else:
                         assert value == new[key], key
 
-            assert list(list_steps(LocalStorage(), root)) == [2, 3]
+            assert list(list_steps(LocalStorage(), root)) == [3]
             assert checkpoint.find_latest_step(root) == root / "step-3"
             assert pippy_cli(["inspect", str(root)]) == 0
             out = capsys.readouterr().out
-            assert f"{root}: 2 step(s)" in out and "deleting" not in out
+            assert f"{root}: 1 step(s)" in out and "deleting" not in out
 
             with checkpoint.job.FolderOwner(root):  # the next job: takes over
                 assert sorted(p.name for p in root.iterdir()) == [
                     ".owner.json",
-                    "step-2",
                     "step-3",
                 ]
     finally:

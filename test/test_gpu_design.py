@@ -6,6 +6,8 @@ tensor in one call stalls every other Python thread (on a GPU, the one that
 launches kernels) for its length: every call takes at most CRC_CHUNK bytes.
 """
 
+import threading
+
 import google_crc32c
 import pytest
 import torch
@@ -99,3 +101,58 @@ def test_fingerprints_tell_states_apart_without_holding_both():
     assert offline.fingerprints({"w": torch.zeros(2)}) != offline.fingerprints(
         {"w": torch.zeros(2, dtype=torch.float64)}
     )
+
+
+def test_old_steps_are_deleted_off_the_saves_critical_path(tmp_path, monkeypatch):
+    """keep_last takes an old step out of view at once (one rename); its
+    files are deleted by a thread, so that no rank waits for them."""
+    from pippy.checkpoint import steps
+    from pippy.checkpoint.storage import LocalStorage
+
+    state = {"model": {"w": torch.zeros(4)}, "step": 1}
+    checkpoint.save_stage(state, tmp_path, step=1, keep_last=1)
+    held, remove = threading.Event(), LocalStorage.remove
+
+    def slow_remove(self, path):
+        held.wait(30)  # a slow parallel file system
+        remove(self, path)
+
+    monkeypatch.setattr(LocalStorage, "remove", slow_remove)
+    state["step"] = 2
+    checkpoint.save_stage(state, tmp_path, step=2, keep_last=1)  # returns now
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0].startswith(".step-1.deleting-") and names[1:] == ["step-2"]
+    held.set()
+    steps.wait_for_deletions()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
+
+
+def test_what_a_deletion_left_is_logged_and_deleted_by_the_next_save(
+    tmp_path, monkeypatch, caplog
+):
+    from pippy.checkpoint import steps
+    from pippy.checkpoint.storage import LocalStorage
+
+    state = {"model": {"w": torch.zeros(4)}, "step": 1}
+    checkpoint.save_stage(state, tmp_path, step=1, keep_last=1)
+    left = tmp_path / ".step-0.deleting-0123456789ab"  # a kill mid-deletion
+    (left / "sub").mkdir(parents=True)
+    remove = LocalStorage.remove
+
+    def failing_remove(self, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(LocalStorage, "remove", failing_remove)
+    state["step"] = 2
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.steps"):
+        checkpoint.save_stage(state, tmp_path, step=2, keep_last=1)
+        steps.wait_for_deletions()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all(
+        "the next save with keep_last retries" in w for w in warned
+    )
+    monkeypatch.setattr(LocalStorage, "remove", remove)
+    state["step"] = 3
+    checkpoint.save_stage(state, tmp_path, step=3, keep_last=1)
+    steps.wait_for_deletions()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]

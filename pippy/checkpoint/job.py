@@ -53,7 +53,12 @@ from pippy.checkpoint.errors import (
     on_coordinator,
 )
 from pippy.checkpoint.stall import MAX_TIMEOUT_S
-from pippy.checkpoint.steps import list_steps, refuse_step_folder, remove_staging
+from pippy.checkpoint.steps import (
+    list_steps,
+    refuse_step_folder,
+    remove_staging,
+    wait_for_deletions,
+)
 from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
 
 __all__ = ["FolderOwner", "StopSignal", "stop_with_launcher"]
@@ -537,10 +542,13 @@ class FolderOwner:
     def release(self) -> None:
         """Removes the record if it is still this job's (on rank 0, no collective).
 
-        A folder that :meth:`acquire` created and that is still empty goes too.
+        Old steps this process's saves removed (``keep_last``) are deleted
+        first. A folder that :meth:`acquire` created and that is still empty
+        goes too.
         """
         rank0 = not dist.is_initialized() or dist.get_rank(self.process_group) == 0
         if self.token and self._record is not None and rank0:
+            wait_for_deletions()
             self._record.release()
 
 

@@ -57,6 +57,7 @@ import logging
 import math
 import os
 import re
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import suppress
@@ -230,28 +231,78 @@ def remove_old_steps(
     *,
     keep: Location | None = None,
 ) -> list[Any]:
-    """Deletes all but the newest ``keep_last`` complete steps, never ``keep``.
+    """Removes all but the newest ``keep_last`` complete steps, never ``keep``.
 
-    Incomplete folders (maybe a save in progress) and folders whose manifest names
-    another step or links out are left alone. In a job, rank 0 alone calls it.
+    Each goes out of view at once (renamed aside, or its manifest deleted on a
+    store); its files, and the folders earlier deletions left (a kill, an
+    error), are deleted by a thread of this process, off every rank's critical
+    path (:func:`wait_for_deletions`). Incomplete folders (maybe a save in
+    progress) and folders whose manifest names another step or links out are
+    left alone. In a job, rank 0 alone calls it.
     """
     check_keep_last(keep_last)
     steps = list_steps(storage, checkpoint_dir).values()
     complete = [p for p in steps if _counted(storage, p)]
     old = [p for p in complete[:-keep_last] if p != keep]
-    for path in old:  # out of view in one operation, then its files deleted
+    doomed = []
+    for path in old:  # out of view in one operation, its files deleted after
         if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
             aside_name = f".{storage.name(path)}.deleting-{uuid.uuid4().hex[:12]}"
             aside = storage.join(checkpoint_dir, aside_name)
             storage.publish(path, aside)
-            storage.remove(aside)
+            doomed.append(aside)
         else:  # no rename: uncommitted first, then never taken as a step
             storage.remove(storage.join(path, MANIFEST_FILE))
-            storage.remove(path)
+            doomed.append(path)
     if old:
         names = ", ".join(storage.name(p) for p in old)
         logger.info("removed %s (keeping the newest %d)", names, keep_last)
+    with _deleting_lock:  # and what an earlier deletion left (a kill, an error)
+        _deleting.update(os.fspath(p) for p in doomed)
+        left = [
+            path
+            for name in storage.listdir(checkpoint_dir)
+            if _DELETING.fullmatch(name)
+            and os.fspath(path := storage.join(checkpoint_dir, name)) not in _deleting
+        ]
+        _deleting.update(os.fspath(p) for p in left)
+        doomed += left
+    if doomed:
+        thread = threading.Thread(
+            target=_delete, args=(storage, doomed), name="pippy-delete"
+        )
+        thread.start()  # not a daemon: the interpreter waits for it at exit
+        _deleters.append(thread)
     return old
+
+
+#: Folders out of view that this process's deletion threads delete, and those.
+_deleting: set[str] = set()
+_deleting_lock = threading.Lock()
+_deleters: list[threading.Thread] = []
+_DELETING = re.compile(r"\.step-.*\.deleting-.*", re.DOTALL)
+
+
+def _delete(storage: Storage, paths: list[Any]) -> None:
+    """Deletes each folder, off every rank's critical path; logs what fails."""
+    for path in paths:
+        try:
+            storage.remove(path)
+        except OSError as e:
+            logger.warning(
+                "could not delete %s (%s): the next save with keep_last retries",
+                path,
+                e,
+            )
+        finally:
+            with _deleting_lock:
+                _deleting.discard(os.fspath(path))
+
+
+def wait_for_deletions() -> None:
+    """Waits until the old steps that this process's saves removed are deleted."""
+    while _deleters:
+        _deleters.pop().join()
 
 
 def _counted(storage: Storage, path: Location) -> bool:
