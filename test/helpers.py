@@ -663,6 +663,7 @@ class CountedOps:
 
         _install_counting()
         self.counts, self._thread = Counter(), threading.current_thread()
+        self.groups = []  # the group= of each collective counted (None: default)
         _counting[_rank()] = self
         return self
 
@@ -704,6 +705,7 @@ def _install_counting():
                 ops = _counting.get(_rank()) if depth == 0 else None
                 if ops is not None and threading.current_thread() is ops._thread:
                     ops.counts[_name] += 1
+                    ops.groups.append(kwargs.get("group"))
                 _counting_depth.n = depth + 1
                 try:
                     return _real(*args, **kwargs)

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -20,12 +21,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.distributed_c10d import _get_default_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
 from pippy.checkpoint.api import load_into, open_step  # noqa: E402
+from pippy.checkpoint.errors import pippy_group
 from pippy.checkpoint.safe_load import SafeLoadPlanner  # noqa: E402
 from pippy.checkpoint.steps import list_steps  # noqa: E402
 from pippy.checkpoint.storage import LocalStorage
@@ -197,7 +200,7 @@ def check_load_logs(out: Path, rank: int, world_size: int) -> dict:
                 state_dict,
                 storage_reader=reader,
                 planner=SlowLoader(rank, 2.2),
-                process_group=group,
+                process_group=reader.process_group,
             )
     finally:
         lines.close()
@@ -218,7 +221,7 @@ def check_load_timeout(out: Path, rank: int, world_size: int) -> dict:
                 sd,
                 storage_reader=reader,
                 planner=SlowLoader(rank, 3.5),
-                process_group=group,
+                process_group=reader.process_group,  # pippy's: the timeout's
             )
 
     result = outcome(load)
@@ -247,28 +250,62 @@ def check_example(out: Path, rank: int, world_size: int) -> dict:
     return {"save": saved, "steps": sorted(list_steps(LocalStorage(), out / "example"))}
 
 
+#: The (group, timeout) of each ProcessGroup.set_timeout call, by thread.
+_timeouts_set: dict = {}
+_record_lock = threading.Lock()
+
+
+def _record_timeouts():
+    """Records every set_timeout into _timeouts_set (once per process: ranks
+    may be threads of one)."""
+    with _record_lock:
+        if getattr(ProcessGroup, "_recorded", False):
+            return
+        set_timeout = ProcessGroup.set_timeout
+
+        def recorded(self, timeout):
+            _timeouts_set.get(threading.current_thread(), []).append((self, timeout))
+            return set_timeout(self, timeout)
+
+        ProcessGroup.set_timeout = recorded
+        ProcessGroup._recorded = True
+
+
 def check_store(out: Path, rank: int, world_size: int) -> dict:
     """The private names pippy waits with: the store getter (one store that
-    all ranks share, which 4 saves nobody is late for do not touch) and a
-    group's timeout (a save's timeout bounds its collectives, then is put
-    back)."""
+    all ranks share, which 4 saves and a load nobody is late for do not touch)
+    and a group's timeout (a save's or load's timeout bounds the collectives
+    of pippy's own group, then is put back; the caller's group is never used
+    nor touched)."""
     store = _get_default_store()
     store.set(f"stall-checks/{rank}", str(rank))
     dist.barrier()
     group = dist.new_group(backend="gloo")
     backend = group._get_backend(torch.device("cpu"))
     before = backend.options._timeout
+    ours = pippy_group(group)  # made before the saves counted: they reuse it
+    theirs = ours._get_backend(torch.device("cpu"))
+    ours_before = theirs.options._timeout
+    set_to = _timeouts_set[threading.current_thread()] = []
+    _record_timeouts()
     with CountedOps() as counted:
         for step in range(1, 5):
             state = stage(rank, step)
             state.step = step
             ckpt = out / "store-ckpt"
             checkpoint.save_stage(state, ckpt, process_group=group, timeout=60)
+        checkpoint.load_stage(state, ckpt / "step-4", process_group=group, timeout=60)
+    set_to = [(g is ours, t) for g, t in set_to]
     return {
         "is_store": isinstance(store, dist.Store),
         "seen": [store.get(f"stall-checks/{r}").decode() for r in range(world_size)],
         "store_ops": sum(n for k, n in counted.counts.items() if "store" in k),
-        "timeout_back": backend.options._timeout == before != timedelta(seconds=60.5),
+        "timeout_back": theirs.options._timeout == ours_before,
+        "caller_untouched": backend.options._timeout == before,
+        "set_on_ours_only": set_to
+        == [(True, timedelta(seconds=60.5)), (True, ours_before)] * 5,
+        "collectives_on_ours": counted.total > 0
+        and all(g is ours for g in counted.groups),
     }
 
 

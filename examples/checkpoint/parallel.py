@@ -38,17 +38,14 @@ def build_schedule(args, stages: list):
 
 
 def setup_distributed() -> tuple[int, torch.device]:
-    """init_process_group: nccl and gloo on GPU (one per local rank), gloo on CPU.
+    """init_process_group: nccl on GPU (one per local rank), gloo on CPU.
     Returns (rank, device); exits with the torchrun line if not under torchrun."""
     if "RANK" not in os.environ:
         sys.exit(f"launch with torchrun: torchrun --nproc-per-node 4 {sys.argv[0]}")
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        # CUDA tensors over nccl; objects (DCP's plans, pippy's answers) over
-        # gloo, whose waits raise at a checkpoint timeout: nccl's watchdog
-        # would end the process instead (TORCH_NCCL_ASYNC_ERROR_HANDLING=3)
-        dist.init_process_group("cuda:nccl,cpu:gloo", device_id=device)
+        dist.init_process_group("nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")

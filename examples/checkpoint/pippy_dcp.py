@@ -90,9 +90,14 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
     # key's file and offset). publish_step's writer fsyncs them in a hidden
     # folder, adds manifest.json (a CRC-32C of every item, which loads verify)
     # and renames it step-<N> once every rank is done.
+    # DCP's collectives on pippy's gloo group (writer.process_group): the timeout
+    # bounds them, whatever backend the job's group has (NCCL's is untouched).
     folder, keep = args.checkpoint_dir, args.keep_last
     with checkpoint.publish_step(folder, step, keep_last=keep, timeout=wait) as writer:
-        dcp.save(state_dict, storage_writer=writer, planner=planner)
+        group = writer.process_group
+        dcp.save(
+            state_dict, storage_writer=writer, planner=planner, process_group=group
+        )
     return writer.written
 
 
@@ -106,7 +111,10 @@ def load(
     # each rank reads only its keys, then applies them; if one fails, all raise.
     target = checkpoint.StageState(state.module) if weights_only else state
     with checkpoint.load_into(target, reader, timeout=timeout) as state_dict:
-        dcp.load(state_dict, storage_reader=reader, planner=planner)
+        group = reader.process_group  # pippy's gloo group, as in save()
+        dcp.load(
+            state_dict, storage_reader=reader, planner=planner, process_group=group
+        )
     return state_dict
 
 

@@ -288,6 +288,10 @@ class StepWriter(ManifestWriter):
         written: After the save, ``(tensors, bytes)`` this rank wrote (bytes
             with ``torch.save``'s framing): replicated items count on the one
             replica that wrote them.
+        process_group: In :func:`publish_step`'s block, the group to pass
+            ``dcp.save``: pippy's own gloo group over the saving ranks
+            (:func:`~pippy.checkpoint.errors.pippy_group`), whose collectives
+            ``timeout`` bounds; None where no other rank saves.
     """
 
     def __init__(
@@ -310,6 +314,7 @@ class StepWriter(ManifestWriter):
         self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
         self.staging: Any = None
         self.waits: stall.Waits | None = None  # the watch of the save, in saving()
+        self.process_group: dist.ProcessGroup | None = None  # pippy's, in saving()
         self.used = False  # by a dcp.save
 
     def reset(self, checkpoint_id: Location | None = None) -> None:
@@ -454,6 +459,7 @@ class StepWriter(ManifestWriter):
         """
         try:
             with stall.waiting(action, "write", timeout, process_group) as self.waits:
+                self.process_group = self.waits.ours if self.waits else process_group
                 with explain_failures(action):
                     yield
         except BaseException:
@@ -496,7 +502,9 @@ def publish_step(
         step: The step being saved.
         keep_last: If set, keep only this many newest complete steps.
         process_group: Group of the ranks that save; the default group if None.
-            ``dcp.save`` in the body must run on the same group.
+            ``dcp.save`` in the body must run on the same ranks: pass it
+            ``process_group=writer.process_group`` (pippy's gloo group over
+            them, which ``timeout`` bounds; the caller's is never touched).
         timeout: Seconds (or a ``timedelta``) a rank that has written its
             items waits for the others before the save is abandoned; None
             waits without a deadline. Ranks not done are logged with what
@@ -610,7 +618,7 @@ def save_stage(
             state_dict,
             storage_writer=writer,
             planner=checked,
-            process_group=process_group,
+            process_group=writer.process_group,
         )
     return step_dir(checkpoint_dir, step)
 
@@ -789,7 +797,9 @@ def load_into(
         reader: The storage reader that ``dcp.load`` in the body reads with:
             pippy's, from :func:`open_step`, or another.
         process_group: The ranks that load; the default group if None.
-            ``dcp.load`` in the body must run on the same group.
+            ``dcp.load`` in the body must run on the same ranks: with
+            pippy's reader, pass it ``process_group=reader.process_group``
+            (pippy's gloo group over them, which ``timeout`` bounds).
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
             the start of the load and, with pippy's reader, once it has read
             its items; None: no deadline. Late ranks are logged either way.
@@ -845,6 +855,7 @@ def _filled(
     state_dict, failure = _take(stateful.state_dict)
     if ours:  # what its dcp.load needs of this block, for that load only
         ours.waits, ours.after_reads = waits, apply
+        ours.process_group = waits.ours if waits else process_group
         ours.failure = failure or ours.failure  # or open_step's (another step)
     try:
         with explain_failures(action):
@@ -857,6 +868,7 @@ def _filled(
     finally:
         if ours:
             ours.waits = ours.after_reads = ours.failure = None
+            ours.process_group = None
     if not applied:  # not read by pippy's reader: its own all_gather
         with fail_together(action, process_group):
             if failure is not None:  # another reader's planning did not raise it
@@ -921,7 +933,8 @@ def load_stage(
             if no_dist:
                 read_any_layout(filled, reader, planner, no_dist=True)
             else:
-                read_any_layout(filled, reader, planner, process_group=group)
+                ours = reader.process_group
+                read_any_layout(filled, reader, planner, process_group=ours)
     return filled if isinstance(state, StageState) else state
 
 

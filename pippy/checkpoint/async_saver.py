@@ -33,7 +33,7 @@ from pippy.checkpoint.api import (
     state_to_save,
     step_of,
 )
-from pippy.checkpoint.errors import CheckpointError
+from pippy.checkpoint.errors import CheckpointError, drop_group, made_group
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import check_keep_last, step_dir
@@ -239,8 +239,9 @@ class AsyncSaver:
     Args:
         checkpoint_dir: The run's checkpoint folder.
         keep_last: If set, keep only this many newest complete steps.
-        process_group: A gloo group of the ranks that save, used by no other
-            collective; None creates one over all ranks.
+        process_group: The group of the ranks that save (any backend); None:
+            all ranks. The saver makes its own gloo group over them, at once
+            on every one of them, and saves over it.
         mesh: As :func:`~pippy.checkpoint.save_stage`, for the key check.
         async_stager: How state is copied; None keeps one background
             :class:`KeptBufferStager`.
@@ -269,10 +270,9 @@ class AsyncSaver:
         self.checkpoint_dir, self.mesh = checkpoint_dir, mesh
         self.keep_last = check_keep_last(keep_last)
         self.timeout = seconds(timeout)
-        self._own_group = process_group is None and dist.is_initialized()
-        if self._own_group:
-            process_group = dist.new_group(backend="gloo")
-        self.process_group = process_group
+        # pippy's own gloo group over the saving ranks, this saver's alone: its
+        # timeout is the saver's to set (the caller's group is never touched)
+        self.process_group = made_group(process_group)
         self._upload: Future | None = None  # the save in flight
         self._staging: Future | None = None  # its copy, until waited for
         self._told: Future | None = None  # a failed save save() raised itself
@@ -524,9 +524,8 @@ class AsyncSaver:
             if self._poll_group is not None:
                 dist.destroy_process_group(self._poll_group)
                 self._poll_group = None
-            if self._own_group:
-                dist.destroy_process_group(self.process_group)
-                self._own_group = False
+            if self.process_group is not None:
+                drop_group(self.process_group)
                 self.process_group = None
 
 

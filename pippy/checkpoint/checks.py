@@ -26,6 +26,7 @@ from pippy.checkpoint.errors import (
     KeyCollisionError,
     NestedStateError,
     name_ranks,
+    pippy_group,
 )
 from pippy.checkpoint.storage import crc32c
 
@@ -269,7 +270,7 @@ def check_keys(
     offer = offer_keys(state_dict, process_group=process_group, mesh=mesh)
     if offer is not None:  # None without a process group
         gathered: list[Any] = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(gathered, offer, group=process_group)
+        dist.all_gather_object(gathered, offer, group=pippy_group(process_group))
         refuse_losses(gathered, process_group=process_group)
 
 

@@ -13,10 +13,12 @@ import errno
 import pickle
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.constants import default_pg_timeout
 
 
 class CheckpointError(Exception):
@@ -152,6 +154,78 @@ def explain_failures(action: str) -> Iterator[None]:
         raise _failed_on(action, {r: _line(x) for r, x in failures.items()}) from None
 
 
+#: pippy's own gloo group of each caller's group, by id (the group kept with
+#: it, so that its id is not reused while the entry lives).
+_groups: dict[int, tuple[Any, Any]] = {}
+
+
+def pippy_group(
+    process_group: dist.ProcessGroup | None = None, timeout: float | None = None
+) -> dist.ProcessGroup | None:
+    """Pippy's own gloo group over the ranks of ``process_group``.
+
+    pippy's collectives run on it, whatever backend the caller's group has
+    (NCCL alone included), and only its timeout is ever changed (a save's or
+    load's ``timeout=``); the caller's group is never touched. Made on first
+    use, on the ranks of ``process_group`` at once, then kept.
+
+    Args:
+        process_group: The caller's group; the default group if None.
+        timeout: Seconds the making waits for every rank of the group; None:
+            torch's default.
+
+    Returns:
+        The group (the same one on every later call), or None where
+        torch.distributed is not initialized.
+    """
+    if not dist.is_initialized():
+        return None
+    group = process_group or dist.group.WORLD
+    held = _groups.get(id(group))
+    if held is not None and held[0] is group:
+        return held[1]
+    ours = _gloo_group(group, timedelta(seconds=timeout) if timeout else None)
+    if timeout:  # its collectives' bound from now on: torch's default
+        ours.set_timeout(default_pg_timeout)
+    _groups[id(group)] = (group, ours)
+    return ours
+
+
+def _gloo_group(
+    group: dist.ProcessGroup | None, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
+    """A new gloo group over ``group``'s ranks, made by them alone."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # type: ignore[arg-type]
+    if len(ranks) == dist.get_world_size():  # named by torch's count, as usual
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
+    # named by its ranks: the other ranks need not take part
+    return dist.new_group(
+        ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+    )
+
+
+def made_group(
+    process_group: dist.ProcessGroup | None = None,
+) -> dist.ProcessGroup | None:
+    """A new gloo group of pippy's own over ``process_group``'s ranks.
+
+    All ranks if None. :func:`pippy_group` gives it back for itself; forget
+    it with :func:`drop_group`. None where torch.distributed is not
+    initialized.
+    """
+    if not dist.is_initialized():
+        return None
+    ours = _gloo_group(process_group or dist.group.WORLD)
+    _groups[id(ours)] = (ours, ours)
+    return ours
+
+
+def drop_group(group: dist.ProcessGroup) -> None:
+    """Forgets, then destroys, a group from :func:`made_group`."""
+    _groups.pop(id(group), None)
+    dist.destroy_process_group(group)
+
+
 @contextmanager
 def fail_together(
     action: str,
@@ -162,8 +236,8 @@ def fail_together(
     """Makes a step that each rank runs alone fail on every rank, or on none.
 
     Otherwise the other ranks would die in their next collective with an error
-    that hides the cause. One ``all_gather_object``: every rank of
-    ``process_group`` must enter it.
+    that hides the cause. One ``all_gather_object`` (on :func:`pippy_group`):
+    every rank of ``process_group`` must enter it.
 
     Args:
         action: What was attempted, for the message (``"loading step-20"``).
@@ -190,7 +264,7 @@ def fail_together(
     except Exception as e:
         error, own = _line(e).replace("\n", "\n    "), e
     errors: list[str | None] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(errors, error, group=process_group)
+    dist.all_gather_object(errors, error, group=pippy_group(process_group))
     failed = {
         dist.get_global_rank(process_group, r) if process_group else r: e
         for r, e in enumerate(errors)
@@ -220,7 +294,7 @@ def on_coordinator(
             own, outcome[0] = e, _portable(e, action)
     if dist.is_initialized():
         src = dist.get_global_rank(process_group, 0) if process_group else 0
-        dist.broadcast_object_list(outcome, src=src, group=process_group)
+        dist.broadcast_object_list(outcome, src=src, group=pippy_group(process_group))
     error = own if own is not None else outcome[0]
     if error is not None:  # this rank's own, else as rank 0 sent it
         raise error

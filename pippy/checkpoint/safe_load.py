@@ -352,6 +352,10 @@ class SafeFileSystemReader(FileSystemReader):
     waits: Waits | None = None
     after_reads: Apply | None = None
     failure: Exception | None = None
+    #: In :func:`~pippy.checkpoint.load_into`'s block, the group to pass
+    #: ``dcp.load``: pippy's own gloo group over the loading ranks, whose
+    #: collectives its ``timeout`` bounds; None where no other rank loads.
+    process_group: dist.ProcessGroup | None = None
 
     def __init__(
         self,

@@ -7,18 +7,18 @@ watches the save or load (:func:`waiting`) past two points: ``start`` and
 c10d store, each rank records every interval its last point and progress, and
 the lowest rank waiting logs one WARNING naming the late ranks. With a
 ``timeout``, at the deadline a waiting rank marks the operation aborted; every
-collective of the block waits at most ``timeout`` + :data:`ABORT_WAIT_S`
+collective of the block on pippy's own gloo group
+(:func:`~pippy.checkpoint.errors.pippy_group`: pippy's, and DCP's where it is
+given that group) waits at most ``timeout`` + :data:`ABORT_WAIT_S`
 (``ProcessGroup.set_timeout``, put back at the end), so every rank raises one
-:class:`~pippy.checkpoint.errors.CheckpointTimeout`. The group is then unfit
-for more collectives: end the job. A rank that arrived less than an interval
-before another's deadline may still be named. On nccl alone the watchdog ends
-a timed-out collective by stopping the process (``ProcessGroupNCCL.hpp``,
-``TORCH_NCCL_ASYNC_ERROR_HANDLING``): save and load over gloo (a
-``cuda:nccl,cpu:gloo`` group runs object collectives on gloo).
+:class:`~pippy.checkpoint.errors.CheckpointTimeout`. pippy's group is then
+unfit for more collectives: end the job. The caller's group (NCCL's watchdog
+would stop the process) is never touched. A rank that arrived less than an
+interval before another's deadline may still be named.
 
 Private torch names (no public getter): the store (``_get_default_store``)
-and a group's backends' ``options._timeout``; :mod:`~pippy.checkpoint.steps`
-lists them.
+and a group's gloo backend's ``options._timeout``;
+:mod:`~pippy.checkpoint.steps` lists them.
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from pippy.checkpoint.errors import CheckpointTimeout, name_ranks
+from pippy.checkpoint.errors import CheckpointTimeout, name_ranks, pippy_group
 
 logger = logging.getLogger(__name__)
 
@@ -98,15 +99,22 @@ class Waits:
         self.mark: tuple[int, str] | None = None
         self._begun, self._posted, self._marked = self.since, False, False
         self._closed, self._changed = False, threading.Condition()
-        # The old bounds; with a timeout, group's collectives wait that + 0.5 s.
-        self._timeouts: list[tuple[Any, Any]] = []
-        if self.timeout is not None:
-            backends = [group._get_backend(d) for d in group._device_types]
-            self._timeouts = [(b, b.options._timeout) for b in backends]
-            group.set_timeout(timedelta(seconds=self.timeout + ABORT_WAIT_S))
+        # pippy's group's old bound; with a timeout, its collectives wait that
+        # + 0.5 s (the caller's group is never touched)
+        self.ours: dist.ProcessGroup | None = None
+        self._timeout_before: timedelta | None = None
         self._thread = threading.Thread(target=self._watch, name="pippy-stall")
         self._thread.daemon = True
         self._thread.start()
+
+    def bound(self) -> None:
+        """Takes pippy's group (made now, watched, if new) and bounds its waits."""
+        limit = None if self.timeout is None else self.timeout + ABORT_WAIT_S
+        self.ours = ours = pippy_group(self.group, timeout=limit)
+        if limit is not None and ours is not None:
+            backend = ours._get_backend(torch.device("cpu"))
+            self._timeout_before = backend.options._timeout
+            ours.set_timeout(timedelta(seconds=limit))
 
     def arrive(self) -> None:
         """Notes arrival; CheckpointTimeout if another rank's deadline passed."""
@@ -114,7 +122,8 @@ class Waits:
             self.reached, self.since = 2, time.monotonic()
             self._changed.notify()
         if self.mark is not None and self.mark[0] == 2:  # cut DCP's next one short
-            self.group.set_timeout(timedelta(seconds=ABORT_WAIT_S))
+            if self.ours is not None:
+                self.ours.set_timeout(timedelta(seconds=ABORT_WAIT_S))
             raise CheckpointTimeout(self.mark[1])
 
     def close(self, failed: bool = False) -> CheckpointTimeout | None:
@@ -123,8 +132,8 @@ class Waits:
             self._closed = True
             self._changed.notify()
         self._thread.join()
-        for backend, before in self._timeouts:
-            backend.set_timeout(before)
+        if self.ours is not None and self._timeout_before is not None:
+            self.ours.set_timeout(self._timeout_before)
         if not dist.is_initialized():  # the group was destroyed: no store to read
             return None
         if failed:
@@ -262,6 +271,7 @@ def waiting(
     waits = Waits(action, point, limit, every, group)
     failed = True
     try:
+        waits.bound()
         yield waits
         failed = False
     finally:

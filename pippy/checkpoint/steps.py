@@ -36,8 +36,8 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 * ``torch.serialization.set_crc32_options`` being per thread from torch 2.12
   (``storage.CRC32_PER_THREAD``; per process before, so kept on there);
 * ``torch.distributed.distributed_c10d._get_default_store`` and a group's
-  ``_device_types``, ``_get_backend`` and ``options._timeout``
-  (:mod:`~pippy.checkpoint.stall`; no public getters);
+  ``_get_backend`` and ``options._timeout`` (of pippy's own gloo group:
+  :mod:`~pippy.checkpoint.stall`; no public getters);
 * ``DefaultLoadPlanner.original_state_dict`` (undocumented), the dict
   ``dcp.load`` fills, filled when ``read_data`` returns;
 * ``DefaultSavePlanner._enable_plan_caching`` (refused by the save planner);
