@@ -156,3 +156,41 @@ def test_what_a_deletion_left_is_logged_and_deleted_by_the_next_save(
     checkpoint.save_stage(state, tmp_path, step=3, keep_last=1)
     steps.wait_for_deletions()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3"]
+
+
+def test_staging_buffers_are_pinned_at_their_exact_size(monkeypatch):
+    """The caching host allocator (pin_memory=True) rounds each pinned block
+    up to a power of two: a stage of 2**k + 1 bytes per tensor would keep
+    twice that. The stager registers each buffer's own memory instead."""
+    from pippy.checkpoint import async_saver
+
+    pinned, unpinned = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(
+        async_saver.pin_memory_utils,
+        "pin_memory",
+        lambda ptr, size: pinned.append((ptr, size)),
+    )
+    monkeypatch.setattr(async_saver.pin_memory_utils, "unpin_memory", unpinned.append)
+    empty_like = torch.empty_like
+
+    def no_caching_allocator(*args, **kwargs):
+        assert not kwargs.get("pin_memory"), "pinned by the caching allocator"
+        return empty_like(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_like", no_caching_allocator)
+    state = {"a": torch.zeros(1025, dtype=torch.uint8), "b": torch.ones(3, 5)}
+    stager = async_saver.KeptBufferStager(pin_memory=True)
+    staged = stager.stage(state)
+    sizes = sorted(size for _, size in pinned)
+    assert sizes == [60, 1025]  # the bytes of each, no more
+    assert torch.equal(staged["a"], state["a"]) and torch.equal(staged["b"], state["b"])
+    ptrs = {ptr for ptr, _ in pinned}
+    assert ptrs == {staged["a"].data_ptr(), staged["b"].data_ptr()}
+    stager.close()
+    del staged
+    import gc
+
+    gc.collect()
+    assert set(unpinned) == ptrs  # unpinned once the buffers are freed

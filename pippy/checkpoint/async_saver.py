@@ -9,12 +9,14 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.cuda._pin_memory_utils as pin_memory_utils
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -63,9 +65,10 @@ class KeptBufferStager:
     ``in_background``, the bytes are copied in the stager's thread, after the work
     queued on the caller's CUDA stream (on a side stream), and nothing may change
     the tensors in place until the returned ``Future`` is done. ``pin_memory``
-    (default: whether CUDA is available) pins the buffers, so that copies from an
-    accelerator do not block one by one. The buffers hold a second copy of the
-    state until :meth:`close`; two paths sharing a tensor are copied twice.
+    (default: whether CUDA is available) pins the buffers, each its exact size,
+    so that copies from an accelerator do not block one by one. The buffers
+    hold a second copy of the state until :meth:`close`; two paths sharing a
+    tensor are copied twice.
     """
 
     should_synchronize_after_execute = False
@@ -185,7 +188,9 @@ class KeptBufferStager:
         kept = self._buffers.get(path)
         if kept is None or kept[0] != layout:
             # The same strides where the tensor is dense, as DCP's own stager.
-            buffer = torch.empty_like(tensor, device="cpu", pin_memory=self.pin_memory)
+            buffer = torch.empty_like(tensor, device="cpu")
+            if self.pin_memory and torch.cuda.is_available():
+                _pin_exactly(buffer)
             kept = (layout, buffer.requires_grad_(tensor.requires_grad))
             self._buffers[path] = kept
         pairs.append((kept[1], tensor, tensor._version, path))
@@ -527,6 +532,21 @@ class AsyncSaver:
             if self.process_group is not None:
                 drop_group(self.process_group)
                 self.process_group = None
+
+
+def _pin_exactly(buffer: torch.Tensor) -> None:
+    """Pins ``buffer``'s memory, its exact size, until the buffer is freed.
+
+    ``pin_memory=True`` takes memory from the caching host allocator, which
+    rounds each block up to a power of two (up to twice the stage, kept for
+    the saver's life); registering the buffer's own memory with CUDA
+    (``cudaHostRegister``, as DCP's stager does) pins just its bytes.
+    """
+    storage = buffer.untyped_storage()
+    if storage.nbytes() == 0:
+        return
+    pin_memory_utils.pin_memory(storage.data_ptr(), storage.nbytes())
+    weakref.finalize(buffer, pin_memory_utils.unpin_memory, storage.data_ptr())
 
 
 def _cloned(value: Any) -> Any:
