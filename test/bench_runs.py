@@ -53,10 +53,11 @@ class Command:
 
 
 def start(tmp_path_factory):
-    """{name: (folder, Command)} of the three commands, started if not yet."""
+    """{name: (folder, Command)} of the commands, started if not yet."""
     if _running:
         return dict(_running)
-    folders = {n: tmp_path_factory.mktemp(n) for n in ("bench", "gpu", "overlap")}
+    names = ("bench", "gpu", "overlap", "coordinator")
+    folders = {n: tmp_path_factory.mktemp(n) for n in names}
     bench = folders["bench"]
     commands = {
         "bench": (
@@ -77,6 +78,15 @@ def start(tmp_path_factory):
                 "bench/overlap.py",
                 *("--out-dir", folders["overlap"] / "out", "--mb-per-rank", "1"),
                 *("--compute", "0.05", "--steps", "2"),
+            ],
+            300,
+        ),
+        "coordinator": (
+            [
+                sys.executable,
+                "bench/coordinator.py",
+                *("--ranks", "16", "64", "--stages", "4", "--keys", "20"),
+                *("--repeats", "1", "--out-dir", folders["coordinator"] / "out"),
             ],
             300,
         ),

@@ -52,7 +52,7 @@ def installed_peers():
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
-    """The benchmark's three commands (bench_runs.py): started when the
+    """The benchmark's commands (bench_runs.py): started when the
     session's tests were collected, or now; each test waits for its own."""
     commands = bench_runs.start(tmp_path_factory)
     try:
@@ -150,3 +150,18 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(started):
         if row["method"] == "pippy_sync":
             assert all(0 < row[p] < row["wall_s"] for p in parts), row
             assert sum(row[p] for p in parts) <= row["wall_s"] * 1.01, row
+
+
+@pytest.mark.launches
+def test_the_coordinator_benchmark_times_both_planners(started):
+    """bench/coordinator.py: a row per number of ranks, save and load."""
+    folder, command = started["coordinator"]
+    command.finish()
+    rows = json.loads((folder / "out" / "results.json").read_text())
+    assert [row["ranks"] for row in rows] == [16, 64]
+    for row in rows:
+        for name in ("save_dcp", "save_pippy", "load_dcp", "load_pippy"):
+            seconds, peak = row[name]
+            assert seconds > 0 and peak >= 0
+    table = (folder / "out" / "results.md").read_text()
+    assert table.count("x |") == 2 * 4

@@ -355,6 +355,59 @@ def refuse_losses(
             "optimizers (StageState([stage0, stage2], ...)) instead of nesting "
             "their state_dicts"
         )
+    if not _clean(offers):  # else no stage's key is lost and no replica differs
+        _refuse_owned(offers)
+    # Each chunk of a shared entry (the whole of a plain one) must agree.
+    shared = _ranks_by(
+        offers, lambda o: (((k, c), v) for k, (c, v) in o["shared"].items())
+    )
+    differing = {  # the ranks of each value: "[0, 3] vs [1, 2]"
+        key: " vs ".join(map(str, sorted(by.values())))
+        for (key, _), by in shared.items()
+        if len(by) > 1
+    }
+    if differing:
+        fix = (  # the scheduler's key is pippy's: it must agree
+            "Give every stage the same param groups (in number and options), so "
+            "that the LR scheduler's per-group lists agree"
+            if all(key.startswith("lr_scheduler.") for key in differing)
+            else "Keep per-rank state under a key that names the stage, or make "
+            "it equal on all ranks"
+        )
+        raise KeyCollisionError(
+            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
+            f"{_with_ranks(differing)}. DCP would keep one rank's value. {fix}."
+        )
+
+
+def _clean(offers: Mapping[int, Mapping[str, Any]]) -> bool:
+    """Whether, quickly, no owned chunk is on two stages and no replica differs.
+
+    The coordinator of 1,024 ranks compares each stage's replicas' offers
+    whole (C-level dict equality) and the stages' chunk sets, instead of
+    indexing every key of every rank; False sends it to the checks that name
+    what is wrong. Replicas by placements (across stages) take that path too.
+    """
+    first: dict[Any, Mapping[str, Any]] = {}  # each stage's first offer
+    for offer in offers.values():
+        if offer["replicas"]:
+            return False
+        seen = first.setdefault(offer["stage"], offer)
+        if seen is not offer and (
+            offer["owned"] != seen["owned"] or offer["digests"] != seen["digests"]
+        ):
+            return False
+    held: set[Any] = set()
+    for offer in first.values():
+        chunks = set(offer["owned"].items())
+        if not held.isdisjoint(chunks):
+            return False
+        held |= chunks
+    return True
+
+
+def _refuse_owned(offers: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raises for an owned chunk on two stages, or replicas that differ."""
     # A key's chunk on two stages is lost; other chunks of it are shards.
     stages = _ranks_by(
         offers,
@@ -410,25 +463,4 @@ def refuse_losses(
             "step every replica's optimizer alike; FSDP2 leaves buffers, such as "
             "BatchNorm's running statistics, to you: SyncBatchNorm, or broadcast "
             "them), then save."
-        )
-    # Each chunk of a shared entry (the whole of a plain one) must agree.
-    shared = _ranks_by(
-        offers, lambda o: (((k, c), v) for k, (c, v) in o["shared"].items())
-    )
-    differing = {  # the ranks of each value: "[0, 3] vs [1, 2]"
-        key: " vs ".join(map(str, sorted(by.values())))
-        for (key, _), by in shared.items()
-        if len(by) > 1
-    }
-    if differing:
-        fix = (  # the scheduler's key is pippy's: it must agree
-            "Give every stage the same param groups (in number and options), so "
-            "that the LR scheduler's per-group lists agree"
-            if all(key.startswith("lr_scheduler.") for key in differing)
-            else "Keep per-rank state under a key that names the stage, or make "
-            "it equal on all ranks"
-        )
-        raise KeyCollisionError(
-            f"{len(differing)} shared checkpoint entr(ies) differ between ranks: "
-            f"{_with_ranks(differing)}. DCP would keep one rank's value. {fix}."
         )

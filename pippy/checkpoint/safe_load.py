@@ -836,23 +836,27 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """DCP's global plan, after checking that no required key is left unread."""
         global_plan = super().create_global_plan(global_plan)
-        read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
-        unread = sorted(  # a tensor of no element has nothing to read
+        unread = {  # a tensor of no element has nothing to read
             key
             for key, item in (
                 self.metadata.state_dict_metadata if self.metadata else {}
             ).items()
             if key.startswith(self.must_read)
-            and key not in read
             and not (isinstance(item, TensorStorageMetadata) and 0 in item.size)
-        )
+        }
+        for plan in global_plan:  # until all are read: one plan per stage, often
+            if not unread:
+                return global_plan
+            unread.difference_update(item.storage_index.fqn for item in plan.items)
         if not unread:
             return global_plan
-        shown = ", ".join(repr(k) for k in unread[:8])
+        read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
+        keys = sorted(unread)
+        shown = ", ".join(repr(k) for k in keys[:8])
         raise CheckpointError(
-            f"{len(unread)} key(s) of the checkpoint are read by no rank and "
-            f"would be dropped: {shown}{' ...' if len(unread) > 8 else ''}. "
-            f"{self._why_unread(unread, read)}"
+            f"{len(keys)} key(s) of the checkpoint are read by no rank and "
+            f"would be dropped: {shown}{' ...' if len(keys) > 8 else ''}. "
+            f"{self._why_unread(keys, read)}"
         )
 
     def _why_unread(self, unread: list[str], read: set[str]) -> str:
