@@ -7,10 +7,13 @@ launches kernels) for its length: every call takes at most CRC_CHUNK bytes.
 """
 
 import threading
+from pathlib import Path
 
 import google_crc32c
 import pytest
 import torch
+import torch.distributed as dist
+from ranks import run_ranks
 
 from pippy import checkpoint
 from pippy.checkpoint import checks, offline
@@ -194,3 +197,44 @@ def test_staging_buffers_are_pinned_at_their_exact_size(monkeypatch):
 
     gc.collect()
     assert set(unpinned) == ptrs  # unpinned once the buffers are freed
+
+
+def verify_in_shares(rank, world_size, folder):
+    """Two steps saved by 2 ranks; step-2 then damaged; find_latest_step
+    (verified) on both."""
+    for step in (1, 2):
+        state = {"model": {f"w{rank}": torch.full((64,), float(step))}, "step": step}
+        checkpoint.save_stage(state, folder, step=step)
+    dist.barrier()
+    if rank == 0:  # one byte of the last item of rank 1's file
+        data = folder / "step-2" / "__1_0.distcp"
+        raw = bytearray(data.read_bytes())
+        raw[-20] ^= 1
+        data.write_bytes(bytes(raw))
+    dist.barrier()
+    return checkpoint.find_latest_step(folder, verified=True)
+
+
+def test_a_verified_resume_reads_each_step_in_shares_and_passes_damage_over(
+    tmp_path, monkeypatch
+):
+    """find_latest_step(verified=True): every rank reads its share of each
+    step it checks, none all of it; a damaged step is passed over on all."""
+    from pippy.checkpoint import safe_load
+
+    reads, real = ([], []), safe_load.read_crcs
+
+    def recorded(storage, step_folder, ranges):  # by the rank of the thread
+        if dist.is_initialized():
+            reads[dist.get_rank()].extend((Path(step_folder).name, *p) for p in ranges)
+        return real(storage, step_folder, ranges)
+
+    monkeypatch.setattr(safe_load, "read_crcs", recorded)
+    assert run_ranks(2, verify_in_shares, tmp_path) == [tmp_path / "step-1"] * 2
+    shares = [set(r) for r in reads]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    for step in ("step-2", "step-1"):  # all of each, between them
+        placed = {(f, o, n) for s, f, o, n in shares[0] | shares[1] if s == step}
+        assert len(placed) == 3  # w0; w1 and the step
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0].startswith(".step-2.damaged-") and names[1:] == ["step-1"]

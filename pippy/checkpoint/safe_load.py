@@ -63,6 +63,7 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     on_coordinator,
     own_error,
+    pippy_group,
     portable,
 )
 from pippy.checkpoint.stall import Waits
@@ -605,6 +606,7 @@ def verify_step(
     *,
     trusted: bool | None = None,
     storage: Storage | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> int:
     """Checks every item of a step against its manifest, in this process alone.
 
@@ -612,6 +614,9 @@ def verify_step(
         path: A ``step-<N>`` folder.
         trusted: See :class:`SafeFileSystemReader`.
         storage: See :class:`SafeFileSystemReader`.
+        share: ``(index, count)``: this process checks every ``count``-th
+            item (by file and offset) from the ``index``-th, so that
+            ``count`` processes check all of it, each its share.
 
     Returns:
         The number of items verified.
@@ -623,9 +628,11 @@ def verify_step(
     reader = SafeFileSystemReader(path, trusted=trusted, storage=storage)
     assert reader.manifest is not None
     ranges = storage_ranges(reader.metadata)
-    for place, crc in read_crcs(reader.storage, reader.folder, ranges):
-        verify_item(reader.manifest, place, ranges[place], crc)
-    return len(ranges)
+    index, count = share
+    mine = {place: ranges[place] for place in sorted(ranges)[index::count]}
+    for place, crc in read_crcs(reader.storage, reader.folder, mine):
+        verify_item(reader.manifest, place, mine[place], crc)
+    return len(mine)
 
 
 def _drop_leaves(state_dict: dict[str, Any], keys: set[str], prefix: str = "") -> None:
@@ -996,21 +1003,26 @@ def open_reader(
     return reader
 
 
+def _unverifiable(storage: Storage, path: Location) -> str | None:
+    """Why a step is passed over before its items are read, or None."""
+    if not is_complete(storage, path):
+        return "incomplete (no .metadata: its save did not finish)"
+    if not holds_its_step(storage, path):  # or its manifest is damaged
+        return "its manifest names another step"
+    if read_manifest(storage, path) is None:  # read already: no error now
+        raise CheckpointError(
+            f"{os.fspath(path)} has no manifest.json, so it cannot be "
+            "verified: resume from it without verification, or move it aside"
+        )
+    return None
+
+
 def _newest_verified(storage: Storage, checkpoint_dir: Location) -> Any:
-    """The newest step that verifies, on rank 0; logs each step passed over."""
+    """The newest step that verifies, in this process alone; logs each passed."""
     found, passed = None, []  # passed: (step, name, why, damaged), newest first
     for path in reversed(list_steps(storage, checkpoint_dir).values()):
-        name, damaged = storage.name(path), False
-        if not is_complete(storage, path):
-            why = "incomplete (no .metadata: its save did not finish)"
-        elif not holds_its_step(storage, path):  # or its manifest is damaged
-            why = "its manifest names another step"
-        elif read_manifest(storage, path) is None:  # read already: no error now
-            raise CheckpointError(
-                f"{os.fspath(path)} has no manifest.json, so it cannot be "
-                "verified: resume from it without verification, or move it aside"
-            )
-        else:
+        why, damaged = _unverifiable(storage, path), False
+        if why is None:
             try:
                 verify_step(path, storage=storage)
             except UnsafeCheckpointError:
@@ -1020,7 +1032,65 @@ def _newest_verified(storage: Storage, checkpoint_dir: Location) -> Any:
             else:
                 found = path
                 break
-        passed.append((path, name, why, damaged))
+        passed.append((path, storage.name(path), why, damaged))
+    return _passed_over(storage, checkpoint_dir, found, passed)
+
+
+def _newest_verified_together(
+    checkpoint_dir: Location, process_group: dist.ProcessGroup | None
+) -> Any:
+    """The newest step that verifies, each rank reading its share of each.
+
+    No rank reads a step all alone; rank 0 logs each step passed over.
+    """
+    action = f"cannot check {os.fspath(checkpoint_dir)}"
+    storage = storage_for(checkpoint_dir)
+    share = (dist.get_rank(process_group), dist.get_world_size(process_group))
+    found, passed, left = None, [], None  # on rank 0: passed, the steps left
+
+    def next_step() -> Any:  # on rank 0: the next step to read, or None
+        nonlocal left
+        if left is None:
+            left = list(reversed(list_steps(storage, checkpoint_dir).values()))
+        while left:
+            path = left.pop(0)
+            if (why := _unverifiable(storage, path)) is None:
+                return path
+            passed.append((path, storage.name(path), why, False))
+        return None
+
+    while (path := on_coordinator(action, next_step, process_group)) is not None:
+        problem = None
+        try:
+            verify_step(path, storage=storage, share=share)
+        except UnsafeCheckpointError as e:
+            problem = ("unsafe", str(e))
+        except CheckpointError as e:
+            problem = ("damaged", str(e))
+        problems: list[Any] = [None] * share[1]
+        dist.all_gather_object(problems, problem, group=pippy_group(process_group))
+        found_ = [p for p in problems if p is not None]
+        if unsafe := [text for kind, text in found_ if kind == "unsafe"]:
+            raise UnsafeCheckpointError(unsafe[0])
+        if not found_:
+            found = path
+            break
+        passed.append((path, storage.name(path), found_[0][1], True))
+
+    def finish() -> Any:  # on rank 0
+        return _passed_over(storage, checkpoint_dir, found, passed)
+
+    return on_coordinator(action, finish, process_group)
+
+
+def _passed_over(
+    storage: Storage, checkpoint_dir: Location, found: Any, passed: list
+) -> Any:
+    """``found``, once the damaged steps passed over are moved aside.
+
+    Each step passed over is logged; CheckpointError if none verified and
+    some are damaged.
+    """
     if found is None and any(damaged for *_, damaged in passed):
         reasons = "; ".join(f"{name}: {why}" for _, name, why, _ in passed)
         raise CheckpointError(
@@ -1055,7 +1125,7 @@ def find_latest_step(
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
         verified: Verify complete steps from the newest down until one
-            passes, reading every byte of each on rank 0 (see
+            passes, every rank reading its share of each step's bytes (see
             :func:`verify_step`); call it as the folder's owner
             (:class:`~pippy.checkpoint.job.FolderOwner`).
         process_group: The ranks; the default group if None. Without an
@@ -1081,6 +1151,9 @@ def find_latest_step(
         called on rank 0 alone, it waits), or without a process group. Rank
         0 answers for all: every rank resumes from the same step.
     """
+    together = dist.is_initialized() and dist.get_world_size(process_group) > 1
+    if verified and together:
+        return _newest_verified_together(checkpoint_dir, process_group)
 
     def decide() -> Any:  # on rank 0
         storage = storage_for(checkpoint_dir)
