@@ -2,10 +2,10 @@
 
 They run for about a minute of wall time and none keeps both cores busy all
 the time (the benchmark fsyncs and drops caches, the overlap loop sleeps,
-launches wait on each other): conftest.py starts them once the session's
-tests are collected, so that they run beside the in-process tests (threads,
-mostly one core), and orders test_bench.py last. Their figures are not
-judged, so sharing the cores is fine.
+launches wait on each other): conftest.py starts them as the first test that
+launches processes begins, so that they run beside the launches, and orders
+test_bench.py last. Their figures are not judged, so sharing the cores is
+fine.
 """
 
 import os

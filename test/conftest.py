@@ -204,11 +204,18 @@ def pytest_collection_modifyitems(items):
     items[:] = sorted(items, key=order)
 
 
-def pytest_collection_finish(session):
-    """Starts the benchmark's commands now if test_bench.py runs after others."""
-    if any(i.path.name != "test_bench.py" for i in session.items) and any(
-        i.path.name == "test_bench.py" for i in session.items
-    ):
+def _start_bench_early(item):
+    """Starts the benchmark's commands as the first test that launches
+    processes begins, if test_bench.py runs later: they run beside the
+    launches, which mostly wait on their processes (beside the in-process
+    tests, one core each, they made the thread fixtures too slow)."""
+    session = item.session
+    if getattr(session, "_bench_started", False):
+        return
+    if item.get_closest_marker("launches") is None or item.path.name == "test_bench.py":
+        return
+    session._bench_started = True
+    if any(i.path.name == "test_bench.py" for i in session.items):
         import bench_runs
 
         bench_runs.start(session.config._tmp_path_factory)
@@ -245,6 +252,7 @@ def _no_python_processes(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     """Its fixtures (of any scope) start no Python process unless marked."""
+    _start_bench_early(item)
     with _no_python_processes(item):
         yield
 

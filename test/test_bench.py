@@ -52,8 +52,8 @@ def installed_peers():
 
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
-    """The benchmark's commands (bench_runs.py): started when the
-    session's tests were collected, or now; each test waits for its own."""
+    """The benchmark's commands (bench_runs.py): started as the session's
+    first launch began, or now; each test waits for its own."""
     commands = bench_runs.start(tmp_path_factory)
     try:
         yield commands
