@@ -238,3 +238,25 @@ def test_a_verified_resume_reads_each_step_in_shares_and_passes_damage_over(
         assert len(placed) == 3  # w0; w1 and the step
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names[0].startswith(".step-2.damaged-") and names[1:] == ["step-1"]
+
+
+def test_the_replica_check_hashes_device_tensors_where_they_live():
+    """On a GPU the replica check hashes each replicated tensor on the device
+    (checks.device_hash) and copies the hashes to the host once, instead of
+    copying each tensor to the host for a CRC-32C: the hash, run here on the
+    CPU, changes with any bit, any order of words, and any length."""
+    torch.manual_seed(0)
+    t = torch.randn(1001)  # 4004 bytes: padded to whole words
+    h = checks.device_hash(t)
+    assert h.dtype == torch.int64 and h.dim() == 0
+    assert torch.equal(checks.device_hash(t.clone()), h)  # same bytes, same hash
+    flipped = t.clone()
+    flipped.view(torch.int32)[500] ^= 1 << 7
+    swapped = t.clone()
+    swapped[[0, 2]] = swapped[[2, 0]]
+    shorter = t[:-1]
+    hashes = {int(checks.device_hash(x)) for x in (t, flipped, swapped, shorter)}
+    assert len(hashes) == 4
+    assert checks.device_hash(torch.zeros(0)).item() == 0
+    # On the CPU the check keeps the CRC-32C (no copy to make).
+    assert checks.digests({"t": t}) == {"t": checks.fingerprint(t)}
