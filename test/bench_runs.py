@@ -56,7 +56,7 @@ def start(tmp_path_factory):
     """{name: (folder, Command)} of the commands, started if not yet."""
     if _running:
         return dict(_running)
-    names = ("bench", "gpu", "overlap", "coordinator")
+    names = ("bench", "gpu", "overlap", "coordinator", "gil")
     folders = {n: tmp_path_factory.mktemp(n) for n in names}
     bench = folders["bench"]
     commands = {
@@ -78,6 +78,14 @@ def start(tmp_path_factory):
                 "bench/overlap.py",
                 *("--out-dir", folders["overlap"] / "out", "--mb-per-rank", "1"),
                 *("--compute", "0.05", "--steps", "2"),
+            ],
+            300,
+        ),
+        "gil": (
+            [
+                sys.executable,
+                "bench/gil_stall.py",
+                *("--mb", "16", "--repeats", "1", "--out-dir", folders["gil"] / "out"),
             ],
             300,
         ),

@@ -165,3 +165,13 @@ def test_the_coordinator_benchmark_times_both_planners(started):
             assert seconds > 0 and peak >= 0
     table = (folder / "out" / "results.md").read_text()
     assert table.count("x |") == 2 * 4
+
+
+@pytest.mark.launches
+def test_the_gil_benchmark_times_a_ticking_thread_during_a_background_save(started):
+    """bench/gil_stall.py: the longest stall, checksums chunked and not."""
+    folder, command = started["gil"]
+    command.finish()
+    stalls = json.loads((folder / "out" / "results.json").read_text())
+    assert set(stalls) == {"chunked", "one_call"}
+    assert all(ms >= 1.0 for ms in stalls.values())  # at least the 1 ms sleep
