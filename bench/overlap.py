@@ -14,6 +14,9 @@ Per compute time it runs, in the same processes and in turns:
   its copy overlaps the next step's compute, and the optimizer step waits for
   it (timed as an explicit ``wait_for_staging()``, what the saver's hook on
   ``optimizer.step()`` would wait);
+* ``async_unchecked``: ``async`` without its check that no deferred tensor
+  changed in place between the call and its copy (the tensors' version
+  counters), to show what the check costs;
 * ``copy``: a bare copy of every tensor into buffers allocated beforehand,
   the floor of what a save must block for.
 
@@ -39,13 +42,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
 from pippy import checkpoint
+from pippy.checkpoint import async_saver
 
-MODES = ("none", "sync", "async", "copy")
+MODES = ("none", "sync", "async", "async_unchecked", "copy")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -90,8 +95,11 @@ def run_mode(mode, state, compute, steps, work, saver, buffers) -> tuple[list, l
         saving = time.perf_counter()
         if mode == "sync":
             checkpoint.save_stage(state, work / "sync", keep_last=1)
-        elif mode.startswith("async"):
+        elif mode == "async":
             saver[mode].save(state)
+        elif mode == "async_unchecked":  # no version counter read, none checked
+            with mock.patch.object(async_saver, "_versions", lambda state: []):
+                saver[mode].save(state)
         elif mode == "copy":
             for src, dst in zip(tensors(state.state_dict()), buffers, strict=True):
                 dst.copy_(src)
@@ -116,11 +124,13 @@ def rank_main(opts) -> None:
     work = Path(opts.work_dir)
     saver = {  # every step kept, for the twin's check
         "async": checkpoint.AsyncSaver(work / "async"),
+        "async_unchecked": checkpoint.AsyncSaver(work / "async_unchecked"),
     }
     results = {}
     for compute in opts.compute:
         run_mode("sync", state, 0.0, 1, work, saver, buffers)  # warm-up saves
         run_mode("async", state, 0.0, 1, work, saver, buffers)
+        run_mode("async_unchecked", state, 0.0, 1, work, saver, buffers)
         for mode in MODES:
             times, blocked = run_mode(
                 mode, state, compute, opts.steps, work, saver, buffers

@@ -192,7 +192,7 @@ LAUNCHING = {
 
 def pytest_collection_modifyitems(items):
     """Marks ``launches`` each test that uses a LAUNCHING fixture; runs the
-    modules without one first and test_bench.py last (see bench_runs.py)."""
+    modules without one first and test_bench.py last."""
     for item in items:
         if LAUNCHING & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.launches)
@@ -202,23 +202,6 @@ def pytest_collection_modifyitems(items):
         return (item.path.name == "test_bench.py", item.path in launching)
 
     items[:] = sorted(items, key=order)
-
-
-def _start_bench_early(item):
-    """Starts the benchmark's commands as the first test that launches
-    processes begins, if test_bench.py runs later: they run beside the
-    launches, which mostly wait on their processes (beside the in-process
-    tests, one core each, they made the thread fixtures too slow)."""
-    session = item.session
-    if getattr(session, "_bench_started", False):
-        return
-    if item.get_closest_marker("launches") is None or item.path.name == "test_bench.py":
-        return
-    session._bench_started = True
-    if any(i.path.name == "test_bench.py" for i in session.items):
-        import bench_runs
-
-        bench_runs.start(session.config._tmp_path_factory)
 
 
 @contextlib.contextmanager
@@ -252,7 +235,6 @@ def _no_python_processes(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     """Its fixtures (of any scope) start no Python process unless marked."""
-    _start_bench_early(item)
     with _no_python_processes(item):
         yield
 
