@@ -252,3 +252,63 @@ def test_a_2d_mesh_and_submeshes_save_reshard_and_refuse_by_placements(tmp_path)
     assert torch.equal(plain["layer0"], whole) and torch.equal(
         plain["layer1"], whole + 1
     )
+
+
+class AppState:
+    """DCP's tutorial's Stateful: the model's and optimizer's state under one
+    top-level key (``{"app": AppState(model, optimizer)}``)."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state_dict):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+
+
+def nested_stateful(rank, world_size, folder):
+    """DDP replicas save {"app": AppState}; another run's loads it back."""
+
+    def build(value):  # alike on each rank: replicas
+        model = nn.Linear(4, 4)
+        with torch.no_grad():
+            model.weight.fill_(value)
+            model.bias.fill_(value)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "pp"))
+    model, optimizer = build(1.0)
+    step = checkpoint.save_stage(
+        {"app": AppState(model, optimizer)}, folder, step=1, mesh=mesh
+    )
+    other, other_optimizer = build(2.0)
+    checkpoint.load_stage({"app": AppState(other, other_optimizer)}, step)
+    differ = diff_state_dicts(
+        AppState(other, other_optimizer).state_dict(),
+        AppState(model, optimizer).state_dict(),
+    )
+    return differ, model.weight.detach().clone()
+
+
+def test_dcps_tutorial_stateful_nested_under_one_key_saves_and_loads(tmp_path):
+    """A section every rank nests its state under is a namespace (refused only
+    where it names a stage: test_parallel's "stage0")."""
+    ranks = run_ranks(2, nested_stateful, tmp_path)
+    assert [differ for differ, _ in ranks] == [[], []]
+    plain = plain_read(tmp_path / "step-1")
+    assert torch.equal(plain["app.model.weight"], ranks[0][1])

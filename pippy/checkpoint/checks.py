@@ -403,7 +403,15 @@ def refuse_losses(
             f"{name_ranks(with_mesh)} passed a mesh and {name_ranks(without)} did "
             "not: pass the same mesh on every rank"
         )
-    nested = _ranks_by(offers, lambda o: ((s, None) for s in o["nested"]))
+    # A section every rank nests its state under (DCP's tutorial's "app") is
+    # a namespace; one some ranks use (a stage's, "stage0") names the layout.
+    nested = {
+        section: by
+        for section, by in _ranks_by(
+            offers, lambda o: ((s, None) for s in o["nested"])
+        ).items()
+        if len(_all(by)) < len(offers)
+    }
     if nested:
         raise NestedStateError(
             f"model or optimizer state is nested under other sections: "
