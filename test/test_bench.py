@@ -53,12 +53,37 @@ def installed_peers():
 @pytest.fixture(scope="module")
 def started(tmp_path_factory):
     """The benchmark's commands (bench_runs.py), started at once; each test
-    waits for its own."""
+    waits for its own, the quickest first (no test then waits 30 s)."""
     commands = bench_runs.start(tmp_path_factory)
     try:
         yield commands
     finally:
         bench_runs.kill()
+
+
+@pytest.mark.launches
+def test_the_coordinator_benchmark_times_both_planners(started):
+    """bench/coordinator.py: a row per number of ranks, save and load."""
+    folder, command = started["coordinator"]
+    command.finish()
+    rows = json.loads((folder / "out" / "results.json").read_text())
+    assert [row["ranks"] for row in rows] == [16, 64]
+    for row in rows:
+        for name in ("save_dcp", "save_pippy", "load_dcp", "load_pippy"):
+            seconds, peak = row[name]
+            assert seconds > 0 and peak >= 0
+    table = (folder / "out" / "results.md").read_text()
+    assert table.count("x |") == 2 * 4
+
+
+@pytest.mark.launches
+def test_the_gil_benchmark_times_a_ticking_thread_during_a_background_save(started):
+    """bench/gil_stall.py: the longest stall, checksums chunked and not."""
+    folder, command = started["gil"]
+    command.finish()
+    stalls = json.loads((folder / "out" / "results.json").read_text())
+    assert set(stalls) == {"chunked", "one_call"}
+    assert all(ms >= 1.0 for ms in stalls.values())  # at least the 1 ms sleep
 
 
 @pytest.mark.launches
@@ -151,28 +176,3 @@ def test_the_benchmark_runs_every_method_and_reports_every_target(started):
         if row["method"] == "pippy_sync":
             assert all(0 < row[p] < row["wall_s"] for p in parts), row
             assert sum(row[p] for p in parts) <= row["wall_s"] * 1.01, row
-
-
-@pytest.mark.launches
-def test_the_coordinator_benchmark_times_both_planners(started):
-    """bench/coordinator.py: a row per number of ranks, save and load."""
-    folder, command = started["coordinator"]
-    command.finish()
-    rows = json.loads((folder / "out" / "results.json").read_text())
-    assert [row["ranks"] for row in rows] == [16, 64]
-    for row in rows:
-        for name in ("save_dcp", "save_pippy", "load_dcp", "load_pippy"):
-            seconds, peak = row[name]
-            assert seconds > 0 and peak >= 0
-    table = (folder / "out" / "results.md").read_text()
-    assert table.count("x |") == 2 * 4
-
-
-@pytest.mark.launches
-def test_the_gil_benchmark_times_a_ticking_thread_during_a_background_save(started):
-    """bench/gil_stall.py: the longest stall, checksums chunked and not."""
-    folder, command = started["gil"]
-    command.finish()
-    stalls = json.loads((folder / "out" / "results.json").read_text())
-    assert set(stalls) == {"chunked", "one_call"}
-    assert all(ms >= 1.0 for ms in stalls.values())  # at least the 1 ms sleep
