@@ -815,7 +815,8 @@ def load_into(
             ``state.state_dict()`` is raised after ``dcp.load``.
         CheckpointTimeout: Some rank was not there within ``timeout``, on
             every rank, naming it; nothing is applied. After one inside
-            ``dcp.load`` the group is not fit for more collectives.
+            ``dcp.load``, pippy's group (``reader.process_group``) is not
+            fit for more collectives.
         TypeError: ``reader`` is not a ``StorageReader`` (a path, say).
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
             ``dcp.load`` in the body read with another reader than pippy's
