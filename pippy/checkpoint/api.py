@@ -699,17 +699,19 @@ def read_into(
         dcp.load(state_dict, storage_reader=reader, planner=planner, **options)
 
 
-def _by_name(wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
-    """Whether a step holds as many of ``wanted``'s keys by name as renamed.
+def _renamed(wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> Any:
+    """``wanted`` in torchtitan's names if those find more of a step's keys.
 
-    Renamed: to torchtitan's names. By name: DCP's recipe, ``optimizer.`` keys.
+    None if its own names find as many (DCP's recipe has ``optimizer.`` keys
+    too, in its own names).
     """
     try:
         renamed = to_torchtitan(wanted)
     except ValueError:  # a key with no torchtitan name
-        return True
+        return None
     found = sum(k in saved for k in wanted)
-    return found == len(wanted) or found >= sum(k in saved for k in renamed)
+    more = found < len(wanted) and found < sum(k in saved for k in renamed)
+    return renamed if more else None
 
 
 def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
@@ -737,9 +739,9 @@ def read_any_layout(
     """
     saved = reader.read_metadata().state_dict_metadata
     wanted, must_read = dict(named_leaves(state_dict)), planner.must_read
-    if detect_layout(saved) == PIPPY or _by_name(wanted, saved):
+    flat = None if detect_layout(saved) == PIPPY else _renamed(wanted, saved)
+    if flat is None:
         return read_into(state_dict, reader, planner, **options)
-    flat = to_torchtitan(wanted)
     # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
     # optimizer without one may leave it unread (pippy keeps it in scalars).
     planner.must_read = tuple(

@@ -222,9 +222,13 @@ def load_model(
     state = StageState(model, optimizer)
     must_read = ("model.", "optim.") if optimizer is not None else ("model.",)
     sharded = any(isinstance(t, DTensor) for t in model.state_dict().values())
-    alone = not sharded
     load_stage(
-        state, path, must_read=must_read, trusted=trusted, verify=verify, no_dist=alone
+        state,
+        path,
+        must_read=must_read,
+        trusted=trusted,
+        verify=verify,
+        no_dist=not sharded,
     )
     return state.step
 

@@ -1017,35 +1017,19 @@ def _unverifiable(storage: Storage, path: Location) -> str | None:
     return None
 
 
-def _newest_verified(storage: Storage, checkpoint_dir: Location) -> Any:
-    """The newest step that verifies, in this process alone; logs each passed."""
-    found, passed = None, []  # passed: (step, name, why, damaged), newest first
-    for path in reversed(list_steps(storage, checkpoint_dir).values()):
-        why, damaged = _unverifiable(storage, path), False
-        if why is None:
-            try:
-                verify_step(path, storage=storage)
-            except UnsafeCheckpointError:
-                raise
-            except CheckpointError as e:
-                why, damaged = str(e), True
-            else:
-                found = path
-                break
-        passed.append((path, storage.name(path), why, damaged))
-    return _passed_over(storage, checkpoint_dir, found, passed)
-
-
-def _newest_verified_together(
+def _newest_verified(
     checkpoint_dir: Location, process_group: dist.ProcessGroup | None
 ) -> Any:
     """The newest step that verifies, each rank reading its share of each.
 
-    No rank reads a step all alone; rank 0 logs each step passed over.
+    No rank of a group reads a step all alone (without one, this process
+    reads it all); rank 0 logs each step passed over.
     """
     action = f"cannot check {os.fspath(checkpoint_dir)}"
     storage = storage_for(checkpoint_dir)
-    share = (dist.get_rank(process_group), dist.get_world_size(process_group))
+    share = (0, 1)
+    if dist.is_initialized():
+        share = (dist.get_rank(process_group), dist.get_world_size(process_group))
     found, passed, left = None, [], None  # on rank 0: passed, the steps left
 
     def next_step() -> Any:  # on rank 0: the next step to read, or None
@@ -1067,8 +1051,10 @@ def _newest_verified_together(
             problem = ("unsafe", str(e))
         except CheckpointError as e:
             problem = ("damaged", str(e))
-        problems: list[Any] = [None] * share[1]
-        dist.all_gather_object(problems, problem, group=pippy_group(process_group))
+        problems: list[Any] = [problem] * share[1]
+        if share[1] > 1:
+            group = pippy_group(process_group)
+            dist.all_gather_object(problems, problem, group=group)
         found_ = [p for p in problems if p is not None]
         if unsafe := [text for kind, text in found_ if kind == "unsafe"]:
             raise UnsafeCheckpointError(unsafe[0])
@@ -1151,14 +1137,11 @@ def find_latest_step(
         called on rank 0 alone, it waits), or without a process group. Rank
         0 answers for all: every rank resumes from the same step.
     """
-    together = dist.is_initialized() and dist.get_world_size(process_group) > 1
-    if verified and together:
-        return _newest_verified_together(checkpoint_dir, process_group)
+    if verified:
+        return _newest_verified(checkpoint_dir, process_group)
 
     def decide() -> Any:  # on rank 0
         storage = storage_for(checkpoint_dir)
-        if verified:
-            return _newest_verified(storage, checkpoint_dir)
         latest, skipped = newest_complete_step(storage, checkpoint_dir)
         if skipped:
             logger.warning(
@@ -1169,5 +1152,6 @@ def find_latest_step(
             )
         return latest
 
-    action = f"cannot {'check' if verified else 'list'} {os.fspath(checkpoint_dir)}"
-    return on_coordinator(action, decide, process_group)
+    return on_coordinator(
+        f"cannot list {os.fspath(checkpoint_dir)}", decide, process_group
+    )
