@@ -19,6 +19,11 @@ Three checks, one table:
    the wait that ``optimizer.step()`` would make (``wait_for_staging()``),
    against a bare device-to-host copy of the same tensors into pinned buffers
    allocated beforehand, both at 150 MB per rank (2 MB with --dry), median of 3.
+   During the same saves: the longest stall of a thread that sleeps 1 ms at a
+   time (the training thread, held by the GIL) while the save writes in the
+   background; the stager's kept host buffers (pinned on a GPU) against the
+   stage's bytes; and the device syncs that ``save()`` and its staging make
+   (counted by CUDA's sync debug mode, on a GPU only).
 
 On one H200 the whole check takes well under 5 minutes (3 example runs of a
 few seconds each, one async run); --dry takes about a minute on 2 CPU cores.
@@ -30,7 +35,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,28 +119,59 @@ def async_worker(mb: float) -> None:
 
     folder = Path(os.environ["GPU_CHECK_DIR"])
     saver = checkpoint.AsyncSaver(folder)  # its stager pins its buffers on a GPU
-    returned, blocked = [], []
+    returned, blocked, stalls, syncs = [], [], [], []
     for step in range(1, 5):  # the first allocates the stager's buffers
         state.step = step
         dist.barrier()
-        start = time.perf_counter()
-        saver.save(state)  # the copy runs on while the next step computes
-        returned.append(time.perf_counter() - start)
-        time.sleep(COMPUTE_S)  # the next forward and backward, on the device
-        start = time.perf_counter()
-        saver.wait_for_staging()  # what the saver's optimizer.step() hook waits
-        blocked.append(returned[-1] + time.perf_counter() - start)
-        saver.wait()
+        ticker = Ticker()  # the training thread: sleeps 1 ms at a time
+        with warnings.catch_warnings(record=True) as warned:
+            if cuda:  # a warning for each call that syncs the device
+                torch.cuda.set_sync_debug_mode("warn")
+            start = time.perf_counter()
+            saver.save(state)  # the copy runs on while the next step computes
+            returned.append(time.perf_counter() - start)
+            time.sleep(COMPUTE_S)  # the next forward and backward, on the device
+            start = time.perf_counter()
+            saver.wait_for_staging()  # what the saver's optimizer.step() hook waits
+            blocked.append(returned[-1] + time.perf_counter() - start)
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in warned))
+        saver.wait()  # the background write, while the ticker ticks
+        stalls.append(ticker.stop())
+    # the stager's buffers, kept across saves (pinned on a GPU)
+    kept = sum(t.untyped_storage().nbytes() for _, t in saver._stager._buffers.values())
     saver.close()
     copies = [bare_copy() for _ in range(4)][1:]
     row = [statistics.median(blocked[1:]), statistics.median(copies), nbytes]
-    row += [statistics.median(returned[1:])]
+    row += [statistics.median(returned[1:]), max(stalls[1:]), kept, max(syncs[1:])]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, row)
     if dist.get_rank() == 0:
         worst = max(gathered, key=lambda r: r[0] / r[1])
         print("ASYNC", *worst)
     dist.destroy_process_group()
+
+
+class Ticker:
+    """A thread that sleeps 1 ms at a time; its longest wait is the GIL's stall."""
+
+    def __init__(self) -> None:
+        self.worst, self._done = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._tick)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._done.is_set():
+            start = time.perf_counter()
+            time.sleep(0.001)
+            self.worst = max(self.worst, time.perf_counter() - start)
+
+    def stop(self) -> float:
+        """Stops it; its longest wait, seconds."""
+        self._done.set()
+        self._thread.join()
+        return self.worst
 
 
 def _tensors(state_dict):
@@ -179,7 +217,7 @@ def main() -> None:
                 "--checkpoint-dir",
                 str(whole),
                 env=env,
-                timeout=240,
+                timeout=600,
             ),
             "the example",
         )
@@ -194,8 +232,8 @@ def main() -> None:
         )
         stop = ["--stop-after", str(steps // 2)]
         common = [str(EXAMPLE), *flags, "--checkpoint-dir", str(half)]
-        check_ok(torchrun(nproc, *common, *stop, env=env, timeout=240), "stop")
-        out = check_ok(torchrun(nproc, *common, env=env, timeout=240), "resume")
+        check_ok(torchrun(nproc, *common, *stop, env=env, timeout=600), "stop")
+        out = check_ok(torchrun(nproc, *common, env=env, timeout=600), "resume")
         resumed = "resuming from" in out
         same = compare_steps(whole / f"step-{steps}", half / f"step-{steps}")
         rows.append(
@@ -207,12 +245,14 @@ def main() -> None:
         env["GPU_CHECK_DIR"] = str(Path(tmp, "async"))
         out = check_ok(
             torchrun(
-                min(nproc, 2), __file__, "--worker-mb", str(mb), env=env, timeout=300
+                min(nproc, 2), __file__, "--worker-mb", str(mb), env=env, timeout=600
             ),
             "the async check",
         )
         line = next(x for x in out.splitlines() if x.startswith("ASYNC"))
-        blocked, copy, nbytes, returned = map(float, line.split()[1:])
+        blocked, copy, nbytes, returned, stall, kept, syncs = map(
+            float, line.split()[1:]
+        )
         staging = "pinned" if not args.dry else "pageable (no accelerator)"
         rows.append(("async save() returns", f"{returned:.3f} s"))
         rows.append(
@@ -225,6 +265,20 @@ def main() -> None:
         )
         rows.append(("bare device-to-host copy", f"{copy:.3f} s"))
         rows.append(("async blocking / bare copy", f"{blocked / copy:.2f}x"))
+        rows.append(
+            (
+                "longest stall of a 1 ms ticking thread",
+                f"{stall * 1e3:.1f} ms, during the background write",
+            )
+        )
+        rows.append(
+            (
+                f"{'pinned' if not args.dry else 'kept'} host buffers / stage",
+                f"{kept / nbytes:.2f}x ({kept / 1e6:.0f} of {nbytes / 1e6:.0f} MB)",
+            )
+        )
+        sync_text = f"{syncs:.0f}" if not args.dry else "n/a (no accelerator)"
+        rows.append(("device syncs in save() and its staging", sync_text))
     width = max(len(r[0]) for r in rows)
     print(f"{'check'.ljust(width)} | result")
     for name, result in rows:

@@ -20,15 +20,18 @@ a test that starts one unmarked fails, saying so.
 
 import contextlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 
+import bench_runs  # noqa: E402
 from ranks import run_checks  # noqa: E402
 
 from helpers import (  # noqa: E402
@@ -190,16 +193,46 @@ LAUNCHING = {
 }
 
 
+#: README's test command, ``pytest -n 2 --dist loadgroup``, runs the suite on
+#: two workers (pytest-xdist), one per core: the second runs these modules,
+#: the first the rest. Each session fixture's users stay on one worker, so it
+#: starts once (s3_endpoint and stop_launch here; the thread checks,
+#: four_rank_runs and memory_launch on the first), except tiny_run, which
+#: test_bucket.py's worker runs too.
+SECOND_WORKER = {
+    "test_one_rank_decides.py",
+    "test_preemption.py",
+    "test_docs.py",
+    "test_read_once.py",
+    "test_durability.py",
+    "test_cli.py",
+    "test_parallel_example.py",
+    "test_bucket.py",
+    "test_bucket_faults.py",
+    "test_bench.py",
+}
+#: ... and of its modules, these run last, once the first worker is done
+#: (pytest_runtest_protocol): jobs in a bucket whose leases expire in 2 s and
+#: that are frozen and woken, then the benchmark's commands, which keep both
+#: cores busy.
+ALONE = ["test_bucket.py", "test_bucket_faults.py", "test_bench.py"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Marks ``launches`` each test that uses a LAUNCHING fixture; runs the
-    modules without one first and test_bench.py last."""
+    """Marks ``launches`` each test that uses a LAUNCHING fixture, and each
+    test with its worker's group (SECOND_WORKER); runs the modules without a
+    launch first and ALONE's last."""
     for item in items:
         if LAUNCHING & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.launches)
+        second = item.path.name in SECOND_WORKER
+        item.add_marker(pytest.mark.xdist_group("second" if second else "first"))
     launching = {i.path for i in items if i.get_closest_marker("launches")}
 
     def order(item):  # sorted is stable: each module's tests keep their order
-        return (item.path.name == "test_bench.py", item.path in launching)
+        alone = ALONE.index(item.path.name) if item.path.name in ALONE else -1
+        return (alone, item.path in launching)
 
     items[:] = sorted(items, key=order)
 
@@ -244,3 +277,54 @@ def pytest_runtest_call(item):
     """Nor does the test itself."""
     with _no_python_processes(item):
         yield
+
+
+def _done_marker(config, worker):
+    """The file a pytest-xdist worker leaves when its tests are done."""
+    return config._tmp_path_factory.getbasetemp().parent / f"{worker}.done"
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker says it is done (see pytest_runtest_protocol)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        _done_marker(session.config, worker).touch()
+
+
+def _group(item):
+    """The pytest-xdist group that `item` runs in (SECOND_WORKER)."""
+    return item.get_closest_marker("xdist_group").args[0]
+
+
+def pytest_collection_finish(session):
+    """Notes whether test_bench.py runs, and in which group."""
+    bench = [i for i in session.items if i.path.name == "test_bench.py"]
+    _bench["group"] = _group(bench[0]) if bench else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The benchmark's commands (test_bench.py, bench_runs.py) start with the
+    first test of the worker that runs test_bench.py, at the lowest CPU
+    priority: they take what the tests leave idle. Under pytest-xdist, the
+    first test of ALONE's modules waits, before its setup, until every other
+    worker is done."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if _bench["group"] and not _bench["started"]:
+        if worker is None or _group(item) == _bench["group"]:
+            _bench["started"] = True
+            bench_runs.start(item.config._tmp_path_factory)
+    if worker and item.path.name in ALONE and not _bench["waited"]:
+        _bench["waited"] = True
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        others = [f"gw{i}" for i in range(count) if f"gw{i}" != worker]
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not all(
+            _done_marker(item.config, w).exists() for w in others
+        ):
+            time.sleep(0.5)
+    yield
+
+
+#: test_bench.py's group, whether its commands started, whether it waited.
+_bench = {"group": None, "started": False, "waited": False}

@@ -4,16 +4,19 @@ is not the launcher nor the process.
 Under torchrun each run starts a launcher and one process per rank, and each
 imports torch (about 1.3 s of CPU for the launcher, 2.5 s for a rank, before
 any work). A pool of ``nproc`` rank processes (test/rank_server.py) imports
-once and runs the example's ``main`` for each request, with the environment
-torchrun gives its workers and a fresh TCP store each run; its output is each
-rank's, rank 0 first. Tests of signals, restarts, a killed launcher or rank,
+once and forks a process for each request, which runs the example's ``main``
+with the environment torchrun gives its workers and a fresh TCP store; its
+output is each rank's, rank 0 first. Tests of signals, restarts, a killed launcher or rank,
 the launcher's own output, or what happens at interpreter exit launch with
 torchrun (helpers.torchrun).
 """
 
 import atexit
+import contextlib
 import json
+import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +49,7 @@ class Pool:
                 text=True,
                 cwd=ROOT,
                 env=env,
+                start_new_session=True,  # killed with the runs it forked
             )
             for rank in range(nproc)
         ]
@@ -84,7 +88,8 @@ class Pool:
 
     def kill(self):
         for proc in self.procs:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         self.procs = []
 
@@ -117,11 +122,8 @@ def run_example(nproc, *args, timeout=240, expect_ok=True):
     except (TimeoutError, RuntimeError) as e:
         pytest.fail(f"{e}\n--- server logs in {pool.scratch}")
     code = next((c for c in codes if c), 0)
-    if code == 0:  # a failed run's processes are not reused
-        with _lock:
-            _idle[key].append(pool)
-    else:
-        pool.kill()
+    with _lock:  # a failed run was a process of its own: the servers are as before
+        _idle[key].append(pool)
     proc = subprocess.CompletedProcess(["pool", *argv], code, stdout, stderr)
     if expect_ok and code != 0:
         pytest.fail(

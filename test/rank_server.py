@@ -3,15 +3,15 @@
     python -u test/rank_server.py RANK WORLD_SIZE
 
 It imports the example once (torch, DCP, pipelining: about 2.5 s of CPU),
-then runs the example's ``main`` for each request read from stdin, one JSON
-line ``{"argv": [...], "port": N, "cwd": "...", "out": "...", "err": "..."}``:
-in the environment torchrun gives a worker (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR/PORT), its stdout and stderr (file descriptors 1 and 2) written to
-``out`` and ``err``. It answers each with one line, ``{"code": N}``, the
-exit status the run would have had. A run is a process of its own in all but
-its start: the same rank each time (the example's logging format names it),
-warnings shown again, fsspec's cached file systems dropped, the default
-process group destroyed by ``main``.
+then, for each request read from stdin, one JSON line ``{"argv": [...],
+"port": N, "cwd": "...", "out": "...", "err": "..."}``, forks a process that
+runs the example's ``main`` in the environment torchrun gives a worker (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), its stdout and stderr (file
+descriptors 1 and 2) written to ``out`` and ``err``, and ends as a process
+does (atexit, threads joined). It answers each with one line, ``{"code":
+N}``: that process's exit status (-N for signal N). A run is a process of
+its own in all but its start, and one that fails leaves the server as it
+was.
 """
 
 import json
@@ -25,21 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "check
 
 def run(request: dict) -> int:
     """The example's main on ``request``; its exit status."""
-    import warnings
-
-    import torch.distributed as dist
-
     import pippy_dcp
 
-    assert not dist.is_initialized(), "the last run left its process group"
-    _forget_file_systems()
     os.environ["MASTER_PORT"] = str(request["port"])
     os.chdir(request["cwd"])
-    for module in list(sys.modules.values()):  # warnings shown once per run
-        registry = getattr(module, "__dict__", {}).get("__warningregistry__")
-        if isinstance(registry, dict):
-            registry.clear()
-    warnings.resetwarnings()
     sys.argv = [pippy_dcp.__file__, *request["argv"]]
     try:
         pippy_dcp.main(pippy_dcp.parse_args(request["argv"]))
@@ -52,18 +41,6 @@ def run(request: dict) -> int:
     except BaseException:  # noqa: B036 (as an uncaught error ends a process)
         traceback.print_exc()
         return 1
-
-
-def _forget_file_systems() -> None:
-    """Drops fsspec's cached file systems (and their listings), as a new
-    process starts without them."""
-    from fsspec.spec import AbstractFileSystem
-
-    classes = [AbstractFileSystem]
-    while classes:
-        cls = classes.pop()
-        cls.clear_instance_cache()
-        classes += cls.__subclasses__()
 
 
 def serve(rank: int, world_size: int) -> None:
@@ -80,19 +57,15 @@ def serve(rank: int, world_size: int) -> None:
     answer = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:
         request = json.loads(line)
-        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        try:
-            code = run(request)
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.close(out)
-            os.close(err)
+        pid = os.fork()
+        if pid == 0:  # the run's process: its output to its files, then exit
+            os.dup2(os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
+            os.dup2(os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            sys.exit(run(request))  # as a process ends: atexit, threads joined
+        status = os.waitpid(pid, 0)[1]
+        code = os.waitstatus_to_exitcode(status)
         answer.write(json.dumps({"code": code}) + "\n")
         answer.flush()
 

@@ -120,6 +120,11 @@ def test_the_gpu_check_runs_dry_on_the_cpu(started):
     assert rows["example, 2 ranks (gloo, CPU)"].startswith("ok, verified bitwise")
     assert rows["stop at 2, resume to 4"] == "resumed; last step bitwise"
     assert rows["async blocking / bare copy"].endswith("x")
+    assert rows["longest stall of a 1 ms ticking thread"].endswith(
+        " ms, during the background write"
+    )
+    assert rows["kept host buffers / stage"].startswith("1.00x")  # exact sizes
+    assert rows["device syncs in save() and its staging"] == "n/a (no accelerator)"
 
 
 @pytest.mark.launches

@@ -69,7 +69,7 @@ def test_ci_reads_the_readmes_setup_and_test_commands():
         found[name] = done.stdout
     assert 'pip install -e ".[dev]" -c constraints.txt\n' in found["setup"]
     assert found["setup"].startswith("python3 -m venv .venv")
-    assert found["test"] == "pytest\n"
+    assert found["test"] == "pytest -n 2 --dist loadgroup\n"
 
 
 def test_the_pages_command_lines_of_python_m_pippy_parse():
@@ -88,32 +88,37 @@ def test_the_pages_command_lines_of_python_m_pippy_parse():
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
-    """A page's snippets, run in order in a folder of their own (once for the
-    module, up to the first that fails): ran(page) -> (folder, [process])."""
+    """A page's snippets, run in order in a folder of their own, each once for
+    the module and none after one that fails: ran(page, i) -> (folder,
+    [process]) of its snippets up to the i-th (all if i is None)."""
     done = {}
 
-    def run(page):
+    def run(page, i=None):
+        codes = snippets(page)
         if page not in done:
-            folder, procs = tmp_path_factory.mktemp("snippets"), []
-            for i, code in enumerate(snippets(page)):
-                procs.append(run_snippet(code, folder, f"snippet_{i}.py"))
-                if procs[-1].returncode != 0:
-                    break
-            done[page] = folder, procs
-        return done[page]
+            done[page] = tmp_path_factory.mktemp("snippets"), []
+        folder, procs = done[page]
+        last = len(codes) - 1 if i is None else i
+        while len(procs) <= last and (not procs or procs[-1].returncode == 0):
+            n = len(procs)
+            procs.append(run_snippet(codes[n], folder, f"snippet_{n}.py"))
+        return folder, procs
 
     return run
 
 
+#: (page, i): each snippet of each page, a test of its own.
+SNIPPETS = [(page, i) for page in PAGES for i in range(len(snippets(page)))]
+
+
 @pytest.mark.launches
-@pytest.mark.parametrize("page", PAGES)
-def test_snippets_run_as_written(ran, page):
-    _, procs = ran(page)
-    for i, code in enumerate(snippets(page)):
-        proc = procs[i]
-        assert proc.returncode == 0, (
-            f"{page} snippet {i}:\n{code}\n{proc.stderr[-3000:]}"
-        )
+@pytest.mark.parametrize(("page", "i"), SNIPPETS, ids=[f"{p}-{i}" for p, i in SNIPPETS])
+def test_snippets_run_as_written(ran, page, i):
+    _, procs = ran(page, i)
+    assert len(procs) > i, f"{page} snippet {len(procs) - 1} failed before it"
+    assert procs[i].returncode == 0, (
+        f"{page} snippet {i}:\n{snippets(page)[i]}\n{procs[i].stderr[-3000:]}"
+    )
 
 
 @pytest.mark.launches
@@ -126,7 +131,7 @@ def test_the_readme_training_script_resumes_bit_for_bit(ran, tmp_path):
         if c.startswith("# torchrun --nproc-per-node 2 train.py")
     ]
     # Its first run, from nothing: the one test_snippets_run_as_written ran.
-    ran_in, procs = ran("README.md")
+    ran_in, procs = ran("README.md", i)
     first = procs[i]
     assert first.returncode == 0, first.stderr[-3000:]
     assert "resumed" not in first.stdout
