@@ -69,7 +69,7 @@ def start(tmp_path_factory):
     """{name: (folder, Command)} of the commands, started if not yet."""
     if _running:
         return dict(_running)
-    names = ("bench", "gpu", "overlap", "coordinator", "gil")
+    names = ("bench", "gpu", "overlap", "coordinator", "gil", "replica")
     folders = {n: tmp_path_factory.mktemp(n) for n in names}
     bench = folders["bench"]
     commands = {
@@ -99,6 +99,21 @@ def start(tmp_path_factory):
                 sys.executable,
                 "bench/gil_stall.py",
                 *("--mb", "16", "--repeats", "1", "--out-dir", folders["gil"] / "out"),
+            ],
+            900,
+        ),
+        "replica": (
+            [
+                sys.executable,
+                "bench/replica_check.py",
+                *(
+                    "--mb",
+                    "8",
+                    "--repeats",
+                    "1",
+                    "--out-dir",
+                    folders["replica"] / "out",
+                ),
             ],
             900,
         ),

@@ -77,6 +77,19 @@ def test_the_coordinator_benchmark_times_both_planners(started):
 
 
 @pytest.mark.launches
+def test_the_replica_check_benchmark_times_saves_with_and_without_it(started):
+    """bench/replica_check.py: a dp 2 save with the replicas' fingerprints
+    compared and without, and their ratio."""
+    folder, command = started["replica"]
+    command.finish()
+    result = json.loads((folder / "out" / "results.json").read_text())
+    assert result["checked_s"] > 0 and result["unchecked_s"] > 0
+    assert result["ratio"] == result["checked_s"] / result["unchecked_s"]
+    assert [len(result["times"][k]) for k in ("checked", "unchecked")] == [1, 1]
+    assert (folder / "out" / "results.md").read_text().count("x |") == 1
+
+
+@pytest.mark.launches
 def test_the_gil_benchmark_times_a_ticking_thread_during_a_background_save(started):
     """bench/gil_stall.py: the longest stall, checksums chunked and not."""
     folder, command = started["gil"]
