@@ -111,9 +111,10 @@ def test_a_sigterm_to_one_rank_stops_every_rank_at_one_saved_step(
 
 @pytest.mark.launches
 def test_sigusr1_stops_too_and_the_launchers_deadline_is_said_and_checked(tmp_path):
-    """Slurm's early warning is SIGUSR1; torchrun's --shutdown-timeout (which
-    wins over TORCH_ELASTIC_SHUTDOWN_TIMEOUT, as in torchrun) is read from
-    its command line, shown, and a save longer than it is warned of, once."""
+    """Slurm's early warning is SIGUSR1; torchrun's --shutdown-timeout, given
+    as PET_SHUTDOWN_TIMEOUT (which wins over TORCH_ELASTIC_SHUTDOWN_TIMEOUT,
+    as in torchrun), is read from the workers' environment, shown, and a save
+    longer than it is warned of, once."""
     job = Job(
         *TINY_FLAGS,
         "--steps",
@@ -122,8 +123,7 @@ def test_sigusr1_stops_too_and_the_launchers_deadline_is_said_and_checked(tmp_pa
         "2",
         "--checkpoint-dir",
         tmp_path,
-        torchrun_flags=["--shutdown-timeout=0"],
-        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "100"},
+        env={"PET_SHUTDOWN_TIMEOUT": "0", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "100"},
     )
     try:
         job.wait_for(job.printed("step   5 |"))
@@ -133,7 +133,7 @@ def test_sigusr1_stops_too_and_the_launchers_deadline_is_said_and_checked(tmp_pa
         job.kill()
     assert code == 0, out
     deadline = "SIGTERM, SIGUSR1: a last save, then exit; "
-    assert f"{deadline}torchrun --shutdown-timeout gives it 0 s\n" in out
+    assert f"{deadline}PET_SHUTDOWN_TIMEOUT gives it 0 s\n" in out
     warnings = re.findall(r"a save took \d+\.\d s, longer than the 0 s", out)
     assert len(warnings) == 1, out  # once, though it saved every 2 steps
     assert re.search(r": SIGUSR1 received by rank 0, step-(\d+) saved in ", out)
@@ -167,6 +167,11 @@ def test_stop_signal_names_the_ranks_and_the_deadline_comes_from_torchrun(
     assert not default.explicit
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120")
     assert launcher_deadline() == Deadline(120.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    monkeypatch.setenv("PET_SHUTDOWN_TIMEOUT", "60")  # torchrun's flag, as a variable
+    assert launcher_deadline() == Deadline(60.0, "PET_SHUTDOWN_TIMEOUT")
+    assert launcher_deadline(90) == Deadline(90.0, "the caller")  # any launcher's
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert launcher_deadline(90) == Deadline(90.0, "the caller")
 
     stop.deadline = Deadline(1.0, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.job"):

@@ -7,7 +7,8 @@ other's saves. :class:`FolderOwner` lets one job at a time write a folder;
 :class:`StopSignal` turns a preemption signal on any rank into a last save of
 one step by every rank, which must end within the launcher's grace period
 (``torchrun --shutdown-timeout``, Slurm's ``KillWait``, Kubernetes'
-``terminationGracePeriodSeconds``; only torchrun's is visible to the job).
+``terminationGracePeriodSeconds``): given by the caller, or torchrun's from
+the environment its workers inherit (``PET_SHUTDOWN_TIMEOUT``).
 
 On an object store (no hard link, no rename, no ``/proc`` of the writer's
 host), :class:`StoreLease` creates the record with a conditional write (S3's
@@ -36,7 +37,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -593,6 +593,10 @@ class StopSignal:
 
     Args:
         signals: The signals to catch.
+        deadline_seconds: The launcher's grace period, where the caller knows
+            it (Slurm's ``KillWait``, Kubernetes'
+            ``terminationGracePeriodSeconds``); None: torchrun's, from the
+            environment (:func:`launcher_deadline`).
 
     Note:
         With an initialized process group, construct it on every rank at
@@ -600,10 +604,14 @@ class StopSignal:
         first call of :meth:`requested` does.
     """
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
+        deadline_seconds: float | None = None,
+    ) -> None:
         self.received: signal.Signals | None = None
         self._received_by: dict[int, signal.Signals] = {}
-        self.deadline = launcher_deadline()
+        self.deadline = launcher_deadline(deadline_seconds)
         check_restarts()
         self._warned = False
         self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
@@ -678,7 +686,7 @@ class StopSignal:
             "a save took %.1f s, longer than the %g s the launcher waits after a "
             "stop signal before it kills the workers (%s): a last save on "
             "preemption would be cut short. Give the launcher a longer grace "
-            "period (torchrun --shutdown-timeout), or save less",
+            "period (for torchrun, PET_SHUTDOWN_TIMEOUT in its environment), or save less",
             seconds,
             deadline.seconds,
             deadline.source,
@@ -698,8 +706,8 @@ class Deadline:
 
     Attributes:
         seconds: From the signal it forwards to the ``SIGKILL`` it sends.
-        source: Where the figure comes from: ``"torchrun --shutdown-timeout"``,
-            ``"TORCH_ELASTIC_SHUTDOWN_TIMEOUT"``, ``"PET_SHUTDOWN_TIMEOUT"`` or
+        source: Where the figure comes from: ``"the caller"``,
+            ``"PET_SHUTDOWN_TIMEOUT"``, ``"TORCH_ELASTIC_SHUTDOWN_TIMEOUT"`` or
             ``"torchrun's default"``.
     """
 
@@ -716,36 +724,32 @@ class Deadline:
 _TORCHRUN_DEFAULT = (30.0, "torchrun's default")
 
 
-def launcher_deadline() -> Deadline | None:
-    """``torchrun``'s grace period from a stop signal to SIGKILL; None outside it."""
-    # The flag is not in the workers' environment: read the parent's command line.
+def launcher_deadline(seconds: float | None = None) -> Deadline | None:
+    """The launcher's grace period from a stop signal to its ``SIGKILL``.
+
+    torchrun's ``--shutdown-timeout`` does not reach its workers; given as
+    ``PET_SHUTDOWN_TIMEOUT`` in torchrun's environment (torchrun reads each
+    flag from its ``PET_`` variable), it reaches both.
+
+    Args:
+        seconds: The grace period, where the caller knows it (any launcher);
+            None: torchrun's, from the environment.
+
+    Returns:
+        The deadline; None where ``seconds`` is None outside torchrun.
+    """
+    if seconds is not None:
+        return Deadline(float(seconds), "the caller")
     if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun sets it for workers
         return None
-    found = [(_shutdown_flag(), "torchrun --shutdown-timeout")]
     for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        found.append((os.environ.get(name), name))
-    for value, source in found:  # torchrun's own order
+        value = os.environ.get(name)  # torchrun's own order
         if value is not None:
             try:
-                return Deadline(float(value), source)
+                return Deadline(float(value), name)
             except ValueError:
-                logger.warning("ignoring %s=%r: not a number of seconds", source, value)
+                logger.warning("ignoring %s=%r: not a number of seconds", name, value)
     return Deadline(*_TORCHRUN_DEFAULT)
-
-
-def _shutdown_flag() -> str | None:
-    """The parent's ``--shutdown-timeout`` (before this script's name), or None."""
-    words = (_proc(f"{os.getppid()}/cmdline") or "").split("\0")[:-1]  # none: []
-    ours = sys.argv[1:]
-    if words[len(words) - len(ours) :] != ours:  # not this script's launcher
-        return None
-    options = words[: len(words) - len(ours) - 1]  # less the script, our flags
-    for i, word in enumerate(options):  # --shutdown-timeout=5, or its next word
-        name, equals, value = word.partition("=")
-        if name in ("--shutdown-timeout", "--shutdown_timeout"):
-            if equals or i + 1 < len(options):
-                return value if equals else options[i + 1]
-    return None
 
 
 def check_restarts() -> bool:
