@@ -686,7 +686,8 @@ class StopSignal:
             "a save took %.1f s, longer than the %g s the launcher waits after a "
             "stop signal before it kills the workers (%s): a last save on "
             "preemption would be cut short. Give the launcher a longer grace "
-            "period (for torchrun, PET_SHUTDOWN_TIMEOUT in its environment), or save less",
+            "period (for torchrun, PET_SHUTDOWN_TIMEOUT in its environment), or "
+            "save less",
             seconds,
             deadline.seconds,
             deadline.source,
