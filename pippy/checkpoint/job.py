@@ -10,8 +10,10 @@ one step by every rank, which must end within the launcher's grace period
 ``terminationGracePeriodSeconds``): given by the caller, or torchrun's from
 the environment its workers inherit (``PET_SHUTDOWN_TIMEOUT``).
 
-On an object store (no hard link, no rename, no ``/proc`` of the writer's
-host), :class:`StoreLease` creates the record with a conditional write (S3's
+On an object store with conditional writes (S3; other stores are refused:
+there a renewal could overwrite a new owner's record, so no lease holds; no
+hard link, no rename, no ``/proc`` of the writer's host), :class:`StoreLease`
+creates the record with a conditional write (S3's
 ``If-None-Match: *``: of two jobs, exactly one succeeds) and renews it every
 third of its lease in a daemon thread, by a conditional PUT (``If-Match`` on
 its ETag, so that a stalled job's renewal cannot overwrite a new owner's). An
@@ -427,8 +429,10 @@ class StoreLease(_OwnerRecord):
                 self._lose(record)
             due = self.expires - time.time() < self.lease_seconds * 2 / 3
             if always or due:  # only over this job's own last write
+                # the record is this job's (read above): its tag, if not known yet
+                known = self._version or self.storage.version(self.record)
                 version = self.storage.replace_if_unchanged(
-                    self.record, self._encoded(), self._version
+                    self.record, self._encoded(), known
                 )
                 if version is None:
                     self._lose(self._read(strict=False))
@@ -498,7 +502,9 @@ class FolderOwner:
         ValueError: On an object store, ``lease_seconds`` or
             ``PIPPY_LEASE_SECONDS`` is not a positive number.
         CheckpointDirError: On entry, on every rank: the folder is a step
-            folder, a file, or cannot be written.
+            folder, a file, or cannot be written, or is on a store without
+            conditional writes (anything but S3 among URLs: ``gs://``,
+            ``memory://``, ``file://``), where no lease holds.
     """
 
     def __init__(
@@ -532,6 +538,14 @@ class FolderOwner:
         """
         storage = storage_for(self.root)
         if isinstance(storage, FsspecStorage):  # an object store
+            if not storage.conditional:  # a renewal could overwrite a new owner's
+                raise CheckpointDirError(
+                    f"{self.root}: {storage.protocol}:// offers pippy no "
+                    "conditional write, so a lease there could not keep a second "
+                    "job out; hold the folder on a file system (a path) or on S3 "
+                    "(s3://), or run without FolderOwner and see to one job per "
+                    "folder yourself"
+                )
             self._record = StoreLease(self.root, storage, self.lease_seconds)
         else:
             self._record = _LocalRecord(self.root, storage)

@@ -545,6 +545,11 @@ class FsspecStorage(Storage):
             raise
         return True
 
+    @property
+    def conditional(self) -> bool:
+        """Whether :meth:`replace_if_unchanged` can write (S3's ``If-Match``)."""
+        return self.protocol in _CONDITIONAL
+
     def version(self, location: Location) -> str | None:
         """The object's version tag (S3: its ETag); None if none or nothing there."""
         try:
@@ -559,14 +564,14 @@ class FsspecStorage(Storage):
     ) -> str | None:
         """Overwrites the object in one PUT if still at ``version``; the new tag.
 
-        On S3 a conditional PUT (``If-Match``, honoured by AWS S3 and SeaweedFS), so a
-        writer that stalled cannot overwrite another's; elsewhere a plain PUT (tag "").
-        None if the object changed or is gone: nothing was written.
+        A conditional PUT (S3's ``If-Match``, honoured by AWS S3 and SeaweedFS),
+        so a writer that stalled cannot overwrite another's; only where
+        :attr:`conditional`. None if the object changed or is gone (or has no
+        tag): nothing was written.
         """
         path = self._path(location)
-        if version is None or self.protocol not in _CONDITIONAL:
-            self.fs.pipe_file(path, data)
-            return ""
+        if version is None:
+            return None
         try:
             out = self.fs.pipe_file(path, data, IfMatch=version)
         except FileNotFoundError:
