@@ -429,10 +429,8 @@ class StoreLease(_OwnerRecord):
                 self._lose(record)
             due = self.expires - time.time() < self.lease_seconds * 2 / 3
             if always or due:  # only over this job's own last write
-                # the record is this job's (read above): its tag, if not known yet
-                known = self._version or self.storage.version(self.record)
                 version = self.storage.replace_if_unchanged(
-                    self.record, self._encoded(), known
+                    self.record, self._encoded(), self._version
                 )
                 if version is None:
                     self._lose(self._read(strict=False))

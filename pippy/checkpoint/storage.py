@@ -566,12 +566,14 @@ class FsspecStorage(Storage):
 
         A conditional PUT (S3's ``If-Match``, honoured by AWS S3 and SeaweedFS),
         so a writer that stalled cannot overwrite another's; only where
-        :attr:`conditional`. None if the object changed or is gone (or has no
-        tag): nothing was written.
+        :attr:`conditional`. Without a ``version`` (the store gave the object
+        no tag), a plain PUT (tag ""). None if the object changed or is gone:
+        nothing was written.
         """
         path = self._path(location)
         if version is None:
-            return None
+            self.fs.pipe_file(path, data)
+            return ""
         try:
             out = self.fs.pipe_file(path, data, IfMatch=version)
         except FileNotFoundError:
