@@ -219,6 +219,65 @@ def test_async_saves_and_a_sigterm_end_with_loadable_steps_in_a_bucket(
     assert_same([(f"{run}/step-{n}", saved(n)) for n in steps], plain)
 
 
+def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
+    bucket, reference, plain
+):
+    """Job A (a 2 s lease) is frozen with SIGSTOP; job B takes the folder
+    over, saves step-3 and is frozen in turn; A wakes, and its next save is
+    refused on every rank, naming B. B's objects stay as they were, and B
+    trains on to a step bitwise equal to an uninterrupted run's."""
+    fs, root = bucket
+    losses, saved = reference
+    run, key = f"{root}/stalled", "pippy-test/stalled"
+    # Were A not stopped, its save of step-4 would delete B's step-3.
+    a_flags = ["--save-every", "2", "--keep-last", "1", "--checkpoint-dir", run]
+    a = Job(*MEDIUM, *STEPS, *a_flags, env={LEASE_ENV: "2"})
+    b = None
+    try:
+        saved_2 = [f"[rank {r}] stage {r}: saved " for r in (0, 1)]
+        a.wait_for(lambda: all(x in a.out and "to step-2 in" in a.out for x in saved_2))
+        a.signal(signal.SIGSTOP)  # a paused VM, a stopped process, mid-training
+        wait_for_lease_to_expire(fs, key)
+        b = Job(*MEDIUM, *STEPS, "--save-every", "3", "--checkpoint-dir", run)
+        b.wait_for(lambda: committed(fs, key, 3))
+        b_pid = b.worker(0)
+        b.signal(signal.SIGSTOP)  # B holds the folder, frozen
+        before = objects(fs, key)
+        a.signal(signal.SIGCONT)
+        code, out = a.finish()
+        assert objects(fs, key) == before  # nothing of B's touched by A
+        b.signal(signal.SIGCONT)
+        b_code, b_out = b.finish()
+    finally:
+        a.kill()
+        if b is not None:
+            b.kill()
+    assert code == 1, out
+    for rank in (0, 1):
+        [error] = [x for x in out.splitlines() if x.startswith(f"[rank {rank}] error")]
+        assert re.fullmatch(
+            rf"\[rank {rank}\] error: this job lost {run}: another job took it "
+            rf"over \(host '[^']+', pid {b_pid}, started [^)]+\) after this job's "
+            r"lease expired at \S+ \(not renewed for 2 s: this job stalled\), so "
+            r"this job writes nothing more there\. Stop this job; the other job's "
+            r"steps are untouched: resume from them once it has ended "
+            r"\(--checkpoint-dir\)",
+            error,
+        ), error
+    assert "to step-4" not in out  # A saved step-2 only
+    assert out.count("this job lost") == 2  # once per rank, nothing logged twice
+    assert b_code == 0, b_out
+    assert f"taking over {run} from a job whose lease expired at" in b_out
+    assert f"resuming from {run}/step-2" in b_out
+    assert f"verified: {run}/step-8 loaded into fresh stages" in b_out
+    assert by_step(b_out) == {n: losses[n] for n in range(3, 9)}
+    assert_same([(f"{run}/step-8", saved(8))], plain)
+    assert [committed(fs, key, n) for n in range(1, 9)] == [
+        n in (2, 3, 6, 8) for n in range(1, 9)
+    ]
+    assert not fs.exists(f"{key}/.owner.json")  # B released it; A did not touch
+
+
 def test_a_stalled_owner_commits_no_background_save_after_losing_its_lease(
     bucket, tmp_path, caplog
 ):
@@ -345,64 +404,3 @@ def test_a_lease_that_is_no_number_of_seconds_is_refused_in_one_line(
     with pytest.raises(ValueError, match="^lease_seconds=0 is not a lease"):
         checkpoint.job.FolderOwner(run, lease_seconds=0).acquire()
     assert not fs.exists("pippy-test/bad-lease")
-
-
-# Last in the module: in some runs, the in-process takeovers of the next
-# tests met SeaweedFS's InternalError (S3's "please try again") after it.
-def test_a_stalled_owner_that_lost_its_lease_writes_nothing_more(
-    bucket, reference, plain
-):
-    """Job A (a 2 s lease) is frozen with SIGSTOP; job B takes the folder
-    over, saves step-3 and is frozen in turn; A wakes, and its next save is
-    refused on every rank, naming B. B's objects stay as they were, and B
-    trains on to a step bitwise equal to an uninterrupted run's."""
-    fs, root = bucket
-    losses, saved = reference
-    run, key = f"{root}/stalled", "pippy-test/stalled"
-    # Were A not stopped, its save of step-4 would delete B's step-3.
-    a_flags = ["--save-every", "2", "--keep-last", "1", "--checkpoint-dir", run]
-    a = Job(*MEDIUM, *STEPS, *a_flags, env={LEASE_ENV: "2"})
-    b = None
-    try:
-        saved_2 = [f"[rank {r}] stage {r}: saved " for r in (0, 1)]
-        a.wait_for(lambda: all(x in a.out and "to step-2 in" in a.out for x in saved_2))
-        a.signal(signal.SIGSTOP)  # a paused VM, a stopped process, mid-training
-        wait_for_lease_to_expire(fs, key)
-        b = Job(*MEDIUM, *STEPS, "--save-every", "3", "--checkpoint-dir", run)
-        b.wait_for(lambda: committed(fs, key, 3))
-        b_pid = b.worker(0)
-        b.signal(signal.SIGSTOP)  # B holds the folder, frozen
-        before = objects(fs, key)
-        a.signal(signal.SIGCONT)
-        code, out = a.finish()
-        assert objects(fs, key) == before  # nothing of B's touched by A
-        b.signal(signal.SIGCONT)
-        b_code, b_out = b.finish()
-    finally:
-        a.kill()
-        if b is not None:
-            b.kill()
-    assert code == 1, out
-    for rank in (0, 1):
-        [error] = [x for x in out.splitlines() if x.startswith(f"[rank {rank}] error")]
-        assert re.fullmatch(
-            rf"\[rank {rank}\] error: this job lost {run}: another job took it "
-            rf"over \(host '[^']+', pid {b_pid}, started [^)]+\) after this job's "
-            r"lease expired at \S+ \(not renewed for 2 s: this job stalled\), so "
-            r"this job writes nothing more there\. Stop this job; the other job's "
-            r"steps are untouched: resume from them once it has ended "
-            r"\(--checkpoint-dir\)",
-            error,
-        ), error
-    assert "to step-4" not in out  # A saved step-2 only
-    assert out.count("this job lost") == 2  # once per rank, nothing logged twice
-    assert b_code == 0, b_out
-    assert f"taking over {run} from a job whose lease expired at" in b_out
-    assert f"resuming from {run}/step-2" in b_out
-    assert f"verified: {run}/step-8 loaded into fresh stages" in b_out
-    assert by_step(b_out) == {n: losses[n] for n in range(3, 9)}
-    assert_same([(f"{run}/step-8", saved(8))], plain)
-    assert [committed(fs, key, n) for n in range(1, 9)] == [
-        n in (2, 3, 6, 8) for n in range(1, 9)
-    ]
-    assert not fs.exists(f"{key}/.owner.json")  # B released it; A did not touch
