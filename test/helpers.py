@@ -461,7 +461,9 @@ def start_s3_server(folder, timeout=60):
     flags = names + grpc + more
     ports = dict(zip(flags, _free_ports(len(flags)), strict=True))
     cmd = [weed, "server", f"-dir={folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
-    cmd += ["-s3", "-master.volumeSizeLimitMB=64", "-volume.max=20"]
+    # Each bucket (a collection) takes volumes of its own, several at a time:
+    # 20 ran out ("no free volumes left") once a session's buckets grew.
+    cmd += ["-s3", "-master.volumeSizeLimitMB=64", "-volume.max=100"]
     cmd += [f"-{name}={port}" for name, port in ports.items()]
     log = open(Path(folder) / "weed.log", "wb")
     try:
