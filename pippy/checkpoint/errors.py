@@ -9,10 +9,11 @@ that each rank runs alone.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import pickle
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -218,6 +219,22 @@ def made_group(
     ours = _gloo_group(process_group or dist.group.WORLD)
     _groups[id(ours)] = (ours, ours)
     return ours
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Destroys and forgets pippy's groups at exit, while Python still runs.
+
+    Those the caller's ``destroy_process_group()`` left, so that their gloo
+    threads end then, not in the interpreter's teardown.
+    """
+    held = {id(ours): ours for _, ours in _groups.values()}
+    _groups.clear()
+    if not dist.is_initialized():
+        return
+    for ours in held.values():
+        with suppress(Exception):  # destroyed already, with the world
+            dist.destroy_process_group(ours)
 
 
 def drop_group(group: dist.ProcessGroup) -> None:
