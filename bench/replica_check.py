@@ -45,7 +45,7 @@ def worker(mb: float, repeats: int, folder: Path, out: Path) -> None:
     model(torch.ones(2, dim)).sum().backward()
     optimizer.step()
     state = checkpoint.StageState(model, optimizer)
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors(state.state_dict()))
+    _, nbytes = checks.state_dict_size(state.state_dict())
     times: dict[str, list[float]] = {"checked": [], "unchecked": []}
     for step in range(1, 2 * (repeats + 1) + 1):
         kind = "checked" if step % 2 else "unchecked"
@@ -79,17 +79,6 @@ def worker(mb: float, repeats: int, folder: Path, out: Path) -> None:
         (out / "results.md").write_text(table)
         print(table, end="")
     dist.destroy_process_group()
-
-
-def _tensors(state_dict):
-    """Every tensor of a nested state_dict."""
-    import torch
-
-    for value in state_dict.values():
-        if isinstance(value, dict):
-            yield from _tensors(value)
-        elif isinstance(value, torch.Tensor):
-            yield value
 
 
 def main() -> None:
