@@ -194,14 +194,15 @@ def torchrun_together(*launches, timeout=240, expect_ok=True):
         return [future.result() for future in futures]
 
 
-def example(nproc, *args, timeout=240, expect_ok=True):
+def example(nproc, *args, timeout=240, expect_ok=True, **options):
     """The example with `args` on `nproc` ranks of a pool of rank processes
     kept across tests (rank_pool.py), as torchrun runs it but without a
-    launcher: for runs whose subject is neither the launcher nor the process.
-    A CompletedProcess, each rank's output in turn."""
+    launcher: for runs whose subject is neither the launcher nor the process
+    start. A CompletedProcess, each rank's output in turn. `options`:
+    rank_pool.run_example's (``cwd``, ``exit_check``)."""
     from rank_pool import run_example
 
-    return run_example(nproc, *args, timeout=timeout, expect_ok=expect_ok)
+    return run_example(nproc, *args, timeout=timeout, expect_ok=expect_ok, **options)
 
 
 def examples(*launches, expect_ok=True):

@@ -54,15 +54,17 @@ class Pool:
             for rank in range(nproc)
         ]
 
-    def run(self, argv, cwd, timeout):
-        """The example's main with `argv` on every rank: (codes, stdout, stderr)."""
+    def run(self, argv, cwd, timeout, **options):
+        """The example's main with `argv` on every rank: (codes, stdout, stderr).
+        `options`: the request's ``exit_check``, ``script`` and ``env``
+        (rank_server.py)."""
         port = _free_ports(1)[0]
         files = [
             (self.scratch / f"out-{r}", self.scratch / f"err-{r}")
             for r in range(self.nproc)
         ]
         for proc, (out, err) in zip(self.procs, files, strict=True):
-            request = {"argv": argv, "port": port, "cwd": str(cwd)}
+            request = {"argv": argv, "port": port, "cwd": str(cwd), **options}
             proc.stdin.write(json.dumps({**request, "out": str(out), "err": str(err)}))
             proc.stdin.write("\n")
             proc.stdin.flush()
@@ -101,10 +103,14 @@ def _stop_all():
             pool.kill()
 
 
-def run_example(nproc, *args, timeout=240, expect_ok=True):
-    """The example on `nproc` ranks of a pool, as helpers.torchrun runs it:
-    a CompletedProcess whose returncode is the first non-zero rank's (0 if
-    none) and whose stdout and stderr are the ranks', rank 0 first. Runs at
+def run_example(nproc, *args, timeout=240, expect_ok=True, cwd=ROOT, **options):
+    """The example on `nproc` ranks of a pool, as helpers.torchrun runs it, in
+    the folder `cwd`: a CompletedProcess whose returncode is the first
+    non-zero rank's (0 if none) and whose stdout and stderr are the ranks',
+    rank 0 first. `options` (rank_server.py): ``exit_check=True``, each
+    rank's output ends with how many torch modules were alive at its exit;
+    ``script=path``, that script runs instead, with `args` as its arguments;
+    ``env={...}``, added to the ranks' environment. Runs at
     once, or in another environment (helpers._ENV: a bucket's settings), use
     pools of their own."""
     env = {**_ENV, "PYTHONPATH": str(ROOT)}  # a bucket's settings, as they are now
@@ -118,7 +124,7 @@ def run_example(nproc, *args, timeout=240, expect_ok=True):
             _all.append(pool)
     argv = [str(a) for a in args]
     try:
-        codes, stdout, stderr = pool.run(argv, ROOT, timeout)
+        codes, stdout, stderr = pool.run(argv, cwd, timeout, **options)
     except (TimeoutError, RuntimeError) as e:
         pytest.fail(f"{e}\n--- server logs in {pool.scratch}")
     code = next((c for c in codes if c), 0)

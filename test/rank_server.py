@@ -4,34 +4,45 @@
 
 It imports the example once (torch, DCP, pipelining: about 2.5 s of CPU),
 then, for each request read from stdin, one JSON line ``{"argv": [...],
-"port": N, "cwd": "...", "out": "...", "err": "..."}``, forks a process that
-runs the example's ``main`` in the environment torchrun gives a worker (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), its stdout and stderr (file
-descriptors 1 and 2) written to ``out`` and ``err``, and ends as a process
-does (atexit, threads joined). It answers each with one line, ``{"code":
+"port": N, "cwd": "...", "out": "...", "err": "...", "exit_check": false,
+"script": null, "env": {}}``, forks a process that runs the example's
+``main`` (or ``script``, as ``python script ARGV`` would), with ``env``
+added to the environment torchrun gives a worker (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), its stdout
+and stderr (file descriptors 1 and 2) written to ``out`` and ``err``, and
+ends as a process does (atexit, threads joined). With ``exit_check``, the
+process's first exit handler prints how many torch modules are still alive,
+before any other handler has run. It answers each with one line, ``{"code":
 N}``: that process's exit status (-N for signal N). A run is a process of
 its own in all but its start, and one that fails leaves the server as it
 was.
 """
 
+import atexit
 import json
 import os
+import runpy
 import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
+HERE = Path(__file__).resolve().parent
+EXAMPLE_DIR = HERE.parent / "examples" / "checkpoint"
+sys.path.insert(0, str(EXAMPLE_DIR))
 
 
 def run(request: dict) -> int:
-    """The example's main on ``request``; its exit status."""
+    """The example's main on ``request`` (or its ``script``); its exit status."""
     import pippy_dcp
 
     os.environ["MASTER_PORT"] = str(request["port"])
+    os.environ.update(request.get("env") or {})
     os.chdir(request["cwd"])
-    sys.argv = [pippy_dcp.__file__, *request["argv"]]
     try:
-        pippy_dcp.main(pippy_dcp.parse_args(request["argv"]))
+        if request.get("script"):
+            run_script(request["script"], request["argv"])
+        else:
+            sys.argv = [pippy_dcp.__file__, *request["argv"]]
+            pippy_dcp.main(pippy_dcp.parse_args(request["argv"]))
         return 0
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
@@ -41,6 +52,35 @@ def run(request: dict) -> int:
     except BaseException:  # noqa: B036 (as an uncaught error ends a process)
         traceback.print_exc()
         return 1
+
+
+def run_script(script: str, argv: list) -> None:
+    """Runs ``script`` as ``python script *argv`` would: its folder first on
+    the import path, and neither the example's modules nor the tests'
+    importable (the server imported them; a script run as written could not)."""
+    ours = {str(HERE), str(EXAMPLE_DIR)}
+    sys.path[:] = [os.path.dirname(os.path.abspath(script))] + [
+        p for p in sys.path if p not in ours
+    ]
+    for name, module in list(sys.modules.items()):
+        where = os.path.dirname(getattr(module, "__file__", None) or "")
+        if where in ours:
+            del sys.modules[name]
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def report_modules_alive() -> None:
+    """Prints "[rank R] at exit: N torch modules alive". A module alive at
+    exit is freed in interpreter finalization, and with it its process
+    groups, which can abort the process (pytorch/pytorch#179291)."""
+    import gc
+
+    import torch
+
+    alive = sum(isinstance(o, torch.nn.Module) for o in gc.get_objects())
+    print(f"[rank {os.environ['RANK']}] at exit: {alive} torch modules alive")
+    sys.stdout.flush()
 
 
 def serve(rank: int, world_size: int) -> None:
@@ -63,6 +103,8 @@ def serve(rank: int, world_size: int) -> None:
         if pid == 0:  # the run's process: its output to its files, then exit
             os.dup2(os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
             os.dup2(os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+            if request.get("exit_check"):  # the last registered: it runs first
+                atexit.register(report_modules_alive)
             sys.exit(run(request))  # as a process ends: atexit, threads joined
         status = os.waitpid(pid, 0)[1]
         code = os.waitstatus_to_exitcode(status)

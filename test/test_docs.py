@@ -2,7 +2,8 @@
 
 Snippets of a page run in order in one folder (later ones read the
 checkpoints earlier ones wrote), from the repository root's view of imports;
-one whose first line is ``# torchrun --nproc-per-node N ...`` runs on N ranks.
+one whose first line is ``# torchrun --nproc-per-node N ...`` runs on N ranks
+(a pool's, started as torchrun starts them: rank_pool.py).
 """
 
 import os
@@ -18,7 +19,7 @@ import pytest
 from pippy.checkpoint import offline
 from pippy.cli import parser
 
-from helpers import _ENV, ROOT
+from helpers import ROOT, example
 
 PAGES = ["README.md", "examples/checkpoint/README.md"]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -43,18 +44,29 @@ def test_the_pages_have_snippets():
 
 
 def run_snippet(code, folder, name="snippet.py"):
-    """Runs a snippet in `folder` as the page says: python, or torchrun on N ranks."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env["HF_HUB_OFFLINE"] = "1"
+    """Runs a snippet in `folder` as the page says: python, or on N ranks as
+    torchrun starts them (a pool of rank processes, helpers.example)."""
     script = folder / name
     script.write_text(code)
+    offline_hub = {"HF_HUB_OFFLINE": "1"}
     match = _TORCHRUN.match(code)
-    cmd = [sys.executable, str(script)]
     if match:
-        launch = ["-m", "torch.distributed.run", "--standalone"]
-        cmd[1:1] = [*launch, f"--nproc-per-node={match.group(1)}"]
+        return example(
+            int(match.group(1)),
+            script=str(script),
+            cwd=folder,
+            env=offline_hub,
+            expect_ok=False,
+            timeout=180,
+        )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **offline_hub}
     return subprocess.run(
-        cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, str(script)],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
 
 
@@ -167,22 +179,8 @@ def test_the_readme_shows_what_the_example_prints(tmp_path):
         "--nproc-per-node",
         "examples/checkpoint/pippy_dcp.py",
     )
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            str(ROOT / script),
-            *args,
-        ],
-        cwd=tmp_path,  # checkpoints/, as in the README
-        env=_ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # the ranks as torchrun starts them, on a pool (the launcher prints nothing)
+    run = example(int(nproc), *args, cwd=tmp_path)  # checkpoints/, as in the README
     assert run.returncode == 0, run.stderr[-3000:]
 
     def same(line):

@@ -1,8 +1,10 @@
-"""The reference example, run the way users run it: torchrun, twice."""
+"""The reference example, stopped and resumed as users run it (on pools of rank
+processes that start it as torchrun does: test_preemption and test_edges
+launch it with torchrun itself, where the launcher or the process is what
+they test)."""
 
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,14 +16,12 @@ from pippy.checkpoint.safe_load import read_metadata
 import pippy_dcp
 from gpt import GPT, ModelArgs
 from helpers import (
-    EXAMPLE,
     FOUR_RANK_FLAGS,
     TINY_FLAGS,
     TINY_RUN_FLAGS,
     example,
     examples,
     loss_lines,
-    torchrun,
 )
 
 STEPS = ["--steps", "6", "--save-every", "3"]
@@ -69,12 +69,9 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
         second = stop_and_resume(world_size, flags, resumed, first)
         straight, out = request.getfixturevalue("four_rank_run")
         third = subprocess.CompletedProcess([], 0, stdout=out)
-    else:  # independent: the uninterrupted run goes on meanwhile
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            launch = (world_size, EXAMPLE, *flags, "--checkpoint-dir", straight)
-            third = pool.submit(torchrun, *launch)
-            second = stop_and_resume(world_size, flags, resumed)
-            third = third.result()
+    else:
+        second = stop_and_resume(world_size, flags, resumed)
+        third = example(world_size, *flags, "--checkpoint-dir", straight)
     assert f"resuming from {resumed / 'step-3'}" in second.stdout
     assert "step   3 |" not in second.stdout and "step   4 |" in second.stdout
     assert f"verified: {resumed / 'step-6'} loaded into fresh stages" in second.stdout

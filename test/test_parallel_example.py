@@ -13,8 +13,6 @@ agree to a relative RESHARD_RTOL and the printed losses to their 4 decimals.
 import os
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +28,6 @@ from helpers import (
     EXAMPLE,
     TINY_FLAGS,
     example,
-    examples,
     loss_lines,
     plain_read,
     torchrun,
@@ -53,17 +50,17 @@ LABELS = {  # what each rank's save line calls its stages
 #: Largest difference of any float tensor, relative to the tensor's largest
 #: value, after 3 steps on another dp degree. Measured: 1.5e-6.
 RESHARD_RTOL = 1e-5
-EXIT_CHECK = Path(__file__).parent / "exit_check.py"
 SAVED = re.compile(
     r"^\[rank (\d+)\] (stages? [\d, ]+(?: \(dp \d\))?): saved (\d+) ", re.M
 )
 
 
-def launch(layout, folder, *flags):
-    """The example on `layout`, as torchrun's arguments, through exit_check.py."""
+def run_layout(layout, folder, *flags, **options):
+    """The example on `layout` (a pool of its ranks), its checkpoints in
+    `folder`; `options`: helpers.example's."""
     ranks, layout_flags = LAYOUTS[layout]
-    command = (EXAMPLE, *FLAGS, *layout_flags, "--checkpoint-dir", folder, *flags)
-    return (ranks, EXIT_CHECK, *command)
+    argv = (*FLAGS, *layout_flags, "--checkpoint-dir", folder, *flags)
+    return example(ranks, *argv, **options)
 
 
 def assert_nothing_left_for_finalization(layout, stdout):
@@ -77,17 +74,11 @@ def assert_nothing_left_for_finalization(layout, stdout):
 
 def launched_at_once(tmp_path_factory, runs):
     """`runs` ({name: (layout, flags)}) from nothing, on pools of rank
-    processes: {name: (folder, stdout)}."""
+    processes, in turn: {name: (folder, stdout)}."""
     folders = {name: tmp_path_factory.mktemp("run") for name in runs}
-    launched = examples(
-        *[
-            (LAYOUTS[layout][0], *launch(layout, folders[name], *flags)[3:])
-            for name, (layout, flags) in runs.items()
-        ]
-    )
     return {
-        name: (folders[name], run.stdout)
-        for name, run in zip(runs, launched, strict=True)
+        name: (folders[name], run_layout(layout, folders[name], *flags).stdout)
+        for name, (layout, flags) in runs.items()
     }
 
 
@@ -183,13 +174,11 @@ def test_stopped_resumed_and_resumed_on_another_layout(
     assert all(int(n) > 0 for _, _, n in saved)
     shutil.copytree(here, there)
 
-    # Two resumes, each of its own copy, at once. The same command again
-    # resumes (under torchrun, through exit_check.py); the arithmetic is the
-    # same: bitwise.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        second = pool.submit(torchrun, *launch(layout, here))
-        moved = example(LAYOUTS[other][0], *launch(other, there)[3:])
-        second = second.result()
+    # Two resumes, each of its own copy. The same command again resumes
+    # (each rank counting the torch modules alive at its exit); the arithmetic
+    # is the same: bitwise.
+    second = run_layout(layout, here, exit_check=True)
+    moved = run_layout(other, there)
     assert f"resuming from {here / 'step-3'}" in second.stdout
     assert "verified:" in second.stdout
     assert_nothing_left_for_finalization(layout, second.stdout)
