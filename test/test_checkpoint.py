@@ -206,6 +206,16 @@ def test_keys_that_no_rank_reads_are_an_error_not_a_silent_drop(tmp_path):
     load(must_read=("model.",))  # explicitly partial
 
 
+def test_a_tensor_of_no_element_needs_no_reader(tmp_path):
+    """A saved tensor of no element has nothing to read: no rank's plan reads
+    it, and the every-key-read check lets it be."""
+    state = {"model": {"weight": torch.randn(3), "empty": torch.empty(0, 4)}}
+    folder = checkpoint.save_stage(state, tmp_path, step=1)
+    into = {"model": {"weight": torch.zeros(3), "empty": torch.empty(0, 4)}}
+    checkpoint.load_stage(into, folder)
+    assert torch.equal(into["model"]["weight"], state["model"]["weight"])
+
+
 def test_tied_weights_are_refused_before_splitting():
     model = tiny_model()
     check_untied(model)  # untied: fine

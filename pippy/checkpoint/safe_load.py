@@ -688,6 +688,11 @@ def _restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
     return torch.load(value, weights_only=not trusted)
 
 
+def _empty(item: Any) -> bool:
+    """Whether a checkpoint item is a tensor of no element (nothing to read)."""
+    return isinstance(item, TensorStorageMetadata) and 0 in item.size
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that runs no pickled code and drops no key.
 
@@ -725,7 +730,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.trusted = resolve_trusted(trusted)
         self.must_read = must_read
-        self._keys: list[str] = []  # wanted and saved, set up by set_up_planner
+        self._keys: tuple[Any, Any] = ((), {})  # wanted and saved: set_up_planner
         self._parser: OptimKeys | None = None  # of _keys, built when a message needs it
         self.layout_name: Callable[[str], str] = str  # a key's pippy name, likewise
 
@@ -738,7 +743,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Removes the state of parameters saved without any, then sets up DCP's."""
         wanted = [key for key, _ in named_leaves(state_dict)]
         saved = metadata.state_dict_metadata if metadata is not None else {}
-        self._keys, self._parser = [*wanted, *saved], None
+        self._keys, self._parser = (wanted, saved), None
         self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
         if metadata is not None:
             _drop_leaves(state_dict, stateless_keys(wanted, saved))
@@ -747,7 +752,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def _optim_section(self, key: str) -> str | None:
         """The optimizer section of a dotted key (``state``, ...), or None."""
         if self._parser is None:
-            self._parser = OptimKeys.of_keys(self._keys)
+            self._parser = OptimKeys.of_keys([*self._keys[0], *self._keys[1]])
         parsed = self._parser.split(key)
         return None if parsed is None else parsed[1]
 
@@ -843,18 +848,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """DCP's global plan, after checking that no required key is left unread."""
         global_plan = super().create_global_plan(global_plan)
-        unread = {  # a tensor of no element has nothing to read
-            key
-            for key, item in (
-                self.metadata.state_dict_metadata if self.metadata else {}
-            ).items()
-            if key.startswith(self.must_read)
-            and not (isinstance(item, TensorStorageMetadata) and 0 in item.size)
-        }
+        saved = self.metadata.state_dict_metadata if self.metadata else {}
+        everything = self.must_read == ("",)  # set-level work, not a loop in Python
+        unread = set(saved) if everything else set(filter(self._must_read, saved))
         for plan in global_plan:  # until all are read: one plan per stage, often
             if not unread:
                 return global_plan
-            unread.difference_update(item.storage_index.fqn for item in plan.items)
+            unread.difference_update([item.storage_index.fqn for item in plan.items])
+        unread = {key for key in unread if not _empty(saved[key])}
         if not unread:
             return global_plan
         read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
@@ -865,6 +866,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             f"would be dropped: {shown}{' ...' if len(keys) > 8 else ''}. "
             f"{self._why_unread(keys, read)}"
         )
+
+    def _must_read(self, key: str) -> bool:
+        """Whether some rank must read the checkpoint's ``key`` (``must_read``)."""
+        return key.startswith(self.must_read)
 
     def _why_unread(self, unread: list[str], read: set[str]) -> str:
         """Why the checkpoint's keys that no rank reads are unread, and the fix."""

@@ -38,7 +38,7 @@ other's inverse; all reading sees a torchtitan checkpoint in pippy's names.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -650,7 +650,7 @@ def _param_fqns(module: nn.Module) -> tuple[dict[nn.Parameter, str], OptimKeys]:
 
 def stateless_keys(wanted: Iterable[str], saved: Iterable[str]) -> set[str]:
     """Keys of ``wanted`` to skip: their parameter was saved with scalars, no state."""
-    saved = set(saved)
+    saved = saved if isinstance(saved, Mapping | Set) else set(saved)
     wanted = [k for k in wanted if k not in saved]  # a saved key's parameter has state
     if not wanted:
         return set()
@@ -736,7 +736,8 @@ def detect_layout(keys: Iterable[str]) -> str:
         ``model.``; else :data:`PIPPY` (a model-only torchtitan checkpoint
         whose FQNs start with ``model.`` names the same weights either way).
     """
-    keys = list(keys)
+    if not isinstance(keys, Mapping | Set):  # a mapping's "in" takes no loop
+        keys = list(keys)
     if "step" in keys:  # torchtitan's step is train_state.step
         return PIPPY
     if any(k.startswith(("optimizer.", "train_state.")) for k in keys):
