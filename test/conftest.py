@@ -204,6 +204,7 @@ SECOND_WORKER = {
     "test_preemption.py",
     "test_docs.py",
     "test_read_once.py",
+    "test_convert.py",
     "test_durability.py",
     "test_cli.py",
     "test_parallel_example.py",
@@ -213,8 +214,8 @@ SECOND_WORKER = {
 }
 #: ... and of its modules, these run last, once the first worker is done
 #: (pytest_runtest_protocol): jobs in a bucket whose leases expire in 2 s and
-#: that are frozen and woken, then the benchmark's commands, which keep both
-#: cores busy.
+#: that are frozen and woken (under load their jobs take twice as long), then
+#: the benchmark's commands.
 ALONE = ["test_bucket.py", "test_bucket_faults.py", "test_bench.py"]
 
 
