@@ -48,12 +48,21 @@ def stop_and_resume(world_size, flags, resumed, first=None):
     return example(world_size, *flags, "--checkpoint-dir", resumed)
 
 
+@pytest.fixture
+def shared_runs(request, world_size):
+    """On 4 ranks, the session's runs (conftest.py), started in this test's
+    setup: {"stopped": ..., "run": ...}; None otherwise."""
+    if world_size == 4:
+        return request.getfixturevalue("four_rank_runs")
+    return None
+
+
 @pytest.mark.launches
 @pytest.mark.parametrize(
     "world_size, split, schedule", [(4, "manual", "gpipe"), (2, "trace", "1f1b")]
 )
 def test_stopped_and_resumed_run_equals_uninterrupted_run(
-    request, tmp_path, world_size, split, schedule
+    shared_runs, tmp_path, world_size, split, schedule
 ):
     flags = [*STEPS, "--split", split, "--schedule", schedule]
     if world_size == 2:  # a tiny model: the same property, less to compute
@@ -62,12 +71,12 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
 
     if world_size == 4:  # these two runs are test_topology's too: conftest.py
         assert FOUR_RANK_FLAGS == flags
-        stopped, out = request.getfixturevalue("four_rank_stopped")
+        stopped, out = shared_runs["stopped"]
         assert sorted(p.name for p in stopped.iterdir()) == ["step-3"]
         shutil.copytree(stopped, resumed)
         first = subprocess.CompletedProcess([], 0, stdout=out)
         second = stop_and_resume(world_size, flags, resumed, first)
-        straight, out = request.getfixturevalue("four_rank_run")
+        straight, out = shared_runs["run"]
         third = subprocess.CompletedProcess([], 0, stdout=out)
     else:
         second = stop_and_resume(world_size, flags, resumed)
