@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -24,13 +23,11 @@ from pippy.checkpoint.storage import LocalStorage
 
 import helpers
 from helpers import (
-    EXAMPLE,
     TINY_FLAGS,
     Job,
     example,
     linear_state,
     loss_lines,
-    torchrun,
 )
 
 #: An uninterrupted run's flags: 30 steps, saved at 10, 20, 30.
@@ -233,32 +230,34 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_equal(
     assert "verified:" in out
 
 
+@pytest.fixture
+def big_reference(tmp_path):
+    """The run of test_torchrun_restarts_after_a_rank_killed_mid_save
+    uninterrupted (a pool's ranks): its output; its steps in tmp_path/alone."""
+    flags = [*BIG, "--steps", "4", "--save-every", "2"]
+    return example(2, *flags, "--checkpoint-dir", tmp_path / "alone")
+
+
 @pytest.mark.launches
-def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path):
+def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path, big_reference):
     """Rank 0, the coordinator, killed while step 4 is written: its staging
     folder is removed by the job that takes over, which resumes from step-2."""
     flags = [*BIG, "--steps", "4", "--save-every", "2"]
-    # The same run uninterrupted, the reference, runs meanwhile (it only
-    # slows the save that is caught).
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        alone = pool.submit(
-            torchrun, 2, EXAMPLE, *flags, "--checkpoint-dir", tmp_path / "alone"
-        )
-        job = Job(
-            *flags,
-            "--checkpoint-dir",
-            tmp_path / "restarted",
-            torchrun_flags=["--max-restarts=1"],
-            env=OWN_STORE,
-        )
-        try:
-            staging = tmp_path / "restarted"
-            job.wait_for(lambda: any(staging.glob(".step-4.partial-*")), timeout=180)
-            os.kill(job.worker(0), signal.SIGKILL)
-            code, out = job.finish(timeout=240)
-        finally:
-            job.kill()
-        alone = alone.result()
+    job = Job(
+        *flags,
+        "--checkpoint-dir",
+        tmp_path / "restarted",
+        torchrun_flags=["--max-restarts=1"],
+        env=OWN_STORE,
+    )
+    try:
+        staging = tmp_path / "restarted"
+        job.wait_for(lambda: any(staging.glob(".step-4.partial-*")), timeout=180)
+        os.kill(job.worker(0), signal.SIGKILL)
+        code, out = job.finish(timeout=240)
+    finally:
+        job.kill()
+    alone = big_reference
     assert code == 0, out
     assert "[rank 0] taking over" in out
     assert re.search(r"removed \.step-4\.partial-\w+, left by that job", out), out
