@@ -102,10 +102,18 @@ def traced(tmp_path):
     return tmp_path
 
 
-@pytest.mark.launches
-def test_only_rank_0_lists_or_looks_at_the_checkpoint_folder(traced):
+@pytest.fixture
+def stopped_at_2(traced):
+    """The example on NPROC ranks (a pool's), stopped after its save at step
+    2: its checkpoint folder, in a `traced` folder."""
     root = (traced / "ckpt").resolve()
     example(NPROC, *FLAGS, "--stop-after", "2", "--checkpoint-dir", root)
+    return root
+
+
+@pytest.mark.launches
+def test_only_rank_0_lists_or_looks_at_the_checkpoint_folder(traced, stopped_at_2):
+    root = stopped_at_2
     out = traced / "traces"
     out.mkdir()
     second = _traced_example(out, *FLAGS, "--checkpoint-dir", root)
