@@ -38,7 +38,6 @@ from helpers import (  # noqa: E402
     FOUR_RANK_FLAGS,
     TINY_RUN_FLAGS,
     example,
-    examples,
     start_s3_server,
     torchrun,
 )
@@ -126,36 +125,22 @@ def memory_launch(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def four_rank_runs(tmp_path_factory):
-    """The example on 4 ranks with FOUR_RANK_FLAGS, uninterrupted and stopped
-    after step 3 (--stop-after 3), on a pool of rank processes (rank_pool.py):
-    {"run": (folder, stdout), "stopped": (folder, stdout)}."""
-    folders = {
-        n: tmp_path_factory.mktemp(f"four-ranks-{n}") for n in ("run", "stopped")
-    }
-    run, stopped = examples(
-        (4, *FOUR_RANK_FLAGS, "--checkpoint-dir", folders["run"]),
-        (4, *FOUR_RANK_FLAGS, "--checkpoint-dir", folders["stopped"])
-        + ("--stop-after", 3),
-    )
-    return {
-        "run": (folders["run"], run.stdout),
-        "stopped": (folders["stopped"], stopped.stdout),
-    }
+def four_rank_run(tmp_path_factory):
+    """The example on 4 ranks with FOUR_RANK_FLAGS, uninterrupted, on a pool
+    of rank processes (rank_pool.py): (folder holding step-3 and step-6,
+    stdout). Read it; copy it to change it."""
+    folder = tmp_path_factory.mktemp("four-ranks-run")
+    run = example(4, *FOUR_RANK_FLAGS, "--checkpoint-dir", folder)
+    return folder, run.stdout
 
 
 @pytest.fixture(scope="session")
-def four_rank_run(four_rank_runs):
-    """The uninterrupted one: (folder holding step-3 and step-6, stdout).
-    Read it; copy it to change it."""
-    return four_rank_runs["run"]
-
-
-@pytest.fixture(scope="session")
-def four_rank_stopped(four_rank_runs):
-    """The one stopped after step 3: (folder holding step-3, stdout). Tests
-    resume from a copy of the folder."""
-    return four_rank_runs["stopped"]
+def four_rank_stopped(tmp_path_factory):
+    """The same run stopped after step 3 (--stop-after 3): (folder holding
+    step-3, stdout). Tests resume from a copy of the folder."""
+    folder = tmp_path_factory.mktemp("four-ranks-stopped")
+    flags = (*FOUR_RANK_FLAGS, "--checkpoint-dir", folder, "--stop-after", 3)
+    return folder, example(4, *flags).stdout
 
 
 @pytest.fixture(scope="session")
@@ -185,7 +170,8 @@ def s3_endpoint(tmp_path_factory):
 #: The fixtures that start Python processes: a test using one is marked
 #: ``launches``.
 LAUNCHING = {
-    "four_rank_runs",
+    "four_rank_run",
+    "four_rank_stopped",
     "tiny_run",
     "s3_endpoint",
     "stop_launch",
@@ -197,8 +183,8 @@ LAUNCHING = {
 #: two workers (pytest-xdist), one per core: the second runs these modules,
 #: the first the rest. Each session fixture's users stay on one worker, so it
 #: starts once (s3_endpoint and stop_launch here; the thread checks,
-#: four_rank_runs and memory_launch on the first), except tiny_run, which
-#: test_bucket.py's worker runs too.
+#: four_rank_run, four_rank_stopped and memory_launch on the first), except
+#: tiny_run, which test_bucket.py's worker runs too.
 SECOND_WORKER = {
     "test_one_rank_decides.py",
     "test_preemption.py",

@@ -48,12 +48,47 @@ def stop_and_resume(world_size, flags, resumed, first=None):
     return example(world_size, *flags, "--checkpoint-dir", resumed)
 
 
+def test_checkpoint_layout_one_file_per_rank_and_original_fqns(four_rank_run):
+    # A step of the example on 4 ranks, the default model (conftest.py).
+    world_size = 4
+    assert "--n-layers" not in FOUR_RANK_FLAGS and "--dim" not in FOUR_RANK_FLAGS
+    folder = four_rank_run[0] / "step-6"
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)] + [
+        "manifest.json"
+    ]
+
+    metadata = read_metadata(folder)
+    keys = set(metadata.state_dict_metadata)
+    model = GPT(ModelArgs())
+    assert {k for k in keys if k.startswith("model.")} == {
+        f"model.{k}" for k in model.state_dict()
+    }
+    # Every layer's weights sit in the file of the rank whose stage owns it,
+    # under the layer's global index.
+    files_of = {}
+    for index, info in metadata.storage_data.items():
+        files_of.setdefault(index.fqn, set()).add(info.relative_path)
+    for rank in range(world_size):
+        for layer in pippy.layer_range(rank, world_size, 8):
+            key = f"model.layers.{layer}.qkv.weight"
+            assert files_of[key] == {f"__{rank}_0.distcp"}
+            assert files_of[f"optim.state.layers.{layer}.qkv.weight.exp_avg"] == {
+                f"__{rank}_0.distcp"
+            }
+    assert files_of["model.tok_embeddings.weight"] == {"__0_0.distcp"}
+    assert files_of["model.output.weight"] == {f"__{world_size - 1}_0.distcp"}
+
+
 @pytest.fixture
 def shared_runs(request, world_size):
     """On 4 ranks, the session's runs (conftest.py), started in this test's
-    setup: {"stopped": ..., "run": ...}; None otherwise."""
+    setup if not yet: {"stopped": ..., "run": ...}; None otherwise."""
     if world_size == 4:
-        return request.getfixturevalue("four_rank_runs")
+        return {
+            "stopped": request.getfixturevalue("four_rank_stopped"),
+            "run": request.getfixturevalue("four_rank_run"),
+        }
     return None
 
 
@@ -94,38 +129,6 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(
     assert state_dict_size(a)[0] > 0
     assert offline.diff_state_dicts(a, b) == []
     assert a["step"] == 6
-
-
-def test_checkpoint_layout_one_file_per_rank_and_original_fqns(four_rank_run):
-    # A step of the example on 4 ranks, the default model (conftest.py).
-    world_size = 4
-    assert "--n-layers" not in FOUR_RANK_FLAGS and "--dim" not in FOUR_RANK_FLAGS
-    folder = four_rank_run[0] / "step-6"
-    files = sorted(p.name for p in folder.iterdir())
-    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(world_size)] + [
-        "manifest.json"
-    ]
-
-    metadata = read_metadata(folder)
-    keys = set(metadata.state_dict_metadata)
-    model = GPT(ModelArgs())
-    assert {k for k in keys if k.startswith("model.")} == {
-        f"model.{k}" for k in model.state_dict()
-    }
-    # Every layer's weights sit in the file of the rank whose stage owns it,
-    # under the layer's global index.
-    files_of = {}
-    for index, info in metadata.storage_data.items():
-        files_of.setdefault(index.fqn, set()).add(info.relative_path)
-    for rank in range(world_size):
-        for layer in pippy.layer_range(rank, world_size, 8):
-            key = f"model.layers.{layer}.qkv.weight"
-            assert files_of[key] == {f"__{rank}_0.distcp"}
-            assert files_of[f"optim.state.layers.{layer}.qkv.weight.exp_avg"] == {
-                f"__{rank}_0.distcp"
-            }
-    assert files_of["model.tok_embeddings.weight"] == {"__0_0.distcp"}
-    assert files_of["model.output.weight"] == {f"__{world_size - 1}_0.distcp"}
 
 
 @pytest.mark.launches
