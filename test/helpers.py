@@ -199,7 +199,7 @@ def example(nproc, *args, timeout=240, expect_ok=True, **options):
     kept across tests (rank_pool.py), as torchrun runs it but without a
     launcher: for runs whose subject is neither the launcher nor the process
     start. A CompletedProcess, each rank's output in turn. `options`:
-    rank_pool.run_example's (``cwd``, ``exit_check``)."""
+    rank_pool.run_example's (``cwd``, ``exit_check``, ``script``, ``env``)."""
     from rank_pool import run_example
 
     return run_example(nproc, *args, timeout=timeout, expect_ok=expect_ok, **options)

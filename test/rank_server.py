@@ -7,9 +7,9 @@ then, for each request read from stdin, one JSON line ``{"argv": [...],
 "port": N, "cwd": "...", "out": "...", "err": "...", "exit_check": false,
 "script": null, "env": {}}``, forks a process that runs the example's
 ``main`` (or ``script``, as ``python script ARGV`` would), with ``env``
-added to the environment torchrun gives a worker (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), its stdout
-and stderr (file descriptors 1 and 2) written to ``out`` and ``err``, and
-ends as a process does (atexit, threads joined). With ``exit_check``, the
+added to the environment torchrun gives a worker (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT), its stdout and stderr (file descriptors 1
+and 2) written to ``out`` and ``err``, and ends as a process does (atexit, threads joined). With ``exit_check``, the
 process's first exit handler prints how many torch modules are still alive,
 before any other handler has run. It answers each with one line, ``{"code":
 N}``: that process's exit status (-N for signal N). A run is a process of
@@ -64,7 +64,7 @@ def run_script(script: str, argv: list) -> None:
     ]
     for name, module in list(sys.modules.items()):
         where = os.path.dirname(getattr(module, "__file__", None) or "")
-        if where in ours:
+        if where in ours and name != "__main__":  # this server itself stays
             del sys.modules[name]
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")

@@ -230,21 +230,23 @@ def test_torchrun_restarts_after_a_killed_rank_and_ends_bitwise_equal(
     assert "verified:" in out
 
 
+#: The run a rank is killed in, while it saves step 4.
+KILLED_MID_SAVE = [*BIG, "--steps", "4", "--save-every", "2"]
+
+
 @pytest.fixture
 def big_reference(tmp_path):
-    """The run of test_torchrun_restarts_after_a_rank_killed_mid_save
-    uninterrupted (a pool's ranks): its output; its steps in tmp_path/alone."""
-    flags = [*BIG, "--steps", "4", "--save-every", "2"]
-    return example(2, *flags, "--checkpoint-dir", tmp_path / "alone")
+    """KILLED_MID_SAVE uninterrupted (a pool's ranks): its process; its steps
+    in tmp_path/alone."""
+    return example(2, *KILLED_MID_SAVE, "--checkpoint-dir", tmp_path / "alone")
 
 
 @pytest.mark.launches
 def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path, big_reference):
     """Rank 0, the coordinator, killed while step 4 is written: its staging
     folder is removed by the job that takes over, which resumes from step-2."""
-    flags = [*BIG, "--steps", "4", "--save-every", "2"]
     job = Job(
-        *flags,
+        *KILLED_MID_SAVE,
         "--checkpoint-dir",
         tmp_path / "restarted",
         torchrun_flags=["--max-restarts=1"],
@@ -257,7 +259,6 @@ def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path, big_reference)
         code, out = job.finish(timeout=240)
     finally:
         job.kill()
-    alone = big_reference
     assert code == 0, out
     assert "[rank 0] taking over" in out
     assert re.search(r"removed \.step-4\.partial-\w+, left by that job", out), out
@@ -266,7 +267,7 @@ def test_torchrun_restarts_after_a_rank_killed_mid_save(tmp_path, big_reference)
         "step-2",
         "step-4",
     ]
-    assert losses_by_step(out) == losses_by_step(alone.stdout)
+    assert losses_by_step(out) == losses_by_step(big_reference.stdout)
     assert_same_tensors(
         tmp_path / "restarted" / "step-4", tmp_path / "alone" / "step-4"
     )

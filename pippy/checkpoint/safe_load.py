@@ -849,8 +849,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's global plan, after checking that no required key is left unread."""
         global_plan = super().create_global_plan(global_plan)
         saved = self.metadata.state_dict_metadata if self.metadata else {}
-        everything = self.must_read == ("",)  # set-level work, not a loop in Python
-        unread = set(saved) if everything else set(filter(self._must_read, saved))
+        unread = (  # every key, the default: set-level work, not a loop in Python
+            set(saved)
+            if self.must_read == ("",)
+            else {key for key in saved if key.startswith(self.must_read)}
+        )
         for plan in global_plan:  # until all are read: one plan per stage, often
             if not unread:
                 return global_plan
@@ -866,10 +869,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             f"would be dropped: {shown}{' ...' if len(keys) > 8 else ''}. "
             f"{self._why_unread(keys, read)}"
         )
-
-    def _must_read(self, key: str) -> bool:
-        """Whether some rank must read the checkpoint's ``key`` (``must_read``)."""
-        return key.startswith(self.must_read)
 
     def _why_unread(self, unread: list[str], read: set[str]) -> str:
         """Why the checkpoint's keys that no rank reads are unread, and the fix."""
