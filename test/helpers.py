@@ -61,14 +61,15 @@ def _torchrun_command(nproc, script, args):
     ]
 
 
-def launch(nproc, script, *args, **popen_kwargs):
+def launch(nproc, script, *args, env=None, **popen_kwargs):
     """Starts `script` on `nproc` gloo ranks with torchrun; returns the launcher.
 
     For tests that act on a run while it goes on (signals, kills); the caller
-    waits for it with a timeout and kills it in a `finally`.
+    waits for it with a timeout and kills it in a `finally`. `env`: variables
+    to set beside the test's own.
     """
     cmd = _torchrun_command(nproc, script, args)
-    return subprocess.Popen(cmd, cwd=ROOT, env=_ENV, **popen_kwargs)
+    return subprocess.Popen(cmd, cwd=ROOT, env={**_ENV, **(env or {})}, **popen_kwargs)
 
 
 class Job:

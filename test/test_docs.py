@@ -6,20 +6,25 @@ one whose first line is ``# torchrun --nproc-per-node N ...`` runs on N ranks
 (a pool's, started as torchrun starts them: rank_pool.py).
 """
 
+import contextlib
 import os
 import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from pippy.checkpoint import offline
 from pippy.cli import parser
 
-from helpers import ROOT, example
+from helpers import ROOT, example, launch
 
 PAGES = ["README.md", "examples/checkpoint/README.md"]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -193,3 +198,61 @@ def test_the_readme_shows_what_the_example_prints(tmp_path):
     printed = {same(line) for line in run.stdout.splitlines()}
     assert len(shown) == 8 and [x for x in shown if x not in printed] == []
     assert f"python {SAMPLE_PYTHON}" in (ROOT / "README.md").read_text().lower()
+
+
+@pytest.mark.launches
+def test_the_readme_training_script_stops_saving_once_its_launcher_is_killed(tmp_path):
+    """README's "Your own training script" under torchrun, its launcher killed
+    with -9: the workers it leaves behind (which would train on and publish
+    steps beside a restarted job) refuse their next save, on every rank, and end."""
+    [code] = [
+        c
+        for c in snippets("README.md")
+        if c.startswith("# torchrun --nproc-per-node 2 train.py")
+    ]
+    constants = 'CHECKPOINT_DIR, STEPS, SAVE_EVERY = "my-checkpoints", 6, 3'
+    assert constants in code
+    folder = tmp_path / "my-checkpoints"
+    script = tmp_path / "train.py"
+    script.write_text(
+        code.replace(
+            constants, f'CHECKPOINT_DIR, STEPS, SAVE_EVERY = "{folder}", 10**9, 3'
+        )
+    )
+    launcher = launch(
+        2,
+        script,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={"PYTHONPATH": str(ROOT)},  # as run from the repository's root
+    )
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "step-3").is_dir():
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(
+                lines
+            )
+            time.sleep(0.01)
+        tasks = Path(f"/proc/{launcher.pid}/task").iterdir()
+        workers = [int(p) for t in tasks for p in (t / "children").read_text().split()]
+        assert len(workers) == 2
+        launcher.kill()  # the launcher alone: torchrun's workers outlive it
+        launcher.wait(timeout=30)
+        at_kill = {p.name for p in folder.iterdir() if p.name.startswith("step-")}
+        reader.join(timeout=60)  # the workers hold its pipe until they end
+        assert not reader.is_alive(), "the orphaned workers trained on"
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    out = "".join(lines)
+    refusal = "this worker's launcher (pid"
+    assert [line.count(refusal) for line in out.splitlines() if refusal in line]
+    after = {p.name for p in folder.iterdir() if p.name.startswith("step-")}
+    assert len(after - at_kill) <= 1  # at most the save under way at the kill

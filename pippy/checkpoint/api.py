@@ -38,7 +38,7 @@ from pippy.checkpoint.errors import (
     name_ranks,
     own_error,
 )
-from pippy.checkpoint.job import check_lease, lease_lost
+from pippy.checkpoint.job import check_launcher, check_lease, lease_lost
 from pippy.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -216,6 +216,10 @@ def take_state(
             naming it); at once without a process group.
         KeyCollisionError: From ``dcp.save``, as ``check_keys`` (also
             ``DivergedReplicasError`` and ``NestedStateError``), on every rank.
+        CheckpointDirInUseError: From ``dcp.save``, nothing written: this is
+            a torchrun worker whose launcher is gone
+            (:func:`~pippy.checkpoint.job.check_launcher`); ranks that did
+            not find it raise ``CheckpointError`` naming those that did.
     """
     step = step_of(state, step)
     stall.seconds(timeout)  # refused at once; the waits are the save's
@@ -240,7 +244,14 @@ def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
 
 
 def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str, Any]:
-    """:func:`take_state`'s part that each rank runs alone: the state, as ``step``."""
+    """:func:`take_state`'s part that each rank runs alone: the state, as ``step``.
+
+    Raises:
+        CheckpointDirInUseError: This torchrun worker's launcher is gone
+            (:func:`~pippy.checkpoint.job.check_launcher`).
+        ValueError: The state holds another step.
+    """
+    check_launcher()
     if isinstance(state, StageState):
         state_dict = state.state_dict()
     else:  # its Statefuls taken here, not in dcp.save: a failure reaches every rank
@@ -598,6 +609,7 @@ def save_stage(
             a ``thread_count`` under 1; nothing is written (the checkpoint
             folder may be created).
         CheckpointDirError: As :func:`publish_step`.
+        CheckpointDirInUseError: As :func:`take_state` and :func:`publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
         CheckpointTimeout: As :func:`publish_step`.

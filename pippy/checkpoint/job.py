@@ -3,7 +3,9 @@
 Two jobs that write one folder (a restart while the old job's workers still
 run, as a launcher killed with ``-9`` leaves them) delete and overwrite each
 other's saves. :class:`FolderOwner` lets one job at a time write a folder;
-:func:`stop_with_launcher` stops workers whose launcher died;
+every save of a torchrun worker whose launcher died is refused
+(:func:`check_launcher`, on by default) and :func:`stop_with_launcher` ends
+such workers at once;
 :class:`StopSignal` turns a preemption signal on any rank into a last save of
 one step by every rank, which must end within the launcher's grace period
 (``torchrun --shutdown-timeout``, Slurm's ``KillWait``, Kubernetes'
@@ -562,6 +564,43 @@ class FolderOwner:
         if self.token and self._record is not None and rank0:
             wait_for_deletions()
             self._record.release()
+
+
+#: Set to ``0`` to let a torchrun worker save on after its launcher is gone.
+LAUNCHER_CHECK_ENV = "PIPPY_LAUNCHER_CHECK"
+
+# This process's parent when it started (or was forked): under torchrun, its
+# launcher. A worker re-parented since is an orphan.
+_launcher = [os.getppid()]
+os.register_at_fork(after_in_child=lambda: _launcher.__setitem__(0, os.getppid()))
+
+
+def check_launcher() -> None:
+    """Refuses a save by a torchrun worker whose launcher is gone.
+
+    A ``torchrun`` killed with ``-9`` leaves its workers running, re-parented;
+    they would train on and publish steps beside the job restarted in their
+    place. Every save (:func:`~pippy.checkpoint.save_stage`,
+    :func:`~pippy.checkpoint.take_state`, :class:`~pippy.checkpoint.AsyncSaver`)
+    calls this first, inside DCP's planning, so all ranks raise together. It
+    compares the parent's pid with the one at start (one ``getppid``), and only
+    in a worker that torchrun started (``TORCHELASTIC_RUN_ID`` set).
+    ``PIPPY_LAUNCHER_CHECK=0`` turns it off; :func:`stop_with_launcher` ends
+    such a worker at once instead of at its next save.
+
+    Raises:
+        CheckpointDirInUseError: This torchrun worker's launcher is gone.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    if os.environ.get(LAUNCHER_CHECK_ENV, "1") == "0":
+        return
+    if os.getppid() != _launcher[0]:
+        raise CheckpointDirInUseError(
+            f"this worker's launcher (pid {_launcher[0]}) is gone, so a restarted "
+            "job may write the checkpoint folder now: nothing is saved, end this "
+            f"process ({LAUNCHER_CHECK_ENV}=0 saves anyway)"
+        )
 
 
 def stop_with_launcher(poll_seconds: float = 0.5) -> None:
