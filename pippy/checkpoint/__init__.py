@@ -15,7 +15,16 @@ spells ``dcp.save`` and ``dcp.load`` out uses their pieces::
     with load_into(state, reader) as state_dict:  # if one rank fails, all raise
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
-Also exported: :class:`AsyncSaver`, :func:`fail_together` and the errors.
+They are DCP's plug-ins, public by name for a script that builds them itself::
+
+    dcp.save(state_dict, storage_writer=StepWriter(checkpoint_dir, step),
+             planner=CheckedSavePlanner(mesh=mesh, step=step))
+    dcp.load(state_dict, storage_reader=SafeFileSystemReader(path),
+             planner=SafeLoadPlanner())
+
+(without the pieces' watch for stalled ranks, ``timeout``, and one error
+for a failure on any rank). Also exported: :class:`AsyncSaver`,
+:func:`fail_together` and the errors.
 The modules, one idea each:
 
 * ``api``: the save and the load sequence, and their pieces.
@@ -40,6 +49,8 @@ The modules, one idea each:
 """
 
 from pippy.checkpoint.api import (
+    CheckedSavePlanner,
+    StepWriter,
     load_into,
     load_stage,
     open_step,
@@ -61,11 +72,16 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     fail_together,
 )
-from pippy.checkpoint.safe_load import find_latest_step
+from pippy.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    find_latest_step,
+)
 from pippy.checkpoint.state import StageState
 
 __all__ = [
     "AsyncSaver",
+    "CheckedSavePlanner",
     "CheckpointDirError",
     "CheckpointDirInUseError",
     "CheckpointError",
@@ -74,7 +90,10 @@ __all__ = [
     "DivergedReplicasError",
     "KeyCollisionError",
     "NestedStateError",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "StageState",
+    "StepWriter",
     "TiedParametersError",
     "UnsafeCheckpointError",
     "fail_together",
