@@ -25,6 +25,7 @@ the step to resume from (:func:`find_latest_step`) and opens it
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -56,7 +57,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 from torch.torch_version import TorchVersion
 
-from pippy.checkpoint.checks import named_leaves
 from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -688,6 +688,13 @@ def _restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
     return torch.load(value, weights_only=not trusted)
 
 
+def _keys_read(plan: LoadPlan) -> list[str]:
+    """The keys a rank's local plan reads: as its planner listed them, or its items'."""
+    if isinstance(plan.planner_data, list):
+        return plan.planner_data
+    return [item.storage_index.fqn for item in plan.items]
+
+
 def _empty(item: Any) -> bool:
     """Whether a checkpoint item is a tensor of no element (nothing to read)."""
     return isinstance(item, TensorStorageMetadata) and 0 in item.size
@@ -740,14 +747,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """Removes the state of parameters saved without any, then sets up DCP's."""
-        wanted = [key for key, _ in named_leaves(state_dict)]
+        """DCP's, less the state of parameters saved without any."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        wanted = list(self.state_dict)  # as DCP flattened them
         saved = metadata.state_dict_metadata if metadata is not None else {}
         self._keys, self._parser = (wanted, saved), None
         self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
-        if metadata is not None:
-            _drop_leaves(state_dict, stateless_keys(wanted, saved))
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        stateless = stateless_keys(wanted, saved) if metadata is not None else ()
+        if stateless:  # not loaded: dropped from DCP's view and the caller's dict
+            _drop_leaves(state_dict, stateless)
+            for key in stateless:
+                del self.state_dict[key]
 
     def _optim_section(self, key: str) -> str | None:
         """The optimizer section of a dotted key (``state``, ...), or None."""
@@ -793,7 +803,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
                 f"{self._fix_for(problems, saved)}"
             )
-        return super().create_local_plan()
+        plan = super().create_local_plan()
+        # The keys this rank reads, for the coordinator's check that every key
+        # is read: the same str objects as the items' (pickle sends each once).
+        return dataclasses.replace(
+            plan, planner_data=[item.storage_index.fqn for item in plan.items]
+        )
 
     def _in_model(self, keys: Any) -> bool:
         """Whether some of the keys are the model's or the optimizer's."""
@@ -857,11 +872,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         for plan in global_plan:  # until all are read: one plan per stage, often
             if not unread:
                 return global_plan
-            unread.difference_update([item.storage_index.fqn for item in plan.items])
+            unread.difference_update(_keys_read(plan))
         unread = {key for key in unread if not _empty(saved[key])}
         if not unread:
             return global_plan
-        read = {item.storage_index.fqn for plan in global_plan for item in plan.items}
+        read = {key for plan in global_plan for key in _keys_read(plan)}
         keys = sorted(unread)
         shown = ", ".join(repr(k) for k in keys[:8])
         raise CheckpointError(
