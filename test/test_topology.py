@@ -2,6 +2,7 @@
 un-split model, FSDP2, weights-only starts, several nodes, per-stage memory."""
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -78,6 +79,26 @@ def test_init_from_takes_the_weights_and_nothing_else(tmp_path, uninterrupted):
     }
     assert adam_steps == {1.0}  # a fresh optimizer, one step old
     assert new["lr_scheduler.last_epoch"] == 1
+
+
+def test_init_from_a_hugging_face_folder_takes_its_weights(tmp_path, uninterrupted):
+    """The weights of step-6, exported as safetensors shards with an index,
+    start a new run on 2 ranks: each rank reads its stage's tensors."""
+    source = uninterrupted[0] / "step-6"
+    hf = tmp_path / "hf"
+    offline.export_hf(source, hf, config={"model_type": "gpt"}, max_shard_size=50_000)
+    assert (hf / "model.safetensors.index.json").is_file()
+    flags = ["--steps", "1", "--lr", "0", "--init-from", hf]
+    run = example(2, *flags, "--checkpoint-dir", tmp_path / "ckpt")
+    assert f"starting from the weights of {hf}" in run.stdout
+    assert re.search(r"^\[rank 1\] stage 1: loaded \d+ tensors", run.stdout, re.M)
+    new, old = (
+        offline.read_checkpoint(tmp_path / "ckpt" / "step-1"),
+        offline.read_checkpoint(source),
+    )
+    model_keys = [k for k in old if k.startswith("model.")]
+    assert model_keys and all(torch.equal(new[k], old[k]) for k in model_keys)
+    assert new["step"] == 1 and new["lr_scheduler.last_epoch"] == 1
 
 
 @pytest.fixture(scope="module")

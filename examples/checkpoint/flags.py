@@ -96,7 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="seed of the weights and data order")
     add("--keep-last", type=_positive, help="keep only the newest K complete steps")
     add("--async-save", action="store_true", help="save in the background")
-    add("--init-from", help="a step folder whose weights start a new run")
+    start = "a step folder, or a Hugging Face one, whose weights start a new run"
+    add("--init-from", help=start)
     add("--data", help="a text file to train on (default: the stdlib's .py files)")
     stop = "SIGTERM,SIGUSR1"
     add("--stop-signals", type=_signals, default=stop, help="on these: save, stop")

@@ -120,7 +120,8 @@ def load(
 
 def resume(state: checkpoint.StageState, args, layout) -> None:
     """From the newest complete step (one whose save finished), else the weights
-    alone of --init-from (optimizer, schedule and step start afresh)."""
+    alone of --init-from, a step or a Hugging Face folder (optimizer, schedule
+    and step start afresh)."""
     # Rank 0 lists the folder, every rank gets its answer. --skip-damaged (a
     # restart loop): rank 0 verifies the newest steps first, moving aside those
     # damaged since they were saved, and logs them.
@@ -128,6 +129,15 @@ def resume(state: checkpoint.StageState, args, layout) -> None:
     latest = checkpoint.find_latest_step(folder, verified=verified)
     source = latest or args.init_from
     if source is None:
+        return
+    if not latest and Path(source, "config.json").is_file():  # a Hugging Face folder
+        # Safetensors shards hold no pickle: each rank reads its own tensors.
+        start = time.perf_counter()
+        tensors = checkpoint.load_hf_stage(state, source)
+        if dist.get_rank() == 0:
+            log(f"starting from the weights of {source}")
+        nbytes = held(state.module.state_dict())[1]
+        report(layout, f"loaded {tensors} tensors", nbytes, f"from {source}", start)
         return
     # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
     # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), damaged files and keys that

@@ -32,6 +32,7 @@ The modules, one idea each:
 * ``checks``: ``check_keys`` across ranks before a save (DCP would keep one copy
   of a colliding key, mixing diverged replicas); tied weights, traced buffers.
 * ``errors``: the error classes; one error per failure on any rank.
+* ``hf``: start from a Hugging Face folder, each rank reading its own tensors.
 * ``job``: the job guards: one writer per folder (``FolderOwner``, a lease on
   an object store); a last save on preemption within the launcher's deadline
   (``StopSignal``, ``stop_with_launcher``).
@@ -72,6 +73,7 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     fail_together,
 )
+from pippy.checkpoint.hf import StageReader, load_hf_stage
 from pippy.checkpoint.safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -92,12 +94,14 @@ __all__ = [
     "NestedStateError",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
+    "StageReader",
     "StageState",
     "StepWriter",
     "TiedParametersError",
     "UnsafeCheckpointError",
     "fail_together",
     "find_latest_step",
+    "load_hf_stage",
     "load_into",
     "load_stage",
     "open_step",

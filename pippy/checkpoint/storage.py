@@ -349,6 +349,48 @@ class DurableFileSystem(_Checksumming, FileSystem):
         return _DurableWriter(io.FileIO(os.fspath(path), "wb"))
 
 
+class RangeFile:
+    """A local file read by byte ranges (``pread``), with no readahead.
+
+    For readers that want a few ranges of large files (a stage's tensors in a
+    model's shards): ``POSIX_FADV_RANDOM`` turns the file's readahead off, so
+    the disk reads what is asked for. Use it as a context manager.
+
+    Args:
+        path: A local file.
+
+    Attributes:
+        name: The file's name, for messages.
+        size: Its size in bytes.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.name = os.path.basename(os.fspath(path))
+        self.fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.size = os.fstat(self.fd).st_size
+
+    def __enter__(self) -> RangeFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes from ``offset`` (fewer at the end of the file)."""
+        return os.pread(self.fd, length, offset)
+
+    def read_into(self, buffer: memoryview, offset: int) -> int:
+        """Fills ``buffer`` from ``offset``; the bytes read (fewer at the end)."""
+        done = 0
+        while done < len(buffer):
+            got = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if got == 0:
+                break
+            done += got
+        return done
+
+
 class LocalStorage(Storage):
     """A POSIX folder: write, flush, fsync, rename, fsync the folder; hard links."""
 

@@ -1,0 +1,296 @@
+"""Start from a Hugging Face folder: every rank reads only its own stage's tensors.
+
+A stage built with :func:`pippy.build_stage_module` keeps the un-split
+model's FQNs, the names ``save_pretrained`` gives its tensors, so each rank
+loads its stage's weights straight from the ``*.safetensors`` shards through
+DCP (``dcp.load`` with DCP's ``HuggingFaceStorageReader``, whose reads
+:class:`StageReader` replaces): it reads each shard's header, then only its
+own tensors' bytes (an FSDP2 shard: its rows), with ``pread`` into the
+stage's tensors. DCP's own reader maps each shard whole, and the kernel's
+readahead (8 MB per fault on some machines) then reads far beyond the stage.
+Safetensors holds no pickled code. The folder's files must lie inside it,
+and every tensor of the stage must be in it with its shape and dtype
+(:class:`~pippy.checkpoint.SafeLoadPlanner`'s checks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import _getdtype
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.futures import Future
+from torch.nn.parallel import DistributedDataParallel
+
+from pippy.checkpoint.checks import tied_groups
+from pippy.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+    explain_failures,
+)
+from pippy.checkpoint.safe_load import SafeLoadPlanner
+from pippy.checkpoint.state import StageState
+from pippy.checkpoint.storage import LocalStorage, RangeFile, is_url
+
+__all__ = ["StageReader", "load_hf_stage"]
+
+#: The index ``save_pretrained`` writes beside sharded weights.
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def check_folder(folder: str | os.PathLike) -> list[str]:
+    """Checks a Hugging Face folder before DCP's reader opens its shards.
+
+    Returns:
+        The names of its ``*.safetensors`` files, sorted.
+
+    Raises:
+        CheckpointNotFoundError: ``folder`` is not a local folder, or holds no
+            ``*.safetensors`` file.
+        UnsafeCheckpointError: A shard in it, or one its index names,
+            resolves outside it (a link).
+        CheckpointError: A shard its index names is missing.
+    """
+    storage = LocalStorage()
+    if is_url(folder) or not storage.is_dir(folder):
+        raise CheckpointNotFoundError(
+            f"no Hugging Face folder at {os.fspath(folder)!r}: pass the local "
+            "folder that save_pretrained wrote (config.json, *.safetensors)"
+        )
+    shards = [n for n in storage.listdir(folder) if n.endswith(".safetensors")]
+    if not shards:
+        raise CheckpointNotFoundError(
+            f"{os.fspath(folder)!r} holds no *.safetensors file: pass the folder "
+            "that save_pretrained wrote"
+        )
+    named = list(shards)
+    index = storage.join(folder, INDEX_FILE)
+    if storage.exists(index):
+        named += json.loads(storage.read_bytes(index)).get("weight_map", {}).values()
+    root = storage.same_place(folder)
+    for name in sorted(set(named)):
+        path = storage.same_place(storage.join(folder, name))
+        if not path.is_relative_to(root) or path == root:
+            raise UnsafeCheckpointError(
+                f"{name!r} in {os.fspath(folder)!r} resolves to {str(path)!r}, "
+                "outside the folder: refused; copy the shards into it"
+            )
+        if storage.size(path) is None:
+            raise CheckpointError(
+                f"{os.fspath(folder)!r} lacks {name!r}, which its {INDEX_FILE} "
+                "names: copy the whole folder save_pretrained wrote"
+            )
+    return shards
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a tensor's bytes lie: its shard, their first byte, shape and dtype."""
+
+    path: str
+    start: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _header(file: RangeFile) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header (8 bytes of length, then JSON) and its size."""
+    head = file.read(0, 8)
+    (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+    if not 0 < length <= file.size - 8:
+        raise CheckpointError(f"{file.name} is not a safetensors file (its header)")
+    try:
+        return 8 + length, json.loads(file.read(8, length))
+    except ValueError as e:
+        raise CheckpointError(
+            f"{file.name}'s safetensors header is damaged: {e}"
+        ) from None
+
+
+def _read_into(file: RangeFile, tensor: torch.Tensor, offset: int) -> None:
+    """Fills a contiguous CPU tensor with the file's bytes from ``offset``."""
+    view = tensor.reshape(-1).view(torch.uint8).numpy().data  # writable, no copy
+    if file.read_into(view, offset) < len(view):
+        raise CheckpointError(f"{file.name} ends inside a tensor (truncated)")
+
+
+class StageReader(HuggingFaceStorageReader):
+    """DCP's Hugging Face reader, reading each tensor's own bytes and no more.
+
+    The metadata comes from each shard's header (two ``pread`` calls); a
+    tensor (or the rows of it that an FSDP2 shard holds) is read with
+    ``pread`` straight into the stage's tensor, the file opened with
+    ``POSIX_FADV_RANDOM`` so that the kernel reads nothing ahead. A header
+    whose tensors overlap it or lie past the file's end is refused. Made by
+    :func:`load_hf_stage`.
+
+    Args:
+        path: The folder ``save_pretrained`` wrote.
+    """
+
+    def read_metadata(self) -> Metadata:
+        """Every shard's tensors, from its header alone."""
+        tensors: dict[str, TensorStorageMetadata] = {}
+        self.storage_data = places = {}
+        for name in check_folder(self.path):
+            path = os.path.join(self.path, name)
+            with RangeFile(path) as file:
+                data, header = _header(file)
+            size = file.size
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                try:
+                    dtype, shape = _getdtype(entry["dtype"]), tuple(entry["shape"])
+                    begin, end = entry["data_offsets"]
+                except (KeyError, TypeError, ValueError):
+                    raise CheckpointError(
+                        f"{name}'s header entry for {key!r} is damaged"
+                    ) from None
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not (0 <= begin and end - begin == nbytes and data + end <= size):
+                    raise CheckpointError(
+                        f"{key!r} in {name} does not fit the file: its "
+                        "header is damaged, or the file was cut short"
+                    )
+                tensors[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=dtype),
+                    size=torch.Size(shape),
+                    chunks=[
+                        ChunkStorageMetadata(
+                            torch.Size([0] * len(shape)), torch.Size(shape)
+                        )
+                    ],
+                )
+                index = MetadataIndex(fqn=key, offset=[0] * len(shape))
+                places[index] = _Place(path, data + begin, shape, dtype)
+        metadata = Metadata(state_dict_metadata=dict(tensors), storage_data=places)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Reads each requested tensor's bytes (or its rows) into its target."""
+        by_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            place = self.storage_data[item.storage_index]
+            by_file.setdefault(place.path, []).append((item, place))
+        for path, items in by_file.items():
+            with RangeFile(path) as file:
+                for item, place in items:
+                    self._read(file, item, place, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read(
+        self, file: RangeFile, item: Any, place: _Place, planner: LoadPlanner
+    ) -> None:
+        """One read item: the rows it wants, into its target if it can take them."""
+        shape, offsets, lengths = place.shape, item.storage_offsets, item.lengths
+        first, rows = (offsets[0], lengths[0]) if shape else (0, 1)
+        row_bytes = math.prod(shape[1:]) * place.dtype.itemsize
+        target = planner.resolve_tensor(item).detach()
+        direct = (  # its block is one byte range, and the target can take it
+            tuple(lengths[1:]) == shape[1:]
+            and target.device.type == "cpu"
+            and target.dtype == place.dtype
+            and target.is_contiguous()
+        )
+        rows_shape = (rows, *shape[1:]) if shape else ()
+        block = target if direct else torch.empty(rows_shape, dtype=place.dtype)
+        _read_into(file, block, place.start + first * row_bytes)
+        if not direct:
+            cut = zip(offsets[1:], lengths[1:], strict=True)
+            inner = (slice(None), *(slice(o, o + n) for o, n in cut))
+            target.copy_(block[inner] if shape else block)
+        planner.commit_tensor(item, target)
+
+
+def _weights(modules: Iterable[nn.Module]) -> dict[str, Any]:
+    """The modules' weights by FQN, each tied parameter under its first name.
+
+    DCP's ``get_model_state_dict`` (DDP's prefix left out, FSDP2's shards as
+    DTensors); a tied parameter once, as ``save_pretrained`` stores it.
+    """
+    state_dict: dict[str, Any] = {}
+    for module in modules:
+        taken = get_model_state_dict(module)
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        for group in tied_groups(inner):
+            for alias in group[1:]:
+                taken.pop(alias, None)
+        state_dict.update(taken)
+    return state_dict
+
+
+def load_hf_stage(
+    stages: StageState | nn.Module | Iterable[nn.Module],
+    folder: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> int:
+    """Loads this rank's stage(s) from a Hugging Face folder, in place, on every rank.
+
+    Each rank reads only the tensors of its own stage(s) from the
+    ``*.safetensors`` shards ``save_pretrained`` wrote (their headers, then
+    its tensors; FSDP2 shards only their slices). Weights only: an
+    optimizer, LR schedule and step start afresh. Call it on every rank of
+    ``process_group`` at once.
+
+    Args:
+        stages: The stage's :class:`~pippy.checkpoint.StageState` (its modules
+            are loaded), a stage module, or a rank's stage modules. Their
+            FQNs must be the un-split model's (``pippy.build_stage_module``).
+        folder: The folder ``save_pretrained`` wrote.
+        process_group: The ranks that load; the default group if None.
+
+    Returns:
+        The number of tensors this rank loaded.
+
+    Raises:
+        CheckpointNotFoundError: ``folder`` is not a folder, or holds no
+            ``*.safetensors`` file.
+        UnsafeCheckpointError: A shard in the folder, or one its index names,
+            resolves outside it (a link).
+        CheckpointError: A tensor of the stage is missing from the folder, or
+            has another shape or dtype there (the message names them, on
+            every rank).
+    """
+    if isinstance(stages, StageState):
+        modules = [stages.module]
+    elif isinstance(stages, nn.Module):
+        modules = [stages]
+    else:
+        modules = list(stages)
+    check_folder(folder)
+    state_dict = _weights(modules)
+    reader = StageReader(os.fspath(folder))
+    with explain_failures(f"loading {os.fspath(folder)}"):
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(must_read=()),
+            process_group=process_group,
+        )
+    return len(state_dict)

@@ -1,0 +1,223 @@
+"""Stages started from a Hugging Face folder that `save_pretrained` wrote in
+several shards: every rank loads only its stage's tensors, bitwise those of
+`from_pretrained`; a folder that does not fit is refused in one line."""
+
+import os
+
+import pytest
+import torch
+from ranks import run_ranks
+
+from pippy import checkpoint
+from pippy.checkpoint.hf import StageReader, load_hf_stage
+
+from helpers import HF_SPLIT, hf_config, hf_model_class, hf_stage
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny Llama saved in shards of at most 20 KB, with their index, and
+    its weights as `from_pretrained` reads them."""
+    folder = tmp_path_factory.mktemp("llama-hf")
+    torch.manual_seed(0)
+    model = hf_model_class("llama")(hf_config("llama"))
+    model.save_pretrained(folder, max_shard_size="20KB")
+    shards = sorted(p.name for p in folder.glob("*.safetensors"))
+    assert len(shards) > 4 and (folder / "model.safetensors.index.json").is_file()
+    loaded = hf_model_class("llama").from_pretrained(folder)
+    return folder, {k: v.clone() for k, v in loaded.state_dict().items()}
+
+
+def stages_on_rank(rank, world_size, folder, stages_per_rank):
+    """This rank's stages (r, r + world_size, ...), loaded from the folder."""
+    num_stages = world_size * stages_per_rank
+    modules = [
+        hf_stage("llama", s, num_stages, seed=1)
+        for s in range(rank, num_stages, world_size)
+    ]
+    count = load_hf_stage(modules, folder)
+    return count, {k: v for m in modules for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("ranks, stages_per_rank", [(2, 1), (2, 2), (4, 1)])
+def test_stages_load_their_own_tensors_bitwise(pretrained, ranks, stages_per_rank):
+    folder, whole = pretrained
+    results = run_ranks(ranks, stages_on_rank, folder, stages_per_rank)
+    seen = set()
+    for count, weights in results:
+        assert count == len(weights) and weights
+        for key, value in weights.items():
+            assert torch.equal(value, whole[key]), key
+        assert seen.isdisjoint(weights)  # each stage's own keys
+        seen |= set(weights)
+    assert seen == set(whole)  # together, the whole model
+
+
+def test_a_stage_state_loads_its_modules_weights(pretrained):
+    folder, whole = pretrained
+    module = hf_stage("llama", 0, 1, seed=1)
+    optimizer = torch.optim.AdamW(module.parameters())
+    state = checkpoint.StageState(module, optimizer)
+    assert load_hf_stage(state, folder) == len(whole)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, whole[key]), key
+    assert state.step == 0 and not optimizer.state  # weights only
+
+
+def copied(folder, to):
+    """A copy of the folder, and its shards' names in order."""
+    to.mkdir()
+    for p in folder.iterdir():
+        (to / p.name).write_bytes(p.read_bytes())
+    return to, sorted(p.name for p in to.glob("*.safetensors"))
+
+
+def test_a_missing_shard_is_named(pretrained, tmp_path):
+    folder, shards = copied(pretrained[0], tmp_path / "hf")
+    (folder / shards[1]).unlink()
+    module = hf_stage("llama", 0, 1)
+    with pytest.raises(checkpoint.CheckpointError, match=f"lacks '{shards[1]}'"):
+        load_hf_stage(module, folder)
+
+
+def test_a_tensor_missing_from_every_shard_is_named(pretrained, tmp_path):
+    folder, shards = copied(pretrained[0], tmp_path / "hf")
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / shards[1]).unlink()
+    module = hf_stage("llama", 0, 1)
+    with pytest.raises(checkpoint.CheckpointError, match="is not in the checkpoint"):
+        load_hf_stage(module, folder)
+
+
+def test_another_dtype_is_refused(pretrained, tmp_path):
+    model = hf_model_class("llama").from_pretrained(pretrained[0])
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    module = hf_stage("llama", 0, 1)
+    with pytest.raises(
+        checkpoint.CheckpointError, match="is torch.bfloat16 in the checkpoint"
+    ):
+        load_hf_stage(module, tmp_path / "bf16")
+
+
+def test_another_shape_is_refused(pretrained, tmp_path):
+    config = hf_config("llama")
+    config.intermediate_size = 48
+    hf_model_class("llama")(config).save_pretrained(tmp_path / "other")
+    module = hf_stage("llama", 0, 1)
+    with pytest.raises(checkpoint.CheckpointError, match="has shape"):
+        load_hf_stage(module, tmp_path / "other")
+
+
+def test_a_shard_linked_from_outside_the_folder_is_refused(pretrained, tmp_path):
+    folder, shards = copied(pretrained[0], tmp_path / "hf")
+    shard = folder / shards[2]
+    outside = tmp_path / "elsewhere.safetensors"
+    shard.rename(outside)
+    os.symlink(outside, shard)
+    module = hf_stage("llama", 0, 1)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="outside the folder"):
+        load_hf_stage(module, folder)
+    for key, value in module.state_dict().items():  # nothing read
+        assert torch.equal(value, before[key])
+
+
+def test_a_path_that_is_no_folder_is_refused(tmp_path):
+    module = hf_stage("llama", 0, 1)
+    with pytest.raises(checkpoint.CheckpointNotFoundError, match="no Hugging Face"):
+        load_hf_stage(module, tmp_path / "nowhere")
+
+
+def fsdp_stage_on_rank(rank, world_size, folder):
+    """A (dp 2, pp 2) mesh: this rank's stage, FSDP2-sharded over dp, loaded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    module = hf_stage("llama", mesh.get_local_rank("pp"), 2, seed=1)
+    fully_shard(module, mesh=mesh["dp"])
+    shards = {k: v.to_local().clone() for k, v in module.state_dict().items()}
+    load_hf_stage(module, folder)
+    loaded = module.state_dict()
+    local = {k: v.to_local() for k, v in loaded.items()}
+    return {k: v.full_tensor() for k, v in loaded.items()}, shards, local
+
+
+def test_fsdp2_shards_over_dp_load_their_slices_bitwise(pretrained):
+    folder, whole = pretrained
+    seen = set()
+    for weights, before, local in run_ranks(4, fsdp_stage_on_rank, folder):
+        for key, value in weights.items():
+            assert torch.equal(value, whole[key]), key
+            assert local[key].shape == before[key].shape  # still its shard
+        seen |= set(weights)
+    assert seen == set(whole)
+
+
+def columns_on_rank(rank, world_size, folder):
+    """Tensor-parallel columns (Shard(1)) of one weight: rows read, then cut."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    key = "model.layers.1.mlp.up_proj.weight"
+    empty = torch.zeros(hf_config("llama").intermediate_size, 32)
+    loaded = {key: distribute_tensor(empty, mesh, [Shard(1)])}
+    dcp.load(
+        loaded,
+        storage_reader=StageReader(str(folder)),
+        planner=checkpoint.SafeLoadPlanner(must_read=()),
+    )
+    return key, loaded[key].to_local().clone(), loaded[key].full_tensor()
+
+
+def test_column_shards_read_their_columns(pretrained):
+    folder, whole = pretrained
+    for rank, (key, local, full) in enumerate(run_ranks(2, columns_on_rank, folder)):
+        assert torch.equal(full, whole[key])
+        assert torch.equal(local, whole[key][:, rank * 16 : (rank + 1) * 16])
+
+
+def read_bytes():
+    """Bytes this process has had read from the disk (page-cache misses)."""
+    for line in open("/proc/self/io"):
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def test_each_stage_reads_its_own_bytes_from_the_disk(tmp_path):
+    """4 stages of an 8-layer Llama (34 MB, in 4 shards or more), each loaded
+    with the shards out of the page cache: the disk reads are the stage's
+    tensors, within 10%, not the model (the kernel reads 8 MB ahead here)."""
+    import pippy
+
+    config = hf_config("llama")
+    config.update(dict(vocab_size=1024, hidden_size=256, intermediate_size=1024))
+    config.num_hidden_layers = 8
+    cls = hf_model_class("llama")
+    torch.manual_seed(0)
+    model = cls(config)
+    total = sum(t.nbytes for t in model.state_dict().values())
+    model.save_pretrained(tmp_path, max_shard_size=total // 4 + 1)
+    shards = list(tmp_path.glob("*.safetensors"))
+    assert len(shards) >= 4
+    for stage in range(4):
+        module = pippy.build_stage_module(
+            lambda: cls(config), stage, 4, device="cpu", **HF_SPLIT["llama"]
+        )
+        own = sum(t.nbytes for t in module.state_dict().values())
+        for shard in shards:  # out of the page cache: each read is the disk's
+            fd = os.open(shard, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        before = read_bytes()
+        load_hf_stage(module, tmp_path)
+        read = read_bytes() - before
+        assert own <= read <= 1.1 * own, (stage, own, read, total)
+        for key, value in module.state_dict().items():
+            assert torch.equal(value, model.state_dict()[key]), key
