@@ -55,6 +55,48 @@ def test_stages_load_their_own_tensors_bitwise(pretrained, ranks, stages_per_ran
     assert seen == set(whole)  # together, the whole model
 
 
+def qwen3():
+    """A tiny Qwen3 (QK-norm, explicit head_dim): its config and class."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    return config, Qwen3ForCausalLM
+
+
+def qwen3_stage_on_rank(rank, world_size, folder):
+    import pippy
+
+    config, cls = qwen3()
+    module = pippy.build_stage_module(
+        lambda: cls(config), rank, world_size, device="cpu", **HF_SPLIT["llama"]
+    )
+    load_hf_stage(module, folder)
+    return module.state_dict()
+
+
+def test_qwen3_stages_load_bitwise(tmp_path):
+    config, cls = qwen3()
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path, max_shard_size="20KB")
+    whole = cls.from_pretrained(tmp_path).state_dict()
+    seen = set()
+    for weights in run_ranks(2, qwen3_stage_on_rank, tmp_path):
+        for key, value in weights.items():
+            assert torch.equal(value, whole[key]), key
+        seen |= set(weights)
+    assert seen == set(whole)
+
+
 def test_a_stage_state_loads_its_modules_weights(pretrained):
     folder, whole = pretrained
     module = hf_stage("llama", 0, 1, seed=1)
@@ -221,3 +263,33 @@ def test_each_stage_reads_its_own_bytes_from_the_disk(tmp_path):
         assert own <= read <= 1.1 * own, (stage, own, read, total)
         for key, value in module.state_dict().items():
             assert torch.equal(value, model.state_dict()[key]), key
+
+
+def test_experts_stored_one_by_one_are_refused_naming_the_fused_keys(tmp_path):
+    """transformers stores Mixtral's experts one by one and fuses them into
+    one tensor per layer when it loads; a stage holds the fused tensors, which
+    the folder lacks: refused, naming them, nothing converted silently."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    import pippy
+
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    MixtralForCausalLM(config).save_pretrained(tmp_path)
+    module = pippy.build_stage_module(
+        lambda: MixtralForCausalLM(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
+    )
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"'model\.layers\.0\.mlp\.experts\.down_proj' is not in the checkpoint",
+    ):
+        load_hf_stage(module, tmp_path)
