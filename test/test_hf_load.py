@@ -138,7 +138,7 @@ def test_another_dtype_is_refused(pretrained, tmp_path):
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
     module = hf_stage("llama", 0, 1)
     with pytest.raises(
-        checkpoint.CheckpointError, match="is torch.bfloat16 in the checkpoint"
+        checkpoint.CheckpointError, match="in the checkpoint.s dtype .torch.bfloat16"
     ):
         load_hf_stage(module, tmp_path / "bf16")
 

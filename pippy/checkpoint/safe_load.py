@@ -770,6 +770,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Checks every requested key (present, shape, dtype), then plans."""
         saved = self.metadata.state_dict_metadata if self.metadata else {}
         problems: dict[str, str] = {}  # key: what is wrong with it
+        retyped: dict[str, torch.dtype] = {}  # key: its dtype in the checkpoint
         for key, value in self.state_dict.items():
             item = saved.get(key)
             if item is None:
@@ -788,6 +789,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                         f"{key!r} is {item.properties.dtype} in the checkpoint, "
                         f"{value.dtype} here"
                     )
+                    retyped[key] = item.properties.dtype
         if problems:
             shown = "; ".join(list(problems.values())[:6])
             sections = {_section(self.layout_name(k)) for k in problems}
@@ -798,10 +800,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 if self._in_model(problems)
                 else "this run's state"
             )
+            fix = (
+                "Build it in the checkpoint's dtype "
+                f"({', '.join(sorted({str(d) for d in retyped.values()}))}, for "
+                "example with module.to(dtype)) before loading; a load would "
+                "cast every tensor."
+                if len(retyped) == len(problems)
+                else self._fix_for(problems, saved)
+            )
             raise CheckpointError(
                 f"the checkpoint does not match {what} ({len(problems)} "
-                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
-                f"{self._fix_for(problems, saved)}"
+                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. {fix}"
             )
         plan = super().create_local_plan()
         # The keys this rank reads, for the coordinator's check that every key
