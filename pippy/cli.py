@@ -72,12 +72,12 @@ def _parse_size(text: str) -> int:
 
 
 def _human(n: float) -> str:
-    """A byte count as B, KiB, MiB or GiB."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
+    """A byte count as B, kB, MB or GB (powers of 1,000, as the example prints)."""
+    for unit in ("B", "kB", "MB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def _table(header: list[str], rows: list[list], right: set[int]) -> None:

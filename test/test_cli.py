@@ -144,7 +144,7 @@ def test_inspect_totals_count_the_keys_and_files_shown(run, capsys):
     assert files["total"] == [count, nbytes, on_disk]  # that file alone, as shown
     # The whole step, .metadata and manifest.json with it, on a line of its own.
     assert re.search(
-        rf"^{re.escape(str(step))}: [\d.]+ [KM]iB on disk in all "
+        rf"^{re.escape(str(step))}: [\d.]+ [kMG]B on disk in all "
         r"\(also \.metadata, manifest\.json\)$",
         out,
         re.M,

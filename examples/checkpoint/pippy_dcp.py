@@ -241,8 +241,9 @@ def save_now(state, args, layout: parallel.Layout, saver) -> float:
         saver.save(state)
         what, where = f"staged {tensors} tensors", f"for step-{state.step}"
     else:  # an entry several ranks hold (a dp replica, the data order) is written
-        wrote, nbytes = save(state, args, layout.mesh)  # once, by one of them
-        what, where = f"saved {wrote} of its {tensors} tensors", f"to step-{state.step}"
+        wrote = save(state, args, layout.mesh)[0]  # once, by one of them
+        here = f" ({wrote} written here)" if wrote != tensors else ""
+        what, where = f"saved {tensors} tensors{here}", f"to step-{state.step}"
     report(layout, what, nbytes, where, start)
     return time.perf_counter() - start
 
