@@ -172,13 +172,18 @@ def test_a_path_that_is_no_folder_is_refused(tmp_path):
         load_hf_stage(module, tmp_path / "nowhere")
 
 
-def fsdp_stage_on_rank(rank, world_size, folder):
-    """A (dp 2, pp 2) mesh: this rank's stage, FSDP2-sharded over dp, loaded."""
+def fsdp_stage_on_rank(rank, world_size, folder, fsdp=True):
+    """A (dp 2, pp 2) mesh: this rank's stage, FSDP2-sharded over dp (or a
+    whole replica), loaded."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     module = hf_stage("llama", mesh.get_local_rank("pp"), 2, seed=1)
+    if not fsdp:  # a replica reads its whole stage
+        load_hf_stage(module, folder)
+        weights = {k: v.clone() for k, v in module.state_dict().items()}
+        return weights, weights, weights
     fully_shard(module, mesh=mesh["dp"])
     shards = {k: v.to_local().clone() for k, v in module.state_dict().items()}
     load_hf_stage(module, folder)
@@ -187,10 +192,13 @@ def fsdp_stage_on_rank(rank, world_size, folder):
     return {k: v.full_tensor() for k, v in loaded.items()}, shards, local
 
 
-def test_fsdp2_shards_over_dp_load_their_slices_bitwise(pretrained):
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fsdp2", "replicas"])
+def test_stages_over_dp_load_bitwise(pretrained, fsdp):
+    """2 stages x 2 data-parallel ranks: FSDP2 shards read their rows,
+    replicas their whole stage."""
     folder, whole = pretrained
     seen = set()
-    for weights, before, local in run_ranks(4, fsdp_stage_on_rank, folder):
+    for weights, before, local in run_ranks(4, fsdp_stage_on_rank, folder, fsdp):
         for key, value in weights.items():
             assert torch.equal(value, whole[key]), key
             assert local[key].shape == before[key].shape  # still its shard
