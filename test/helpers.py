@@ -289,6 +289,19 @@ HF_LAYERS = 4
 _TRANSFORMERS_LOCK = threading.Lock()
 
 
+#: A tiny decoder's sizes, as Llama-like configs (Llama, Qwen3, Mixtral) name them.
+TINY_DECODER = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=HF_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    tie_word_embeddings=False,
+)
+
+
 def hf_config(name):
     """A tiny config of a `transformers` Llama or GPT-2 (untied, no dropout)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -296,16 +309,7 @@ def hf_config(name):
         from transformers import GPT2Config, LlamaConfig
 
     if name == "llama":
-        return LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=HF_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=32,
-            tie_word_embeddings=False,
-        )
+        return LlamaConfig(**TINY_DECODER)
     return GPT2Config(
         vocab_size=64,
         n_embd=32,

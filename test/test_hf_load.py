@@ -11,7 +11,7 @@ from ranks import run_ranks
 from pippy import checkpoint
 from pippy.checkpoint.hf import StageReader, load_hf_stage
 
-from helpers import HF_SPLIT, hf_config, hf_model_class, hf_stage
+from helpers import HF_SPLIT, TINY_DECODER, hf_config, hf_model_class, hf_stage
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,17 +59,7 @@ def qwen3():
     """A tiny Qwen3 (QK-norm, explicit head_dim): its config and class."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = Qwen3Config(**TINY_DECODER, head_dim=8)
     return config, Qwen3ForCausalLM
 
 
@@ -281,17 +271,7 @@ def test_experts_stored_one_by_one_are_refused_naming_the_fused_keys(tmp_path):
 
     import pippy
 
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
+    config = MixtralConfig(**TINY_DECODER, num_local_experts=4)
     MixtralForCausalLM(config).save_pretrained(tmp_path)
     module = pippy.build_stage_module(
         lambda: MixtralForCausalLM(config), 0, 1, device="cpu", **HF_SPLIT["llama"]

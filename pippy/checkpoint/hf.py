@@ -147,13 +147,22 @@ class StageReader(HuggingFaceStorageReader):
 
     Args:
         path: The folder ``save_pretrained`` wrote.
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
+            :func:`check_folder`, at once (inside ``dcp.load`` DCP would
+            report them as another error).
     """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.shards = check_folder(path)
+        super().__init__(os.fspath(path))
 
     def read_metadata(self) -> Metadata:
         """Every shard's tensors, from its header alone."""
-        tensors: dict[str, TensorStorageMetadata] = {}
+        tensors: dict[str, Any] = {}
         self.storage_data = places = {}
-        for name in check_folder(self.path):
+        for name in self.shards:
             path = os.path.join(self.path, name)
             with RangeFile(path) as file:
                 data, header = _header(file)
@@ -185,7 +194,7 @@ class StageReader(HuggingFaceStorageReader):
                 )
                 index = MetadataIndex(fqn=key, offset=[0] * len(shape))
                 places[index] = _Place(path, data + begin, shape, dtype)
-        metadata = Metadata(state_dict_metadata=dict(tensors), storage_data=places)
+        metadata = Metadata(state_dict_metadata=tensors, storage_data=places)
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
@@ -283,9 +292,8 @@ def load_hf_stage(
         modules = [stages]
     else:
         modules = list(stages)
-    check_folder(folder)
+    reader = StageReader(folder)  # the folder checked before anything is read
     state_dict = _weights(modules)
-    reader = StageReader(os.fspath(folder))
     with explain_failures(f"loading {os.fspath(folder)}"):
         dcp.load(
             state_dict,

@@ -571,8 +571,16 @@ LAUNCHER_CHECK_ENV = "PIPPY_LAUNCHER_CHECK"
 
 # This process's parent when it started (or was forked): under torchrun, its
 # launcher. A worker re-parented since is an orphan.
-_launcher = [os.getppid()]
-os.register_at_fork(after_in_child=lambda: _launcher.__setitem__(0, os.getppid()))
+_launcher = os.getppid()
+
+
+def _forked() -> None:
+    """In a forked child: its parent is the process that forked it."""
+    global _launcher
+    _launcher = os.getppid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def check_launcher() -> None:
@@ -595,9 +603,9 @@ def check_launcher() -> None:
         return
     if os.environ.get(LAUNCHER_CHECK_ENV, "1") == "0":
         return
-    if os.getppid() != _launcher[0]:
+    if os.getppid() != _launcher:
         raise CheckpointDirInUseError(
-            f"this worker's launcher (pid {_launcher[0]}) is gone, so a restarted "
+            f"this worker's launcher (pid {_launcher}) is gone, so a restarted "
             "job may write the checkpoint folder now: nothing is saved, end this "
             f"process ({LAUNCHER_CHECK_ENV}=0 saves anyway)"
         )

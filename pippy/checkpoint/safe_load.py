@@ -800,17 +800,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 if self._in_model(problems)
                 else "this run's state"
             )
-            fix = (
-                "Build it in the checkpoint's dtype "
-                f"({', '.join(sorted({str(d) for d in retyped.values()}))}, for "
-                "example with module.to(dtype)) before loading; a load would "
-                "cast every tensor."
-                if len(retyped) == len(problems)
-                else self._fix_for(problems, saved)
-            )
             raise CheckpointError(
                 f"the checkpoint does not match {what} ({len(problems)} "
-                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. {fix}"
+                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
+                f"{self._fix_for(problems, saved, retyped)}"
             )
         plan = super().create_local_plan()
         # The keys this rank reads, for the coordinator's check that every key
@@ -823,8 +816,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Whether some of the keys are the model's or the optimizer's."""
         return any(_section(self.layout_name(k)) in ("model.", "optim.") for k in keys)
 
-    def _fix_for(self, problems: dict[str, str], saved: Any) -> str:
-        """What to do about the problems :meth:`create_local_plan` found."""
+    def _fix_for(
+        self, problems: dict[str, str], saved: Any, retyped: dict[str, torch.dtype]
+    ) -> str:
+        """What to do about the problems :meth:`create_local_plan` found.
+
+        ``retyped`` maps the keys of another dtype to the checkpoint's dtype.
+        """
+        if len(retyped) == len(problems):
+            dtypes = ", ".join(sorted({str(d) for d in retyped.values()}))
+            return (
+                f"Build it in the checkpoint's dtype ({dtypes}, for example with "
+                "module.to(dtype)) before loading; a load would cast every tensor."
+            )
         wants_packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
         if wants_packed and any(k.startswith("optim.param_groups.") for k in saved):
             return (
