@@ -188,7 +188,6 @@ LAUNCHING = {
 SECOND_WORKER = {
     "test_one_rank_decides.py",
     "test_preemption.py",
-    "test_docs.py",
     "test_read_once.py",
     "test_convert.py",
     "test_durability.py",
@@ -200,9 +199,10 @@ SECOND_WORKER = {
 }
 #: ... and of its modules, these run last, once the first worker is done
 #: (pytest_runtest_protocol): jobs in a bucket whose leases expire in 2 s and
-#: that are frozen and woken (under load their jobs take twice as long), then
-#: the benchmark's commands.
-ALONE = ["test_bucket.py", "test_bucket_faults.py", "test_bench.py"]
+#: that are frozen and woken (under load their jobs take twice as long; the
+#: module's fixtures are shared, so the whole module), then the benchmark's
+#: commands.
+ALONE = ["test_bucket_faults.py", "test_bench.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

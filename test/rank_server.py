@@ -18,6 +18,7 @@ was.
 """
 
 import atexit
+import gc
 import json
 import os
 import runpy
@@ -93,6 +94,11 @@ def serve(rank: int, world_size: int) -> None:
         MASTER_ADDR="127.0.0.1",
     )
     import pippy_dcp  # noqa: F401 (the import that costs, once)
+
+    # The imports' objects out of the collector's sight (they live as long as
+    # the server): a run's gc.collect() walks only what the run made, 0.15 s
+    # of CPU less per rank than in a process of its own.
+    gc.freeze()
 
     answer = os.fdopen(os.dup(1), "w")
     for line in sys.stdin:

@@ -24,7 +24,7 @@ from pippy.checkpoint.steps import is_complete
 from pippy.checkpoint.storage import storage_for
 
 import helpers
-from helpers import EXAMPLE, Job, PlainReader, loss_lines, torchrun
+from helpers import Job, PlainReader, loss_lines
 
 #: Stages of 2 layers and 1 (~19 and ~10 MB): rank 1 is done writing well
 #: before rank 0, and a save can be caught between the two. Steps stay quick.
@@ -43,8 +43,8 @@ def reference(tmp_path_factory):
     """An uninterrupted run on a local disk, saved at every step: its losses
     by step, and the folder of each step."""
     folder = tmp_path_factory.mktemp("reference")
-    run = torchrun(
-        2, EXAMPLE, *MEDIUM, *STEPS, "--save-every", "1", "--checkpoint-dir", folder
+    run = helpers.example(
+        2, *MEDIUM, *STEPS, "--save-every", "1", "--checkpoint-dir", folder
     )
     losses = by_step(run.stdout)
     assert sorted(losses) == list(range(1, 9))

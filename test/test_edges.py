@@ -49,7 +49,6 @@ from helpers import (
     example,
     examples,
     linear_state,
-    torchrun,
 )
 
 # --------------------------------------------------------------------------
@@ -816,9 +815,8 @@ def test_two_jobs_on_one_folder_the_second_is_refused(tmp_path, tiny_run):
         paused = _workers(first.pid)
         for pid in paused:
             os.kill(pid, signal.SIGSTOP)
-        second = torchrun(
+        second = helpers.example(  # a pool's ranks: the same host, other pids
             2,
-            EXAMPLE,
             *TINY_FLAGS,
             *flags,
             "--checkpoint-dir",
