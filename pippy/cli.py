@@ -1,7 +1,7 @@
 """Command line for pippy checkpoints: ``python -m pippy inspect|export|convert``.
 
 Reads only through :mod:`pippy.checkpoint`'s safe reader and planner
-(:func:`~pippy.checkpoint.safe_load.read_metadata`,
+(:func:`~pippy.checkpoint.reader.read_metadata`,
 :func:`~pippy.checkpoint.offline.read_checkpoint`),
 so a checkpoint's pickles run no code unless ``--trust-checkpoint`` is given
 (or ``PIPPY_TRUST_CHECKPOINT=1`` is set; decided once, in :func:`main`).
@@ -32,7 +32,8 @@ from pippy.checkpoint.offline import (
     refuse_out,
     verify_step,
 )
-from pippy.checkpoint.safe_load import read_metadata, resolve_trusted
+from pippy.checkpoint.reader import read_metadata
+from pippy.checkpoint.safe_load import resolve_trusted
 from pippy.checkpoint.state import detect_layout
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,

@@ -14,7 +14,7 @@ from pippy import SplitPoint, checkpoint, pipeline
 from pippy.checkpoint import offline
 from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import TiedParametersError
-from pippy.checkpoint.safe_load import read_metadata
+from pippy.checkpoint.reader import read_metadata
 from pippy.checkpoint.steps import is_complete, list_steps, wait_for_deletions
 from pippy.checkpoint.storage import LocalStorage
 from pippy.stages import check_untied, restore_non_persistent_buffers

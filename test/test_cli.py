@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
-from pippy.checkpoint.safe_load import TRUST_ENV, read_metadata
+from pippy.checkpoint.reader import read_metadata
+from pippy.checkpoint.safe_load import TRUST_ENV
 from pippy.cli import main
 
 from gpt import GPT, ModelArgs

@@ -25,11 +25,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from pippy import checkpoint
 from pippy.checkpoint import offline
 from pippy.checkpoint.job import OWNER_FILE
-from pippy.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    read_metadata,
-)
+from pippy.checkpoint.reader import SafeFileSystemReader, read_metadata
+from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,
     list_steps,

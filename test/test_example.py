@@ -11,7 +11,7 @@ import pytest
 import pippy
 from pippy.checkpoint import offline
 from pippy.checkpoint.checks import state_dict_size
-from pippy.checkpoint.safe_load import read_metadata
+from pippy.checkpoint.reader import read_metadata
 
 import pippy_dcp
 from gpt import GPT, ModelArgs

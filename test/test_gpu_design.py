@@ -220,16 +220,16 @@ def test_a_verified_resume_reads_each_step_in_shares_and_passes_damage_over(
 ):
     """find_latest_step(verified=True): every rank reads its share of each
     step it checks, none all of it; a damaged step is passed over on all."""
-    from pippy.checkpoint import safe_load
+    from pippy.checkpoint import reader
 
-    reads, real = ([], []), safe_load.read_crcs
+    reads, real = ([], []), reader.read_crcs
 
     def recorded(storage, step_folder, ranges):  # by the rank of the thread
         if dist.is_initialized():
             reads[dist.get_rank()].extend((Path(step_folder).name, *p) for p in ranges)
         return real(storage, step_folder, ranges)
 
-    monkeypatch.setattr(safe_load, "read_crcs", recorded)
+    monkeypatch.setattr(reader, "read_crcs", recorded)
     assert run_ranks(2, verify_in_shares, tmp_path) == [tmp_path / "step-1"] * 2
     shares = [set(r) for r in reads]
     assert shares[0] and shares[1] and not shares[0] & shares[1]

@@ -10,11 +10,8 @@ from torch import nn
 
 from pippy import checkpoint
 from pippy.checkpoint.errors import explain_failures
-from pippy.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    read_metadata,
-)
+from pippy.checkpoint.reader import SafeFileSystemReader, read_metadata
+from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.state import (
     LAYOUT_VERSION,
     OptimKeys,

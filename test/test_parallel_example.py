@@ -19,7 +19,7 @@ import torch
 
 from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves
-from pippy.checkpoint.safe_load import read_metadata
+from pippy.checkpoint.reader import read_metadata
 
 import flags
 import pippy_dcp

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
-from pippy.checkpoint.safe_load import read_metadata
+from pippy.checkpoint.reader import read_metadata
 
 from helpers import TINY_FLAGS, Payload, example, poison_metadata
 

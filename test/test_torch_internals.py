@@ -27,7 +27,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.serialization import get_crc32_options, set_crc32_options
 
-from pippy.checkpoint.safe_load import _METADATA_GLOBALS
+from pippy.checkpoint.reader import _METADATA_GLOBALS
 from pippy.checkpoint.storage import CRC32_PER_THREAD, no_crc32
 
 

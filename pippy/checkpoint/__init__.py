@@ -38,8 +38,11 @@ The modules, one idea each:
   (``StopSignal``, ``stop_with_launcher``).
 * ``offline``: tools in one process: read, export to Hugging Face, convert to
   or from torchtitan's layout, verify a step.
-* ``safe_load``: rank 0 answers every question about the folder; the step to
-  resume from; a reader and planner that run no code a pickle could carry.
+* ``reader``: a step's ``.metadata`` and items read with no code a pickle
+  could carry run, each item checked against its checksum; rank 0 opens it.
+* ``resume``: the step to resume from, rank 0 answering for all.
+* ``safe_load``: ``SafeLoadPlanner``: every key read, nothing converted
+  silently; what a load may unpickle.
 * ``stall``: a rank slow or stuck in a save or load, logged; with a
   ``timeout``, ``CheckpointTimeout`` on every rank.
 * ``state``: a rank's stage(s) as one state_dict; the optimizer-state keys.
@@ -74,11 +77,9 @@ from pippy.checkpoint.errors import (
     fail_together,
 )
 from pippy.checkpoint.hf import StageReader, load_hf_stage
-from pippy.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    find_latest_step,
-)
+from pippy.checkpoint.reader import SafeFileSystemReader
+from pippy.checkpoint.resume import find_latest_step
+from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.state import StageState
 
 __all__ = [

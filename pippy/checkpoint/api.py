@@ -39,11 +39,8 @@ from pippy.checkpoint.errors import (
     own_error,
 )
 from pippy.checkpoint.job import check_launcher, check_lease, lease_lost
-from pippy.checkpoint.safe_load import (
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    open_reader,
-)
+from pippy.checkpoint.reader import SafeFileSystemReader, open_reader
+from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.state import (
     PIPPY,

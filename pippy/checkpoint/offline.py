@@ -39,7 +39,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     explain_failures,
 )
-from pippy.checkpoint.safe_load import verify_step
+from pippy.checkpoint.reader import verify_step
 from pippy.checkpoint.state import (
     PIPPY,
     TORCHTITAN,
@@ -93,7 +93,7 @@ def read_checkpoint(
         prefix: Only keys starting with this are read.
         keys: If given, only these keys (without ``prefix``) are read; those
             not in the checkpoint are left out of the result.
-        trusted: See :class:`~pippy.checkpoint.safe_load.SafeFileSystemReader`.
+        trusted: See :class:`~pippy.checkpoint.reader.SafeFileSystemReader`.
         verify: As :func:`~pippy.checkpoint.load_stage`.
 
     Returns:
@@ -101,7 +101,7 @@ def read_checkpoint(
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError: As
-            :func:`~pippy.checkpoint.safe_load.read_metadata`.
+            :func:`~pippy.checkpoint.reader.read_metadata`.
         KeyError: No key starts with ``prefix``.
         CheckpointError: A data file is missing or damaged.
     """

@@ -27,7 +27,7 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 * ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
   (a shard's place, for the replica check);
 * ``torch.distributed.checkpoint._fsspec_filesystem.FileSystem`` (URLs);
-* the ``.metadata`` globals :mod:`~pippy.checkpoint.safe_load` allows, and
+* the ``.metadata`` globals :mod:`~pippy.checkpoint.reader` allows, and
   ``_StorageInfo``'s ``relative_path``, ``offset`` and ``length``;
 * ``FileSystemWriter``/``FileSystemReader``'s ``fs``, ``path`` and
   ``sync_files``, which pippy's writer and reader replace;
