@@ -35,8 +35,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pippy.checkpoint import checks  # noqa: E402
-from pippy.checkpoint.api import CheckedSavePlanner  # noqa: E402
 from pippy.checkpoint.safe_load import SafeLoadPlanner  # noqa: E402
+from pippy.checkpoint.save import CheckedSavePlanner  # noqa: E402
 
 
 def stage_state(stage: int, keys: int) -> dict:

@@ -18,7 +18,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from pippy.checkpoint.api import StepWriter
+from pippy.checkpoint.save import StepWriter
 from pippy.checkpoint.storage import DurableFileSystem
 
 

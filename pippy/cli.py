@@ -25,6 +25,7 @@ from safetensors.torch import save
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
+from pippy.checkpoint.layouts import detect_layout
 from pippy.checkpoint.offline import (
     convert_layout,
     export_hf,
@@ -34,7 +35,6 @@ from pippy.checkpoint.offline import (
 )
 from pippy.checkpoint.reader import read_metadata
 from pippy.checkpoint.safe_load import resolve_trusted
-from pippy.checkpoint.state import detect_layout
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,
     find_damage,

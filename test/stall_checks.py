@@ -27,8 +27,8 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
-from pippy.checkpoint.api import load_into, open_step  # noqa: E402
 from pippy.checkpoint.errors import pippy_group
+from pippy.checkpoint.load import load_into, open_step  # noqa: E402
 from pippy.checkpoint.safe_load import SafeLoadPlanner  # noqa: E402
 from pippy.checkpoint.steps import list_steps  # noqa: E402
 from pippy.checkpoint.storage import LocalStorage

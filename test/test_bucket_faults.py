@@ -328,7 +328,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     refused with the same line naming that job; its steps stay."""
     import torch.distributed.checkpoint as dcp
 
-    from pippy.checkpoint.api import publish_step, take_state
+    from pippy.checkpoint.save import publish_step, take_state
 
     fs, root = bucket
     run, key = f"{root}/guards", "pippy-test/guards"

@@ -12,9 +12,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from pippy import SplitPoint, checkpoint, pipeline
 from pippy.checkpoint import offline
-from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import TiedParametersError
 from pippy.checkpoint.reader import read_metadata
+from pippy.checkpoint.save import publish_step
 from pippy.checkpoint.steps import is_complete, list_steps, wait_for_deletions
 from pippy.checkpoint.storage import LocalStorage
 from pippy.stages import check_untied, restore_non_persistent_buffers
@@ -386,7 +386,7 @@ def test_a_save_whose_pruning_fails_is_saved_and_says_so(tmp_path, caplog):
     subprocess.run(["chattr", "+i", first], check=True)
     try:
         state.step = 2
-        with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.api"):
+        with caplog.at_level(logging.WARNING, logger="pippy.checkpoint.save"):
             second = checkpoint.save_stage(state, tmp_path, keep_last=1)
     finally:
         subprocess.run(["chattr", "-i", first], check=True)

@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
-from pippy.checkpoint.api import publish_step
 from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.reader import SafeFileSystemReader
 from pippy.checkpoint.safe_load import SafeLoadPlanner
+from pippy.checkpoint.save import publish_step
 from pippy.checkpoint.steps import is_complete, list_steps, step_dir
 from pippy.checkpoint.storage import LocalStorage
 from pippy.cli import main as pippy_cli

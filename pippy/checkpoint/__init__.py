@@ -27,7 +27,6 @@ for a failure on any rank). Also exported: :class:`AsyncSaver`,
 :func:`fail_together` and the errors.
 The modules, one idea each:
 
-* ``api``: the save and the load sequence, and their pieces.
 * ``async_saver``: background saves.
 * ``checks``: ``check_keys`` across ranks before a save (DCP would keep one copy
   of a colliding key, mixing diverged replicas); tied weights, traced buffers.
@@ -36,32 +35,26 @@ The modules, one idea each:
 * ``job``: the job guards: one writer per folder (``FolderOwner``, a lease on
   an object store); a last save on preemption within the launcher's deadline
   (``StopSignal``, ``stop_with_launcher``).
+* ``layouts``: torchtitan's layout, mapped to and from pippy's.
+* ``load``: the load sequence (``load_stage``) and its pieces.
 * ``offline``: tools in one process: read, export to Hugging Face, convert to
   or from torchtitan's layout, verify a step.
+* ``optim_keys``: optimizer state keyed by parameter FQN.
 * ``reader``: a step's ``.metadata`` and items read with no code a pickle
   could carry run, each item checked against its checksum; rank 0 opens it.
 * ``resume``: the step to resume from, rank 0 answering for all.
 * ``safe_load``: ``SafeLoadPlanner``: every key read, nothing converted
   silently; what a load may unpickle.
+* ``save``: the save sequence (``save_stage``) and its pieces, DCP's plug-ins.
 * ``stall``: a rank slow or stuck in a save or load, logged; with a
   ``timeout``, ``CheckpointTimeout`` on every rank.
-* ``state``: a rank's stage(s) as one state_dict; the optimizer-state keys.
+* ``state``: a rank's stage(s) as one state_dict.
 * ``steps``: step folders (``step-<N>``) staged and published once complete;
   the newest complete step; retention; ``manifest.json`` (item checksums).
 * ``storage``: POSIX folders (fsync around each publishing rename) and fsspec
   URLs (a step committed by its manifest) behind one seam.
 """
 
-from pippy.checkpoint.api import (
-    CheckedSavePlanner,
-    StepWriter,
-    load_into,
-    load_stage,
-    open_step,
-    publish_step,
-    save_stage,
-    take_state,
-)
 from pippy.checkpoint.async_saver import AsyncSaver
 from pippy.checkpoint.errors import (
     CheckpointDirError,
@@ -77,9 +70,17 @@ from pippy.checkpoint.errors import (
     fail_together,
 )
 from pippy.checkpoint.hf import StageReader, load_hf_stage
+from pippy.checkpoint.load import load_into, load_stage, open_step
 from pippy.checkpoint.reader import SafeFileSystemReader
 from pippy.checkpoint.resume import find_latest_step
 from pippy.checkpoint.safe_load import SafeLoadPlanner
+from pippy.checkpoint.save import (
+    CheckedSavePlanner,
+    StepWriter,
+    publish_step,
+    save_stage,
+    take_state,
+)
 from pippy.checkpoint.state import StageState
 
 __all__ = [

@@ -28,14 +28,14 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from pippy.checkpoint.api import (
+from pippy.checkpoint.errors import CheckpointError, drop_group, made_group
+from pippy.checkpoint.save import (
     CheckedSavePlanner,
     StepWriter,
     gc_paused,
     state_to_save,
     step_of,
 )
-from pippy.checkpoint.errors import CheckpointError, drop_group, made_group
 from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import check_keep_last, step_dir
@@ -484,12 +484,12 @@ class AsyncSaver:
             The published step folder, or None if no save was in flight.
 
         Raises:
-            KeyCollisionError: As :func:`~pippy.checkpoint.api.take_state`
+            KeyCollisionError: As :func:`~pippy.checkpoint.save.take_state`
                 (also ``DivergedReplicasError`` and ``NestedStateError``), on
                 every rank; nothing is written.
             CheckpointError: The background save failed, on some rank; the
                 step is not published and earlier steps are untouched.
-            CheckpointDirError: As :func:`~pippy.checkpoint.api.publish_step`
+            CheckpointDirError: As :func:`~pippy.checkpoint.save.publish_step`
                 (the step exists, the folder cannot be written), on every rank.
             CheckpointTimeout: Some rank did not start saving within the
                 timeout; nothing is written.

@@ -27,7 +27,6 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from pippy.checkpoint.api import load_stage, open_step, read_into, take_state
 from pippy.checkpoint.checks import (
     diff_state_dicts,
     fingerprint,
@@ -39,16 +38,18 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     explain_failures,
 )
-from pippy.checkpoint.reader import verify_step
-from pippy.checkpoint.state import (
+from pippy.checkpoint.layouts import (
     PIPPY,
     TORCHTITAN,
-    StageState,
     detect_layout,
     from_torchtitan,
     pippy_name,
     to_torchtitan,
 )
+from pippy.checkpoint.load import load_stage, open_step, read_into
+from pippy.checkpoint.reader import verify_step
+from pippy.checkpoint.save import take_state
+from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import (
     ManifestWriter,
     is_step_name,
@@ -482,7 +483,7 @@ def convert_layout(
             :func:`refuse_out`), or is named ``step-<M>`` (``step-06`` too) for
             another step than the one it holds; ``to`` is not a layout, or a
             key has no place in torchtitan's (see
-            :func:`~pippy.checkpoint.state.to_torchtitan`).
+            :func:`~pippy.checkpoint.layouts.to_torchtitan`).
         CheckpointError: As :func:`read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):

@@ -36,13 +36,9 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.state import (
-    TORCHTITAN,
-    OptimKeys,
-    detect_layout,
-    pippy_name,
-    stateless_keys,
-)
+from pippy.checkpoint.layouts import TORCHTITAN, detect_layout, pippy_name
+from pippy.checkpoint.optim_keys import OptimKeys
+from pippy.checkpoint.state import stateless_keys
 
 #: Environment variable that, set to 1, lets the safe reader and planner load
 #: any pickle, as plain DCP does. Only for checkpoints from a trusted source.

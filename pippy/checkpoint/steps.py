@@ -1,7 +1,7 @@
 """A step's files: its folder, ``.metadata`` and ``manifest.json``.
 
 A run's checkpoint folder holds one ``step-<N>`` folder per save, published
-whole by :func:`~pippy.checkpoint.api.publish_step`. On an object store (an
+whole by :func:`~pippy.checkpoint.save.publish_step`. On an object store (an
 fsspec URL: no rename) a step is written in place; ``manifest.json``, written
 last in one PUT, is its commit record. A folder whose name says another step
 than its manifest is never taken for that step. Functions here ask the storage
@@ -9,7 +9,7 @@ from the calling process; in a job rank 0 asks and broadcasts.
 
 DCP stores no checksums and ``torch.load`` never checks the zip CRC-32
 (pytorch/pytorch#126952), so :class:`ManifestWriter` records a CRC-32C per
-item; ``optim_layout`` is :data:`~pippy.checkpoint.state.LAYOUT_VERSION`:
+item; ``optim_layout`` is :data:`~pippy.checkpoint.optim_keys.LAYOUT_VERSION`:
 
 .. code-block:: json
 
@@ -81,7 +81,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.state import LAYOUT_VERSION, check_layout_version
+from pippy.checkpoint.optim_keys import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
     Location,
     Storage,

@@ -1,0 +1,381 @@
+"""The one load sequence, ``load_stage``, and the pieces it is made of.
+
+Rank 0 opens the step (:func:`open_step`: pippy's reader and planner), every
+rank fills its stage's state_dict through ``dcp.load`` and applies it once
+every rank has read (:func:`load_into`); a step in torchtitan's layout is
+read as well (:func:`read_any_layout`). The pieces are spelled out in
+:mod:`pippy.checkpoint`'s snippet.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.storage import StorageReader
+
+from pippy.checkpoint import stall
+from pippy.checkpoint.checks import named_leaves
+from pippy.checkpoint.errors import (
+    explain_failures,
+    fail_together,
+)
+from pippy.checkpoint.layouts import (
+    PIPPY,
+    detect_layout,
+    from_torchtitan,
+    pippy_name,
+    to_torchtitan,
+)
+from pippy.checkpoint.reader import SafeFileSystemReader, open_reader
+from pippy.checkpoint.safe_load import SafeLoadPlanner
+from pippy.checkpoint.save import gc_paused
+from pippy.checkpoint.stall import Timeout
+from pippy.checkpoint.state import StageState, statefuls_taken, take_or_failure
+from pippy.checkpoint.storage import Location
+
+logger = logging.getLogger(__name__)
+
+
+@gc_paused()
+def open_step(
+    path: Location,
+    *,
+    must_read: tuple[str, ...] = ("",),
+    trusted: bool | None = None,
+    verify: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+    timeout: Timeout = None,
+    extension_registry: ExtensionRegistry | None = None,
+) -> tuple[SafeFileSystemReader, SafeLoadPlanner]:
+    """The storage reader and load planner to pass to ``dcp.load`` for a step.
+
+    Call it on every rank of ``process_group`` at once: rank 0 alone reads
+    the step's ``.metadata`` and manifest, and the others take its answer.
+    Python's cyclic garbage collector is paused meanwhile.
+
+    Args:
+        path: A ``step-<N>`` folder.
+        must_read: Prefixes of the checkpoint's keys that some rank must read
+            (see :class:`SafeLoadPlanner`); ``("model.",)`` for weights alone.
+        trusted: True loads any pickle, as plain DCP does (only for a
+            checkpoint from a trusted source); None: if
+            ``PIPPY_TRUST_CHECKPOINT`` is 1.
+        verify: Check every item read against the step's ``manifest.json``;
+            False loads a checkpoint without one (plain DCP's), unverified.
+        process_group: The ranks that load; the default group if None.
+        no_dist: This process opens it alone, with no collective, as
+            ``dcp.load``'s ``no_dist``.
+        timeout: Seconds (or a ``timedelta``) the ranks wait for each other
+            to open it; None: no deadline. Late ranks are logged either way.
+        extension_registry: DCP's registry of the stream extensions the step
+            was written with (:func:`publish_step`'s ``_extensions``), as
+            ``FileSystemReader``'s; None: DCP's default (ZStandard).
+
+    Returns:
+        ``(storage_reader, planner)``. The reader reads this step alone (a
+        ``dcp.load`` with another ``checkpoint_id`` raises ``ValueError``)
+        and, unless trusted, hands non-tensor items only to a
+        :class:`SafeLoadPlanner` (others: ``UnsafeCheckpointError``).
+
+    Raises:
+        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
+            :class:`SafeFileSystemReader`, before anything is read, on every
+            rank.
+        CheckpointTimeout: Some rank was not there within ``timeout``, on
+            every rank, naming it.
+        ValueError: ``timeout`` is not a number of seconds in (0, 365 days].
+    """
+    waiting = stall.waiting(f"opening {path}", "read", timeout, process_group)
+    with nullcontext() if no_dist else waiting:
+        reader = open_reader(
+            path,
+            trusted=trusted,
+            verify=verify,
+            process_group=process_group,
+            no_dist=no_dist,
+            extension_registry=extension_registry,
+        )
+    return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
+
+
+def read_into(
+    state_dict: dict[str, Any],
+    reader: SafeFileSystemReader,
+    planner: SafeLoadPlanner,
+    **options: Any,
+) -> None:
+    """``dcp.load`` in place (``options``: its own), failures one line per rank."""
+    with explain_failures(f"loading {reader.folder}"), warnings.catch_warnings():
+        # Without a process group, one process reading alone is the intent.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state_dict, storage_reader=reader, planner=planner, **options)
+
+
+def _renamed(wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> Any:
+    """``wanted`` in torchtitan's names if those find more of a step's keys.
+
+    None if its own names find as many (DCP's recipe has ``optimizer.`` keys
+    too, in its own names).
+    """
+    try:
+        renamed = to_torchtitan(wanted)
+    except ValueError:  # a key with no torchtitan name
+        return None
+    found = sum(k in saved for k in wanted)
+    more = found < len(wanted) and found < sum(k in saved for k in renamed)
+    return renamed if more else None
+
+
+def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
+    """Sets the leaf of a nested state_dict that DCP names ``key``."""
+    for name, child in state_dict.items():
+        if key == name:
+            state_dict[name] = value
+            return
+        if isinstance(child, dict) and key.startswith(f"{name}."):
+            return _set_leaf(child, key[len(name) + 1 :], value)
+    raise KeyError(key)
+
+
+def read_any_layout(
+    state_dict: dict[str, Any],
+    reader: SafeFileSystemReader,
+    planner: SafeLoadPlanner,
+    **options: Any,
+) -> None:
+    """Fills a state_dict from a step in either layout, in place.
+
+    By name, unless the step is in torchtitan's layout and pippy's names for
+    the state (``model.``, ``optim.``, ``step``) renamed to torchtitan's find
+    more of it.
+    """
+    saved = reader.read_metadata().state_dict_metadata
+    wanted, must_read = dict(named_leaves(state_dict)), planner.must_read
+    flat = None if detect_layout(saved) == PIPPY else _renamed(wanted, saved)
+    if flat is None:
+        return read_into(state_dict, reader, planner, **options)
+    # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
+    # optimizer without one may leave it unread (pippy keeps it in scalars).
+    planner.must_read = tuple(
+        k
+        for k in saved
+        if pippy_name(k).startswith(must_read)
+        and not (k.startswith("optimizer.param_groups.") and k.endswith(".initial_lr"))
+    )
+    apply = reader.after_reads
+
+    def convert(filled: dict[str, Any]) -> None:  # then apply, as load_into's would
+        for key, value in from_torchtitan(filled).items():
+            if key in wanted:
+                _set_leaf(state_dict, key, value)
+        if apply is not None:
+            apply(state_dict)
+
+    reader.after_reads = convert
+    read_into(flat, reader, planner, **options)
+
+
+@contextmanager
+def load_into(
+    state: Stateful | dict[str, Any],
+    reader: StorageReader,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    timeout: Timeout = None,
+) -> Iterator[dict[str, Any]]:
+    """Gives the stage's state_dict to fill, then applies it; if one rank fails, all do.
+
+    Use it around ``dcp.load``, on every rank. DCP loads in place, into
+    tensors that must exist: ``state.state_dict()`` returns the stage's own
+    (and creates the optimizer's empty state). With pippy's reader
+    (:func:`open_step`) each rank applies inside ``dcp.load`` once its reads
+    are done, and DCP's last collective carries the outcome (a rank whose
+    read failed applies nothing); with another reader it applies after
+    ``dcp.load``, and an ``all_gather_object`` carries the outcome. Python's
+    cyclic garbage collector is paused in the block.
+
+    Note:
+        DCP loads in place: when a load fails on some rank, every rank
+        raises, but the stages of the ranks that read their items hold the
+        step's tensors, and theirs applied; a rank whose read failed holds
+        the items read before the failure. Load another step, or build the
+        stages anew, before training on. As in :func:`publish_step`, every
+        rank must reach ``dcp.load``.
+
+    Args:
+        state: The stage's :class:`StageState`; ``StageState(module)``
+            without an optimizer loads the weights alone. Any ``Stateful``
+            whose ``state_dict()`` holds the tensors to fill works too, and a
+            nested state_dict, filled in place (its top-level ``Stateful``
+            objects loaded, as ``dcp.load`` does).
+        reader: The storage reader that ``dcp.load`` in the body reads with:
+            pippy's, from :func:`open_step`, or another.
+        process_group: The ranks that load; the default group if None.
+            ``dcp.load`` in the body must run on the same ranks: with
+            pippy's reader, pass it ``process_group=reader.process_group``
+            (pippy's gloo group over them, which ``timeout`` bounds).
+        timeout: Seconds (or a ``timedelta``) a rank waits for the others at
+            the start of the load and, with pippy's reader, once it has read
+            its items; None: no deadline. Late ranks are logged either way.
+
+    Yields:
+        The state_dict to pass to ``dcp.load``.
+
+    Raises:
+        CheckpointError: ``state.state_dict()`` or ``dcp.load`` failed on
+            some rank, or applying refused on some rank (one line per rank),
+            on every other rank; the rank where it failed raises its own
+            error. With another reader than pippy's, a failed
+            ``state.state_dict()`` is raised after ``dcp.load``.
+        CheckpointTimeout: Some rank was not there within ``timeout``, on
+            every rank, naming it; nothing is applied. After one inside
+            ``dcp.load``, pippy's group (``reader.process_group``) is not
+            fit for more collectives.
+        TypeError: ``reader`` is not a ``StorageReader`` (a path, say).
+        ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
+            ``dcp.load`` in the body read with another reader than pippy's
+            ``reader``, or another ``checkpoint_id``.
+    """
+    if not isinstance(reader, StorageReader):
+        raise TypeError(
+            f"load_into takes the storage reader dcp.load reads with, not "
+            f"{reader!r}: reader, planner = open_step(path), then "
+            "load_into(state, reader)"
+        )
+    ours = reader if isinstance(reader, SafeFileSystemReader) else None
+    action = f"loading {ours.folder if ours else getattr(reader, 'path', reader)}"
+    with gc_paused(), stall.waiting(action, "read", timeout, process_group) as waits:
+        with _filled(state, reader, action, process_group, waits) as state_dict:
+            yield state_dict
+
+
+@contextmanager
+def _filled(
+    state: Stateful | dict[str, Any],
+    reader: StorageReader,
+    action: str,
+    process_group: dist.ProcessGroup | None,
+    waits: stall.Waits | None,
+) -> Iterator[dict[str, Any]]:
+    """:func:`load_into`'s block, inside the watch ``waits``."""
+    applied = False
+    stateful = _PlainState(state) if isinstance(state, dict) else state
+
+    def apply(filled: dict[str, Any]) -> None:
+        nonlocal applied
+        applied = True
+        stateful.load_state_dict(filled)
+
+    ours = reader if isinstance(reader, SafeFileSystemReader) else None
+    state_dict, failure = take_or_failure(stateful.state_dict)
+    if ours:  # what its dcp.load needs of this block, for that load only
+        ours.waits, ours.after_reads = waits, apply
+        ours.process_group = waits.ours if waits else process_group
+        ours.failure = failure or ours.failure  # or open_step's (another step)
+    try:
+        with explain_failures(action):
+            yield state_dict
+        if ours and ours.after_reads is not None:  # its read_data never ran
+            raise ValueError(
+                f"dcp.load in load_into's block did not read with its reader, "
+                f"so {ours.folder} is not loaded: pass it storage_reader=reader"
+            )
+    finally:
+        if ours:
+            ours.waits = ours.after_reads = ours.failure = None
+            ours.process_group = None
+    if not applied:  # not read by pippy's reader: its own all_gather
+        with fail_together(action, process_group):
+            if failure is not None:  # another reader's planning did not raise it
+                raise failure
+            stateful.load_state_dict(state_dict)
+
+
+def load_stage(
+    state: StageState | dict[str, Any],
+    path: Location,
+    *,
+    must_read: tuple[str, ...] = ("",),
+    trusted: bool | None = None,
+    verify: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+    timeout: Timeout = None,
+) -> dict[str, Any]:
+    """Loads a step into this rank's stage, on every rank.
+
+    Build the stage and its optimizer first (DCP loads in place). Each rank
+    reads only the keys its stage owns; a step in torchtitan's layout is read
+    under pippy's names. Python's cyclic garbage collector is paused meanwhile.
+
+    Args:
+        state: The stage's :class:`StageState` (``StageState(module)``
+            without an optimizer loads the weights alone), or a nested
+            state_dict that is filled in place (its top-level ``Stateful``
+            objects loaded, as ``dcp.load`` does).
+        path: A ``step-<N>`` folder.
+        must_read: As :func:`open_step`.
+        trusted: As :func:`open_step`.
+        verify: As :func:`open_step`.
+        process_group: The ranks that load; the default group if None.
+        no_dist: This process loads alone, with no collective (as
+            ``dcp.load``'s ``no_dist``), whatever group it is a rank of.
+        timeout: As :func:`load_into`.
+
+    Returns:
+        The state_dict as loaded (tensors are the stage's own).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a complete checkpoint, or
+            is None.
+        UnsafeCheckpointError: It holds a pickle that could run code.
+        CheckpointError: It is damaged or does not match the stage (keys,
+            shapes, dtypes, optimizer or param groups), or the state could
+            not be taken or applied (a ``Stateful`` raised): on every rank,
+            one line per rank that refused.
+            Damage found in an item leaves the tensors read before it loaded.
+        CheckpointTimeout: As :func:`load_into`.
+    """
+    action, group = f"loading {path}", process_group
+    waiting = stall.waiting(action, "read", timeout, group)
+    with gc_paused(), nullcontext() if no_dist else waiting as waits:
+        # one watch over the open and the load
+        reader = open_reader(
+            path, trusted=trusted, verify=verify, process_group=group, no_dist=no_dist
+        )
+        planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
+        with _filled(state, reader, action, group, waits) as filled:
+            if no_dist:
+                read_any_layout(filled, reader, planner, no_dist=True)
+            else:
+                ours = reader.process_group
+                read_any_layout(filled, reader, planner, process_group=ours)
+    return filled if isinstance(state, StageState) else state
+
+
+class _PlainState:
+    """A plain state_dict as :func:`load_into` takes a stage, its Statefuls as DCP's."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        """A copy, each top-level Stateful's state in its place."""
+        return statefuls_taken(self.state)
+
+    def load_state_dict(self, filled: dict[str, Any]) -> None:
+        """Loads each top-level Stateful; a loaded entry replaces any other."""
+        for key, value in filled.items():
+            if isinstance(held := self.state.get(key), Stateful):
+                held.load_state_dict(value)
+            else:
+                self.state[key] = value
