@@ -18,7 +18,7 @@ import pytest
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
-from pippy.checkpoint.job import OWNER_FILE
+from pippy.checkpoint.owner import OWNER_FILE
 from pippy.cli import main
 
 import helpers
@@ -233,7 +233,7 @@ def test_a_lease_of_a_process_gone_from_this_host_or_a_dead_claim_is_taken_over(
     record = {**here, "start": 1.0, "since": "then", "token": "abc"}
     lease = {"expires": time.time() + 600, "lease_seconds": 60}
     fs.pipe_file(f"{run[5:]}/{OWNER_FILE}", json.dumps({**record, **lease}).encode())
-    with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.owner"):
         with checkpoint.job.FolderOwner(run):
             pass
     assert "from a job whose process ran on this host and is gone" in caplog.text

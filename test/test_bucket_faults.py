@@ -19,7 +19,7 @@ import pytest
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
-from pippy.checkpoint.job import LEASE_ENV
+from pippy.checkpoint.owner import LEASE_ENV
 from pippy.checkpoint.steps import is_complete
 from pippy.checkpoint.storage import storage_for
 

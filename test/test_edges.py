@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
-from pippy.checkpoint.job import OWNER_FILE
+from pippy.checkpoint.owner import OWNER_FILE
 from pippy.checkpoint.reader import SafeFileSystemReader, read_metadata
 from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.steps import (
@@ -681,7 +681,7 @@ def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, c
     record.update(pid=dead_pid(), token="deadjob")
     (tmp_path / OWNER_FILE).write_text(json.dumps(record))
     (tmp_path / ".step-4.partial-0123abcd").mkdir()  # the dead job's half save
-    with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.owner"):
         with checkpoint.job.FolderOwner(tmp_path):
             pass
     assert "taking over" in caplog.text
@@ -719,7 +719,7 @@ def test_a_slurm_job_requeued_onto_other_nodes_takes_its_folder_back(
             checkpoint.job.FolderOwner(tmp_path).acquire()
     monkeypatch.setenv("SLURM_CLUSTER_NAME", "north")  # requeued: Slurm ended it
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    with caplog.at_level("WARNING", logger="pippy.checkpoint.job"):
+    with caplog.at_level("WARNING", logger="pippy.checkpoint.owner"):
         with checkpoint.job.FolderOwner(tmp_path):
             assert json.loads((tmp_path / OWNER_FILE).read_text())["slurm"] == [
                 "north",

@@ -39,7 +39,8 @@ from pippy.checkpoint.errors import (
     name_ranks,
     own_error,
 )
-from pippy.checkpoint.job import check_launcher, check_lease, lease_lost
+from pippy.checkpoint.job import check_launcher
+from pippy.checkpoint.owner import check_lease, lease_lost
 from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.state import StageState, statefuls_taken, take_or_failure
 from pippy.checkpoint.steps import (
