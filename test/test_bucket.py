@@ -53,12 +53,12 @@ def test_the_example_trains_saves_and_resumes_in_a_bucket(
 ):
     fs, root = bucket
     run = f"{root}/resume"
-    example(run, "--steps", "6", "--stop-after", "4", launcher=True)  # stopped at 4
+    example(run, "--steps", "6", "--stop-after", "4")  # stopped at 4: a pool's ranks
     assert sorted(fs.ls(run[5:], detail=False)) == [
         f"{run[5:]}/step-2",
         f"{run[5:]}/step-4",
     ]
-    second = example(run, "--steps", "6", launcher=True)
+    second = example(run, "--steps", "6", launcher=True)  # torchrun, end to end
     assert f"resuming from {run}/step-4" in second.stdout
     assert f"verified: {run}/step-6 loaded into fresh stages" in second.stdout
     assert "[rank 0] removed step-2 (keeping the newest 2)" in second.stdout
