@@ -188,6 +188,8 @@ LAUNCHING = {
 SECOND_WORKER = {
     "test_one_rank_decides.py",
     "test_preemption.py",
+    "test_stall.py",
+    "test_hf_load.py",
     "test_read_once.py",
     "test_convert.py",
     "test_durability.py",
