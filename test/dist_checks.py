@@ -67,11 +67,11 @@ class PerRank:
 
 def check_keys(out: Path, rank: int, world_size: int) -> dict:
     """Each rank's keys for both split methods, and the collision check's verdicts."""
-    result = {}
+    result, built = {}, {}
     for split in ("manual", "trace"):
         args = pippy_dcp.parse_args([*TINY, "--split", split])
-        _, state = build(args, rank, world_size, seed=0)
-        sd = state.state_dict()
+        _, built[split] = build(args, rank, world_size, seed=0)
+        sd = built[split].state_dict()
         checks.check_keys(sd)  # must not raise on a correct split
         result[split] = {
             "model": sorted(sd["model"]),
@@ -106,9 +106,9 @@ def check_keys(out: Path, rank: int, world_size: int) -> dict:
         result["lambda_error"] = None
     except TypeError as e:
         result["lambda_error"] = str(e)
-    # Tracing without restore_non_persistent_buffers: "rope" on every stage.
-    args = pippy_dcp.parse_args([*TINY, "--split", "trace"])
-    _, state = build(args, rank, world_size, seed=0)
+    # Tracing without restore_non_persistent_buffers: "rope" on every stage
+    # (the traced stage above, its keys taken: one trace less).
+    state = built["trace"]
     state.module.register_buffer("rope", state.module.get_buffer("rope"))
     result["traced_buffer_error"] = collision(state.state_dict())
     # A tied output head, traced: a copy named output.weight on two stages.
