@@ -32,6 +32,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 
 import bench_runs  # noqa: E402
+import rank_pool  # noqa: E402
 from ranks import run_checks  # noqa: E402
 
 from helpers import (  # noqa: E402
@@ -286,19 +287,36 @@ def _group(item):
 
 
 def pytest_collection_finish(session):
-    """Notes whether test_bench.py runs, and in which group."""
+    """Notes whether test_bench.py runs, and in which group; and the groups
+    whose tests launch processes."""
     bench = [i for i in session.items if i.path.name == "test_bench.py"]
     _bench["group"] = _group(bench[0]) if bench else None
+    launching = [i for i in session.items if i.get_closest_marker("launches")]
+    _bench["launching"] = {_group(i) for i in launching}
+
+
+#: The pools of rank processes (rank_pool.py) each group's worker starts with
+#: its first test, if it runs any test that launches: those whose first use
+#: is in a fixture (four_rank_run on the first; test_parallel_example's
+#: references on the second, of 4 ranks and of 1).
+WARM_POOLS = {"first": (4,), "second": (4, 1)}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """The benchmark's commands (test_bench.py, bench_runs.py) start with the
     first test of the worker that runs test_bench.py, at the lowest CPU
-    priority: they take what the tests leave idle. Under pytest-xdist, the
-    first test of ALONE's modules waits, before its setup, until every other
-    worker is done."""
+    priority: they take what the tests leave idle; the worker's pools
+    (WARM_POOLS) start with its first test. Under pytest-xdist, the first
+    test of ALONE's modules waits, before its setup, until every other worker
+    is done."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not _bench["warmed"]:
+        _bench["warmed"] = True
+        groups = [_group(item)] if worker else list(WARM_POOLS)
+        for group in groups:
+            if group in _bench["launching"]:
+                rank_pool.warm(*WARM_POOLS[group])
     if _bench["group"] and not _bench["started"]:
         if worker is None or _group(item) == _bench["group"]:
             _bench["started"] = True
@@ -315,5 +333,12 @@ def pytest_runtest_protocol(item, nextitem):
     yield
 
 
-#: test_bench.py's group, whether its commands started, whether it waited.
-_bench = {"group": None, "started": False, "waited": False}
+#: test_bench.py's group, whether its commands started, whether it waited;
+#: the groups that launch, whether this worker's pools were warmed.
+_bench = {
+    "group": None,
+    "started": False,
+    "waited": False,
+    "launching": set(),
+    "warmed": False,
+}

@@ -103,6 +103,20 @@ def _stop_all():
             pool.kill()
 
 
+def warm(*sizes):
+    """Starts an idle pool of each of `sizes` ranks, unless one is idle
+    already, for run_example to take: its servers import torch while other
+    tests run, not in the setup of the first test that needs it."""
+    env = {**_ENV, "PYTHONPATH": str(ROOT)}
+    for nproc in sizes:
+        key = (nproc, tuple(sorted(env.items())))
+        with _lock:
+            if not _idle.setdefault(key, []):
+                pool = Pool(nproc, env)
+                _all.append(pool)
+                _idle[key].append(pool)
+
+
 def run_example(nproc, *args, timeout=240, expect_ok=True, cwd=ROOT, **options):
     """The example on `nproc` ranks of a pool, as helpers.torchrun runs it, in
     the folder `cwd`: a CompletedProcess whose returncode is the first

@@ -48,17 +48,23 @@ def example(run, *flags, ok=True, launcher=False):
     return helpers.example(2, *FLAGS, *flags, "--checkpoint-dir", run, expect_ok=ok)
 
 
-def test_the_example_trains_saves_and_resumes_in_a_bucket(
-    bucket, tiny_run, tmp_path, capsys
-):
+@pytest.fixture(scope="module")
+def resumed(bucket):
+    """The example in the bucket, stopped at step 4 (a pool's ranks), then
+    resumed to step 6 under torchrun, end to end: (the run's URL, the
+    resumed run's process)."""
     fs, root = bucket
     run = f"{root}/resume"
-    example(run, "--steps", "6", "--stop-after", "4")  # stopped at 4: a pool's ranks
+    example(run, "--steps", "6", "--stop-after", "4")  # stopped at 4
     assert sorted(fs.ls(run[5:], detail=False)) == [
         f"{run[5:]}/step-2",
         f"{run[5:]}/step-4",
     ]
-    second = example(run, "--steps", "6", launcher=True)  # torchrun, end to end
+    return run, example(run, "--steps", "6", launcher=True)
+
+
+def test_the_example_trains_saves_and_resumes_in_a_bucket(resumed, tiny_run):
+    run, second = resumed
     assert f"resuming from {run}/step-4" in second.stdout
     assert f"verified: {run}/step-6 loaded into fresh stages" in second.stdout
     assert "[rank 0] removed step-2 (keeping the newest 2)" in second.stdout
@@ -71,6 +77,14 @@ def test_the_example_trains_saves_and_resumes_in_a_bucket(
     assert (
         offline.diff_state_dicts(ours, offline.read_checkpoint(local / "step-6")) == []
     )
+
+
+def test_a_step_in_the_bucket_is_read_exported_converted_and_started_from(
+    bucket, resumed, tmp_path, capsys
+):
+    _, root = bucket
+    run, _ = resumed
+    ours = offline.read_checkpoint(f"{run}/step-6")
     # --init-from a step in the bucket: a new run starts from its weights. It
     # reads step-6 only, so it runs while this process reads the bucket below.
     with ThreadPoolExecutor(max_workers=1) as pool:
