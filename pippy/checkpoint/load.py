@@ -77,7 +77,8 @@ def open_step(
         timeout: Seconds (or a ``timedelta``) the ranks wait for each other
             to open it; None: no deadline. Late ranks are logged either way.
         extension_registry: DCP's registry of the stream extensions the step
-            was written with (:func:`publish_step`'s ``_extensions``), as
+            was written with (the ``_extensions`` of
+            :func:`~pippy.checkpoint.save.publish_step`), as
             ``FileSystemReader``'s; None: DCP's default (ZStandard).
 
     Returns:
@@ -208,8 +209,9 @@ def load_into(
         raises, but the stages of the ranks that read their items hold the
         step's tensors, and theirs applied; a rank whose read failed holds
         the items read before the failure. Load another step, or build the
-        stages anew, before training on. As in :func:`publish_step`, every
-        rank must reach ``dcp.load``.
+        stages anew, before training on. As in
+        :func:`~pippy.checkpoint.save.publish_step`, every rank must reach
+        ``dcp.load``.
 
     Args:
         state: The stage's :class:`StageState`; ``StageState(module)``

@@ -5,8 +5,9 @@ whoever can write a checkpoint folder could run code on every rank that
 loads it. :class:`SafeFileSystemReader` unpickles ``.metadata`` under an
 allow-list of DCP's own classes, reads each item only from a file inside
 its step and within that file's size, and checks each against the CRC-32C
-that ``manifest.json`` holds for it; :func:`resolve_trusted` is the one
-place that reads ``PIPPY_TRUST_CHECKPOINT``. Rank 0 opens the step and
+that ``manifest.json`` holds for it;
+:func:`~pippy.checkpoint.safe_load.resolve_trusted` is the one place that
+reads ``PIPPY_TRUST_CHECKPOINT``. Rank 0 opens the step and
 broadcasts what it read (:func:`open_reader`); the other ranks open only
 the data files whose items they load.
 """
@@ -280,7 +281,7 @@ class SafeFileSystemReader(FileSystemReader):
     Args:
         path: The step folder (the ``checkpoint_id``).
         trusted: True loads any pickle, as ``FileSystemReader`` does; None
-            decides by :func:`resolve_trusted`.
+            decides by :func:`~pippy.checkpoint.safe_load.resolve_trusted`.
         check_files: Also check the data files (:func:`find_damage`); False
             reads the metadata alone.
         verify: Check the manifest, and each item's checksum as it is read
@@ -420,7 +421,8 @@ class SafeFileSystemReader(FileSystemReader):
 
         Raises:
             UnsafeCheckpointError: Unless trusted, ``planner`` is not a
-                :class:`SafeLoadPlanner` and the plan holds non-tensor items.
+                :class:`~pippy.checkpoint.safe_load.SafeLoadPlanner` and the
+                plan holds non-tensor items.
             CheckpointError: An item is damaged (cut short, or not its CRC-32C).
 
         Note:
