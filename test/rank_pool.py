@@ -103,13 +103,24 @@ def _stop_all():
             pool.kill()
 
 
+def _env():
+    """The ranks' environment: the tests' (a bucket's settings, as they are
+    now) and the project on the import path."""
+    return {**_ENV, "PYTHONPATH": str(ROOT)}
+
+
+def _key(nproc, env):
+    """Which idle pools a run may take: those of its size and environment."""
+    return nproc, tuple(sorted(env.items()))
+
+
 def warm(*sizes):
     """Starts an idle pool of each of `sizes` ranks, unless one is idle
     already, for run_example to take: its servers import torch while other
     tests run, not in the setup of the first test that needs it."""
-    env = {**_ENV, "PYTHONPATH": str(ROOT)}
+    env = _env()
     for nproc in sizes:
-        key = (nproc, tuple(sorted(env.items())))
+        key = _key(nproc, env)
         with _lock:
             if not _idle.setdefault(key, []):
                 pool = Pool(nproc, env)
@@ -127,8 +138,8 @@ def run_example(nproc, *args, timeout=240, expect_ok=True, cwd=ROOT, **options):
     ``env={...}``, added to the ranks' environment. Runs at
     once, or in another environment (helpers._ENV: a bucket's settings), use
     pools of their own."""
-    env = {**_ENV, "PYTHONPATH": str(ROOT)}  # a bucket's settings, as they are now
-    key = (nproc, tuple(sorted(env.items())))
+    env = _env()
+    key = _key(nproc, env)
     with _lock:
         idle = _idle.setdefault(key, [])
         pool = idle.pop() if idle else None
