@@ -74,8 +74,8 @@ def check_same(out: Path, rank: int, world_size: int) -> dict:
     train(state, stages, 2)
     pippy_dcp.save(state, args, layout.mesh)  # the example's own save
     checkpoint.save_stage(state, out / "library", mesh=layout.mesh)
-    _, _, _, by_example = example_state(out / "unused", 1)
-    pippy_dcp.load(by_example, *checkpoint.open_step(step_dir(out / "library", 2)))
+    library_args, _, _, by_example = example_state(out / "library", 1)
+    assert pippy_dcp.resume(by_example, library_args) == step_dir(out / "library", 2)
     _, _, _, by_library = example_state(out / "unused", 1)
     checkpoint.load_stage(by_library, step_dir(out / "example", 2))
     return {

@@ -138,6 +138,30 @@ def test_a_tensor_changed_in_place_before_its_copy_fails_the_save(
     assert {p.name: p.read_bytes() for p in (tmp_path / "step-1").iterdir()} == before
 
 
+def test_a_saver_used_as_a_context_lands_its_last_save_and_closes(tmp_path, caplog):
+    state = bn_state(stepped=True)
+    with checkpoint.AsyncSaver(tmp_path) as saver:
+        saver.save(state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+    with pytest.raises(RuntimeError, match="this AsyncSaver is closed"):
+        saver.save(state)
+    # The block fails with a failing save in flight: the block's error is
+    # raised, the save's failure logged, nothing published.
+    stager = HeldStager()
+    with pytest.raises(KeyError, match="the block's"):
+        with checkpoint.AsyncSaver(tmp_path, async_stager=stager) as saver:
+            state.step = 2
+            saver.save(state)
+            with torch.no_grad():
+                state.module[0].weight.clamp_(-0.01, 0.01)
+            stager.go.set()
+            raise KeyError("the block's")
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(logged) == 1 and logged[0].startswith("the save in flight failed too")
+    assert "model.0.weight was changed in place" in logged[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+
+
 def test_a_change_after_wait_for_staging_is_not_in_the_step(tmp_path):
     state = bn_state(stepped=True)
     saver = checkpoint.AsyncSaver(tmp_path)

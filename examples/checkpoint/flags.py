@@ -112,10 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def check_saved_shape(args, items: dict, path) -> None:
-    """Raises ValueError if the step at `path`, whose .metadata items (FQN ->
-    metadata with .size) are given, was saved with another --n-layers or --dim,
-    naming the flag; quiet where the step cannot tell (a weights-only step)."""
+def check_saved_shape(args, metadata, path) -> None:
+    """Raises ValueError if the step at `path`, whose DCP .metadata is given, was
+    saved with another --n-layers or --dim, naming the flag; quiet where the
+    step cannot tell (a weights-only step)."""
+    items = metadata.state_dict_metadata
     layers = {k.split(".")[2] for k in items if k.startswith("model.layers.")}
     embedding = items.get("model.tok_embeddings.weight")
     saved = {"--n-layers": len(layers), "--dim": embedding and embedding.size[1]}

@@ -13,8 +13,8 @@ A first run trains steps 1-20, each rank prints what it saved at step-10 and
 step-20, and the run ends with "verified: ... bitwise equal". With
 --stop-after 10 it stops as if interrupted; the same command without the flag
 prints "resuming from checkpoints/step-10", then the very losses of steps 11-20.
-The checkpoint idea comes first (stages, state, save, load, resume), then the
-training harness; processes, the (dp, pp) mesh and a train step: parallel.py.
+The checkpoint idea comes first (state, save, resume, the job around training),
+then the training harness; processes, the (dp, pp) mesh, a train step: parallel.py.
 """
 
 import sys
@@ -24,6 +24,8 @@ from flags import check_saved_shape, parse_args  # standard library only
 if __name__ == "__main__":  # a bad flag fails now, before torch loads, once
     ARGS = parse_args()
 
+import contextlib
+import dataclasses
 import functools
 import gc
 import math
@@ -50,6 +52,132 @@ from parallel import log, report
 # ---- The checkpoint idea ------------------------------------------------------
 
 
+def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
+    """What an exact resume needs: weights, AdamW moments (keyed by FQN, not by
+    index, which restarts at 0 on every stage), LR schedule, step, data order."""
+    modules = [stage.submod for stage in stages]  # StageState looks inside DDP
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, Schedule(args.steps))
+    sampler = BatchSampler(data, args.batch_size, args.seq_len, args.seed)
+    return checkpoint.StageState(modules, optimizer, scheduler, extra={"data": sampler})
+
+
+def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
+    """Every rank at once: its stage(s) into <checkpoint-dir>/step-<N>, published
+    once all have written. Returns (tensors, bytes) this rank wrote."""
+    # The planner refuses, in DCP's own planning, what DCP would silently lose:
+    # a key on two stages, dp replicas that differ. A late rank fails them all.
+    ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
+    state_dict, step, planner = checkpoint.take_state(state, mesh=mesh, timeout=wait)
+    with checkpoint.publish_step(ckpt, step, keep_last=keep, timeout=wait) as writer:
+        pg = writer.process_group  # pippy's gloo group, which the timeout bounds
+        dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=pg)
+    return writer.written
+
+
+def resume(state: checkpoint.StageState, args, check=None) -> Path | None:
+    """From the newest complete step (one whose save finished), if any; returns
+    it. check(metadata, path) sees the step before it is read."""
+    ckpt, wait = args.checkpoint_dir, args.checkpoint_timeout
+    latest = checkpoint.find_latest_step(ckpt, verified=args.skip_damaged)
+    if latest is None:
+        return None
+    # pippy's reader and planner refuse pickled code, damaged files and keys that
+    # no rank would read; DCP loads in place, each rank its own keys alone.
+    reader, planner = checkpoint.open_step(latest, timeout=wait)
+    if check is not None:
+        check(reader.read_metadata(), latest)
+    with checkpoint.load_into(state, reader, timeout=wait) as state_dict:
+        pg = reader.process_group
+        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
+    return latest
+
+
+@contextlib.contextmanager
+def checkpointing(args, mesh: DeviceMesh):
+    """The job around training, entered once: --stop-signals end it with a save,
+    the folder is this job's alone, --async-save saves in the background. Yields
+    (stop, saver); at the end the last save lands, then the folder is let go."""
+    ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
+    checkpoint.job.stop_with_launcher()  # a rank whose torchrun died stops at once
+    stop = checkpoint.job.StopSignal(args.stop_signals)
+    with checkpoint.job.FolderOwner(ckpt):  # a second job on it is refused
+        saver = None
+        if args.async_save:
+            saver = checkpoint.AsyncSaver(ckpt, keep_last=keep, mesh=mesh, timeout=wait)
+        with saver or contextlib.nullcontext():
+            yield stop, saver
+
+
+# ---- The training harness -----------------------------------------------------
+
+
+@dataclasses.dataclass
+class Schedule:
+    """The LR factor at a step of a `steps`-step run (lr_factor). An object: the
+    LambdaLR state saved keeps its `steps`, so a resume restores the schedule."""
+
+    steps: int
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(step, self.steps)
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Warmup over the first tenth of --steps, then cosine down to 0.1."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def start_from_checkpoint(state, args, layout: parallel.Layout) -> None:
+    """resume(), refusing a step saved with another --n-layers or --dim (naming
+    the flag); else the weights alone of --init-from, a step or a Hugging Face
+    folder (optimizer, schedule and step start afresh). Rank 0 says where the run
+    starts from, each rank what it loaded; a run resumed with another --steps
+    goes on along the new schedule."""
+    start, source = time.perf_counter(), args.init_from
+    latest = resume(state, args, functools.partial(check_saved_shape, args))
+    if latest is None and source is None:
+        return
+    if latest is None and Path(source, "config.json").is_file():
+        checkpoint.load_hf_stage(state, source)  # safetensors: each rank its own
+    elif latest is None:
+        model = checkpoint.StageState(state.module)
+        wait = args.checkpoint_timeout
+        checkpoint.load_stage(model, source, must_read=("model.",), timeout=wait)
+    if dist.get_rank() == 0:
+        ignored = " (--init-from applies to new runs only)" * bool(source)
+        resuming = f"resuming from {latest}{ignored}"
+        log(resuming if latest else f"starting from the weights of {source}")
+    tensors, nbytes = held(state.state_dict() if latest else state.module.state_dict())
+    report(
+        layout, f"loaded {tensors} tensors", nbytes, f"from {latest or source}", start
+    )
+    # The step restored the schedule the run was saved with, which ends at its
+    # --steps: a changed --steps goes on from this step of its own schedule.
+    scheduler, schedule = state.lr_scheduler, state.lr_scheduler.lr_lambdas[0]
+    if schedule.steps != args.steps:
+        schedule.steps = args.steps
+        groups, bases = state.optimizer.param_groups, scheduler.base_lrs
+        for group, base in zip(groups, bases, strict=True):
+            group["lr"] = base * schedule(scheduler.last_epoch)
+
+
+def held(value) -> tuple:
+    """(tensors, bytes) of a nested state_dict on this rank; FSDP2: its shards."""
+    if isinstance(value, dict):
+        counts = [held(v) for v in value.values()]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if not isinstance(value, torch.Tensor):
+        return 0, 0
+    local = value.to_local() if isinstance(value, DTensor) else value
+    return 1, local.numel() * local.element_size()
+
+
 def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
     """Deletes what the stage does not own. The blocks sit in a ModuleDict keyed
     by global layer index, so what is left keeps its FQNs (layers.5.*, never a
@@ -63,130 +191,6 @@ def split_manual(model: GPT, stage_index: int, num_stages: int) -> GPT:
     if stage_index < num_stages - 1:
         model.norm = model.output = None
     return model
-
-
-def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
-    """What an exact resume needs: weights, AdamW moments (keyed by FQN, not by
-    index, which restarts at 0 on every stage), LR schedule, step, data order
-    (with dropout, each rank's RNG state too, under a key naming its stage)."""
-    modules = [stage.submod for stage in stages]  # StageState looks inside DDP
-    params = [p for m in modules for p in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
-    schedule = functools.partial(lr_factor, steps=args.steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    sampler = BatchSampler(data, args.batch_size, args.seq_len, args.seed)
-    return checkpoint.StageState(modules, optimizer, scheduler, extra={"data": sampler})
-
-
-def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
-    """Every rank at once: its stage(s) into <checkpoint-dir>/step-<N>.
-    Returns (tensors, bytes) this rank wrote."""
-    # DCP takes equal keys on two ranks for replicas and keeps one, silently.
-    # take_state's planner has DCP's own planning refuse, before any write, a
-    # key on two pipeline stages and dp replicas that differ.
-    wait = args.checkpoint_timeout  # for a late rank; then all fail, naming it
-    state_dict, step, planner = checkpoint.take_state(state, mesh=mesh, timeout=wait)
-    # One folder for all ranks: each writes its own file, rank 0 .metadata (each
-    # key's file and offset). publish_step's writer fsyncs them in a hidden
-    # folder, adds manifest.json (a CRC-32C of every item, which loads verify)
-    # and renames it step-<N> once every rank is done.
-    # DCP's collectives on pippy's gloo group (writer.process_group): the timeout
-    # bounds them, whatever backend the job's group has (NCCL's is untouched).
-    folder, keep = args.checkpoint_dir, args.keep_last
-    with checkpoint.publish_step(folder, step, keep_last=keep, timeout=wait) as writer:
-        group = writer.process_group
-        dcp.save(
-            state_dict, storage_writer=writer, planner=planner, process_group=group
-        )
-    return writer.written
-
-
-def load(
-    state: checkpoint.StageState, reader, planner, *, weights_only=False, timeout=None
-):
-    """Every rank at once: fills its stage(s) from a step opened by open_step,
-    in place. Returns the state_dict it filled."""
-    # DCP loads in place, into tensors that must exist: load_into gives
-    # state_dict(), this stage's own tensors (AdamW's made by a step of lr 0), so
-    # each rank reads only its keys, then applies them; if one fails, all raise.
-    target = checkpoint.StageState(state.module) if weights_only else state
-    with checkpoint.load_into(target, reader, timeout=timeout) as state_dict:
-        group = reader.process_group  # pippy's gloo group, as in save()
-        dcp.load(
-            state_dict, storage_reader=reader, planner=planner, process_group=group
-        )
-    return state_dict
-
-
-def resume(state: checkpoint.StageState, args, layout) -> None:
-    """From the newest complete step (one whose save finished), else the weights
-    alone of --init-from, a step or a Hugging Face folder (optimizer, schedule
-    and step start afresh)."""
-    # Rank 0 lists the folder, every rank gets its answer. --skip-damaged (a
-    # restart loop): rank 0 verifies the newest steps first, moving aside those
-    # damaged since they were saved, and logs them.
-    folder, verified = args.checkpoint_dir, args.skip_damaged
-    latest = checkpoint.find_latest_step(folder, verified=verified)
-    source = latest or args.init_from
-    if source is None:
-        return
-    if not latest and Path(source, "config.json").is_file():  # a Hugging Face folder
-        # Safetensors shards hold no pickle: each rank reads its own tensors.
-        start = time.perf_counter()
-        tensors = checkpoint.load_hf_stage(state, source)
-        if dist.get_rank() == 0:
-            log(f"starting from the weights of {source}")
-        nbytes = held(state.module.state_dict())[1]
-        report(layout, f"loaded {tensors} tensors", nbytes, f"from {source}", start)
-        return
-    # A checkpoint is partly pickle: pippy's reader and planner refuse pickled
-    # code (PIPPY_TRUST_CHECKPOINT=1 lifts that), damaged files and keys that
-    # no rank would read; rank 0 checks the step, every rank gets its answer.
-    start, wait, weights_only = time.perf_counter(), args.checkpoint_timeout, not latest
-    must_read = ("model.",) if weights_only else ("",)
-    reader, planner = checkpoint.open_step(source, must_read=must_read, timeout=wait)
-    check_source(args, reader.read_metadata(), source, latest)
-    loaded = load(state, reader, planner, weights_only=weights_only, timeout=wait)
-    tensors, nbytes = held(loaded)  # this rank's share
-    report(layout, f"loaded {tensors} tensors", nbytes, f"from {source}", start)
-    # The schedule is a function of --steps, not saved: a raised --steps goes
-    # on at this step of its own schedule (the same LR, bitwise, if unchanged).
-    scheduler, groups = state.lr_scheduler, state.optimizer.param_groups
-    for group, base in zip(groups, scheduler.base_lrs, strict=True):
-        group["lr"] = base * scheduler.lr_lambdas[0](scheduler.last_epoch)
-
-
-# ---- The training harness -----------------------------------------------------
-
-
-def lr_factor(step: int, steps: int) -> float:
-    """Warmup over the first tenth of --steps, then cosine down to 0.1."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
-
-
-def check_source(args, metadata, source, latest) -> None:
-    """Refuses a step saved with another --n-layers or --dim, naming the flag;
-    then rank 0 says where the run starts from."""
-    check_saved_shape(args, metadata.state_dict_metadata, source)
-    if dist.get_rank() == 0:
-        ignored = " (--init-from applies to new runs only)" * bool(args.init_from)
-        resuming = f"resuming from {latest}{ignored}"
-        log(resuming if latest else f"starting from the weights of {source}")
-
-
-def held(value) -> tuple:
-    """(tensors, bytes) of a nested state_dict on this rank; FSDP2: its shards."""
-    if isinstance(value, dict):
-        counts = [held(v) for v in value.values()]
-        return sum(c[0] for c in counts), sum(c[1] for c in counts)
-    if not isinstance(value, torch.Tensor):
-        return 0, 0
-    local = value.to_local() if isinstance(value, DTensor) else value
-    return 1, local.numel() * local.element_size()
 
 
 def split_traced(model: GPT, num_stages: int, shape: tuple[int, int]):
@@ -292,7 +296,7 @@ def verify(args, expected: dict, data, path: Path, layout, device) -> bool:
     fresh_stages = build_stages(args, layout, device, seed=args.seed + 1)
     fresh = build_state(args, fresh_stages, data)
     note = " into a fresh stage" if len(fresh_stages) == 1 else " into fresh stages"
-    tensors, nbytes = held(load(fresh, *checkpoint.open_step(path)))
+    tensors, nbytes = held(checkpoint.load_stage(fresh, path))
     report(layout, f"loaded {tensors} tensors", nbytes, f"from {path}{note}", start)
     found = checkpoint.offline.fingerprints(fresh.state_dict())
     differ = sorted(
@@ -308,24 +312,18 @@ def verify(args, expected: dict, data, path: Path, layout, device) -> bool:
     return not failed.item()
 
 
-def stop_on_signals(args) -> checkpoint.job.StopSignal:
-    """--stop-signals end training with a save; rank 0 shows torchrun's deadline
-    for it when one is set (and StopSignal warns of restarts that would hang)."""
-    stop = checkpoint.job.StopSignal(args.stop_signals)
+def show_deadline(args, stop: checkpoint.job.StopSignal) -> None:
+    """Rank 0 shows torchrun's deadline for the last save on a stop signal,
+    when one is set."""
     if dist.get_rank() == 0 and stop.deadline and stop.deadline.explicit:
         names = ", ".join(s.name for s in args.stop_signals)
         seconds, source = stop.deadline.seconds, stop.deadline.source
         log(f"{names}: a last save, then exit; {source} gives it {seconds:g} s")
-    return stop
 
 
 def main(args) -> None:
-    # set up distributed: gloo on CPU, nccl on GPU. A rank whose torchrun
-    # died stops at once; a SIGTERM or SIGUSR1 ends training with a save
+    # set up distributed: gloo on CPU, nccl on GPU
     rank, device = parallel.setup_distributed()
-    checkpoint.job.stop_with_launcher()
-    stop = stop_on_signals(args)
-    owner, saver = checkpoint.job.FolderOwner(args.checkpoint_dir), None
     try:
         # lay the ranks out on a (dp, pp) mesh; build and split the model, the
         # schedule, and the state to checkpoint. A failure on one rank stops
@@ -335,21 +333,14 @@ def main(args) -> None:
             stages = build_stages(args, layout, device, seed=args.seed)
             schedule = parallel.build_schedule(args, stages)
             state = build_state(args, stages, load_text(args.data))
-        # own the checkpoint folder: one job writes it, a second is refused
-        owner.acquire()
-        # resume if a checkpoint exists (its optimizer and LR schedule win over --lr)
-        resume(state, args, layout)
-        resumed_at = state.step
-        # train, saving every --save-every steps and at the last; with
-        # --async-save, in the background, one save at a time
-        if args.async_save:
-            keep, wait = args.keep_last, args.checkpoint_timeout
-            saver = checkpoint.AsyncSaver(
-                args.checkpoint_dir, keep_last=keep, mesh=layout.mesh, timeout=wait
-            )
-        stopped = train(args, state, stages, schedule, device, layout, saver, stop)
-        if saver is not None:
-            saver.close()  # waits for the last save, which its thread publishes
+        with checkpointing(args, layout.mesh) as (stop, saver):
+            show_deadline(args, stop)
+            # resume if a checkpoint exists (its optimizer and LR schedule win
+            # over --lr), then train, saving every --save-every steps and at the
+            # last; with --async-save in the background
+            start_from_checkpoint(state, args, layout)
+            resumed_at = state.step
+            stopped = train(args, state, stages, schedule, device, layout, saver, stop)
         # verify: load the final checkpoint into fresh stages, compare bit for
         # bit; not after a stop signal, whose grace period a load would spend
         final = checkpoint.find_latest_step(args.checkpoint_dir)
@@ -374,14 +365,7 @@ def main(args) -> None:
         log(f"[rank {rank}] error: {e}{flag}")
         ok = False
     finally:
-        try:
-            if saver is not None:  # a save in flight when training failed lands
-                saver.close()
-        except checkpoint.CheckpointError as e:
-            log(f"[rank {rank}] error: {e}")
-        finally:
-            owner.release()
-            dist.destroy_process_group()
+        dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 
 

@@ -518,8 +518,30 @@ class AsyncSaver:
             dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
         return self.wait() if done.item() else None
 
+    def __enter__(self) -> AsyncSaver:
+        """The saver, closed (:meth:`close`) when the block ends."""
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
+        """Closes: the save in flight lands first.
+
+        Where the block raised, a failure of that save is logged (ERROR) and
+        the block's error goes on; otherwise :meth:`close` raises it.
+        """
+        if error is None:
+            return self.close()
+        try:
+            self.close()
+        except Exception as e:  # the block's error is the one to raise
+            logger.error("the save in flight failed too: %s", e)
+
     def close(self) -> None:
-        """Waits for the save in flight, then frees buffers, thread and groups."""
+        """Waits for the save in flight, then frees buffers, thread and groups.
+
+        Raises:
+            CheckpointError: As :meth:`wait` (and its other errors): the save
+                in flight failed or was refused; the saver is closed anyway.
+        """
         self._closed = True
         try:
             self.wait()
