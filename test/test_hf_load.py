@@ -8,7 +8,9 @@ import pytest
 import torch
 from ranks import run_ranks
 
+import pippy
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.hf import StageReader, load_hf_stage
 
 from helpers import HF_SPLIT, TINY_DECODER, hf_config, hf_model_class, hf_stage
@@ -263,22 +265,123 @@ def test_each_stage_reads_its_own_bytes_from_the_disk(tmp_path):
             assert torch.equal(value, model.state_dict()[key]), key
 
 
-def test_experts_stored_one_by_one_are_refused_naming_the_fused_keys(tmp_path):
-    """transformers stores Mixtral's experts one by one and fuses them into
-    one tensor per layer when it loads; a stage holds the fused tensors, which
-    the folder lacks: refused, naming them, nothing converted silently."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+def moe(name):
+    """A tiny Mixtral or Qwen3-MoE of 4 experts: its config and class."""
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    if name == "mixtral":
+        return MixtralConfig(**TINY_DECODER, num_local_experts=4), MixtralForCausalLM
+    config = Qwen3MoeConfig(
+        **TINY_DECODER, num_experts=4, moe_intermediate_size=16, head_dim=8
+    )
+    return config, Qwen3MoeForCausalLM
+
+
+def moe_stage_on_rank(rank, world_size, name, folder, fsdp):
+    """This rank's stage of a MoE model, loaded; with `fsdp`, on a (dp 2, pp 2)
+    mesh, each stage's experts sharded over dp (FSDP2, dim 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     import pippy
 
-    config = MixtralConfig(**TINY_DECODER, num_local_experts=4)
-    MixtralForCausalLM(config).save_pretrained(tmp_path)
+    config, cls = moe(name)
+    stage, stages, mesh = rank, world_size, None
+    if fsdp:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+        stage, stages = mesh.get_local_rank("pp"), 2
     module = pippy.build_stage_module(
-        lambda: MixtralForCausalLM(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
+        lambda: cls(config), stage, stages, device="cpu", **HF_SPLIT["llama"]
+    )
+    if fsdp:
+        fully_shard(module, mesh=mesh["dp"])
+    load_hf_stage(module, folder)
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v
+        for k, v in module.state_dict().items()
+    }
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["pp2", "dp2-fsdp2-x-pp2"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_experts_stored_one_by_one_load_into_the_fused_tensors_bitwise(
+    tmp_path, name, fsdp
+):
+    """transformers stores a MoE model's experts one by one (Mixtral names its
+    MoE block block_sparse_moe, its experts w1, w3, w2) and fuses them when it
+    loads; each stage reads them straight into its fused tensors (an FSDP2
+    shard: its own experts), bitwise from_pretrained's."""
+    from safetensors import safe_open
+
+    config, cls = moe(name)
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path, max_shard_size="20KB")
+    stored = set()
+    for shard in tmp_path.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            stored |= set(f.keys())
+    assert any(".experts.3." in k for k in stored)
+    assert not any(k.endswith("gate_up_proj") for k in stored)
+    whole = cls.from_pretrained(tmp_path).state_dict()
+    assert any(k.endswith(".experts.gate_up_proj") for k in whole)
+    seen = set()
+    for weights in run_ranks(4 if fsdp else 2, moe_stage_on_rank, name, tmp_path, fsdp):
+        for key, value in weights.items():
+            assert torch.equal(value, whole[key]), key
+        seen |= set(weights)
+    assert seen == set(whole)
+
+
+def test_a_trained_moe_stage_exports_to_what_from_pretrained_loads(tmp_path):
+    """A Mixtral stage, trained one step, saved and exported: from_pretrained
+    of the export, and a stage loaded from it, hold its weights bitwise."""
+    config, cls = moe("mixtral")
+    torch.manual_seed(0)
+    module = pippy.build_stage_module(
+        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
+    )
+    for param in module.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    optimizer = torch.optim.AdamW(module.parameters())
+    module(torch.arange(8).view(1, 8)).logits.sum().backward()
+    optimizer.step()
+    state = checkpoint.StageState(module, optimizer)
+    state.step = 1
+    checkpoint.save_stage(state, tmp_path / "run")
+    hf = tmp_path / "hf"
+    offline.export_hf(tmp_path / "run" / "step-1", hf, config=config.to_dict())
+    trained = module.state_dict()
+    exported = cls.from_pretrained(tmp_path / "hf").state_dict()
+    fresh = pippy.build_stage_module(
+        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
+    )
+    load_hf_stage(fresh, tmp_path / "hf")
+    for key, value in trained.items():
+        assert torch.equal(exported[key], value), key
+        assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    config, cls = moe("qwen3_moe")
+    cls(config).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    module = pippy.build_stage_module(
+        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
     )
     with pytest.raises(
         checkpoint.CheckpointError,
-        match=r"'model\.layers\.0\.mlp\.experts\.down_proj' is not in the checkpoint",
+        match=r"'model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight' is not in the "
+        r"checkpoint",
     ):
         load_hf_stage(module, tmp_path)
 

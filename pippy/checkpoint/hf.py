@@ -8,7 +8,10 @@ DCP (``dcp.load`` with DCP's ``HuggingFaceStorageReader``, whose reads
 own tensors' bytes (an FSDP2 shard: its rows), with ``pread`` into the
 stage's tensors. DCP's own reader maps each shard whole, and the kernel's
 readahead (8 MB per fault on some machines) then reads far beyond the stage.
-Safetensors holds no pickled code. The folder's files must lie inside it,
+The experts of transformers' MoE models (Mixtral, Qwen3-MoE), which
+``save_pretrained`` stores one by one and the model holds fused, are read
+straight into the fused tensors' rows. Safetensors holds no pickled code.
+The folder's files must lie inside it,
 and every tensor of the stage must be in it with its shape and dtype
 (:class:`~pippy.checkpoint.SafeLoadPlanner`'s checks).
 """
@@ -19,7 +22,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
@@ -253,6 +258,79 @@ def _weights(modules: Iterable[nn.Module]) -> dict[str, Any]:
     return state_dict
 
 
+#: A fused expert weight of transformers' MoE models (``<moe>.experts.<name>``,
+#: experts along dim 0) and the weights a folder stores for each expert ``e``
+#: instead, in the fused tensor's order along dim 1: as ``save_pretrained``
+#: writes Qwen3-MoE (``<moe>.experts.<e>.gate_proj.weight``) or Mixtral
+#: (``<moe>.experts.<e>.w1.weight``, its ``<moe>`` ``block_sparse_moe``, not ``mlp``).
+_EXPERT_PARTS = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+
+
+def _experts_as_stored(
+    state_dict: dict[str, Any], stored: Collection[str]
+) -> dict[str, Any]:
+    """The stage's weights as the folder names them: fused experts as views.
+
+    A key the folder lacks is looked for under Mixtral's name of its MoE block
+    (``block_sparse_moe`` for ``mlp``); a fused expert weight the folder stores
+    per expert is replaced by views of it, one per stored tensor, named as the
+    folder names it, so that DCP reads each expert's tensor straight into its
+    rows of the fused tensor (an FSDP2 shard of experts: its own experts'
+    rows). Any other key stays as it is, for the load planner to judge.
+    """
+    found: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        mixtral = key.replace(".mlp.", ".block_sparse_moe.", 1)
+        per_expert = _per_expert(key, stored)
+        if key in stored or (mixtral not in stored and per_expert is None):
+            found[key] = value
+        elif mixtral in stored:
+            found[mixtral] = value
+        else:
+            names, block = per_expert
+            rows, first = _local_experts(key, value)
+            for name, part in zip(names, rows.chunk(len(names), dim=1), strict=True):
+                for e, expert in enumerate(part, start=first):
+                    found[f"{block}.experts.{e}.{name}.weight"] = expert
+    return found
+
+
+def _per_expert(key: str, stored: Collection[str]) -> tuple[Any, str] | None:
+    """``(names, block)`` if the folder stores a fused expert weight per expert."""
+    block, _, fused = key.rpartition(".experts.")
+    if fused not in _EXPERT_PARTS:
+        return None
+    qwen, mixtral = _EXPERT_PARTS[fused]
+    mixtral_block = f"{block.removesuffix('.mlp')}.block_sparse_moe"
+    for names, prefix in ((qwen, block), (mixtral, mixtral_block)):
+        if f"{prefix}.experts.0.{names[0]}.weight" in stored:
+            return names, prefix
+    return None
+
+
+def _local_experts(key: str, value: Any) -> tuple[torch.Tensor, int]:
+    """A fused expert weight's experts on this rank, and the index of the first.
+
+    Raises:
+        CheckpointError: A DTensor split along another dim than the experts'.
+    """
+    if not isinstance(value, DTensor):
+        return value.detach(), 0
+    if any(p.is_shard() and p.dim != 0 for p in value.placements):
+        raise CheckpointError(
+            f"{key!r} is split along another dim than its experts "
+            f"({value.placements}), and the folder stores each expert whole: "
+            "shard the experts along dim 0 only (FSDP2's default)"
+        )
+    _, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return value.to_local().detach(), offset[0]
+
+
 def load_hf_stage(
     stages: StageState | nn.Module | Iterable[nn.Module],
     folder: str | os.PathLike,
@@ -284,7 +362,8 @@ def load_hf_stage(
             resolves outside it (a link).
         CheckpointError: A tensor of the stage is missing from the folder, or
             has another shape or dtype there (the message names them, on
-            every rank).
+            every rank); a fused expert weight the folder stores per expert
+            is split over ranks along another dim than the experts'.
     """
     if isinstance(stages, StageState):
         modules = [stages.module]
@@ -293,12 +372,13 @@ def load_hf_stage(
     else:
         modules = list(stages)
     reader = StageReader(folder)  # the folder checked before anything is read
-    state_dict = _weights(modules)
+    weights = _weights(modules)
     with explain_failures(f"loading {os.fspath(folder)}"):
+        stored = reader.read_metadata().state_dict_metadata
         dcp.load(
-            state_dict,
+            _experts_as_stored(weights, stored),
             storage_reader=reader,
             planner=SafeLoadPlanner(must_read=()),
             process_group=process_group,
         )
-    return len(state_dict)
+    return len(weights)
