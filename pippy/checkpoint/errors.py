@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import math
 import pickle
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
@@ -332,3 +333,56 @@ def _portable(error: Exception, action: str) -> Exception:
         return CheckpointError(
             f"{action}: {type(error).__name__} on rank 0: {_message(error)}"
         )
+
+
+_SHOWN = object()  # check_number's default: show the value checked
+
+
+def check_number(
+    value: Any,
+    message: str,
+    *,
+    whole: bool = False,
+    above: float | None = None,
+    at_least: float | None = None,
+    at_most: float = math.inf,
+    text: bool = False,
+    shown: Any = _SHOWN,
+) -> Any:
+    """``value`` if it is a number of the kind and in the range asked, else ValueError.
+
+    A ``bool`` is no number. NaN is in no range.
+
+    Args:
+        value: What to check.
+        message: The error, one sentence, with a ``{}`` (or ``{!r}``) where
+            ``shown`` goes: ``"a step is a whole number >= 0, not {!r}"``.
+        whole: Only an ``int`` will do; else an ``int`` or a ``float``.
+        above: The range's lower end, left out of it.
+        at_least: The range's lower end, in it.
+        at_most: The range's upper end, in it.
+        text: ``value`` is text (an environment variable) to read as a float.
+        shown: What the message shows: ``value`` unless given.
+
+    Returns:
+        ``value`` (read as a float where ``text``).
+
+    Raises:
+        ValueError: ``message``, ``shown`` filled in.
+    """
+    number = value
+    if text:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+    kind = int if whole else int | float
+    if (
+        isinstance(number, bool)
+        or not isinstance(number, kind)
+        or not (above is None or number > above)
+        or not (at_least is None or number >= at_least)
+        or not number <= at_most
+    ):
+        raise ValueError(message.format(value if shown is _SHOWN else shown))
+    return number

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
+    check_number,
     on_coordinator,
 )
 from pippy.checkpoint.stall import MAX_TIMEOUT_S
@@ -121,17 +122,14 @@ def _resolve_lease_seconds(seconds: float | None) -> float:
     text = os.environ.get(LEASE_ENV) if seconds is None else str(seconds)
     if text is None:
         return LEASE_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value <= MAX_TIMEOUT_S:  # a longer one overflows a timestamp
-        where = f"{LEASE_ENV}={text!r}" if seconds is None else f"lease_seconds={text}"
-        raise ValueError(
-            f"{where} is not a lease: give a number of seconds above 0 and at "
-            "most 365 days, or leave it unset for the default of 60"
-        )
-    return value
+    where = f"{LEASE_ENV}={{!r}}" if seconds is None else "lease_seconds={}"
+    message = (
+        f"{where} is not a lease: give a number of seconds above 0 and at most "
+        "365 days, or leave it unset for the default of 60"
+    )
+    return check_number(  # a longer one overflows a timestamp
+        text, message, above=0, at_most=MAX_TIMEOUT_S, text=True
+    )
 
 
 def _key(root: Location) -> str:

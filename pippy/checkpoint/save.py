@@ -34,6 +34,7 @@ from pippy.checkpoint.checks import offer_keys, refuse_losses
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
+    check_number,
     dir_error,
     explain_failures,
     name_ranks,
@@ -587,11 +588,8 @@ def save_stage(
             nothing is published.
         CheckpointTimeout: As :func:`publish_step`.
     """
-    whole = isinstance(thread_count, int) and not isinstance(thread_count, bool)
-    if not (whole and thread_count >= 1):
-        raise ValueError(
-            f"thread_count must be a whole number >= 1, not {thread_count!r}"
-        )
+    message = "thread_count must be a whole number >= 1, not {!r}"
+    check_number(thread_count, message, whole=True, at_least=1)
     ranks: dict[str, Any] = {"process_group": process_group, "timeout": timeout}
     state_dict, step, checked = take_state(
         state, step=step, mesh=mesh, planner=planner, **ranks

@@ -37,7 +37,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from pippy.checkpoint.errors import CheckpointTimeout, name_ranks, pippy_group
+from pippy.checkpoint.errors import (
+    CheckpointTimeout,
+    check_number,
+    name_ranks,
+    pippy_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +63,14 @@ def seconds(timeout: Timeout) -> float | None:
     if timeout is None:
         return None
     value = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        value = math.nan
-    if not 0 < value <= MAX_TIMEOUT_S:  # far longer ones overflow a group's timeout
-        raise ValueError(
-            "timeout must be a positive number of seconds or a timedelta, of at "
-            f"most 365 days, not {timeout!r}; None waits without a deadline"
-        )
+    value = check_number(  # far longer ones overflow a group's timeout
+        value,
+        "timeout must be a positive number of seconds or a timedelta, of at most "
+        "365 days, not {!r}; None waits without a deadline",
+        above=0,
+        at_most=MAX_TIMEOUT_S,
+        shown=timeout,
+    )
     return float(value)
 
 
@@ -73,13 +79,8 @@ def log_every() -> float:
     text = os.environ.get(LOG_ENV)
     if text is None:
         return _DEFAULT_LOG_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ValueError(f"{LOG_ENV}={text!r}: set it to a positive number of seconds")
-    return value
+    message = f"{LOG_ENV}={{!r}}: set it to a positive number of seconds"
+    return check_number(text, message, above=0, text=True)
 
 
 class Waits:

@@ -80,6 +80,7 @@ from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
     UnsafeCheckpointError,
+    check_number,
 )
 from pippy.checkpoint.optim_keys import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
@@ -110,20 +111,16 @@ _LEFTOVER = re.compile(r"\.step-.*\.(partial|deleting)-.*", re.DOTALL)
 
 def check_step(step: Any) -> int:
     """``step``; ValueError unless it is a whole number >= 0 (a ``bool`` is not)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"a step is a whole number >= 0, not {step!r}")
-    return step
+    message = "a step is a whole number >= 0, not {!r}"
+    return check_number(step, message, whole=True, at_least=0)
 
 
 def check_keep_last(keep_last: Any) -> int | None:
     """``keep_last``; ValueError unless None or a whole number >= 1."""
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
-        raise ValueError(
-            f"keep_last must be None or a whole number >= 1, not {keep_last!r}"
-        )
-    return keep_last
+    if keep_last is None:
+        return None
+    message = "keep_last must be None or a whole number >= 1, not {!r}"
+    return check_number(keep_last, message, whole=True, at_least=1)
 
 
 def step_dir(checkpoint_dir: Location, step: int) -> Any:
@@ -468,9 +465,9 @@ def read_manifest(storage: Storage, folder: Location) -> Manifest | None:
 
 def _count(value: Any) -> int:
     """``value`` if it is a non-negative int; else a ``ValueError``."""
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{value!r} is not a non-negative integer")
-    return value
+    return check_number(
+        value, "{!r} is not a non-negative integer", whole=True, at_least=0
+    )
 
 
 def check_manifest(
