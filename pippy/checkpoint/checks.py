@@ -33,15 +33,23 @@ from pippy.checkpoint.storage import crc32c
 _OWNED = ("model", "optim")  # the sections whose every key one stage owns
 
 
+def leaf_places(
+    state_dict: Mapping[str, Any], prefix: str = ""
+) -> Iterator[tuple[str, Any, Any]]:
+    """Yields ``(dotted key, dict, key in it)`` of each leaf of a nested state_dict."""
+    for key, value in state_dict.items():
+        if isinstance(value, Mapping):
+            yield from leaf_places(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", state_dict, key
+
+
 def named_leaves(
     state_dict: Mapping[str, Any], prefix: str = ""
 ) -> Iterator[tuple[str, Any]]:
     """Yields ``(dotted key, leaf)`` of a nested state_dict, as DCP names them."""
-    for key, value in state_dict.items():
-        if isinstance(value, Mapping):
-            yield from named_leaves(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
+    for name, parent, key in leaf_places(state_dict, prefix):
+        yield name, parent[key]
 
 
 def local(value: Any) -> Any:

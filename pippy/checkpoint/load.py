@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
 from pippy.checkpoint import stall
-from pippy.checkpoint.checks import named_leaves
+from pippy.checkpoint.checks import leaf_places, named_leaves
 from pippy.checkpoint.errors import (
     explain_failures,
     fail_together,
@@ -136,17 +136,6 @@ def _renamed(wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> Any:
     return renamed if more else None
 
 
-def _set_leaf(state_dict: dict[str, Any], key: str, value: Any) -> None:
-    """Sets the leaf of a nested state_dict that DCP names ``key``."""
-    for name, child in state_dict.items():
-        if key == name:
-            state_dict[name] = value
-            return
-        if isinstance(child, dict) and key.startswith(f"{name}."):
-            return _set_leaf(child, key[len(name) + 1 :], value)
-    raise KeyError(key)
-
-
 def read_any_layout(
     state_dict: dict[str, Any],
     reader: SafeFileSystemReader,
@@ -175,9 +164,11 @@ def read_any_layout(
     apply = reader.after_reads
 
     def convert(filled: dict[str, Any]) -> None:  # then apply, as load_into's would
-        for key, value in from_torchtitan(filled).items():
-            if key in wanted:
-                _set_leaf(state_dict, key, value)
+        places = {name: (parent, key) for name, parent, key in leaf_places(state_dict)}
+        for name, value in from_torchtitan(filled).items():
+            if name in places:
+                parent, key = places[name]
+                parent[key] = value
         if apply is not None:
             apply(state_dict)
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
+from pippy.checkpoint.checks import leaf_places
 from pippy.checkpoint.errors import (
     CheckpointError,
     UnsafeCheckpointError,
@@ -88,16 +89,6 @@ def restricted_load(value: io.BytesIO, trusted: bool = False) -> Any:
         except Exception:
             value.seek(0)
     return torch.load(value, weights_only=not trusted)
-
-
-def _drop_leaves(state_dict: dict[str, Any], keys: set[str], prefix: str = "") -> None:
-    """Deletes, in place, the leaves of a nested dict whose dotted key is in keys."""
-    for key in list(state_dict):
-        value = state_dict[key]
-        if isinstance(value, dict):
-            _drop_leaves(value, keys, f"{prefix}{key}.")
-        elif f"{prefix}{key}" in keys:
-            del state_dict[key]
 
 
 def _section(key: str) -> str:
@@ -181,7 +172,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
         stateless = stateless_keys(wanted, saved) if metadata is not None else ()
         if stateless:  # not loaded: dropped from DCP's view and the caller's dict
-            _drop_leaves(state_dict, stateless)
+            for name, parent, key in list(leaf_places(state_dict)):
+                if name in stateless:
+                    del parent[key]
             for key in stateless:
                 del self.state_dict[key]
 
