@@ -106,10 +106,11 @@ def test_an_error_that_cannot_travel_is_named_on_the_other_ranks():
         def __init__(self, a, b):
             super().__init__(f"{a} {b}")
 
-    portable = errors._portable(Unpicklable(1, 2), "cannot list /x")
+    portable = errors.portable(Unpicklable(1, 2), "cannot list /x")
     assert type(portable) is checkpoint.CheckpointError
     assert str(portable) == "cannot list /x: Unpicklable on rank 0: 1 2"
-    copy = errors._portable(KeyError("k"), "cannot list /x")
+    assert str(errors.portable(Unpicklable(1, 2))) == "Unpicklable: 1 2"
+    copy = errors.portable(KeyError("k"), "cannot list /x")
     assert type(copy) is KeyError and pickle.dumps(copy) == pickle.dumps(KeyError("k"))
 
 

@@ -95,12 +95,28 @@ def _line(error: BaseException) -> str:
     return f"{type(error).__name__}: {_message(error)}"
 
 
-def portable(error: Exception) -> Exception:
-    """``error`` if it unpickles (DCP sends it to the other ranks), else its line."""
+def portable(error: Exception, action: str | None = None) -> Exception:
+    """``error`` if it survives pickling, else a ``CheckpointError`` naming it.
+
+    An error sent to the other ranks (by DCP, or by :func:`on_coordinator`)
+    must unpickle there.
+
+    Args:
+        error: The error to send.
+        action: What rank 0 alone was doing, where it ran it for every rank.
+
+    Returns:
+        ``error``; if it does not unpickle, a ``CheckpointError`` with its
+        line (``<type>: <message>``), or where ``action`` is given,
+        ``<action>: <type> on rank 0: <message>``.
+    """
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
-        return CheckpointError(_line(error))
+        if action is None:
+            return CheckpointError(_line(error))
+        name = type(error).__name__
+        return CheckpointError(f"{action}: {name} on rank 0: {_message(error)}")
     return error
 
 
@@ -309,7 +325,7 @@ def on_coordinator(
         except OSError as e:
             outcome[0] = dir_error(action, e)
         except Exception as e:  # a bug: the same exception on every rank
-            own, outcome[0] = e, _portable(e, action)
+            own, outcome[0] = e, portable(e, action)
     if dist.is_initialized():
         src = dist.get_global_rank(process_group, 0) if process_group else 0
         dist.broadcast_object_list(outcome, src=src, group=pippy_group(process_group))
@@ -323,16 +339,6 @@ def dir_error(action: str, error: OSError) -> CheckpointDirError:
     """``error`` as one line: ``<action>: <reason> (<file>)``."""
     where = f" ({error.filename})" if error.filename else ""
     return CheckpointDirError(f"{action}: {error.strerror or error}{where}")
-
-
-def _portable(error: Exception, action: str) -> Exception:
-    """``error`` if it survives pickling, else a ``CheckpointError`` naming it."""
-    try:
-        return pickle.loads(pickle.dumps(error))
-    except Exception:
-        return CheckpointError(
-            f"{action}: {type(error).__name__} on rank 0: {_message(error)}"
-        )
 
 
 _SHOWN = object()  # check_number's default: show the value checked
