@@ -27,12 +27,11 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.reader import verify_step
 from pippy.checkpoint.steps import (
-    holds_its_step,
-    is_complete,
     list_steps,
     newest_complete_step,
     parse_step,
     read_manifest,
+    why_not_whole,
 )
 from pippy.checkpoint.storage import (
     Location,
@@ -45,10 +44,8 @@ logger = logging.getLogger(__name__)
 
 def _unverifiable(storage: Storage, path: Location) -> str | None:
     """Why a step is passed over before its items are read, or None."""
-    if not is_complete(storage, path):
-        return "incomplete (no .metadata: its save did not finish)"
-    if not holds_its_step(storage, path):  # or its manifest is damaged
-        return "its manifest names another step"
+    if (why := why_not_whole(storage, path)) is not None:
+        return why
     if read_manifest(storage, path) is None:  # read already: no error now
         raise CheckpointError(
             f"{os.fspath(path)} has no manifest.json, so it cannot be "

@@ -48,12 +48,11 @@ from pippy.checkpoint.steps import (
     ManifestWriter,
     check_keep_last,
     check_step,
-    holds_its_step,
-    is_complete,
     refuse_step_folder,
     remove_old_steps,
     step_dir,
     step_names,
+    why_not_whole,
 )
 from pippy.checkpoint.storage import Location, is_url, same_location, storage_for
 
@@ -358,7 +357,7 @@ class StepWriter(ManifestWriter):
         check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
         refuse_step_folder(storage, self.checkpoint_dir)  # a step holds no steps
         step_names(storage, self.checkpoint_dir)  # a file, a step-08: say so
-        if is_complete(storage, final) and holds_its_step(storage, final):
+        if why_not_whole(storage, final) is None:
             raise CheckpointDirError(
                 f"{os.fspath(final)!r} already exists; checkpoints are never "
                 "overwritten. Resume from it, or save into another checkpoint "

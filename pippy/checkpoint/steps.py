@@ -198,15 +198,30 @@ def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
     return {step: path for step, path in names if storage.is_dir(path)}
 
 
-def holds_its_step(storage: Storage, path: Location) -> bool:
-    """False if its manifest names another step or is damaged; raises if unsafe."""
+def why_not_whole(storage: Storage, path: Location) -> str | None:
+    """Why a step folder is no whole step, or None if it is complete and holds its step.
+
+    Args:
+        storage: The storage of the checkpoint folder.
+        path: A ``step-<N>`` folder.
+
+    Returns:
+        None; or why not: it is incomplete (its save did not finish), or its
+        manifest names another step or is damaged.
+
+    Raises:
+        UnsafeCheckpointError: Its manifest is a link out of the folder.
+    """
+    if not is_complete(storage, path):
+        return "incomplete (no .metadata: its save did not finish)"
     try:
         manifest = read_manifest(storage, path)
+        holds = manifest is None or manifest.step == parse_step(path)
     except UnsafeCheckpointError:
         raise  # a link out of the folder: refused, not passed over as damage
-    except CheckpointError:
-        return False
-    return manifest is None or manifest.step == parse_step(path)
+    except CheckpointError:  # damaged
+        holds = False
+    return None if holds else "its manifest names another step"
 
 
 def newest_complete_step(
@@ -215,7 +230,7 @@ def newest_complete_step(
     """``(newest complete step folder or None, newer ones passed over)``."""
     skipped: list[str] = []
     for path in reversed(list_steps(storage, checkpoint_dir).values()):
-        if is_complete(storage, path) and holds_its_step(storage, path):
+        if why_not_whole(storage, path) is None:
             return path, skipped
         skipped.append(os.fspath(path))
     return None, skipped
@@ -305,7 +320,7 @@ def wait_for_deletions() -> None:
 def _counted(storage: Storage, path: Location) -> bool:
     """Whether retention counts a step; one whose manifest links out is not."""
     with suppress(UnsafeCheckpointError):
-        return is_complete(storage, path) and holds_its_step(storage, path)
+        return why_not_whole(storage, path) is None
     return False
 
 
