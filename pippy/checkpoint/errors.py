@@ -96,19 +96,11 @@ def _line(error: BaseException) -> str:
 
 
 def portable(error: Exception, action: str | None = None) -> Exception:
-    """``error`` if it survives pickling, else a ``CheckpointError`` naming it.
+    """``error`` if it unpickles (it is sent to the other ranks), else its line.
 
-    An error sent to the other ranks (by DCP, or by :func:`on_coordinator`)
-    must unpickle there.
-
-    Args:
-        error: The error to send.
-        action: What rank 0 alone was doing, where it ran it for every rank.
-
-    Returns:
-        ``error``; if it does not unpickle, a ``CheckpointError`` with its
-        line (``<type>: <message>``), or where ``action`` is given,
-        ``<action>: <type> on rank 0: <message>``.
+    The line, a ``CheckpointError``: ``<type>: <message>``; with the ``action``
+    that rank 0 ran alone (:func:`on_coordinator`), ``<action>: <type> on rank
+    0: <message>``.
     """
     try:
         pickle.loads(pickle.dumps(error))
@@ -357,21 +349,19 @@ def check_number(
 ) -> Any:
     """``value`` if it is a number of the kind and in the range asked, else ValueError.
 
-    A ``bool`` is no number. NaN is in no range.
-
     Args:
-        value: What to check.
-        message: The error, one sentence, with a ``{}`` (or ``{!r}``) where
+        value: What to check; a ``bool`` is no number, NaN in no range.
+        message: The error, one sentence, with ``{}`` or ``{!r}`` where
             ``shown`` goes: ``"a step is a whole number >= 0, not {!r}"``.
-        whole: Only an ``int`` will do; else an ``int`` or a ``float``.
-        above: The range's lower end, left out of it.
+        whole: An ``int`` only; else an ``int`` or a ``float``.
+        above: The range's lower end, not in it.
         at_least: The range's lower end, in it.
         at_most: The range's upper end, in it.
-        text: ``value`` is text (an environment variable) to read as a float.
-        shown: What the message shows: ``value`` unless given.
+        text: ``value`` is text (an environment variable) read as a float.
+        shown: What the message shows, if not ``value``.
 
     Returns:
-        ``value`` (read as a float where ``text``).
+        ``value``, read as a float where ``text``.
 
     Raises:
         ValueError: ``message``, ``shown`` filled in.

@@ -199,18 +199,10 @@ def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
 
 
 def why_not_whole(storage: Storage, path: Location) -> str | None:
-    """Why a step folder is no whole step, or None if it is complete and holds its step.
+    """None if a step folder is complete and holds its step, else why not.
 
-    Args:
-        storage: The storage of the checkpoint folder.
-        path: A ``step-<N>`` folder.
-
-    Returns:
-        None; or why not: it is incomplete (its save did not finish), or its
-        manifest names another step or is damaged.
-
-    Raises:
-        UnsafeCheckpointError: Its manifest is a link out of the folder.
+    Its manifest naming another step or damaged: it does not hold its step;
+    a manifest that links out of the folder raises ``UnsafeCheckpointError``.
     """
     if not is_complete(storage, path):
         return "incomplete (no .metadata: its save did not finish)"
