@@ -367,6 +367,38 @@ def test_a_trained_moe_stage_exports_to_what_from_pretrained_loads(tmp_path):
         assert torch.equal(fresh.state_dict()[key], value), key
 
 
+def experts_split_by_rows_on_rank(rank, world_size, folder):
+    """The experts' weights split along dim 1 (rows of each expert), loaded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    config, cls = moe("qwen3_moe")
+    module = pippy.build_stage_module(
+        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
+    )
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in module.model.layers:
+        experts = layer.mlp.experts
+        for name, param in list(experts.named_parameters()):
+            split = distribute_tensor(param.detach(), mesh, [Shard(1)])
+            setattr(experts, name, torch.nn.Parameter(split))
+    try:
+        load_hf_stage(module, folder)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+
+
+def test_experts_split_along_another_dim_are_refused(tmp_path):
+    config, cls = moe("qwen3_moe")
+    cls(config).save_pretrained(tmp_path)
+    for error in run_ranks(2, experts_split_by_rows_on_rank, tmp_path):
+        assert error.startswith(
+            "'model.layers.0.mlp.experts.gate_up_proj' is split along another "
+            "dim than its experts ((Shard(dim=1),)), and the folder stores each "
+            "expert whole: shard the experts along dim 0 only (FSDP2's default)"
+        ), error
+
+
 def test_a_missing_expert_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
@@ -287,7 +287,7 @@ def _experts_as_stored(
         per_expert = _per_expert(key, stored)
         if key in stored or (mixtral not in stored and per_expert is None):
             found[key] = value
-        elif mixtral in stored:
+        elif per_expert is None:
             found[mixtral] = value
         else:
             names, block = per_expert
@@ -319,7 +319,7 @@ def _local_experts(key: str, value: Any) -> tuple[torch.Tensor, int]:
     """
     if not isinstance(value, DTensor):
         return value.detach(), 0
-    if any(p.is_shard() and p.dim != 0 for p in value.placements):
+    if any(isinstance(p, Shard) and p.dim != 0 for p in value.placements):
         raise CheckpointError(
             f"{key!r} is split along another dim than its experts "
             f"({value.placements}), and the folder stores each expert whole: "
