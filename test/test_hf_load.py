@@ -308,10 +308,12 @@ def moe_stage_on_rank(rank, world_size, name, folder, fsdp):
     }
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["pp2", "dp2-fsdp2-x-pp2"])
+@pytest.mark.parametrize(
+    "ranks, fsdp", [(2, False), (4, False), (4, True)], ids=["pp2", "pp4", "dp2xpp2"]
+)
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_experts_stored_one_by_one_load_into_the_fused_tensors_bitwise(
-    tmp_path, name, fsdp
+    tmp_path, name, ranks, fsdp
 ):
     """transformers stores a MoE model's experts one by one (Mixtral names its
     MoE block block_sparse_moe, its experts w1, w3, w2) and fuses them when it
@@ -326,12 +328,13 @@ def test_experts_stored_one_by_one_load_into_the_fused_tensors_bitwise(
     for shard in tmp_path.glob("*.safetensors"):
         with safe_open(shard, "pt") as f:
             stored |= set(f.keys())
+    assert (tmp_path / "model.safetensors.index.json").is_file()  # several shards
     assert any(".experts.3." in k for k in stored)
     assert not any(k.endswith("gate_up_proj") for k in stored)
     whole = cls.from_pretrained(tmp_path).state_dict()
     assert any(k.endswith(".experts.gate_up_proj") for k in whole)
     seen = set()
-    for weights in run_ranks(4 if fsdp else 2, moe_stage_on_rank, name, tmp_path, fsdp):
+    for weights in run_ranks(ranks, moe_stage_on_rank, name, tmp_path, fsdp):
         for key, value in weights.items():
             assert torch.equal(value, whole[key]), key
         seen |= set(weights)
