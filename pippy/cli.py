@@ -25,7 +25,7 @@ from safetensors.torch import save
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
-from pippy.checkpoint.layouts import detect_layout
+from pippy.checkpoint.keys import detect_layout
 from pippy.checkpoint.offline import (
     convert_layout,
     export_hf,

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from pippy import checkpoint
 from pippy.checkpoint import offline
 from pippy.checkpoint.checks import named_leaves
-from pippy.checkpoint.layouts import from_torchtitan, pippy_name, to_torchtitan
+from pippy.checkpoint.keys import from_torchtitan, pippy_name, to_torchtitan
 from pippy.checkpoint.state import OPTIONS
 from pippy.cli import main
 

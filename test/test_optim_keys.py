@@ -10,8 +10,14 @@ from torch import nn
 
 from pippy import checkpoint
 from pippy.checkpoint.errors import explain_failures
-from pippy.checkpoint.layouts import from_torchtitan, pippy_name, to_torchtitan
-from pippy.checkpoint.optim_keys import LAYOUT_VERSION, OptimKeys, check_layout_version
+from pippy.checkpoint.keys import (
+    LAYOUT_VERSION,
+    OptimKeys,
+    check_layout_version,
+    from_torchtitan,
+    pippy_name,
+    to_torchtitan,
+)
 from pippy.checkpoint.reader import SafeFileSystemReader, read_metadata
 from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.steps import step_dir

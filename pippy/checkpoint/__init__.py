@@ -35,11 +35,11 @@ The modules, one idea each:
 * ``job``: the job guards: one writer per folder (``FolderOwner``); no save
   once the launcher is gone; a last save on preemption within the launcher's
   deadline (``StopSignal``, ``stop_with_launcher``).
-* ``layouts``: torchtitan's layout, mapped to and from pippy's.
+* ``keys``: optimizer state keyed by parameter FQN; torchtitan's names for
+  pippy's keys, and back.
 * ``load``: the load sequence (``load_stage``) and its pieces.
 * ``offline``: tools in one process: read, export to Hugging Face, convert to
   or from torchtitan's layout, verify a step.
-* ``optim_keys``: optimizer state keyed by parameter FQN.
 * ``owner``: ``FolderOwner``, its record on a folder, a lease on an object store.
 * ``reader``: a step's ``.metadata`` and items read with no code a pickle
   could carry run, each item checked against its checksum; rank 0 opens it.

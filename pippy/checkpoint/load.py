@@ -27,7 +27,7 @@ from pippy.checkpoint.errors import (
     explain_failures,
     fail_together,
 )
-from pippy.checkpoint.layouts import (
+from pippy.checkpoint.keys import (
     PIPPY,
     detect_layout,
     from_torchtitan,

@@ -38,7 +38,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     explain_failures,
 )
-from pippy.checkpoint.layouts import (
+from pippy.checkpoint.keys import (
     PIPPY,
     TORCHTITAN,
     detect_layout,
@@ -483,7 +483,7 @@ def convert_layout(
             :func:`refuse_out`), or is named ``step-<M>`` (``step-06`` too) for
             another step than the one it holds; ``to`` is not a layout, or a
             key has no place in torchtitan's (see
-            :func:`~pippy.checkpoint.layouts.to_torchtitan`).
+            :func:`~pippy.checkpoint.keys.to_torchtitan`).
         CheckpointError: As :func:`read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):

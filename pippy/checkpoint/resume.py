@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import torch.distributed as dist
@@ -27,9 +26,9 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.reader import verify_step
 from pippy.checkpoint.steps import (
+    hidden_name,
     list_steps,
     newest_complete_step,
-    parse_step,
     read_manifest,
     why_not_whole,
 )
@@ -122,7 +121,7 @@ def _passed_over(
         )
     for path, name, why, damaged in passed:  # moved only once one verifies
         if damaged:  # renamed, kept for a look
-            aside = f".step-{parse_step(path)}.damaged-{int(time.time())}"
+            aside = hidden_name(storage.name(path), "damaged")
             storage.publish(path, storage.join(storage.parent(path), aside))
             why = f"moved aside to {aside}: {why}"
         logger.warning("skipped %s: %s", name, why)

@@ -37,8 +37,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     UnsafeCheckpointError,
 )
-from pippy.checkpoint.layouts import TORCHTITAN, detect_layout, pippy_name
-from pippy.checkpoint.optim_keys import OptimKeys
+from pippy.checkpoint.keys import TORCHTITAN, OptimKeys, detect_layout, pippy_name
 from pippy.checkpoint.state import stateless_keys
 
 #: Environment variable that, set to 1, lets the safe reader and planner load

@@ -14,8 +14,6 @@ import dataclasses
 import gc
 import logging
 import os
-import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -48,6 +46,7 @@ from pippy.checkpoint.steps import (
     ManifestWriter,
     check_keep_last,
     check_step,
+    hidden_name,
     refuse_step_folder,
     remove_old_steps,
     step_dir,
@@ -365,7 +364,7 @@ class StepWriter(ManifestWriter):
                 "advance StageState.step with each optimizer step?)"
             )
         staging = storage.join(
-            self.checkpoint_dir, f".step-{self.step}.partial-{uuid.uuid4().hex[:12]}"
+            self.checkpoint_dir, hidden_name(storage.name(final), "partial")
         )
         if not storage.atomic_rename:
             staging = final
@@ -376,7 +375,7 @@ class StepWriter(ManifestWriter):
                 logger.warning("removed %s: a save of it never committed", final)
         elif storage.exists(final):  # incomplete, or another step's: keep it aside
             aside = storage.join(
-                self.checkpoint_dir, f".step-{self.step}.incomplete-{int(time.time())}"
+                self.checkpoint_dir, hidden_name(storage.name(final), "incomplete")
             )
             storage.publish(final, aside)
             logger.warning(

@@ -4,9 +4,8 @@
 state as one state_dict; :func:`merge_parts` makes a rank's several stages one
 module, keyed as in the un-split model.
 
-Optimizer state is keyed by parameter FQN (:mod:`~pippy.checkpoint.optim_keys`).
-A step in torchtitan's layout is read in pippy's names
-(:mod:`~pippy.checkpoint.layouts`).
+Optimizer state is keyed by parameter FQN, and a step in torchtitan's layout
+is read in pippy's names (:mod:`~pippy.checkpoint.keys`).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from pippy.checkpoint.checks import fingerprint, named_leaves
 from pippy.checkpoint.errors import CheckpointError, KeyCollisionError
-from pippy.checkpoint.optim_keys import (
+from pippy.checkpoint.keys import (
     OptimKeys,
     pack_scalars,
     unpack_scalars,

@@ -9,7 +9,7 @@ from the calling process; in a job rank 0 asks and broadcasts.
 
 DCP stores no checksums and ``torch.load`` never checks the zip CRC-32
 (pytorch/pytorch#126952), so :class:`ManifestWriter` records a CRC-32C per
-item; ``optim_layout`` is :data:`~pippy.checkpoint.optim_keys.LAYOUT_VERSION`:
+item; ``optim_layout`` is :data:`~pippy.checkpoint.keys.LAYOUT_VERSION`:
 
 .. code-block:: json
 
@@ -58,6 +58,7 @@ import math
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import suppress
@@ -82,7 +83,7 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     check_number,
 )
-from pippy.checkpoint.optim_keys import LAYOUT_VERSION, check_layout_version
+from pippy.checkpoint.keys import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import (
     Location,
     Storage,
@@ -105,8 +106,25 @@ MOVE_ASIDE = (
 
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
-#: A save's staging folder, and a step that retention has taken out of view.
-_LEFTOVER = re.compile(r"\.step-.*\.(partial|deleting)-.*", re.DOTALL)
+#: The hidden step folders, ``.step-<N>.<kind>-<token>``: a save's staging
+#: (``partial``) and a step retention took out of view (``deleting``), whose
+#: token is random and which the folder's owner deletes once their job is gone;
+#: steps moved aside and kept for a look (``incomplete``, ``damaged``), whose
+#: token is the time.
+_HIDDEN = re.compile(r"\.step-[0-9]+\.(partial|deleting|incomplete|damaged)-.*")
+_LEFTOVER = ("partial", "deleting")
+
+
+def hidden_name(step: str, kind: str) -> str:
+    """The hidden name of a step folder (``step-<N>``): ``.step-<N>.<kind>-<token>``."""
+    token = uuid.uuid4().hex[:12] if kind in _LEFTOVER else str(int(time.time()))
+    return f".{step}.{kind}-{token}"
+
+
+def hidden_kind(name: str) -> str | None:
+    """The kind of a hidden step folder's name (:func:`hidden_name`), or None."""
+    match = _HIDDEN.fullmatch(name)
+    return match[1] if match else None
 
 
 def check_step(step: Any) -> int:
@@ -251,8 +269,9 @@ def remove_old_steps(
     doomed = []
     for path in old:  # out of view in one operation, its files deleted after
         if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
-            aside_name = f".{storage.name(path)}.deleting-{uuid.uuid4().hex[:12]}"
-            aside = storage.join(checkpoint_dir, aside_name)
+            aside = storage.join(
+                checkpoint_dir, hidden_name(storage.name(path), "deleting")
+            )
             storage.publish(path, aside)
             doomed.append(aside)
         else:  # no rename: uncommitted first, then never taken as a step
@@ -266,7 +285,7 @@ def remove_old_steps(
         left = [
             path
             for name in storage.listdir(checkpoint_dir)
-            if _DELETING.fullmatch(name)
+            if hidden_kind(name) == "deleting"
             and os.fspath(path := storage.join(checkpoint_dir, name)) not in _deleting
         ]
         _deleting.update(os.fspath(p) for p in left)
@@ -284,7 +303,6 @@ def remove_old_steps(
 _deleting: set[str] = set()
 _deleting_lock = threading.Lock()
 _deleters: list[threading.Thread] = []
-_DELETING = re.compile(r"\.step-.*\.deleting-.*", re.DOTALL)
 
 
 def _delete(storage: Storage, paths: list[Any]) -> None:
@@ -318,7 +336,8 @@ def _counted(storage: Storage, path: Location) -> bool:
 
 def remove_staging(storage: Storage, checkpoint_dir: Location) -> list[str]:
     """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
-    removed = [n for n in storage.listdir(checkpoint_dir) if _LEFTOVER.fullmatch(n)]
+    names = storage.listdir(checkpoint_dir)
+    removed = [n for n in names if hidden_kind(n) in _LEFTOVER]
     for name in removed:
         storage.remove(storage.join(checkpoint_dir, name))
     return removed
