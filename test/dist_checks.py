@@ -24,7 +24,7 @@ from pippy.checkpoint import (
     offline,  # noqa: E402
 )
 from pippy.checkpoint.checks import named_leaves, state_dict_size
-from pippy.checkpoint.errors import fail_together
+from pippy.checkpoint.collectives import fail_together
 from pippy.checkpoint.steps import list_steps, step_dir
 from pippy.checkpoint.storage import LocalStorage
 

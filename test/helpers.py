@@ -658,7 +658,7 @@ class _CountingStore:
 class CountedOps:
     """Counts, for this rank, the collectives its thread calls through
     torch.distributed (the outermost: all_gather_object's own all_gather is not
-    counted) and the store operations of pippy's waits (stall.py's only store,
+    counted) and the store operations of pippy's waits (collectives.py's only store,
     from any of the rank's threads: its progress records included). A context
     manager; ``counts`` is a Counter by name, ``total`` their sum.
 
@@ -696,11 +696,11 @@ def _rank():
 
 
 def _install_counting():
-    """Wraps torch.distributed's collectives and stall.py's store getter, once,
+    """Wraps torch.distributed's collectives and collectives.py's store getter, once,
     to count for the rank's open CountedOps."""
     import torch.distributed as dist
 
-    from pippy.checkpoint import stall
+    from pippy.checkpoint import collectives
 
     with _counting_lock:
         if getattr(dist, "_pippy_counted", False):
@@ -721,13 +721,13 @@ def _install_counting():
                     _counting_depth.n = depth
 
             setattr(dist, name, counted)
-        store = stall._get_default_store
+        store = collectives._get_default_store
 
         def counted_store():
             ops = _counting.get(_rank())
             return store() if ops is None else _CountingStore(store(), ops.counts)
 
-        stall._get_default_store = counted_store
+        collectives._get_default_store = counted_store
         dist._pippy_counted = True
 
 

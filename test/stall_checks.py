@@ -27,7 +27,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
-from pippy.checkpoint.errors import pippy_group
+from pippy.checkpoint.collectives import pippy_group
 from pippy.checkpoint.load import load_into, open_step  # noqa: E402
 from pippy.checkpoint.safe_load import SafeLoadPlanner  # noqa: E402
 from pippy.checkpoint.steps import list_steps  # noqa: E402
@@ -52,14 +52,14 @@ class Lines(logging.Handler):
         super().__init__(logging.WARNING)
         self.start, self.rank = time.monotonic(), dist.get_rank()
         self.lines: list[tuple[float, str]] = []
-        logging.getLogger("pippy.checkpoint.stall").addHandler(self)
+        logging.getLogger("pippy.checkpoint.collectives").addHandler(self)
 
     def emit(self, record: logging.LogRecord) -> None:
         if dist.get_rank() == self.rank:
             self.lines.append((time.monotonic() - self.start, record.getMessage()))
 
     def close(self) -> None:
-        logging.getLogger("pippy.checkpoint.stall").removeHandler(self)
+        logging.getLogger("pippy.checkpoint.collectives").removeHandler(self)
         super().close()
 
 

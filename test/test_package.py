@@ -15,7 +15,7 @@ import pytest
 
 import pippy.checkpoint as checkpoint
 from pippy.checkpoint import errors
-from pippy.checkpoint.errors import on_coordinator
+from pippy.checkpoint.collectives import on_coordinator
 
 PACKAGE = Path(checkpoint.__file__).parent
 

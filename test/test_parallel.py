@@ -62,7 +62,7 @@ def test_ddp_replicas_are_saved_once_and_reload_bitwise(mesh_run):
 
 def test_a_save_on_a_dp_mesh_runs_no_collective_beside_dcps(mesh_run):
     """On 4 ranks, dp=2 x pp=2: save_stage runs no more collectives than a
-    plain dcp.save of the same state, on every rank (stall.py's store waits
+    plain dcp.save of the same state, on every rank (collectives.py's store waits
     aside), for DDP replicas and FSDP2 shards."""
     _, found = mesh_run
     for rank, result in enumerate(found):

@@ -15,7 +15,7 @@ import stall_checks
 from ranks import run_checks
 
 from pippy import checkpoint
-from pippy.checkpoint import stall
+from pippy.checkpoint import collectives
 
 import helpers
 
@@ -173,23 +173,23 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(bad):
 
 
 def test_timeouts_in_seconds_or_as_a_timedelta():
-    assert stall.seconds(None) is None
-    assert stall.seconds(timedelta(minutes=2)) == 120.0
-    assert stall.seconds(2) == 2.0
+    assert collectives.seconds(None) is None
+    assert collectives.seconds(timedelta(minutes=2)) == 120.0
+    assert collectives.seconds(2) == 2.0
 
 
 @pytest.mark.parametrize("text", ["0", "soon", "-3"])
 def test_a_bad_log_interval_is_refused_naming_the_variable(monkeypatch, text):
-    monkeypatch.setenv(stall.LOG_ENV, text)
+    monkeypatch.setenv(collectives.LOG_ENV, text)
     with pytest.raises(ValueError) as e:
-        stall.log_every()
+        collectives.log_every()
     assert str(e.value) == (
         f"PIPPY_WAIT_LOG_SECONDS={text!r}: set it to a positive number of seconds"
     )
 
 
 def test_the_log_interval_defaults_to_30_seconds(monkeypatch):
-    monkeypatch.delenv(stall.LOG_ENV, raising=False)
-    assert stall.log_every() == 30.0
-    monkeypatch.setenv(stall.LOG_ENV, "2.5")
-    assert stall.log_every() == 2.5
+    monkeypatch.delenv(collectives.LOG_ENV, raising=False)
+    assert collectives.log_every() == 30.0
+    monkeypatch.setenv(collectives.LOG_ENV, "2.5")
+    assert collectives.log_every() == 2.5

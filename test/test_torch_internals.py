@@ -111,7 +111,7 @@ def test_compute_local_shape_and_global_offset_gives_shape_then_offset():
 
 
 def test_get_default_store_is_the_default_groups_store():
-    """pippy.checkpoint.stall waits on it: a key-value store shared by the group."""
+    """pippy.checkpoint.collectives waits on it: a key-value store shared by the group."""
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:

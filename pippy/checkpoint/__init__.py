@@ -30,6 +30,9 @@ The modules, one idea each:
 * ``async_saver``: background saves.
 * ``checks``: ``check_keys`` across ranks before a save (DCP would keep one copy
   of a colliding key, mixing diverged replicas); tied weights, traced buffers.
+* ``collectives``: pippy's own gloo group; one outcome for every rank; a rank
+  slow or stuck in a save or load, logged, and with a ``timeout``
+  ``CheckpointTimeout`` on every rank.
 * ``errors``: the error classes; one error per failure on any rank.
 * ``hf``: start from a Hugging Face folder, each rank reading its own tensors.
 * ``job``: the job guards: one writer per folder (``FolderOwner``); no save
@@ -47,8 +50,6 @@ The modules, one idea each:
 * ``safe_load``: ``SafeLoadPlanner``: every key read, nothing converted
   silently; what a load may unpickle.
 * ``save``: the save sequence (``save_stage``) and its pieces, DCP's plug-ins.
-* ``stall``: a rank slow or stuck in a save or load, logged; with a
-  ``timeout``, ``CheckpointTimeout`` on every rank.
 * ``state``: a rank's stage(s) as one state_dict.
 * ``steps``: step folders (``step-<N>``) staged and published once complete;
   the newest complete step; retention; ``manifest.json`` (item checksums).
@@ -57,6 +58,7 @@ The modules, one idea each:
 """
 
 from pippy.checkpoint.async_saver import AsyncSaver
+from pippy.checkpoint.collectives import fail_together
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
@@ -68,7 +70,6 @@ from pippy.checkpoint.errors import (
     NestedStateError,
     TiedParametersError,
     UnsafeCheckpointError,
-    fail_together,
 )
 from pippy.checkpoint.hf import StageReader, load_hf_stage
 from pippy.checkpoint.load import load_into, load_stage, open_step

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from pippy.checkpoint.errors import CheckpointError, drop_group, made_group
+from pippy.checkpoint.collectives import Timeout, drop_group, made_group, seconds
+from pippy.checkpoint.errors import CheckpointError
 from pippy.checkpoint.save import (
     CheckedSavePlanner,
     StepWriter,
@@ -36,7 +37,6 @@ from pippy.checkpoint.save import (
     state_to_save,
     step_of,
 )
-from pippy.checkpoint.stall import Timeout, seconds
 from pippy.checkpoint.state import StageState
 from pippy.checkpoint.steps import check_keep_last, step_dir
 from pippy.checkpoint.storage import Location

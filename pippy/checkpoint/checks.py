@@ -21,12 +21,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from pippy.checkpoint.collectives import pippy_group
 from pippy.checkpoint.errors import (
     DivergedReplicasError,
     KeyCollisionError,
     NestedStateError,
     name_ranks,
-    pippy_group,
 )
 from pippy.checkpoint.storage import crc32c
 

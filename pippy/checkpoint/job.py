@@ -23,10 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pippy.checkpoint.errors import (
-    CheckpointDirInUseError,
-    name_ranks,
-)
+from pippy.checkpoint.errors import CheckpointDirInUseError, name_ranks
 from pippy.checkpoint.owner import FolderOwner
 
 __all__ = ["FolderOwner", "StopSignal", "stop_with_launcher"]

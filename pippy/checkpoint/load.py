@@ -21,12 +21,10 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
-from pippy.checkpoint import stall
+from pippy.checkpoint import collectives
 from pippy.checkpoint.checks import leaf_places, named_leaves
-from pippy.checkpoint.errors import (
-    explain_failures,
-    fail_together,
-)
+from pippy.checkpoint.collectives import Timeout, fail_together
+from pippy.checkpoint.errors import explain_failures
 from pippy.checkpoint.keys import (
     PIPPY,
     detect_layout,
@@ -37,7 +35,6 @@ from pippy.checkpoint.keys import (
 from pippy.checkpoint.reader import SafeFileSystemReader, open_reader
 from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.save import gc_paused
-from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.state import StageState, statefuls_taken, take_or_failure
 from pippy.checkpoint.storage import Location
 
@@ -95,7 +92,7 @@ def open_step(
             every rank, naming it.
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days].
     """
-    waiting = stall.waiting(f"opening {path}", "read", timeout, process_group)
+    waiting = collectives.waiting(f"opening {path}", "read", timeout, process_group)
     with nullcontext() if no_dist else waiting:
         reader = open_reader(
             path,
@@ -246,7 +243,10 @@ def load_into(
         )
     ours = reader if isinstance(reader, SafeFileSystemReader) else None
     action = f"loading {ours.folder if ours else getattr(reader, 'path', reader)}"
-    with gc_paused(), stall.waiting(action, "read", timeout, process_group) as waits:
+    with (
+        gc_paused(),
+        collectives.waiting(action, "read", timeout, process_group) as waits,
+    ):
         with _filled(state, reader, action, process_group, waits) as state_dict:
             yield state_dict
 
@@ -257,7 +257,7 @@ def _filled(
     reader: StorageReader,
     action: str,
     process_group: dist.ProcessGroup | None,
-    waits: stall.Waits | None,
+    waits: collectives.Waits | None,
 ) -> Iterator[dict[str, Any]]:
     """:func:`load_into`'s block, inside the watch ``waits``."""
     applied = False
@@ -339,7 +339,7 @@ def load_stage(
         CheckpointTimeout: As :func:`load_into`.
     """
     action, group = f"loading {path}", process_group
-    waiting = stall.waiting(action, "read", timeout, group)
+    waiting = collectives.waiting(action, "read", timeout, group)
     with gc_paused(), nullcontext() if no_dist else waiting as waits:
         # one watch over the open and the load
         reader = open_reader(

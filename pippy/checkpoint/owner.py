@@ -39,13 +39,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pippy.checkpoint.collectives import MAX_TIMEOUT_S, on_coordinator
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointDirInUseError,
     check_number,
-    on_coordinator,
 )
-from pippy.checkpoint.stall import MAX_TIMEOUT_S
 from pippy.checkpoint.steps import (
     list_steps,
     refuse_step_folder,

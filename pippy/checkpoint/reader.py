@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.futures import Future
 from torch.torch_version import TorchVersion
 
+from pippy.checkpoint.collectives import Waits, on_coordinator
 from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
-    on_coordinator,
     own_error,
     portable,
 )
@@ -55,7 +55,6 @@ from pippy.checkpoint.safe_load import (
     resolve_trusted,
     restricted_load,
 )
-from pippy.checkpoint.stall import Waits
 from pippy.checkpoint.steps import (
     MANIFEST_FILE,
     METADATA_FILE,

@@ -2,7 +2,7 @@
 
 Rank 0 of the process group alone answers every question about the checkpoint
 folder, and broadcasts its answer or its error
-(:func:`~pippy.checkpoint.errors.on_coordinator`): NFS attribute caching can
+(:func:`~pippy.checkpoint.collectives.on_coordinator`): NFS attribute caching can
 make ranks disagree on what a folder holds (and resume from different steps),
 and hundreds of ranks listing a bucket at once get throttled into "no
 checkpoint". With ``verified=True`` every rank reads its share of each step
@@ -18,12 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pippy.checkpoint.errors import (
-    CheckpointError,
-    UnsafeCheckpointError,
-    on_coordinator,
-    pippy_group,
-)
+from pippy.checkpoint.collectives import on_coordinator, pippy_group
+from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from pippy.checkpoint.reader import verify_step
 from pippy.checkpoint.steps import (
     hidden_name,

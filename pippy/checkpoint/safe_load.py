@@ -33,10 +33,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from pippy.checkpoint.checks import leaf_places
-from pippy.checkpoint.errors import (
-    CheckpointError,
-    UnsafeCheckpointError,
-)
+from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from pippy.checkpoint.keys import TORCHTITAN, OptimKeys, detect_layout, pippy_name
 from pippy.checkpoint.state import stateless_keys
 

@@ -27,8 +27,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import DeviceMesh
 from torch.futures import Future
 
-from pippy.checkpoint import stall
+from pippy.checkpoint import collectives
 from pippy.checkpoint.checks import offer_keys, refuse_losses
+from pippy.checkpoint.collectives import Timeout
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
@@ -40,7 +41,6 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.job import check_launcher
 from pippy.checkpoint.owner import check_lease, lease_lost
-from pippy.checkpoint.stall import Timeout
 from pippy.checkpoint.state import StageState, statefuls_taken, take_or_failure
 from pippy.checkpoint.steps import (
     ManifestWriter,
@@ -194,7 +194,7 @@ def take_state(
             not find it raise ``CheckpointError`` naming those that did.
     """
     step = step_of(state, step)
-    stall.seconds(timeout)  # refused at once; the waits are the save's
+    collectives.seconds(timeout)  # refused at once; the waits are the save's
     checked = CheckedSavePlanner(
         planner, mesh=mesh, process_group=process_group, step=step
     )
@@ -273,7 +273,7 @@ class StepWriter(ManifestWriter):
             replica that wrote them.
         process_group: In :func:`publish_step`'s block, the group to pass
             ``dcp.save``: pippy's own gloo group over the saving ranks
-            (:func:`~pippy.checkpoint.errors.pippy_group`), whose collectives
+            (:func:`~pippy.checkpoint.collectives.pippy_group`), whose collectives
             ``timeout`` bounds; None where no other rank saves.
     """
 
@@ -296,7 +296,9 @@ class StepWriter(ManifestWriter):
         super().__init__(storage_for(checkpoint_dir), self.final, step=step, **kwargs)
         self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
         self.staging: Any = None
-        self.waits: stall.Waits | None = None  # the watch of the save, in saving()
+        self.waits: collectives.Waits | None = (
+            None  # the watch of the save, in saving()
+        )
         self.process_group: dist.ProcessGroup | None = None  # pippy's, in saving()
         self.used = False  # by a dcp.save
 
@@ -441,7 +443,9 @@ class StepWriter(ManifestWriter):
         If it fails, the staging folder is removed, unless this job lost the lease.
         """
         try:
-            with stall.waiting(action, "write", timeout, process_group) as self.waits:
+            with collectives.waiting(
+                action, "write", timeout, process_group
+            ) as self.waits:
                 self.process_group = self.waits.ours if self.waits else process_group
                 with explain_failures(action):
                     yield
@@ -491,7 +495,7 @@ def publish_step(
         timeout: Seconds (or a ``timedelta``) a rank that has written its
             items waits for the others before the save is abandoned; None
             waits without a deadline. Ranks not done are logged with what
-            they wrote, every :func:`~pippy.checkpoint.stall.log_every` seconds.
+            they wrote, every :func:`~pippy.checkpoint.collectives.log_every` seconds.
         **writer_options: Passed to the :class:`StepWriter` (DCP's
             ``thread_count``, ...).
 
@@ -516,7 +520,7 @@ def publish_step(
             made: a published step is never overwritten); ``dcp.save`` in
             the body saved with another writer, or another ``checkpoint_id``.
     """
-    stall.seconds(timeout)  # a bad timeout is refused before anything is made
+    collectives.seconds(timeout)  # a bad timeout is refused before anything is made
     writer = StepWriter(checkpoint_dir, step, keep_last=keep_last, **writer_options)
     with writer.saving(f"saving step-{step}", timeout, process_group):
         yield writer

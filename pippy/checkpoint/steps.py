@@ -37,7 +37,7 @@ test/test_torch_internals.py on torch 2.10 to 2.15
   (``storage.CRC32_PER_THREAD``; per process before, so kept on there);
 * ``torch.distributed.distributed_c10d._get_default_store`` and a group's
   ``_get_backend`` and ``options._timeout`` (of pippy's own gloo group:
-  :mod:`~pippy.checkpoint.stall`; no public getters);
+  :mod:`~pippy.checkpoint.collectives`; no public getters);
 * ``DefaultLoadPlanner.original_state_dict`` (undocumented), the dict
   ``dcp.load`` fills, filled when ``read_data`` returns;
 * ``DefaultSavePlanner._enable_plan_caching`` (refused by the save planner);

@@ -1,4 +1,10 @@
-"""Waiting for the other ranks of a save or load: who is late, how far, how long.
+"""pippy's collectives: its own gloo group, one outcome for all, a late rank named.
+
+pippy's collectives run on a gloo group of its own (:func:`pippy_group`),
+whatever backend the caller's group has. :func:`fail_together` and
+:func:`on_coordinator` give every rank one outcome of a step that some rank
+runs alone. Waiting for the other ranks of a save or load: who is late, how
+far, how long.
 
 Every rank goes straight into DCP's collectives while a thread of its own
 watches the save or load (:func:`waiting`) past two points: ``start`` and
@@ -8,7 +14,7 @@ c10d store, each rank records every interval its last point and progress, and
 the lowest rank waiting logs one WARNING naming the late ranks. With a
 ``timeout``, at the deadline a waiting rank marks the operation aborted; every
 collective of the block on pippy's own gloo group
-(:func:`~pippy.checkpoint.errors.pippy_group`: pippy's, and DCP's where it is
+(:func:`pippy_group`: pippy's, and DCP's where it is
 given that group) waits at most ``timeout`` + :data:`ABORT_WAIT_S`
 (``ProcessGroup.set_timeout``, put back at the end), so every rank raises one
 :class:`~pippy.checkpoint.errors.CheckpointTimeout`. pippy's group is then
@@ -23,28 +29,197 @@ and a group's gloo backend's ``options._timeout``;
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.distributed_c10d import _get_default_store
 
 from pippy.checkpoint.errors import (
+    CheckpointError,
     CheckpointTimeout,
     check_number,
+    dir_error,
+    failed_on,
     name_ranks,
-    pippy_group,
+    one_line,
+    portable,
 )
 
 logger = logging.getLogger(__name__)
+
+#: pippy's own gloo group of each caller's group, by id (the group kept with
+#: it, so that its id is not reused while the entry lives).
+_groups: dict[int, tuple[Any, Any]] = {}
+
+
+def pippy_group(
+    process_group: dist.ProcessGroup | None = None, timeout: float | None = None
+) -> dist.ProcessGroup | None:
+    """Pippy's own gloo group over the ranks of ``process_group``.
+
+    pippy's collectives run on it, whatever backend the caller's group has
+    (NCCL alone included), and only its timeout is ever changed (a save's or
+    load's ``timeout=``); the caller's group is never touched. Made on first
+    use, on the ranks of ``process_group`` at once, then kept.
+
+    Args:
+        process_group: The caller's group; the default group if None.
+        timeout: Seconds the making waits for every rank of the group; None:
+            torch's default.
+
+    Returns:
+        The group (the same one on every later call), or None where
+        torch.distributed is not initialized.
+    """
+    if not dist.is_initialized():
+        return None
+    group = process_group or dist.group.WORLD
+    held = _groups.get(id(group))
+    if held is not None and held[0] is group:
+        return held[1]
+    ours = _gloo_group(group, timedelta(seconds=timeout) if timeout else None)
+    if timeout:  # its collectives' bound from now on: torch's default
+        ours.set_timeout(default_pg_timeout)
+    _groups[id(group)] = (group, ours)
+    return ours
+
+
+def _gloo_group(
+    group: dist.ProcessGroup | None, timeout: timedelta | None = None
+) -> dist.ProcessGroup:
+    """A new gloo group over ``group``'s ranks, made by them alone."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # type: ignore[arg-type]
+    if len(ranks) == dist.get_world_size():  # named by torch's count, as usual
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
+    # named by its ranks: the other ranks need not take part
+    return dist.new_group(
+        ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+    )
+
+
+def made_group(
+    process_group: dist.ProcessGroup | None = None,
+) -> dist.ProcessGroup | None:
+    """A new gloo group of pippy's own over ``process_group``'s ranks.
+
+    All ranks if None. :func:`pippy_group` gives it back for itself; forget
+    it with :func:`drop_group`. None where torch.distributed is not
+    initialized.
+    """
+    if not dist.is_initialized():
+        return None
+    ours = _gloo_group(process_group or dist.group.WORLD)
+    _groups[id(ours)] = (ours, ours)
+    return ours
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Destroys and forgets pippy's groups at exit, while Python still runs.
+
+    Those the caller's ``destroy_process_group()`` left, so that their gloo
+    threads end then, not in the interpreter's teardown.
+    """
+    held = {id(ours): ours for _, ours in _groups.values()}
+    _groups.clear()
+    if not dist.is_initialized():
+        return
+    for ours in held.values():
+        with suppress(Exception):  # destroyed already, with the world
+            dist.destroy_process_group(ours)
+
+
+def drop_group(group: dist.ProcessGroup) -> None:
+    """Forgets, then destroys, a group from :func:`made_group`."""
+    _groups.pop(id(group), None)
+    dist.destroy_process_group(group)
+
+
+@contextmanager
+def fail_together(
+    action: str,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    keep_own_error: bool = False,
+) -> Iterator[None]:
+    """Makes a step that each rank runs alone fail on every rank, or on none.
+
+    Otherwise the other ranks would die in their next collective with an error
+    that hides the cause. One ``all_gather_object`` (on :func:`pippy_group`):
+    every rank of ``process_group`` must enter it.
+
+    Args:
+        action: What was attempted, for the message (``"loading step-20"``).
+        process_group: The ranks that agree; the default group if None.
+        keep_own_error: A rank whose body failed raises its own exception;
+            only the others raise the ``CheckpointError``.
+
+    Raises:
+        CheckpointError: On every rank, if the body raised on some rank: one
+            line per failed rank. Without a process group, the body's own.
+        ValueError: This rank is not in ``process_group``.
+    """
+    if not dist.is_initialized():
+        yield
+        return
+    if dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"fail_together: rank {dist.get_rank()} is not in the process group"
+        )
+    error: str | None = None
+    own: Exception | None = None
+    try:
+        yield
+    except Exception as e:
+        error, own = one_line(e).replace("\n", "\n    "), e
+    errors: list[str | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(errors, error, group=pippy_group(process_group))
+    failed = {
+        dist.get_global_rank(process_group, r) if process_group else r: e
+        for r, e in enumerate(errors)
+        if e is not None
+    }
+    if own is not None and keep_own_error:
+        raise own
+    if failed:
+        raise failed_on(action, failed)
+
+
+def on_coordinator(
+    action: str, fn: Callable[[], Any], process_group: dist.ProcessGroup | None
+) -> Any:
+    """Runs ``fn`` on rank 0 alone; every rank gets its result or raises its error."""
+    rank0 = not dist.is_initialized() or dist.get_rank(process_group) == 0
+    outcome: list[Any] = [None, None]  # error, result
+    own: Exception | None = None
+    if rank0:
+        try:
+            outcome[1] = fn()
+        except CheckpointError as e:
+            outcome[0] = own = e
+        except OSError as e:
+            outcome[0] = dir_error(action, e)
+        except Exception as e:  # a bug: the same exception on every rank
+            own, outcome[0] = e, portable(e, action)
+    if dist.is_initialized():
+        src = dist.get_global_rank(process_group, 0) if process_group else 0
+        dist.broadcast_object_list(outcome, src=src, group=pippy_group(process_group))
+    error = own if own is not None else outcome[0]
+    if error is not None:  # this rank's own, else as rank 0 sent it
+        raise error
+    return outcome[1]
+
 
 #: A timeout as torch's ``timeout=`` arguments take it, or seconds; None: off.
 Timeout = timedelta | float | int | None
