@@ -402,23 +402,65 @@ def test_experts_split_along_another_dim_are_refused(tmp_path):
         ), error
 
 
-def test_a_missing_expert_is_named(tmp_path):
+@pytest.mark.parametrize("expert", [0, 3])
+def test_a_missing_expert_is_named(tmp_path, expert):
     from safetensors.torch import load_file, save_file
 
     config, cls = moe("qwen3_moe")
     cls(config).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    key = f"model.layers.0.mlp.experts.{expert}.gate_proj.weight"
+    del tensors[key]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     module = pippy.build_stage_module(
         lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
     )
-    with pytest.raises(
-        checkpoint.CheckpointError,
-        match=r"'model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight' is not in the "
-        r"checkpoint",
-    ):
+    with pytest.raises(checkpoint.CheckpointError) as raised:
         load_hf_stage(module, tmp_path)
+    assert f"{key!r} is not in the checkpoint" in str(raised.value)
+    assert "gate_up_proj" not in str(raised.value)
+
+
+def test_a_folder_of_another_model_type_is_refused(tmp_path):
+    config, cls = moe("qwen3_moe")
+    cls(config).save_pretrained(tmp_path)
+    config, cls = moe("mixtral")
+    module = pippy.build_stage_module(
+        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
+    )
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        load_hf_stage(module, tmp_path)
+    assert (
+        f"{str(tmp_path)!r} holds a qwen3_moe model (its config.json), and this "
+        "stage is mixtral: pass the folder of a mixtral model"
+    ) in str(raised.value)
+
+
+def test_shards_the_index_does_not_name_are_ignored_and_a_key_in_two_is_refused(
+    pretrained, tmp_path
+):
+    """A shard left from an older save (an rsync without --delete) is not
+    read where an index names the shards, as from_pretrained does; without an
+    index, a key in two files is refused naming both."""
+    from safetensors.torch import save_file
+
+    folder, whole = pretrained
+    stale = {k: v + 1 for k, v in whole.items() if k.startswith("model.layers.0.")}
+    leftover, _ = copied(folder, tmp_path / "leftover")
+    save_file(stale, leftover / "model-00001-of-00099.safetensors")
+    module = hf_stage("llama", 0, 1)
+    load_hf_stage(module, leftover)
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, whole[key]), key
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file(whole, single / "model.safetensors")
+    save_file(stale, single / "old.safetensors")
+    with pytest.raises(checkpoint.CheckpointError, match="is in both") as raised:
+        load_hf_stage(hf_stage("llama", 0, 1), single)
+    assert "and old.safetensors: keep only the shards save_pretrained wrote" in str(
+        raised.value
+    )
 
 
 PEAK_SCRIPT = """

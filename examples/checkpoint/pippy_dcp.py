@@ -54,7 +54,8 @@ from parallel import log, report
 
 def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
     """What an exact resume needs: weights, AdamW moments (keyed by FQN, not by
-    index, which restarts at 0 on every stage), LR schedule, step, data order."""
+    index, which restarts at 0 on every stage), LR schedule (its Schedule, --steps
+    too, restored as saved), step, data order; the loop advances state.step."""
     modules = [stage.submod for stage in stages]  # StageState looks inside DDP
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
@@ -66,8 +67,8 @@ def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState
 def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
     """Every rank at once: its stage(s) into <checkpoint-dir>/step-<N>, published
     once all have written. Returns (tensors, bytes) this rank wrote."""
-    # The planner refuses, in DCP's own planning, what DCP would silently lose:
-    # a key on two stages, dp replicas that differ. A late rank fails them all.
+    # Refused in DCP's planning: what it would lose (keys on two stages, replicas
+    # that differ); a late rank fails them all, named. Each rank writes its file.
     ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
     state_dict, step, planner = checkpoint.take_state(state, mesh=mesh, timeout=wait)
     with checkpoint.publish_step(ckpt, step, keep_last=keep, timeout=wait) as writer:
@@ -83,8 +84,7 @@ def resume(state: checkpoint.StageState, args, check=None) -> Path | None:
     latest = checkpoint.find_latest_step(ckpt, verified=args.skip_damaged)
     if latest is None:
         return None
-    # pippy's reader and planner refuse pickled code, damaged files and keys that
-    # no rank would read; DCP loads in place, each rank its own keys alone.
+    # Refused: pickled code, damaged files, keys no rank would read. In place.
     reader, planner = checkpoint.open_step(latest, timeout=wait)
     if check is not None:
         check(reader.read_metadata(), latest)
@@ -96,9 +96,9 @@ def resume(state: checkpoint.StageState, args, check=None) -> Path | None:
 
 @contextlib.contextmanager
 def checkpointing(args, mesh: DeviceMesh):
-    """The job around training, entered once: --stop-signals end it with a save,
-    the folder is this job's alone, --async-save saves in the background. Yields
-    (stop, saver); at the end the last save lands, then the folder is let go."""
+    """The job around training, entered once: the folder is this job's alone;
+    yields (stop, saver). Each step: saver.poll(); once stop.requested(), save
+    this step (saver.wait() first) and end. At the end the last save lands."""
     ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
     checkpoint.job.stop_with_launcher()  # a rank whose torchrun died stops at once
     stop = checkpoint.job.StopSignal(args.stop_signals)

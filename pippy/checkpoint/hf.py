@@ -22,7 +22,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,8 @@ def check_folder(folder: str | os.PathLike) -> list[str]:
     """Checks a Hugging Face folder before DCP's reader opens its shards.
 
     Returns:
-        The names of its ``*.safetensors`` files, sorted.
+        The names of its shards, sorted: those its index names, else its
+        ``*.safetensors`` files.
 
     Raises:
         CheckpointNotFoundError: ``folder`` is not a local folder, or holds no
@@ -89,12 +90,13 @@ def check_folder(folder: str | os.PathLike) -> list[str]:
             f"{os.fspath(folder)!r} holds no *.safetensors file: pass the folder "
             "that save_pretrained wrote"
         )
-    named = list(shards)
     index = storage.join(folder, INDEX_FILE)
-    if storage.exists(index):
-        named += json.loads(storage.read_bytes(index)).get("weight_map", {}).values()
+    if storage.exists(index):  # its shards alone, as from_pretrained reads them
+        shards = sorted(
+            set(json.loads(storage.read_bytes(index)).get("weight_map", {}).values())
+        )
     root = storage.same_place(folder)
-    for name in sorted(set(named)):
+    for name in shards:
         path = storage.same_place(storage.join(folder, name))
         if not path.is_relative_to(root) or path == root:
             raise UnsafeCheckpointError(
@@ -152,6 +154,9 @@ class StageReader(HuggingFaceStorageReader):
 
     Args:
         path: The folder ``save_pretrained`` wrote.
+        model_type: The stage's ``config.model_type`` (a transformers
+            model's); in DCP's planning, a folder whose ``config.json`` names
+            another is refused (``CheckpointError``, on every rank).
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
@@ -159,13 +164,30 @@ class StageReader(HuggingFaceStorageReader):
             report them as another error).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, model_type: str | None = None) -> None:
         self.shards = check_folder(path)
+        self.model_type = model_type
         super().__init__(os.fspath(path))
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """DCP's; refuses a folder of another model type than the stage's."""
+        storage, config = LocalStorage(), os.path.join(self.path, "config.json")
+        if self.model_type and storage.size(config) is not None:
+            saved = json.loads(storage.read_bytes(config)).get("model_type")
+            if saved and saved != self.model_type:
+                folder, ours = os.fspath(self.path), self.model_type
+                raise CheckpointError(
+                    f"{folder!r} holds a {saved} model (its config.json), and this "
+                    f"stage is {ours}: pass the folder of a {ours} model"
+                )
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_metadata(self) -> Metadata:
         """Every shard's tensors, from its header alone."""
         tensors: dict[str, Any] = {}
+        shard_of: dict[str, str] = {}
         self.storage_data = places = {}
         for name in self.shards:
             path = os.path.join(self.path, name)
@@ -175,6 +197,13 @@ class StageReader(HuggingFaceStorageReader):
             for key, entry in header.items():
                 if key == "__metadata__":
                     continue
+                if key in tensors:  # a stale shard: which is right is unknown
+                    raise CheckpointError(
+                        f"{key!r} is in both {shard_of[key]} and {name}: keep "
+                        "only the shards save_pretrained wrote (its index names "
+                        "them)"
+                    )
+                shard_of[key] = name
                 try:
                     dtype, shape = _getdtype(entry["dtype"]), tuple(entry["shape"])
                     begin, end = entry["data_offsets"]
@@ -284,7 +313,7 @@ def _experts_as_stored(
     found: dict[str, Any] = {}
     for key, value in state_dict.items():
         mixtral = key.replace(".mlp.", ".block_sparse_moe.", 1)
-        per_expert = _per_expert(key, stored)
+        per_expert = _per_expert(key, value.shape, stored)
         if key in stored or (mixtral not in stored and per_expert is None):
             found[key] = value
         elif per_expert is None:
@@ -298,15 +327,23 @@ def _experts_as_stored(
     return found
 
 
-def _per_expert(key: str, stored: Collection[str]) -> tuple[Any, str] | None:
-    """``(names, block)`` if the folder stores a fused expert weight per expert."""
+def _per_expert(
+    key: str, shape: Sequence[int], stored: Collection[str]
+) -> tuple[Any, str] | None:
+    """``(names, block)`` if the folder stores a fused expert weight per expert.
+
+    By any of its ``shape[0]`` experts' tensors: one missing is then named.
+    """
     block, _, fused = key.rpartition(".experts.")
-    if fused not in _EXPERT_PARTS:
+    if fused not in _EXPERT_PARTS or not shape:
         return None
     qwen, mixtral = _EXPERT_PARTS[fused]
     mixtral_block = f"{block.removesuffix('.mlp')}.block_sparse_moe"
     for names, prefix in ((qwen, block), (mixtral, mixtral_block)):
-        if f"{prefix}.experts.0.{names[0]}.weight" in stored:
+        experts = (
+            f"{prefix}.experts.{e}.{n}.weight" for e in range(shape[0]) for n in names
+        )
+        if any(name in stored for name in experts):
             return names, prefix
     return None
 
@@ -371,7 +408,10 @@ def load_hf_stage(
         modules = [stages]
     else:
         modules = list(stages)
-    reader = StageReader(folder)  # the folder checked before anything is read
+    inner = [m.module if isinstance(m, DistributedDataParallel) else m for m in modules]
+    types = {getattr(getattr(m, "config", None), "model_type", None) for m in inner}
+    # the folder checked before anything is read
+    reader = StageReader(folder, types.pop() if len(types) == 1 else None)
     weights = _weights(modules)
     with explain_failures(f"loading {os.fspath(folder)}"):
         stored = reader.read_metadata().state_dict_metadata
