@@ -399,8 +399,10 @@ def load_hf_stage(
             resolves outside it (a link).
         CheckpointError: A tensor of the stage is missing from the folder, or
             has another shape or dtype there (the message names them, on
-            every rank); a fused expert weight the folder stores per expert
-            is split over ranks along another dim than the experts'.
+            every rank); a tensor is in two of its files; its ``config.json``
+            names another ``model_type`` than the stage's (a ``transformers``
+            model's ``config``); a fused expert weight the folder stores per
+            expert is split over ranks along another dim than the experts'.
     """
     if isinstance(stages, StageState):
         modules = [stages.module]
