@@ -13,6 +13,7 @@ from pippy import checkpoint
 from pippy.stages import (
     PassThrough,
     StageBuildError,
+    TiedParametersError,
     build_stage_module,
     causal_lm_forward,
     check_untied,
@@ -36,6 +37,7 @@ __all__ = [
     "ScheduleZBVZeroBubble",
     "SplitPoint",
     "StageBuildError",
+    "TiedParametersError",
     "build_stage",
     "build_stage_module",
     "causal_lm_forward",

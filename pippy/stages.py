@@ -40,7 +40,6 @@ import torch
 from torch import nn
 
 from pippy.checkpoint.checks import tied_groups
-from pippy.checkpoint.errors import TiedParametersError
 
 __all__ = [
     "PassThrough",
@@ -56,6 +55,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class TiedParametersError(ValueError):
+    """The model shares a parameter under several FQNs (tied weights)."""
 
 
 def check_untied(model: nn.Module) -> None:

@@ -12,12 +12,15 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 
 from pippy import SplitPoint, checkpoint, pipeline
 from pippy.checkpoint import offline
-from pippy.checkpoint.errors import TiedParametersError
 from pippy.checkpoint.reader import read_metadata
 from pippy.checkpoint.save import publish_step
 from pippy.checkpoint.steps import is_complete, list_steps, wait_for_deletions
 from pippy.checkpoint.storage import LocalStorage
-from pippy.stages import check_untied, restore_non_persistent_buffers
+from pippy.stages import (
+    TiedParametersError,
+    check_untied,
+    restore_non_persistent_buffers,
+)
 
 from helpers import tiny_gpt
 

@@ -106,7 +106,7 @@ def test_round_trip_and_exact_resume(request, tmp_path, world_size):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_tied_weights_split_over_stages_are_refused_where_the_stage_is_built(name):
     import pippy
-    from pippy.checkpoint.errors import TiedParametersError
+    from pippy.stages import TiedParametersError
 
     from helpers import HF_SPLIT, hf_config, hf_model_class
 

@@ -68,7 +68,6 @@ from pippy.checkpoint.errors import (
     DivergedReplicasError,
     KeyCollisionError,
     NestedStateError,
-    TiedParametersError,
     UnsafeCheckpointError,
 )
 from pippy.checkpoint.hf import StageReader, load_hf_stage
@@ -101,7 +100,6 @@ __all__ = [
     "StageReader",
     "StageState",
     "StepWriter",
-    "TiedParametersError",
     "UnsafeCheckpointError",
     "fail_together",
     "find_latest_step",

@@ -36,10 +36,6 @@ class NestedStateError(CheckpointError, ValueError):
     """Model or optimizer state is nested under another section (``stage0.model.``)."""
 
 
-class TiedParametersError(CheckpointError, ValueError):
-    """The model shares a parameter under several FQNs (tied weights)."""
-
-
 class CheckpointDirError(CheckpointError, NotADirectoryError):
     """The checkpoint folder is not a folder, or cannot be written."""
 
