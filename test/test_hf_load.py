@@ -436,6 +436,29 @@ def test_a_folder_of_another_model_type_is_refused(tmp_path):
     ) in str(raised.value)
 
 
+def mixtral_stage_from_on_rank(rank, world_size, folder):
+    """A Mixtral stage loaded from `folder`: the error, one line."""
+    config, cls = moe("mixtral")
+    module = pippy.build_stage_module(
+        lambda: cls(config), rank, world_size, device="cpu", **HF_SPLIT["llama"]
+    )
+    try:
+        load_hf_stage(module, folder)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+
+
+def test_a_failure_alike_on_every_rank_is_one_line(tmp_path):
+    config, cls = moe("qwen3_moe")
+    cls(config).save_pretrained(tmp_path)
+    for error in run_ranks(2, mixtral_stage_from_on_rank, tmp_path):
+        assert error == (
+            f"loading {tmp_path} failed on ranks 0, 1: CheckpointError: "
+            f"{str(tmp_path)!r} holds a qwen3_moe model (its config.json), and "
+            "this stage is mixtral: pass the folder of a mixtral model"
+        )
+
+
 def test_shards_the_index_does_not_name_are_ignored_and_a_key_in_two_is_refused(
     pretrained, tmp_path
 ):

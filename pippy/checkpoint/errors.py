@@ -127,7 +127,14 @@ def name_ranks(ranks: list[int]) -> str:
 
 
 def failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
-    """One error for failures on several ranks: a line per rank, by rank."""
+    """One error for failures on several ranks: a line per rank, by rank.
+
+    One line where every rank failed alike: ``<action> failed on ranks 0-3:
+    <the failure>``.
+    """
+    if len(failures) > 1 and len(set(failures.values())) == 1:
+        ranks, [line] = name_ranks(sorted(failures)), set(failures.values())
+        return CheckpointError(f"{action} failed on {ranks}: {line}")
     lines = "\n".join(f"  rank {rank}: {failures[rank]}" for rank in sorted(failures))
     return CheckpointError(f"{action} failed on {len(failures)} rank(s):\n{lines}")
 
