@@ -64,7 +64,7 @@ def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState
     return checkpoint.StageState(modules, optimizer, scheduler, extra={"data": sampler})
 
 
-def save(state: checkpoint.StageState, args, mesh: DeviceMesh) -> tuple:
+def save(state: checkpoint.StageState, args, mesh: DeviceMesh | None) -> tuple:
     """Every rank at once: its stage(s) into <checkpoint-dir>/step-<N>, published
     once all have written. Returns (tensors, bytes) this rank wrote."""
     # Refused in DCP's planning: what it would lose (keys on two stages, replicas
@@ -95,7 +95,7 @@ def resume(state: checkpoint.StageState, args, check=None) -> Path | None:
 
 
 @contextlib.contextmanager
-def checkpointing(args, mesh: DeviceMesh):
+def checkpointing(args, mesh: DeviceMesh | None):
     """The job around training, entered once: the folder is this job's alone;
     yields (stop, saver). Each step: saver.poll(); once stop.requested(), save
     this step (saver.wait() first) and end. At the end the last save lands."""
