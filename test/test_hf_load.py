@@ -277,7 +277,11 @@ def moe(name):
     if name == "mixtral":
         return MixtralConfig(**TINY_DECODER, num_local_experts=4), MixtralForCausalLM
     config = Qwen3MoeConfig(
-        **TINY_DECODER, num_experts=4, moe_intermediate_size=16, head_dim=8
+        **TINY_DECODER,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        head_dim=8,
     )
     return config, Qwen3MoeForCausalLM
 
@@ -341,10 +345,15 @@ def test_experts_stored_one_by_one_load_into_the_fused_tensors_bitwise(
     assert seen == set(whole)
 
 
-def test_a_trained_moe_stage_exports_to_what_from_pretrained_loads(tmp_path):
-    """A Mixtral stage, trained one step, saved and exported: from_pretrained
-    of the export, and a stage loaded from it, hold its weights bitwise."""
-    config, cls = moe("mixtral")
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_trained_moe_stage_exports_as_save_pretrained_stores_it(tmp_path, name):
+    """A MoE stage, trained one step, saved and exported: the export names its
+    tensors as save_pretrained does (the experts one by one), and
+    from_pretrained of it, and a stage loaded from it, hold its weights
+    bitwise."""
+    from safetensors import safe_open
+
+    config, cls = moe(name)
     torch.manual_seed(0)
     module = pippy.build_stage_module(
         lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
@@ -359,12 +368,20 @@ def test_a_trained_moe_stage_exports_to_what_from_pretrained_loads(tmp_path):
     checkpoint.save_stage(state, tmp_path / "run")
     hf = tmp_path / "hf"
     offline.export_hf(tmp_path / "run" / "step-1", hf, config=config.to_dict())
+    module.save_pretrained(tmp_path / "theirs")
+    names = {}
+    for folder in (hf, tmp_path / "theirs"):
+        names[folder] = set()
+        for shard in folder.glob("*.safetensors"):
+            with safe_open(shard, "pt") as f:
+                names[folder] |= set(f.keys())
+    assert names[hf] == names[tmp_path / "theirs"]
     trained = module.state_dict()
-    exported = cls.from_pretrained(tmp_path / "hf").state_dict()
+    exported = cls.from_pretrained(hf).state_dict()
     fresh = pippy.build_stage_module(
         lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
     )
-    load_hf_stage(fresh, tmp_path / "hf")
+    load_hf_stage(fresh, hf)
     for key, value in trained.items():
         assert torch.equal(exported[key], value), key
         assert torch.equal(fresh.state_dict()[key], value), key

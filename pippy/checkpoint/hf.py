@@ -22,7 +22,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -366,6 +366,40 @@ def _local_experts(key: str, value: Any) -> tuple[torch.Tensor, int]:
         value.shape, value.device_mesh, value.placements
     )
     return value.to_local().detach(), offset[0]
+
+
+def experts_one_by_one(
+    weights: Mapping[str, torch.Tensor], model_type: str | None
+) -> dict[str, torch.Tensor]:
+    """The weights named as ``save_pretrained`` stores them: experts one by one.
+
+    Each fused expert weight (``<moe>.experts.gate_up_proj``, experts along
+    dim 0) becomes one tensor per expert and part, copied; Mixtral's names
+    (``block_sparse_moe``, ``w1``, ``w3``, ``w2``) for ``model_type``
+    ``"mixtral"``, else Qwen3-MoE's (``gate_proj``, ``up_proj``,
+    ``down_proj``). Other weights are kept as they are.
+
+    Args:
+        weights: ``{fqn: tensor}`` of the whole model.
+        model_type: The model's ``config.json`` ``model_type``, if any.
+
+    Returns:
+        The weights under the names a Hugging Face folder holds.
+    """
+    mixtral = model_type == "mixtral"
+    found: dict[str, torch.Tensor] = {}
+    for key, value in weights.items():
+        name = key.replace(".mlp.", ".block_sparse_moe.", 1) if mixtral else key
+        block, _, fused = name.rpartition(".experts.")
+        if fused not in _EXPERT_PARTS or value.dim() != 3:
+            found[name] = value
+            continue
+        qwen_names, mixtral_names = _EXPERT_PARTS[fused]
+        names = mixtral_names if mixtral else qwen_names
+        for part_name, part in zip(names, value.chunk(len(names), dim=1), strict=True):
+            for e, expert in enumerate(part):  # its own storage: safetensors'
+                found[f"{block}.experts.{e}.{part_name}.weight"] = expert.clone()
+    return found
 
 
 def load_hf_stage(

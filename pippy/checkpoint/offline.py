@@ -38,6 +38,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     explain_failures,
 )
+from pippy.checkpoint.hf import experts_one_by_one
 from pippy.checkpoint.keys import (
     PIPPY,
     TORCHTITAN,
@@ -283,7 +284,9 @@ def export_hf(
     """Writes a step's model weights as a folder ``from_pretrained`` opens.
 
     ``config.json`` and ``model.safetensors``, or above ``max_shard_size``
-    ``model-0000i-of-0000n.safetensors`` shards and their index. Written beside
+    ``model-0000i-of-0000n.safetensors`` shards and their index; the experts
+    of a mixture of experts one by one, named as ``save_pretrained`` names
+    them (:func:`~pippy.checkpoint.hf.experts_one_by_one`). Written beside
     ``out`` and renamed when complete: a failed export leaves nothing at ``out``.
 
     Args:
@@ -329,6 +332,7 @@ def export_hf(
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
     weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
+    weights = experts_one_by_one(weights, config.get("model_type"))
     with _written_whole(storage, out, replace=True) as tmp:
         text = json.dumps(dict(config), indent=2) + "\n"
         storage.write_atomic(storage.join(tmp, "config.json"), text.encode())
