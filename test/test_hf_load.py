@@ -367,7 +367,7 @@ def test_a_trained_moe_stage_exports_as_save_pretrained_stores_it(tmp_path, name
     state.step = 1
     checkpoint.save_stage(state, tmp_path / "run")
     hf = tmp_path / "hf"
-    offline.export_hf(tmp_path / "run" / "step-1", hf, config=config.to_dict())
+    offline.export_hf(tmp_path / "run" / "step-1", hf, config=config)
     module.save_pretrained(tmp_path / "theirs")
     names = {}
     for folder in (hf, tmp_path / "theirs"):

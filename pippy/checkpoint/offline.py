@@ -274,7 +274,7 @@ def export_hf(
     path: Location,
     out: Location,
     *,
-    config: Mapping[str, Any] | str | os.PathLike,
+    config: Mapping[str, Any] | str | os.PathLike | Any,
     max_shard_size: int = 5 * 10**9,
     dtype: torch.dtype | None = None,
     force: bool = False,
@@ -292,7 +292,8 @@ def export_hf(
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
         out: The folder to write; it must not exist unless ``force``.
-        config: The model's Hugging Face config, a dict or a ``config.json`` path.
+        config: The model's Hugging Face config: a dict, a ``config.json``
+            path, or a ``transformers`` config (its ``to_dict()``).
         max_shard_size: Above this many bytes, write shards and an index.
         dtype: If given, floating-point tensors are converted to it.
         force: Replace an existing ``out``: a file, or the folder of an
@@ -320,6 +321,8 @@ def export_hf(
         )
     refuse_out(storage, out)
     _refuse_replacing(storage, out)
+    if hasattr(config, "to_dict"):  # a transformers PretrainedConfig
+        config = config.to_dict()
     if not isinstance(config, Mapping):
         try:
             config = json.loads(storage_for(config).read_bytes(config))
