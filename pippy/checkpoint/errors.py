@@ -3,8 +3,9 @@
 Every error is a :class:`CheckpointError` and, where one fits, the builtin a
 caller would catch anyway. DCP's ``CheckpointException`` is a ``BaseException``
 that ``except Exception`` misses: :func:`explain_failures` turns it into one
-error with a line per failed rank, as :func:`fail_together` does for a step
-that each rank runs alone.
+error with a line per failed rank, as
+:func:`~pippy.checkpoint.collectives.fail_together` does for a step that each
+rank runs alone.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ def portable(error: Exception, action: str | None = None) -> Exception:
     """``error`` if it unpickles (it is sent to the other ranks), else its line.
 
     The line, a ``CheckpointError``: ``<type>: <message>``; with the ``action``
-    that rank 0 ran alone (:func:`on_coordinator`), ``<action>: <type> on rank
-    0: <message>``.
+    that rank 0 ran alone (:func:`~pippy.checkpoint.collectives.on_coordinator`),
+    ``<action>: <type> on rank 0: <message>``.
     """
     try:
         pickle.loads(pickle.dumps(error))
