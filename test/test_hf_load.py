@@ -367,7 +367,11 @@ def test_a_trained_moe_stage_exports_as_save_pretrained_stores_it(tmp_path, name
     state.step = 1
     checkpoint.save_stage(state, tmp_path / "run")
     hf = tmp_path / "hf"
-    offline.export_hf(tmp_path / "run" / "step-1", hf, config=config)
+    files = offline.export_hf(
+        tmp_path / "run" / "step-1", hf, config=config, max_shard_size=20_000
+    )
+    assert sorted(p.name for p in files) == sorted(p.name for p in hf.iterdir())
+    assert (hf / "model.safetensors.index.json").is_file()
     module.save_pretrained(tmp_path / "theirs")
     names = {}
     for folder in (hf, tmp_path / "theirs"):
@@ -385,6 +389,35 @@ def test_a_trained_moe_stage_exports_as_save_pretrained_stores_it(tmp_path, name
     for key, value in trained.items():
         assert torch.equal(exported[key], value), key
         assert torch.equal(fresh.state_dict()[key], value), key
+
+
+def test_experts_are_split_only_for_model_types_whose_names_are_known():
+    """save_pretrained's names for a model type's experts are known for
+    Mixtral's and Qwen2-MoE's families; any other keeps its fused tensors
+    (from_pretrained reads them as they are), never names it would not read."""
+    from pippy.checkpoint.hf import experts_one_by_one
+
+    fused = torch.arange(2 * 4 * 3.0).view(2, 4, 3)  # 2 experts, 2 x 2 rows each
+    weights = {
+        "model.layers.0.mlp.experts.gate_up_proj": fused,
+        "model.layers.0.mlp.gate.weight": torch.ones(2, 3),
+    }
+    for unknown in ("gpt_oss", "phimoe", None):
+        assert experts_one_by_one(weights, unknown) == weights
+    minimax = experts_one_by_one(weights, "minimax")
+    assert sorted(minimax) == [
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+        "model.layers.0.block_sparse_moe.experts.0.w3.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w1.weight",
+        "model.layers.0.block_sparse_moe.experts.1.w3.weight",
+        "model.layers.0.block_sparse_moe.gate.weight",
+    ]
+    up = minimax["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
+    assert torch.equal(up, fused[1, 2:])
+    olmoe = experts_one_by_one(weights, "olmoe")
+    assert torch.equal(
+        olmoe["model.layers.0.mlp.experts.0.gate_proj.weight"], fused[0, :2]
+    )
 
 
 def experts_split_by_rows_on_rank(rank, world_size, folder):

@@ -368,16 +368,24 @@ def _local_experts(key: str, value: Any) -> tuple[torch.Tensor, int]:
     return value.to_local().detach(), offset[0]
 
 
+#: The model types whose experts ``save_pretrained`` stores one by one, by the
+#: names it gives them (transformers' conversion mapping): Mixtral's, or
+#: Qwen2-MoE's (``gate_proj``, ``up_proj``, ``down_proj``).
+_MIXTRAL_NAMES = frozenset({"mixtral", "minimax", "minimax_m2"})
+_QWEN_NAMES = frozenset({"qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"})
+
+
 def experts_one_by_one(
     weights: Mapping[str, torch.Tensor], model_type: str | None
 ) -> dict[str, torch.Tensor]:
     """The weights named as ``save_pretrained`` stores them: experts one by one.
 
-    Each fused expert weight (``<moe>.experts.gate_up_proj``, experts along
-    dim 0) becomes one tensor per expert and part, copied; Mixtral's names
-    (``block_sparse_moe``, ``w1``, ``w3``, ``w2``) for ``model_type``
-    ``"mixtral"``, else Qwen3-MoE's (``gate_proj``, ``up_proj``,
-    ``down_proj``). Other weights are kept as they are.
+    For a model type whose experts ``save_pretrained`` is known to store one
+    by one, each fused expert weight (``<moe>.experts.gate_up_proj``, experts
+    along dim 0) becomes one tensor per expert and part, copied: Mixtral's
+    names (``block_sparse_moe``, ``w1``, ``w3``, ``w2``) or Qwen2-MoE's
+    (``gate_proj``, ``up_proj``, ``down_proj``). Any other model type keeps
+    its fused tensors, which ``from_pretrained`` reads as they are.
 
     Args:
         weights: ``{fqn: tensor}`` of the whole model.
@@ -386,7 +394,9 @@ def experts_one_by_one(
     Returns:
         The weights under the names a Hugging Face folder holds.
     """
-    mixtral = model_type == "mixtral"
+    mixtral = model_type in _MIXTRAL_NAMES
+    if not mixtral and model_type not in _QWEN_NAMES:
+        return dict(weights)
     found: dict[str, torch.Tensor] = {}
     for key, value in weights.items():
         name = key.replace(".mlp.", ".block_sparse_moe.", 1) if mixtral else key

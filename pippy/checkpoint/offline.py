@@ -242,7 +242,10 @@ _NTOKENS = "train_state.ntokens_seen"
 def _write(
     storage: Storage, folder: Location, weights: dict[str, torch.Tensor], limit: int
 ) -> list[str]:
-    """Writes shards of at most ``limit`` bytes (or one key); the index if several."""
+    """Writes shards of at most ``limit`` bytes (or one key); the index if several.
+
+    Returns the names of the files written (the index first, if any).
+    """
     shards: list[list[str]] = [[]]
     size = 0
     for key, tensor in weights.items():
@@ -267,7 +270,7 @@ def _write(
     for name, keys in zip(names, shards, strict=True):
         data = save({k: weights[k] for k in keys}, metadata={"format": "pt"})
         storage.write_atomic(storage.join(folder, name), data)
-    return names
+    return names if n == 1 else ["model.safetensors.index.json", *names]
 
 
 def export_hf(
