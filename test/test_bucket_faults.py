@@ -310,21 +310,23 @@ def test_a_stalled_owner_commits_no_background_save_after_losing_its_lease(
             f"[rank {rank}] error: this job lost {run}: another job took it over "
             f"(host '{socket.gethostname()}', pid {os.getpid()}, started "
         ), error
-    # What A had on the wire may land (a PUT cannot be fenced), in its own
-    # uncommitted folder only; the rest is as the new owner left it.
+    # What A had on the wire, or sent after the lease check it passed before
+    # the freeze, may land (a PUT cannot be fenced): data and .metadata, in its
+    # own uncommitted folder only; its commit record is checked for again and
+    # refused. The rest is as the new owner left it.
     landed = {p for p in after.keys() - before.keys()}
     assert {p.rsplit("/", 1)[0] for p in landed} <= {f"{key}/step-{step}"}
-    assert all(p.endswith(".distcp") for p in landed), landed
+    assert all(p.endswith((".distcp", "/.metadata")) for p in landed), landed
     assert {p: v for p, v in after.items() if p in before} == before
     assert not committed(fs, key, step)
-    assert not fs.exists(f"{key}/step-{step}/.metadata")
     assert checkpoint.find_latest_step(run) == f"{run}/step-100"
 
 
 def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     """In one process, each guard alone: the record is replaced by another
-    job's (what a takeover leaves) before a save, during one (before its
-    commit record), and between its commit and its retention. Each is
+    job's (what a takeover leaves) before a save, during one (as its data is
+    written, and once its .metadata is), and between its commit and its
+    retention. Each is
     refused with the same line naming that job; its steps stay."""
     import torch.distributed.checkpoint as dcp
 
@@ -340,13 +342,16 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     def take_over():  # the other job's record replaces ours
         fs.pipe_file(f"{key}/.owner.json", theirs)
 
-    def save(step, *, during=None, committed=None, keep_last=None):
+    def save(step, *, during=None, metadata=None, committed=None, keep_last=None):
         state.step = step
         state_dict, _, planner = take_state(state)
         with publish_step(run, step, keep_last=keep_last) as writer:
             if during is not None:  # once staged in DCP's planning, as data is written
                 write = writer.write_data
                 writer.write_data = lambda *args: (during(), write(*args))[1]
+            if metadata is not None:  # once .metadata is written, before the commit
+                check = writer.before_commit
+                writer.before_commit = lambda: (metadata(), check())[1]
             if committed is not None:  # once the commit record is written
                 publish = writer.publish  # then retention, inside dcp.save
                 writer.publish = lambda: (committed(), publish())
@@ -374,6 +379,14 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     assert fs.exists(f"{key}/step-3/__0_0.distcp")  # not removed: a store's
     assert not fs.exists(f"{key}/step-3/.metadata")  # step is written in place
     assert not fs.exists(f"{key}/step-3/manifest.json")
+    # After .metadata (the lease checked at the start of the commit): its
+    # commit record is not written.
+    fs.rm(key, recursive=True)
+    with checkpoint.job.FolderOwner(run, lease_seconds=600):
+        with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
+            save(6, metadata=take_over)
+    assert fs.exists(f"{key}/step-6/.metadata")
+    assert not fs.exists(f"{key}/step-6/manifest.json")
     # After its commit: retention (--keep-last 1) deletes nothing.
     fs.rm(key, recursive=True)
     with checkpoint.job.FolderOwner(run, lease_seconds=600):

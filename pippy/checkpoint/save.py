@@ -405,6 +405,10 @@ class StepWriter(ManifestWriter):
         super().finish(metadata, results)
         self.publish()
 
+    def before_commit(self) -> None:
+        """The lease checked again: on a store the manifest commits the step."""
+        check_lease(self.checkpoint_dir)
+
     def publish(self) -> None:
         """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         try:

@@ -449,8 +449,12 @@ class ManifestWriter(FileSystemWriter):
         }
         # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
         data = json.dumps(manifest, separators=(",", ":")).encode()
+        self.before_commit()
         # In a staging folder, whose publishing makes the names in it durable.
         self.storage.write_atomic(join(self.path, MANIFEST_FILE), data, staged=True)
+
+    def before_commit(self) -> None:
+        """Runs just before the manifest is written (on a store, the commit)."""
 
 
 @functools.cache
