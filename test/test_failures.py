@@ -612,11 +612,13 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
         ],
         launcher=True,
     )
-    file_run, sub_run, dim_run, layers_run = failing_examples(
+    fresh = ("--checkpoint-dir", tmp_path / "fresh", "--init-from", ckpt / "step-6")
+    file_run, sub_run, dim_run, layers_run, init_run = failing_examples(
         (2, *TINY, "--checkpoint-dir", a_file),
         (2, *TINY, "--checkpoint-dir", a_file / "sub"),
         (2, *TINY, "--steps", "7", "--dim", "64", "--checkpoint-dir", ckpt),
         (2, *TINY, "--steps", "7", "--n-layers", "2", "--checkpoint-dir", other),
+        (2, *TINY, "--steps", "2", "--dim", "64", *fresh),
     )
 
     assert (
@@ -640,6 +642,10 @@ def test_bad_input_gets_one_clear_error_and_loses_nothing(tmp_path, tiny_run):
     assert (
         "was saved with --n-layers 4, this run has 2: pass --n-layers 4"
         in layers_run.stdout
+    )
+    assert (  # the weights of --init-from too
+        f"error: {ckpt / 'step-6'} was saved with --dim 32, this run has 64"
+        in init_run.stdout
     )
 
     # Nothing that was saved before was lost or changed by the failed runs.

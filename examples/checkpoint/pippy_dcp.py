@@ -145,10 +145,17 @@ def start_from_checkpoint(state, args, layout: parallel.Layout) -> None:
         return
     if latest is None and Path(source, "config.json").is_file():
         checkpoint.load_hf_stage(state, source)  # safetensors: each rank its own
-    elif latest is None:
-        model = checkpoint.StageState(state.module)
-        wait = args.checkpoint_timeout
-        checkpoint.load_stage(model, source, must_read=("model.",), timeout=wait)
+    elif latest is None:  # a step's weights: its shape checked as a resume's is
+        wait, weights = args.checkpoint_timeout, checkpoint.StageState(state.module)
+        reader, planner = checkpoint.open_step(
+            source, must_read=("model.",), timeout=wait
+        )
+        check_saved_shape(args, reader.read_metadata(), source)
+        with checkpoint.load_into(weights, reader, timeout=wait) as state_dict:
+            pg = reader.process_group
+            dcp.load(
+                state_dict, storage_reader=reader, planner=planner, process_group=pg
+            )
     if dist.get_rank() == 0:
         ignored = " (--init-from applies to new runs only)" * bool(source)
         resuming = f"resuming from {latest}{ignored}"
