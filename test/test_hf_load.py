@@ -32,6 +32,13 @@ def pretrained(tmp_path_factory):
     return folder, {k: v.clone() for k, v in loaded.state_dict().items()}
 
 
+def stage_of(config, cls, stage=0, stages=1):
+    """Stage `stage` of `stages` of a tiny transformers model, allocated."""
+    return pippy.build_stage_module(
+        lambda: cls(config), stage, stages, device="cpu", **HF_SPLIT["llama"]
+    )
+
+
 def stages_on_rank(rank, world_size, folder, stages_per_rank):
     """This rank's stages (r, r + world_size, ...), loaded from the folder."""
     num_stages = world_size * stages_per_rank
@@ -66,12 +73,9 @@ def qwen3():
 
 
 def qwen3_stage_on_rank(rank, world_size, folder):
-    import pippy
 
     config, cls = qwen3()
-    module = pippy.build_stage_module(
-        lambda: cls(config), rank, world_size, device="cpu", **HF_SPLIT["llama"]
-    )
+    module = stage_of(config, cls, rank, world_size)
     load_hf_stage(module, folder)
     return module.state_dict()
 
@@ -235,7 +239,6 @@ def test_each_stage_reads_its_own_bytes_from_the_disk(tmp_path):
     """4 stages of an 8-layer Llama (34 MB, in 4 shards or more), each loaded
     with the shards out of the page cache: the disk reads are the stage's
     tensors, within 10%, not the model (the kernel reads 8 MB ahead here)."""
-    import pippy
 
     config = hf_config("llama")
     config.update(dict(vocab_size=1024, hidden_size=256, intermediate_size=1024))
@@ -248,9 +251,7 @@ def test_each_stage_reads_its_own_bytes_from_the_disk(tmp_path):
     shards = list(tmp_path.glob("*.safetensors"))
     assert len(shards) >= 4
     for stage in range(4):
-        module = pippy.build_stage_module(
-            lambda: cls(config), stage, 4, device="cpu", **HF_SPLIT["llama"]
-        )
+        module = stage_of(config, cls, stage, 4)
         own = sum(t.nbytes for t in module.state_dict().values())
         for shard in shards:  # out of the page cache: each read is the disk's
             fd = os.open(shard, os.O_RDONLY)
@@ -293,16 +294,12 @@ def moe_stage_on_rank(rank, world_size, name, folder, fsdp):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    import pippy
-
     config, cls = moe(name)
     stage, stages, mesh = rank, world_size, None
     if fsdp:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
         stage, stages = mesh.get_local_rank("pp"), 2
-    module = pippy.build_stage_module(
-        lambda: cls(config), stage, stages, device="cpu", **HF_SPLIT["llama"]
-    )
+    module = stage_of(config, cls, stage, stages)
     if fsdp:
         fully_shard(module, mesh=mesh["dp"])
     load_hf_stage(module, folder)
@@ -355,9 +352,7 @@ def test_a_trained_moe_stage_exports_as_save_pretrained_stores_it(tmp_path, name
 
     config, cls = moe(name)
     torch.manual_seed(0)
-    module = pippy.build_stage_module(
-        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
-    )
+    module = stage_of(config, cls)
     for param in module.parameters():
         torch.nn.init.normal_(param, std=0.02)
     optimizer = torch.optim.AdamW(module.parameters())
@@ -382,9 +377,7 @@ def test_a_trained_moe_stage_exports_as_save_pretrained_stores_it(tmp_path, name
     assert names[hf] == names[tmp_path / "theirs"]
     trained = module.state_dict()
     exported = cls.from_pretrained(hf).state_dict()
-    fresh = pippy.build_stage_module(
-        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
-    )
+    fresh = stage_of(config, cls)
     load_hf_stage(fresh, hf)
     for key, value in trained.items():
         assert torch.equal(exported[key], value), key
@@ -426,9 +419,7 @@ def experts_split_by_rows_on_rank(rank, world_size, folder):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     config, cls = moe("qwen3_moe")
-    module = pippy.build_stage_module(
-        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
-    )
+    module = stage_of(config, cls)
     mesh = init_device_mesh("cpu", (world_size,))
     for layer in module.model.layers:
         experts = layer.mlp.experts
@@ -462,9 +453,7 @@ def test_a_missing_expert_is_named(tmp_path, expert):
     key = f"model.layers.0.mlp.experts.{expert}.gate_proj.weight"
     del tensors[key]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    module = pippy.build_stage_module(
-        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
-    )
+    module = stage_of(config, cls)
     with pytest.raises(checkpoint.CheckpointError) as raised:
         load_hf_stage(module, tmp_path)
     assert f"{key!r} is not in the checkpoint" in str(raised.value)
@@ -475,9 +464,7 @@ def test_a_folder_of_another_model_type_is_refused(tmp_path):
     config, cls = moe("qwen3_moe")
     cls(config).save_pretrained(tmp_path)
     config, cls = moe("mixtral")
-    module = pippy.build_stage_module(
-        lambda: cls(config), 0, 1, device="cpu", **HF_SPLIT["llama"]
-    )
+    module = stage_of(config, cls)
     with pytest.raises(checkpoint.CheckpointError) as raised:
         load_hf_stage(module, tmp_path)
     assert (
@@ -489,9 +476,7 @@ def test_a_folder_of_another_model_type_is_refused(tmp_path):
 def mixtral_stage_from_on_rank(rank, world_size, folder):
     """A Mixtral stage loaded from `folder`: the error, one line."""
     config, cls = moe("mixtral")
-    module = pippy.build_stage_module(
-        lambda: cls(config), rank, world_size, device="cpu", **HF_SPLIT["llama"]
-    )
+    module = stage_of(config, cls, rank, world_size)
     try:
         load_hf_stage(module, folder)
     except checkpoint.CheckpointError as e:

@@ -53,9 +53,8 @@ from parallel import log, report
 
 
 def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState:
-    """What an exact resume needs: weights, AdamW moments (keyed by FQN, not by
-    index, which restarts at 0 on every stage), LR schedule (its Schedule, --steps
-    too, restored as saved), step, data order; the loop advances state.step."""
+    """What an exact resume needs: weights, AdamW moments keyed by FQN (an index
+    restarts at 0 on every stage), LR schedule (--steps too), step, data order."""
     modules = [stage.submod for stage in stages]  # StageState looks inside DDP
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
@@ -67,8 +66,7 @@ def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState
 def save(state: checkpoint.StageState, args, mesh: DeviceMesh | None) -> tuple:
     """Every rank at once: its stage(s) into <checkpoint-dir>/step-<N>, published
     once all have written. Returns (tensors, bytes) this rank wrote."""
-    # Refused in DCP's planning: what it would lose (keys on two stages, replicas
-    # that differ); a late rank fails them all, named. Each rank writes its file.
+    # Refused in DCP's planning: keys on two stages, replicas that differ, late ranks.
     ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
     state_dict, step, planner = checkpoint.take_state(state, mesh=mesh, timeout=wait)
     with checkpoint.publish_step(ckpt, step, keep_last=keep, timeout=wait) as writer:
@@ -77,28 +75,31 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh | None) -> tuple:
     return writer.written
 
 
-def resume(state: checkpoint.StageState, args, check=None) -> Path | None:
-    """From the newest complete step (one whose save finished), if any; returns
-    it. check(metadata, path) sees the step before it is read."""
-    ckpt, wait = args.checkpoint_dir, args.checkpoint_timeout
-    latest = checkpoint.find_latest_step(ckpt, verified=args.skip_damaged)
-    if latest is None:
-        return None
-    # Refused: pickled code, damaged files, keys no rank would read. In place.
-    reader, planner = checkpoint.open_step(latest, timeout=wait)
+def load(state: checkpoint.StageState, path, args, check=None, must_read=("",)):
+    """Every rank at once: fills the state in place from the step at path, which
+    check(metadata, path) sees first; refused: pickled code, damage, unread keys."""
+    wait = args.checkpoint_timeout
+    reader, planner = checkpoint.open_step(path, must_read=must_read, timeout=wait)
     if check is not None:
-        check(reader.read_metadata(), latest)
+        check(reader.read_metadata(), path)
     with checkpoint.load_into(state, reader, timeout=wait) as state_dict:
         pg = reader.process_group
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
+
+
+def resume(state: checkpoint.StageState, args, check=None) -> Path | None:
+    """From the newest complete step (one whose save finished), if any: load()."""
+    ckpt, skip_damaged = args.checkpoint_dir, args.skip_damaged
+    latest = checkpoint.find_latest_step(ckpt, verified=skip_damaged)
+    if latest is not None:
+        load(state, latest, args, check)
     return latest
 
 
 @contextlib.contextmanager
 def checkpointing(args, mesh: DeviceMesh | None):
-    """The job around training, entered once: the folder is this job's alone;
-    yields (stop, saver). Each step: saver.poll(); once stop.requested(), save
-    this step (saver.wait() first) and end. At the end the last save lands."""
+    """The job around training, entered once; yields (stop, saver). Each step:
+    saver.poll(); once stop.requested(), saver.wait(), save this step, end."""
     ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
     checkpoint.job.stop_with_launcher()  # a rank whose torchrun died stops at once
     stop = checkpoint.job.StopSignal(args.stop_signals)
@@ -140,22 +141,15 @@ def start_from_checkpoint(state, args, layout: parallel.Layout) -> None:
     starts from, each rank what it loaded; a run resumed with another --steps
     goes on along the new schedule."""
     start, source = time.perf_counter(), args.init_from
-    latest = resume(state, args, functools.partial(check_saved_shape, args))
+    check = functools.partial(check_saved_shape, args)
+    latest = resume(state, args, check)
     if latest is None and source is None:
         return
     if latest is None and Path(source, "config.json").is_file():
         checkpoint.load_hf_stage(state, source)  # safetensors: each rank its own
-    elif latest is None:  # a step's weights: its shape checked as a resume's is
-        wait, weights = args.checkpoint_timeout, checkpoint.StageState(state.module)
-        reader, planner = checkpoint.open_step(
-            source, must_read=("model.",), timeout=wait
-        )
-        check_saved_shape(args, reader.read_metadata(), source)
-        with checkpoint.load_into(weights, reader, timeout=wait) as state_dict:
-            pg = reader.process_group
-            dcp.load(
-                state_dict, storage_reader=reader, planner=planner, process_group=pg
-            )
+    elif latest is None:  # a step's weights, its shape checked as a resume's is
+        weights = checkpoint.StageState(state.module)
+        load(weights, source, args, check, must_read=("model.",))
     if dist.get_rank() == 0:
         ignored = " (--init-from applies to new runs only)" * bool(source)
         resuming = f"resuming from {latest}{ignored}"

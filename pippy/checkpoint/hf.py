@@ -18,6 +18,7 @@ and every tensor of the stage must be in it with its shape and dtype
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -185,10 +186,18 @@ class StageReader(HuggingFaceStorageReader):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_metadata(self) -> Metadata:
-        """Every shard's tensors, from its header alone."""
+        """Every shard's tensors, from its header alone (read once per reader)."""
+        tensors, self.storage_data = self._headers
+        metadata = Metadata(state_dict_metadata=tensors, storage_data=self.storage_data)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+    @functools.cached_property
+    def _headers(self) -> tuple[dict[str, Any], dict[MetadataIndex, _Place]]:
+        """``(tensors' metadata, where each lies)`` from the shards' headers."""
         tensors: dict[str, Any] = {}
         shard_of: dict[str, str] = {}
-        self.storage_data = places = {}
+        places: dict[MetadataIndex, _Place] = {}
         for name in self.shards:
             path = os.path.join(self.path, name)
             with RangeFile(path) as file:
@@ -228,9 +237,7 @@ class StageReader(HuggingFaceStorageReader):
                 )
                 index = MetadataIndex(fqn=key, offset=[0] * len(shape))
                 places[index] = _Place(path, data + begin, shape, dtype)
-        metadata = Metadata(state_dict_metadata=tensors, storage_data=places)
-        metadata.storage_meta = StorageMeta(load_id=self.load_id)
-        return metadata
+        return tensors, places
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each requested tensor's bytes (or its rows) into its target."""
@@ -292,10 +299,37 @@ def _weights(modules: Iterable[nn.Module]) -> dict[str, Any]:
 #: instead, in the fused tensor's order along dim 1: as ``save_pretrained``
 #: writes Qwen3-MoE (``<moe>.experts.<e>.gate_proj.weight``) or Mixtral
 #: (``<moe>.experts.<e>.w1.weight``, its ``<moe>`` ``block_sparse_moe``, not ``mlp``).
-_EXPERT_PARTS = {
-    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
-    "down_proj": (("down_proj",), ("w2",)),
+_EXPERT_PARTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "gate_up_proj": {"qwen": ("gate_proj", "up_proj"), "mixtral": ("w1", "w3")},
+    "down_proj": {"qwen": ("down_proj",), "mixtral": ("w2",)},
 }
+
+
+def _stored_as(key: str, naming: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(block, parts)`` of a fused expert weight in ``naming`` (qwen, mixtral).
+
+    None for another key. A folder stores it as ``<block>.experts.<e>.<part>.weight``.
+    """
+    block, _, fused = key.rpartition(".experts.")
+    if fused not in _EXPERT_PARTS:
+        return None
+    if naming == "mixtral":
+        block = f"{block.removesuffix('.mlp')}.block_sparse_moe"
+    return block, _EXPERT_PARTS[fused][naming]
+
+
+def _expert_keys(block: str, parts: tuple[str, ...], experts: range) -> list[str]:
+    """The stored names of experts' parts, part by part."""
+    return [f"{block}.experts.{e}.{part}.weight" for part in parts for e in experts]
+
+
+def _one_by_one(
+    block: str, parts: tuple[str, ...], rows: torch.Tensor, first: int = 0
+) -> dict[str, torch.Tensor]:
+    """Views of each expert's parts of fused expert rows (experts ``first``, ...)."""
+    keys = _expert_keys(block, parts, range(first, first + len(rows)))
+    views = (expert for part in rows.chunk(len(parts), dim=1) for expert in part)
+    return dict(zip(keys, views, strict=True))
 
 
 def _experts_as_stored(
@@ -319,32 +353,22 @@ def _experts_as_stored(
         elif per_expert is None:
             found[mixtral] = value
         else:
-            names, block = per_expert
             rows, first = _local_experts(key, value)
-            for name, part in zip(names, rows.chunk(len(names), dim=1), strict=True):
-                for e, expert in enumerate(part, start=first):
-                    found[f"{block}.experts.{e}.{name}.weight"] = expert
+            found.update(_one_by_one(*per_expert, rows, first))
     return found
 
 
 def _per_expert(
     key: str, shape: Sequence[int], stored: Collection[str]
-) -> tuple[Any, str] | None:
-    """``(names, block)`` if the folder stores a fused expert weight per expert.
+) -> tuple[str, tuple[str, ...]] | None:
+    """``(block, parts)`` if the folder stores a fused expert weight per expert.
 
     By any of its ``shape[0]`` experts' tensors: one missing is then named.
     """
-    block, _, fused = key.rpartition(".experts.")
-    if fused not in _EXPERT_PARTS or not shape:
-        return None
-    qwen, mixtral = _EXPERT_PARTS[fused]
-    mixtral_block = f"{block.removesuffix('.mlp')}.block_sparse_moe"
-    for names, prefix in ((qwen, block), (mixtral, mixtral_block)):
-        experts = (
-            f"{prefix}.experts.{e}.{n}.weight" for e in range(shape[0]) for n in names
-        )
-        if any(name in stored for name in experts):
-            return names, prefix
+    for naming in ("qwen", "mixtral"):
+        named = _stored_as(key, naming) if shape else None
+        if named and any(k in stored for k in _expert_keys(*named, range(shape[0]))):
+            return named
     return None
 
 
@@ -399,16 +423,13 @@ def experts_one_by_one(
         return dict(weights)
     found: dict[str, torch.Tensor] = {}
     for key, value in weights.items():
-        name = key.replace(".mlp.", ".block_sparse_moe.", 1) if mixtral else key
-        block, _, fused = name.rpartition(".experts.")
-        if fused not in _EXPERT_PARTS or value.dim() != 3:
+        named = _stored_as(key, "mixtral" if mixtral else "qwen")
+        if named is None or value.dim() != 3:
+            name = key.replace(".mlp.", ".block_sparse_moe.", 1) if mixtral else key
             found[name] = value
             continue
-        qwen_names, mixtral_names = _EXPERT_PARTS[fused]
-        names = mixtral_names if mixtral else qwen_names
-        for part_name, part in zip(names, value.chunk(len(names), dim=1), strict=True):
-            for e, expert in enumerate(part):  # its own storage: safetensors'
-                found[f"{block}.experts.{e}.{part_name}.weight"] = expert.clone()
+        for name, expert in _one_by_one(*named, value).items():
+            found[name] = expert.clone()  # its own storage: safetensors'
     return found
 
 
