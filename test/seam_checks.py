@@ -72,7 +72,7 @@ def check_same(out: Path, rank: int, world_size: int) -> dict:
     """The example's save and load against save_stage and load_stage."""
     args, layout, stages, state = example_state(out / "example", 0)
     train(state, stages, 2)
-    pippy_dcp.save(state, args, layout.mesh)  # the example's own save
+    pippy_dcp.save(state, args, layout.mesh, None)  # the example's own save
     checkpoint.save_stage(state, out / "library", mesh=layout.mesh)
     library_args, _, _, by_example = example_state(out / "library", 1)
     assert pippy_dcp.resume(by_example, library_args) == step_dir(out / "library", 2)

@@ -238,13 +238,13 @@ def check_example(out: Path, rank: int, world_size: int) -> dict:
     layout = parallel.build_layout(args, device)
     stages = pippy_dcp.build_stages(args, layout, device, seed=0)
     state = pippy_dcp.build_state(args, stages, pippy_dcp.load_text(None))
-    pippy_dcp.save(state, args, layout.mesh)  # step-0, every rank on time
+    pippy_dcp.save(state, args, layout.mesh, None)  # step-0, every rank on time
     state.step = 1
 
     def save():
         if rank == SLOW:
             time.sleep(2.0)
-        pippy_dcp.save(state, args, layout.mesh)
+        pippy_dcp.save(state, args, layout.mesh, None)
 
     saved = outcome(save)
     return {"save": saved, "steps": sorted(list_steps(LocalStorage(), out / "example"))}

@@ -292,10 +292,10 @@ def test_a_stalled_owner_commits_no_background_save_after_losing_its_lease(
     try:
         step = catch_mid_save(a, fs, key, steps=(4, 6))
         wait_for_lease_to_expire(fs, key)
-        with checkpoint.job.FolderOwner(run):  # another job, here: takes it over
+        with checkpoint.job.FolderOwner(run) as owner:  # another job: takes it over
             state = helpers.linear_state()
             state.step = 100
-            checkpoint.save_stage(state, run)
+            checkpoint.save_stage(state, run, owner=owner)
             before = objects(fs, key)
             a.signal(signal.SIGCONT)
             code, out = a.finish()
@@ -345,7 +345,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     def save(step, *, during=None, metadata=None, committed=None, keep_last=None):
         state.step = step
         state_dict, _, planner = take_state(state)
-        with publish_step(run, step, keep_last=keep_last) as writer:
+        with publish_step(run, step, keep_last=keep_last, owner=owner) as writer:
             if during is not None:  # once staged in DCP's planning, as data is written
                 write = writer.write_data
                 writer.write_data = lambda *args: (during(), write(*args))[1]
@@ -358,7 +358,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
             dcp.save(state_dict, storage_writer=writer, planner=planner)
 
     # Before a save: refused before anything is written.
-    with checkpoint.job.FolderOwner(run, lease_seconds=600):
+    with checkpoint.job.FolderOwner(run, lease_seconds=600) as owner:
         save(1)
         take_over()
         with pytest.raises(checkpoint.CheckpointDirInUseError) as e:
@@ -373,7 +373,7 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     assert not fs.exists(f"{key}/step-2")
     # During a save: its data is written, its commit record is not.
     fs.rm(key, recursive=True)
-    with checkpoint.job.FolderOwner(run, lease_seconds=600):
+    with checkpoint.job.FolderOwner(run, lease_seconds=600) as owner:
         with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
             save(3, during=take_over)
     assert fs.exists(f"{key}/step-3/__0_0.distcp")  # not removed: a store's
@@ -382,14 +382,14 @@ def test_each_write_of_a_job_that_lost_its_lease_is_refused(bucket):
     # After .metadata (the lease checked at the start of the commit): its
     # commit record is not written.
     fs.rm(key, recursive=True)
-    with checkpoint.job.FolderOwner(run, lease_seconds=600):
+    with checkpoint.job.FolderOwner(run, lease_seconds=600) as owner:
         with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
             save(6, metadata=take_over)
     assert fs.exists(f"{key}/step-6/.metadata")
     assert not fs.exists(f"{key}/step-6/manifest.json")
     # After its commit: retention (--keep-last 1) deletes nothing.
     fs.rm(key, recursive=True)
-    with checkpoint.job.FolderOwner(run, lease_seconds=600):
+    with checkpoint.job.FolderOwner(run, lease_seconds=600) as owner:
         save(4)
         with pytest.raises(checkpoint.CheckpointDirInUseError, match=re.escape(named)):
             save(5, committed=take_over, keep_last=1)

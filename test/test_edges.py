@@ -733,9 +733,9 @@ def test_an_owner_whose_record_was_taken_over_writes_nothing_more(tmp_path):
     """A job taken for gone (a Slurm requeue while a cut-off node still ran):
     its next save stops at the record, instead of writing beside the new owner."""
     state = checkpoint.StageState(torch.nn.Linear(2, 2))
-    with checkpoint.job.FolderOwner(tmp_path):
+    with checkpoint.job.FolderOwner(tmp_path) as owner:
         state.step = 1
-        checkpoint.save_stage(state, tmp_path)
+        checkpoint.save_stage(state, tmp_path, owner=owner)
         record = json.loads((tmp_path / OWNER_FILE).read_text())
         record.update(host="node-b", token="newowner")  # the other job's now
         (tmp_path / OWNER_FILE).write_text(json.dumps(record))
@@ -745,9 +745,36 @@ def test_an_owner_whose_record_was_taken_over_writes_nothing_more(tmp_path):
             r"over \(host 'node-b'",
         ):
             state.step = 2
-            checkpoint.save_stage(state, tmp_path)
+            checkpoint.save_stage(state, tmp_path, owner=owner)
     assert sorted(p.name for p in tmp_path.iterdir()) == [OWNER_FILE, "step-1"]
     assert json.loads((tmp_path / OWNER_FILE).read_text())["token"] == "newowner"
+
+
+def test_a_save_is_given_its_folders_owner_or_refused(tmp_path):
+    """The owner reaches the save as an argument: a save given none into a
+    folder that holds an owner record is refused naming the owner, one given
+    another folder's owner or a released one too; nothing is written."""
+    state = checkpoint.StageState(torch.nn.Linear(2, 2), step=1)
+    with checkpoint.job.FolderOwner(tmp_path / "run") as owner:
+        with pytest.raises(
+            checkpoint.CheckpointDirInUseError,
+            match=f"{re.escape(str(tmp_path / 'run'))} is owned by a job's "
+            rf"FolderOwner \(host '.*', pid {os.getpid()}, started .*\), and this "
+            "save was given no owner: pass owner= that FolderOwner",
+        ):
+            checkpoint.save_stage(state, tmp_path / "run")
+        for other in (tmp_path / "other", tmp_path / "run" / "step-1"):
+            with pytest.raises(ValueError, match="the owner given holds .*run, not"):
+                checkpoint.save_stage(state, other, owner=owner)
+            with pytest.raises(ValueError, match="the owner given holds .*run, not"):
+                checkpoint.AsyncSaver(other, owner=owner)
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [OWNER_FILE]
+        checkpoint.save_stage(state, tmp_path / "run", owner=owner)
+    state.step = 2
+    with pytest.raises(checkpoint.CheckpointDirInUseError, match="was released"):
+        checkpoint.save_stage(state, tmp_path / "run", owner=owner)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-1"]
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.parametrize("how", ["itself", "inside", "symlink"])

@@ -63,13 +63,14 @@ def build_state(args, stages: list, data: torch.Tensor) -> checkpoint.StageState
     return checkpoint.StageState(modules, optimizer, scheduler, extra={"data": sampler})
 
 
-def save(state: checkpoint.StageState, args, mesh: DeviceMesh | None) -> tuple:
+def save(state: checkpoint.StageState, args, mesh: DeviceMesh | None, owner) -> tuple:
     """Every rank at once: its stage(s) into <checkpoint-dir>/step-<N>, published
-    once all have written. Returns (tensors, bytes) this rank wrote."""
+    once all have written, if owner still holds the folder; (tensors, bytes) written."""
     # Refused in DCP's planning: keys on two stages, replicas that differ, late ranks.
     ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
     state_dict, step, planner = checkpoint.take_state(state, mesh=mesh, timeout=wait)
-    with checkpoint.publish_step(ckpt, step, keep_last=keep, timeout=wait) as writer:
+    options = dict(keep_last=keep, owner=owner, timeout=wait)
+    with checkpoint.publish_step(ckpt, step, **options) as writer:
         pg = writer.process_group  # pippy's gloo group, which the timeout bounds
         dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=pg)
     return writer.written
@@ -98,17 +99,16 @@ def resume(state: checkpoint.StageState, args, check=None) -> Path | None:
 
 @contextlib.contextmanager
 def checkpointing(args, mesh: DeviceMesh | None):
-    """The job around training, entered once; yields (stop, saver). Each step:
-    saver.poll(); once stop.requested(), saver.wait(), save this step, end."""
+    """The job around training, entered once; yields (stop, owner, saver). Each step:
+    saver.poll(); once stop.requested(), saver.wait(), save(..., owner) this step."""
     ckpt, keep, wait = args.checkpoint_dir, args.keep_last, args.checkpoint_timeout
     checkpoint.job.stop_with_launcher()  # a rank whose torchrun died stops at once
     stop = checkpoint.job.StopSignal(args.stop_signals)
-    with checkpoint.job.FolderOwner(ckpt):  # a second job on it is refused
-        saver = None
-        if args.async_save:
-            saver = checkpoint.AsyncSaver(ckpt, keep_last=keep, mesh=mesh, timeout=wait)
+    with checkpoint.job.FolderOwner(ckpt) as owner:  # a second job on it is refused
+        options = dict(keep_last=keep, owner=owner, mesh=mesh, timeout=wait)
+        saver = checkpoint.AsyncSaver(ckpt, **options) if args.async_save else None
         with saver or contextlib.nullcontext():
-            yield stop, saver
+            yield stop, owner, saver
 
 
 # ---- The training harness -----------------------------------------------------
@@ -237,7 +237,7 @@ def build_stages(args, layout: parallel.Layout, device, *, seed: int) -> list:
     ]
 
 
-def save_now(state, args, layout: parallel.Layout, saver) -> float:
+def save_now(state, args, layout: parallel.Layout, owner, saver) -> float:
     """save(), or with --async-save a background save that returns once staged.
     Returns the seconds it took."""
     start = time.perf_counter()
@@ -246,16 +246,17 @@ def save_now(state, args, layout: parallel.Layout, saver) -> float:
         saver.save(state)
         what, where = f"staged {tensors} tensors", f"for step-{state.step}"
     else:  # an entry several ranks hold (a dp replica, the data order) is written
-        wrote = save(state, args, layout.mesh)[0]  # once, by one of them
+        wrote = save(state, args, layout.mesh, owner)[0]  # once, by one of them
         here = f" ({wrote} written here)" if wrote != tensors else ""
         what, where = f"saved {tensors} tensors{here}", f"to step-{state.step}"
     report(layout, what, nbytes, where, start)
     return time.perf_counter() - start
 
 
-def train(args, state, stages, schedule, device, layout, saver, stop) -> bool:
+def train(args, state, stages, schedule, device, layout, job) -> bool:
     """Trains up to --steps (or --stop-after, or a stop signal), saving as it goes.
-    Returns True if a stop signal ended it."""
+    Returns True if a stop signal ended it. job: checkpointing()'s."""
+    stop, owner, saver = job
     rank, dp_group = dist.get_rank(), layout.mesh.get_group("dp")
     last = min(args.steps, args.stop_after or args.steps)
     if state.step >= last and rank == 0:
@@ -267,7 +268,7 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> bool:
             secs = time.time() - start
             log(f"step {state.step:3d} | loss {loss:.4f} | lr {lr:.2e} | {secs:.2f} s")
         due = state.step % args.save_every == 0 or state.step == args.steps
-        seconds = save_now(state, args, layout, saver) if due else 0.0
+        seconds = save_now(state, args, layout, owner, saver) if due else 0.0
         if due and saver is None:
             stop.check_save_time(seconds)  # warns if torchrun would cut it short
         elif saver is not None:
@@ -277,7 +278,7 @@ def train(args, state, stages, schedule, device, layout, saver, stop) -> bool:
             if saver is not None:
                 saver.wait()
             if not due:
-                save_now(state, args, layout, None)
+                save_now(state, args, layout, owner, None)
             if rank == 0:
                 step, seconds = state.step, seconds + time.perf_counter() - start
                 saved = f"step-{step} saved in {seconds:.2f} s"
@@ -334,14 +335,14 @@ def main(args) -> None:
             stages = build_stages(args, layout, device, seed=args.seed)
             schedule = parallel.build_schedule(args, stages)
             state = build_state(args, stages, load_text(args.data))
-        with checkpointing(args, layout.mesh) as (stop, saver):
-            show_deadline(args, stop)
+        with checkpointing(args, layout.mesh) as job:
+            show_deadline(args, job[0])
             # resume if a checkpoint exists (its optimizer and LR schedule win
             # over --lr), then train, saving every --save-every steps and at the
             # last; with --async-save in the background
             start_from_checkpoint(state, args, layout)
             resumed_at = state.step
-            stopped = train(args, state, stages, schedule, device, layout, saver, stop)
+            stopped = train(args, state, stages, schedule, device, layout, job)
         # verify: load the final checkpoint into fresh stages, compare bit for
         # bit; not after a stop signal, whose grace period a load would spend
         final = checkpoint.find_latest_step(args.checkpoint_dir)

@@ -30,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pippy.checkpoint.collectives import Timeout, drop_group, made_group, seconds
 from pippy.checkpoint.errors import CheckpointError
+from pippy.checkpoint.owner import FolderOwner, check_owner
 from pippy.checkpoint.save import (
     CheckedSavePlanner,
     StepWriter,
@@ -244,6 +245,8 @@ class AsyncSaver:
     Args:
         checkpoint_dir: The run's checkpoint folder.
         keep_last: If set, keep only this many newest complete steps.
+        owner: The folder's :class:`~pippy.checkpoint.job.FolderOwner`, if
+            this job holds one: each save checks that it still does.
         process_group: The group of the ranks that save (any backend); None:
             all ranks. The saver makes its own gloo group over them, at once
             on every one of them, and saves over it.
@@ -253,7 +256,8 @@ class AsyncSaver:
         timeout: As :func:`~pippy.checkpoint.save_stage`'s, in the background.
 
     Raises:
-        ValueError: ``timeout`` is not a number of seconds in (0, 365 days].
+        ValueError: ``timeout`` is not a number of seconds in (0, 365 days],
+            or ``owner`` holds another folder.
 
     Note:
         The default stager's CPU buffers (pinned on a GPU) live as long as the
@@ -267,12 +271,14 @@ class AsyncSaver:
         checkpoint_dir: Location,
         *,
         keep_last: int | None = None,
+        owner: FolderOwner | None = None,
         process_group: dist.ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
         async_stager: AsyncStager | None = None,
         timeout: Timeout = None,
     ):
         self.checkpoint_dir, self.mesh = checkpoint_dir, mesh
+        self.owner = check_owner(owner, checkpoint_dir)
         self.keep_last = check_keep_last(keep_last)
         self.timeout = seconds(timeout)
         # pippy's own gloo group over the saving ranks, this saver's alone: its
@@ -428,7 +434,11 @@ class AsyncSaver:
             return taken.result() if isinstance(taken, Future) else taken
 
         writer = StepWriter(
-            self.checkpoint_dir, step, keep_last=self.keep_last, ranks=ranks
+            self.checkpoint_dir,
+            step,
+            keep_last=self.keep_last,
+            ranks=ranks,
+            owner=self.owner,
         )
         action = f"saving step-{step} in the background"
         with writer.saving(action, self.timeout, group):

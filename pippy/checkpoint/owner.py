@@ -16,7 +16,8 @@ expired record is taken over only by the job that first creates the claim
 seconds) with this host's clock: NTP keeps a cluster's clocks well within a
 lease. A job that stalled past its lease may have lost the folder, so before
 each write that could touch another job's objects (a step's first file, its
-commit record, retention) the saving code calls :func:`check_lease` (one GET).
+commit record, retention) a save given the owner calls :meth:`FolderOwner.check`
+(one GET).
 Left open: a data PUT under way when the job stalled lands when it wakes, in
 that job's uncommitted step (a step of the same number the new owner saved
 meanwhile fails its manifest's checksums at load). A local folder's record,
@@ -51,7 +52,13 @@ from pippy.checkpoint.steps import (
     remove_staging,
     wait_for_deletions,
 )
-from pippy.checkpoint.storage import FsspecStorage, Location, storage_for
+from pippy.checkpoint.storage import (
+    FsspecStorage,
+    Location,
+    Storage,
+    is_url,
+    storage_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +70,6 @@ LEASE_SECONDS = 60.0
 
 #: Environment variable that sets the lease, in seconds, where none is given.
 LEASE_ENV = "PIPPY_LEASE_SECONDS"
-
-# The owner records this process holds, by folder: the saving code checks them.
-_HELD: dict[str, _OwnerRecord] = {}
 
 
 def _proc(name: str) -> str | None:
@@ -129,23 +133,6 @@ def _resolve_lease_seconds(seconds: float | None) -> float:
     return check_number(  # a longer one overflows a timestamp
         text, message, above=0, at_most=MAX_TIMEOUT_S, text=True
     )
-
-
-def _key(root: Location) -> str:
-    """A folder URL as the registry keys it."""
-    return os.fspath(root).rstrip("/")
-
-
-def check_lease(checkpoint_dir: Location) -> None:
-    """CheckpointDirInUseError if another job took this process's folder over."""
-    if (lease := _HELD.get(_key(checkpoint_dir))) is not None:
-        lease.check()
-
-
-def lease_lost(checkpoint_dir: Location) -> bool:
-    """Whether this process knows that it lost its lease on the folder (no I/O)."""
-    lease = _HELD.get(_key(checkpoint_dir))
-    return lease is not None and bool(lease.lost)
 
 
 class _OwnerRecord:
@@ -265,8 +252,6 @@ class _OwnerRecord:
 
     def release(self) -> bool:
         """Removes the record if still this job's (and an empty folder acquire made)."""
-        if _HELD.get(_key(self.root)) is self:
-            del _HELD[_key(self.root)]
         record = self._read()
         if record is None or record.get("token") != self.token:
             return False
@@ -282,9 +267,7 @@ class _LocalRecord(_OwnerRecord):
     def acquire(self) -> str:
         """Creates the folder if needed and the record; the saving code checks it."""
         self.created = not self.storage.exists(self.root)
-        token = super().acquire()
-        _HELD[_key(self.root)] = self
-        return token
+        return super().acquire()
 
     def _take_over(self, record: dict[str, Any]) -> None:
         """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
@@ -321,12 +304,12 @@ class StoreLease(_OwnerRecord):
     """The owner record of a folder on an object store, held with a lease."""
 
     kind = "object"
-    root: str  # the folder's URL as _HELD keys it
+    root: str  # the folder's URL, without a trailing slash
 
     def __init__(
         self, root: Location, storage: FsspecStorage, lease_seconds: float | None
     ) -> None:
-        super().__init__(_key(root), storage)
+        super().__init__(os.fspath(root).rstrip("/"), storage)
         self.lease_seconds = _resolve_lease_seconds(lease_seconds)
         self._version: str | None = None  # of this job's record, as last written
         self.expires = 0.0  # of this job's record, as last written
@@ -351,7 +334,6 @@ class StoreLease(_OwnerRecord):
         """Creates the record or takes an expired one over; renews it; the token."""
         token = super().acquire()
         self._version = self.storage.version(self.record)  # just made
-        _HELD[self.root] = self
         self._thread.start()
         return token
 
@@ -436,8 +418,6 @@ class StoreLease(_OwnerRecord):
         """Stops renewing; deletes the record if still this job's (not once lost)."""
         self._stop.set()
         self._thread.join(timeout=self.lease_seconds)
-        if _HELD.get(self.root) is self:
-            del _HELD[self.root]
         if self.lost or not super().release():
             return False
         claims = f"{self.storage.name(self.record)}.takeover-"
@@ -447,18 +427,60 @@ class StoreLease(_OwnerRecord):
         return True
 
 
+def check_owner(
+    owner: FolderOwner | None, checkpoint_dir: Location
+) -> FolderOwner | None:
+    """``owner``, if it is None or holds ``checkpoint_dir``; else a ``ValueError``.
+
+    Compared as spelled (absolute, normalised), without I/O: every rank makes
+    a save's writer, and only rank 0 looks at the folder.
+    """
+
+    def spelled(location: Location) -> str:
+        text = os.fspath(location)
+        return text.rstrip("/") if is_url(text) else os.path.abspath(text)
+
+    if owner is not None and spelled(owner.root) != spelled(checkpoint_dir):
+        raise ValueError(
+            f"the owner given holds {owner.root}, not {checkpoint_dir}: give the "
+            "save the FolderOwner of the folder it saves into"
+        )
+    return owner
+
+
+def refuse_unowned(storage: Storage, checkpoint_dir: Location) -> None:
+    """Refuses a save given no owner into a folder that holds an owner record.
+
+    Raises:
+        CheckpointDirInUseError: ``checkpoint_dir`` holds ``.owner.json``.
+    """
+    record = _OwnerRecord(checkpoint_dir, storage)._read(strict=False)
+    if record is not None:
+        raise CheckpointDirInUseError(
+            f"{checkpoint_dir} is owned by a job's FolderOwner ({_describe(record)}), "
+            "and this save was given no owner: pass owner= that FolderOwner if it "
+            "is this job's, else use another folder, or take this one with "
+            "FolderOwner (which takes a dead owner's record over)"
+        )
+
+
 class FolderOwner:
     """Makes one job at a time the writer of a run's checkpoint folder.
 
     On entry (every rank of ``process_group`` at once), rank 0 alone checks
     the folder, creates it if needed and the owner record ``.owner.json``;
     every rank gets the record's token or the same error. On exit the record
-    is removed if it is still this job's::
+    is removed if it is still this job's. Each save is given the owner, and
+    checks, before it writes and before it publishes, that the record is
+    still this job's::
 
-        with FolderOwner(checkpoint_dir):
-            ...  # resume, train, save
+        with FolderOwner(checkpoint_dir) as owner:
+            ...  # resume, train
+            save_stage(state, checkpoint_dir, owner=owner)
 
-    Without ``with``: :meth:`acquire`, then :meth:`release` in a ``finally``.
+    A save not given an owner is refused in a folder that holds an owner
+    record (:func:`refuse_unowned`). Without ``with``: :meth:`acquire`, then
+    :meth:`release` in a ``finally``.
     A dead owner's record (same host and boot, no process with its pid and
     start time) is taken over with a warning, and its staging folders and the
     steps its retention hid but did not delete are removed. So is the record
@@ -501,6 +523,7 @@ class FolderOwner:
         self.process_group = process_group
         self.lease_seconds = lease_seconds
         self.token = ""
+        self.released = False
         self._record: _OwnerRecord | None = None  # rank 0 holds it
 
     def __enter__(self) -> FolderOwner:
@@ -547,3 +570,26 @@ class FolderOwner:
         if self.token and self._record is not None and rank0:
             wait_for_deletions()
             self._record.release()
+        self.released = True
+
+    def check(self) -> None:
+        """Raises unless this job still owns the folder (rank 0 reads the record).
+
+        A save calls it on its coordinator; elsewhere it does nothing.
+
+        Raises:
+            CheckpointDirInUseError: Another job took the folder over, or
+                this owner was released.
+        """
+        if self.released:
+            raise CheckpointDirInUseError(
+                f"the FolderOwner of {self.root} was released, so this job no "
+                "longer owns it: save inside the owner's block"
+            )
+        if self._record is not None and self._record.token:  # rank 0 holds it
+            self._record.check()
+
+    @property
+    def lost(self) -> bool:
+        """Whether this process knows that another job took the folder over (no I/O)."""
+        return self._record is not None and bool(self._record.lost)

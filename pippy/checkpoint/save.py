@@ -40,7 +40,7 @@ from pippy.checkpoint.errors import (
     own_error,
 )
 from pippy.checkpoint.job import check_launcher
-from pippy.checkpoint.owner import check_lease, lease_lost
+from pippy.checkpoint.owner import FolderOwner, check_owner, refuse_unowned
 from pippy.checkpoint.state import StageState, statefuls_taken, take_or_failure
 from pippy.checkpoint.steps import (
     ManifestWriter,
@@ -284,6 +284,7 @@ class StepWriter(ManifestWriter):
         *,
         keep_last: int | None = None,
         ranks: int | None = None,
+        owner: FolderOwner | None = None,
         **kwargs: Any,
     ) -> None:
         if "overwrite" in kwargs:  # DCP's option, which a new folder makes moot
@@ -295,6 +296,7 @@ class StepWriter(ManifestWriter):
         self.final, self.ranks = step_dir(checkpoint_dir, step), ranks
         super().__init__(storage_for(checkpoint_dir), self.final, step=step, **kwargs)
         self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
+        self.owner = check_owner(owner, checkpoint_dir)
         self.staging: Any = None
         self.waits: collectives.Waits | None = (
             None  # the watch of the save, in saving()
@@ -355,7 +357,9 @@ class StepWriter(ManifestWriter):
     def _make_staging(self) -> Any:
         """On the coordinator: checks that the step is new, makes its staging folder."""
         storage, final = self.storage, self.final
-        check_lease(self.checkpoint_dir)  # a job that lost the folder writes nothing
+        if self.owner is None:
+            refuse_unowned(storage, self.checkpoint_dir)  # another job's, or forgotten
+        self.check_owner()  # a job that lost the folder writes nothing
         refuse_step_folder(storage, self.checkpoint_dir)  # a step holds no steps
         step_names(storage, self.checkpoint_dir)  # a file, a step-08: say so
         if why_not_whole(storage, final) is None:
@@ -401,18 +405,23 @@ class StepWriter(ManifestWriter):
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
-        check_lease(self.checkpoint_dir)
+        self.check_owner()
         super().finish(metadata, results)
         self.publish()
 
     def before_commit(self) -> None:
         """The lease checked again: on a store the manifest commits the step."""
-        check_lease(self.checkpoint_dir)
+        self.check_owner()
+
+    def check_owner(self) -> None:
+        """Raises unless the owner given (if any) still holds the folder."""
+        if self.owner is not None:
+            self.owner.check()
 
     def publish(self) -> None:
         """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         try:
-            check_lease(self.checkpoint_dir)
+            self.check_owner()
             if self.staging != self.final:  # on a store: committed by its record
                 self.storage.publish(self.staging, self.final)
         except OSError as e:
@@ -454,7 +463,8 @@ class StepWriter(ManifestWriter):
                 with explain_failures(action):
                     yield
         except BaseException:
-            if self.staging is not None and not lease_lost(self.checkpoint_dir):
+            lost = self.owner is not None and self.owner.lost
+            if self.staging is not None and not lost:
                 self.storage.remove(self.staging)
             raise
         finally:
@@ -467,6 +477,7 @@ def publish_step(
     step: int,
     *,
     keep_last: int | None = None,
+    owner: FolderOwner | None = None,
     process_group: dist.ProcessGroup | None = None,
     timeout: Timeout = None,
     **writer_options: Any,
@@ -492,6 +503,11 @@ def publish_step(
             several nodes it must be storage that every node sees.
         step: The step being saved.
         keep_last: If set, keep only this many newest complete steps.
+        owner: The folder's :class:`~pippy.checkpoint.job.FolderOwner`, if
+            this job holds one: the coordinator checks that it still does
+            before it makes the staging folder, and again before the
+            manifest and the publishing. Without one, a folder that holds
+            an owner record is refused.
         process_group: Group of the ranks that save; the default group if None.
             ``dcp.save`` in the body must run on the same ranks: pass it
             ``process_group=writer.process_group`` (pippy's gloo group over
@@ -511,8 +527,9 @@ def publish_step(
             ``checkpoint_dir`` is a file or cannot be written, the ranks pass
             folders of different names, or another save published the step
             meanwhile.
-        CheckpointDirInUseError: On every rank: this job lost the folder's
-            lease to another job.
+        CheckpointDirInUseError: On every rank: this job lost the folder to
+            another job, or no ``owner`` was given for a folder that holds an
+            owner record.
         CheckpointError: ``dcp.save`` in the body failed on some rank (one
             line per failed rank).
         CheckpointTimeout: Some rank had not written its items within
@@ -520,12 +537,15 @@ def publish_step(
             nothing is published. The group then holds a collective that
             timed out: end the job.
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
-            ``overwrite`` is among ``writer_options`` (before anything is
-            made: a published step is never overwritten); ``dcp.save`` in
-            the body saved with another writer, or another ``checkpoint_id``.
+            ``owner`` holds another folder; ``overwrite`` is among
+            ``writer_options`` (before anything is made: a published step is
+            never overwritten); ``dcp.save`` in the body saved with another
+            writer, or another ``checkpoint_id``.
     """
     collectives.seconds(timeout)  # a bad timeout is refused before anything is made
-    writer = StepWriter(checkpoint_dir, step, keep_last=keep_last, **writer_options)
+    writer = StepWriter(
+        checkpoint_dir, step, keep_last=keep_last, owner=owner, **writer_options
+    )
     with writer.saving(f"saving step-{step}", timeout, process_group):
         yield writer
         if not writer.used:
@@ -554,6 +574,7 @@ def save_stage(
     *,
     step: int | None = None,
     keep_last: int | None = None,
+    owner: FolderOwner | None = None,
     process_group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
     thread_count: int = 1,
@@ -572,6 +593,7 @@ def save_stage(
         checkpoint_dir: The run's checkpoint folder; created if missing.
         step: As :func:`take_state`.
         keep_last: If set, keep only this many newest complete steps.
+        owner: As :func:`publish_step`.
         process_group: The ranks that save; the default group if None.
         mesh: As :func:`take_state`. DCP writes each replicated item once,
             spread over the replicas.
@@ -601,7 +623,12 @@ def save_stage(
         state, step=step, mesh=mesh, planner=planner, **ranks
     )
     with publish_step(
-        checkpoint_dir, step, keep_last=keep_last, thread_count=thread_count, **ranks
+        checkpoint_dir,
+        step,
+        keep_last=keep_last,
+        owner=owner,
+        thread_count=thread_count,
+        **ranks,
     ) as writer:
         dcp.save(
             state_dict,
