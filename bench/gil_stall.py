@@ -4,7 +4,7 @@ On a GPU the training thread launches kernels while ``AsyncSaver`` writes in
 the background; any call that holds the GIL for long stalls it. A thread
 here sleeps 1 ms at a time and records its longest wait while an async save
 writes one ``--mb`` MB tensor, with pippy's checksums in chunks
-(``storage.CRC_CHUNK``) and, for comparison, in one call per write (as
+(``manifest.CRC_CHUNK``) and, for comparison, in one call per write (as
 before). One process, no process group.
 
     python bench/gil_stall.py --mb 512 --out-dir bench/results-gil
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pippy import checkpoint  # noqa: E402
-from pippy.checkpoint import storage  # noqa: E402
+from pippy.checkpoint import manifest  # noqa: E402
 
 
 def longest_stall(mb: int, folder: Path, repeats: int) -> float:
@@ -65,12 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = {}
     with tempfile.TemporaryDirectory() as work:
         rows["chunked"] = longest_stall(args.mb, Path(work) / "a", args.repeats)
-        with mock.patch.object(storage, "CRC_CHUNK", 1 << 62):  # one call a write
+        with mock.patch.object(manifest, "CRC_CHUNK", 1 << 62):  # one call a write
             rows["one_call"] = longest_stall(args.mb, Path(work) / "b", args.repeats)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results.json").write_text(json.dumps(rows, indent=1))
     table = (
-        f"| tensor MB | longest stall, CRC in {storage.CRC_CHUNK >> 20} MiB chunks "
+        f"| tensor MB | longest stall, CRC in {manifest.CRC_CHUNK >> 20} MiB chunks "
         "| in one call per write |\n| --- | --- | --- |\n"
         f"| {args.mb} | {rows['chunked']:.1f} ms | {rows['one_call']:.1f} ms |\n"
     )

@@ -18,6 +18,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from pippy.checkpoint.manifest import Checksumming
 from pippy.checkpoint.save import StepWriter
 from pippy.checkpoint.storage import DurableFileSystem
 
@@ -58,4 +59,4 @@ class PlainTimedWriter(Marks, FileSystemWriter):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fs = DurableFileSystem()
+        self.fs = Checksumming(DurableFileSystem())

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from pippy import checkpoint
 from pippy.checkpoint.keys import detect_layout
+from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.offline import (
     convert_layout,
     export_hf,
@@ -36,13 +37,11 @@ from pippy.checkpoint.offline import (
 from pippy.checkpoint.reader import read_metadata
 from pippy.checkpoint.safe_load import resolve_trusted
 from pippy.checkpoint.steps import (
-    MANIFEST_FILE,
     find_damage,
     is_complete,
     list_steps,
     newest_complete_step,
     parse_step,
-    read_manifest,
 )
 from pippy.checkpoint.storage import Storage, storage_for
 

@@ -26,8 +26,8 @@ from torch.serialization import get_crc32_options
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
+from pippy.checkpoint.manifest import CRC32_PER_THREAD
 from pippy.checkpoint.steps import step_dir
-from pippy.checkpoint.storage import CRC32_PER_THREAD
 
 SEEDS = {0: 10, 1: 11}
 

@@ -24,16 +24,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
+from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.owner import OWNER_FILE
 from pippy.checkpoint.reader import SafeFileSystemReader, read_metadata
 from pippy.checkpoint.safe_load import SafeLoadPlanner
-from pippy.checkpoint.steps import (
-    MANIFEST_FILE,
-    list_steps,
-    read_manifest,
-    remove_old_steps,
-    wait_for_deletions,
-)
+from pippy.checkpoint.steps import list_steps, remove_old_steps, wait_for_deletions
 from pippy.checkpoint.storage import LocalStorage
 from pippy.cli import main
 

@@ -17,7 +17,7 @@ from ranks import run_ranks
 
 from pippy import checkpoint
 from pippy.checkpoint import checks, offline
-from pippy.checkpoint.storage import CRC_CHUNK, crc32c
+from pippy.checkpoint.manifest import CRC_CHUNK, crc32c
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
+from pippy.checkpoint.manifest import read_manifest
 from pippy.checkpoint.state import merge_parts
-from pippy.checkpoint.steps import read_manifest
 from pippy.checkpoint.storage import LocalStorage
 
 from helpers import plain_read, tiny_gpt

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
-from pippy.checkpoint.steps import read_manifest, wait_for_deletions
+from pippy.checkpoint.manifest import read_manifest
+from pippy.checkpoint.steps import wait_for_deletions
 from pippy.checkpoint.storage import (
     FsspecStorage,
     LocalStorage,

@@ -27,8 +27,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.serialization import get_crc32_options, set_crc32_options
 
+from pippy.checkpoint.manifest import CRC32_PER_THREAD, no_crc32
 from pippy.checkpoint.reader import _METADATA_GLOBALS
-from pippy.checkpoint.storage import CRC32_PER_THREAD, no_crc32
 
 
 class _Recorder(pickle.Unpickler):
@@ -151,7 +151,7 @@ def test_read_data_sees_the_filled_state_dict_and_its_errors_reach_dcp(tmp_path)
 
 
 def test_crc32_options_are_per_thread_where_pippy_says_so():
-    # storage.no_crc32 turns torch.save's CRC-32 off only where it is per thread.
+    # manifest.no_crc32 turns torch.save's CRC-32 off only where it is per thread.
     seen = []
     previous = get_crc32_options()
     set_crc32_options(False)

@@ -41,6 +41,8 @@ The modules, one idea each:
 * ``keys``: optimizer state keyed by parameter FQN; torchtitan's names for
   pippy's keys, and back.
 * ``load``: the load sequence (``load_stage``) and its pieces.
+* ``manifest``: checksums: each item's CRC-32C taken as it is written, kept in
+  ``manifest.json``, checked as it is read.
 * ``offline``: tools in one process: read, export to Hugging Face, convert to
   or from torchtitan's layout, verify a step.
 * ``owner``: ``FolderOwner``, its record on a folder, a lease on an object store.
@@ -51,8 +53,8 @@ The modules, one idea each:
   silently; what a load may unpickle.
 * ``save``: the save sequence (``save_stage``) and its pieces, DCP's plug-ins.
 * ``state``: a rank's stage(s) as one state_dict.
-* ``steps``: step folders (``step-<N>``) staged and published once complete;
-  the newest complete step; retention; ``manifest.json`` (item checksums).
+* ``steps``: step folders (``step-<N>``), complete or not; the newest complete
+  step; retention; ``.metadata`` checked against its folder.
 * ``storage``: POSIX folders (fsync around each publishing rename) and fsspec
   URLs (a step committed by its manifest) behind one seam.
 """

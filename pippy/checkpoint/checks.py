@@ -28,7 +28,7 @@ from pippy.checkpoint.errors import (
     NestedStateError,
     name_ranks,
 )
-from pippy.checkpoint.storage import crc32c
+from pippy.checkpoint.manifest import crc32c
 
 _OWNED = ("model", "optim")  # the sections whose every key one stage owns
 

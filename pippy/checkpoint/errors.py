@@ -220,3 +220,9 @@ def check_number(
     ):
         raise ValueError(message.format(value if shown is _SHOWN else shown))
     return number
+
+
+#: How to resume past a damaged step (after "Restore the file, or").
+MOVE_ASIDE = (
+    "move the folder out of the checkpoint folder to resume from an earlier step"
+)

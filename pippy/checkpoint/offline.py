@@ -48,15 +48,11 @@ from pippy.checkpoint.keys import (
     to_torchtitan,
 )
 from pippy.checkpoint.load import load_stage, open_step, read_into
+from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.reader import verify_step
 from pippy.checkpoint.save import take_state
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.steps import (
-    ManifestWriter,
-    is_step_name,
-    list_steps,
-    step_holding,
-)
+from pippy.checkpoint.steps import is_step_name, list_steps, step_holding
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 
 __all__ = [

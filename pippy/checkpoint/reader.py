@@ -42,11 +42,23 @@ from torch.torch_version import TorchVersion
 
 from pippy.checkpoint.collectives import Waits, on_coordinator
 from pippy.checkpoint.errors import (
+    MOVE_ASIDE,
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
     own_error,
     portable,
+)
+from pippy.checkpoint.manifest import (
+    MANIFEST_FILE,
+    STREAMED,
+    ItemReader,
+    Manifest,
+    check_manifest,
+    crc32c,
+    read_crcs,
+    read_manifest,
+    verify_item,
 )
 from pippy.checkpoint.safe_load import (
     TRUST_ENV,
@@ -56,25 +68,17 @@ from pippy.checkpoint.safe_load import (
     restricted_load,
 )
 from pippy.checkpoint.steps import (
-    MANIFEST_FILE,
     METADATA_FILE,
-    MOVE_ASIDE,
-    Manifest,
-    check_manifest,
     check_structure,
     find_damage,
     is_complete,
     list_steps,
     parse_step,
-    read_crcs,
-    read_manifest,
     storage_ranges,
-    verify_item,
 )
 from pippy.checkpoint.storage import (
     Location,
     Storage,
-    crc32c,
     is_url,
     join,
     same_location,
@@ -98,9 +102,6 @@ _METADATA_GLOBALS = {
     )
     for name in names.split()
 }
-# Tensor items of this many bytes or more are read straight into their tensor
-# (:class:`_ItemReader`); smaller ones whole, then loaded: fewer Python calls.
-_STREAMED = 1 << 20
 _BYTES = LoadItemType.BYTE_IO
 
 
@@ -199,74 +200,6 @@ def _read_metadata_file(
     return metadata, data
 
 
-class _ItemReader(io.RawIOBase):
-    """One stored item of an open file, as ``torch.load`` reads it, CRC-32C on the way.
-
-    ``torch.load`` reads a zip's parts out of order (its directory at the end
-    first) and a tensor's bytes with ``readinto`` straight into its storage.
-    Small reads are kept until the checksum reaches them; a large one is
-    checked in place once every byte before it is (read again from the file if
-    ``torch.load`` skipped it, as it does a record's padding).
-    """
-
-    def __init__(self, file: Any, offset: int, length: int, *, crc: bool) -> None:
-        self.file, self.offset, self.length = file, offset, length
-        self.pos = 0  # torch.load's position in the item
-        self.crc: int | None = 0 if crc else None
-        self.checked = 0  # the checksum covers the item's bytes before this one
-        self.kept: dict[int, bytes] = {}  # small reads past the checksum, by start
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        """Moves within the item, as a file does."""
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}
-        self.pos = base[whence] + pos
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        """Reads up to the item's end into ``buffer``; its bytes go to the checksum."""
-        view = memoryview(buffer).cast("B")[: max(0, self.length - self.pos)]
-        self.file.seek(self.offset + self.pos)
-        n = self.file.readinto(view) or 0
-        start, self.pos = self.pos, self.pos + n
-        if self.crc is None or self.pos <= self.checked:
-            return n
-        if n < _STREAMED:
-            self.kept[start] = bytes(view[:n])
-            self._extend()
-            return n
-        self._extend(start)  # with the bytes before it that torch.load skips
-        self.crc = crc32c(view[self.checked - start : n], self.crc)
-        self.checked = self.pos
-        return n
-
-    def _extend(self, until: int = 0) -> None:
-        """Extends the checksum over the kept reads, and the file up to ``until``."""
-        while self.crc is not None:
-            at = self.checked
-            if found := [s for s, d in self.kept.items() if s <= at < s + len(d)]:
-                data = self.kept.pop(found[0])
-                self.crc = crc32c(data[at - found[0] :], self.crc)
-                self.checked = found[0] + len(data)
-                continue
-            if at >= until:
-                return
-            end = min((s for s in self.kept if at < s < until), default=until)
-            self.file.seek(self.offset + at)
-            data = self.file.read(end - at)
-            if not data:  # the file ends inside the item
-                return
-            self.crc = crc32c(data, self.crc)
-            self.checked += len(data)
-
-    def finish(self) -> tuple[int, int | None]:
-        """``(bytes of the item in its file, CRC-32C)``, reading what is unchecked."""
-        if self.crc is None:
-            end = self.file.seek(0, io.SEEK_END)
-            return min(self.length, max(0, end - self.offset)), None
-        self._extend(self.length)
-        return self.checked, self.crc
-
-
 class SafeFileSystemReader(FileSystemReader):
     """A ``FileSystemReader`` that unpickles ``.metadata`` with an allow-list.
 
@@ -339,7 +272,9 @@ class SafeFileSystemReader(FileSystemReader):
             raise self._damaged(shown, f"Restore those files, or {MOVE_ASIDE}")
         if verify:
             ranges = storage_ranges(self.metadata)
-            self.manifest = check_manifest(storage, folder, ranges, sizes)
+            self.manifest = check_manifest(
+                storage, folder, ranges, sizes, parse_step(folder)
+            )
 
     def _open(
         self,
@@ -473,9 +408,9 @@ class SafeFileSystemReader(FileSystemReader):
         """Reads one item from ``f``, checks it, and hands it over to ``planner``."""
         info = self.storage_data[index]
         descriptors = getattr(info, "transform_descriptors", None)
-        if info.length >= _STREAMED and not descriptors and reqs[0].type != _BYTES:
+        if info.length >= STREAMED and not descriptors and reqs[0].type != _BYTES:
             # read straight into the tensor, checked before it is copied in
-            item = _ItemReader(f, info.offset, info.length, crc=bool(self.manifest))
+            item = ItemReader(f, info.offset, info.length, crc=bool(self.manifest))
             try:
                 file = cast(IO[bytes], item)
                 tensor = torch.load(file, map_location="cpu", weights_only=True)

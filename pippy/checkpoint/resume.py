@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from pippy.checkpoint.collectives import on_coordinator, pippy_group
 from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from pippy.checkpoint.manifest import read_manifest
 from pippy.checkpoint.reader import verify_step
 from pippy.checkpoint.steps import (
     hidden_name,
     list_steps,
     newest_complete_step,
-    read_manifest,
     why_not_whole,
 )
 from pippy.checkpoint.storage import (

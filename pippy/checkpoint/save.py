@@ -40,10 +40,10 @@ from pippy.checkpoint.errors import (
     own_error,
 )
 from pippy.checkpoint.job import check_launcher
+from pippy.checkpoint.manifest import ManifestWriter
 from pippy.checkpoint.owner import FolderOwner, check_owner, refuse_unowned
 from pippy.checkpoint.state import StageState, statefuls_taken, take_or_failure
 from pippy.checkpoint.steps import (
-    ManifestWriter,
     check_keep_last,
     check_step,
     hidden_name,

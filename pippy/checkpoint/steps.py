@@ -1,4 +1,4 @@
-"""A step's files: its folder, ``.metadata`` and ``manifest.json``.
+"""Step folders: names, completeness, retention, the newest; ``.metadata`` checked.
 
 A run's checkpoint folder holds one ``step-<N>`` folder per save, published
 whole by :func:`~pippy.checkpoint.save.publish_step`. On an object store (an
@@ -7,17 +7,8 @@ last in one PUT, is its commit record. A folder whose name says another step
 than its manifest is never taken for that step. Functions here ask the storage
 from the calling process; in a job rank 0 asks and broadcasts.
 
-DCP stores no checksums and ``torch.load`` never checks the zip CRC-32
-(pytorch/pytorch#126952), so :class:`ManifestWriter` records a CRC-32C per
-item; ``optim_layout`` is :data:`~pippy.checkpoint.keys.LAYOUT_VERSION`:
-
-.. code-block:: json
-
-    {"format": "pippy-manifest/1", "step": 20, "checksum": "crc32c",
-     "optim_layout": 1, "written_by": {"torch": "2.13.0+cpu", "pippy": "0.3.0"},
-     "files": {"__0_0.distcp": 5123456, "...": 0},
-     "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
-                "offset": 0, "length": 49920, "crc32c": 2596996162}]}
+Each item's CRC-32C, taken as it is written, is in ``manifest.json``
+(:mod:`~pippy.checkpoint.manifest`).
 
 Private torch names pippy relies on, each tested in
 test/test_torch_internals.py on torch 2.10 to 2.15
@@ -34,7 +25,7 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 * the ``GLOBAL module.name`` text of ``torch.load(weights_only=True)``'s
   refusal, which the load planner parses;
 * ``torch.serialization.set_crc32_options`` being per thread from torch 2.12
-  (``storage.CRC32_PER_THREAD``; per process before, so kept on there);
+  (``manifest.CRC32_PER_THREAD``; per process before, so kept on there);
 * ``torch.distributed.distributed_c10d._get_default_store`` and a group's
   ``_get_backend`` and ``options._timeout`` (of pippy's own gloo group:
   :mod:`~pippy.checkpoint.collectives`; no public getters);
@@ -49,10 +40,6 @@ test/test_torch_internals.py on torch 2.10 to 2.15
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-import itertools
-import json
 import logging
 import math
 import os
@@ -60,22 +47,15 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from pippy.checkpoint.errors import (
     CheckpointDirError,
@@ -83,27 +63,13 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     check_number,
 )
-from pippy.checkpoint.keys import LAYOUT_VERSION, check_layout_version
-from pippy.checkpoint.storage import (
-    Location,
-    Storage,
-    crc32c,
-    is_url,
-    join,
-    step_file,
-)
+from pippy.checkpoint.manifest import MANIFEST_FILE, file_ends, read_manifest
+from pippy.checkpoint.storage import Location, Storage, is_url, join, step_file
 
 logger = logging.getLogger(__name__)
 
 #: DCP's index of a step's items, written last: a step folder without it is partial.
 METADATA_FILE = ".metadata"
-MANIFEST_FILE = "manifest.json"
-_FORMAT = "pippy-manifest/1"
-#: How to resume past a damaged step (after "Restore the file, or").
-MOVE_ASIDE = (
-    "move the folder out of the checkpoint folder to resume from an earlier step"
-)
-
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
 #: The hidden step folders, ``.step-<N>.<kind>-<token>``: a save's staging
@@ -343,229 +309,6 @@ def remove_staging(storage: Storage, checkpoint_dir: Location) -> list[str]:
     return removed
 
 
-@dataclass(frozen=True)
-class Manifest:
-    """What one save wrote, as recorded in ``manifest.json``.
-
-    ``items`` maps ``(file, offset, length)`` to ``(key, crc32c)``; ``files`` gives
-    sizes in bytes; ``optim_layout`` None means layout 1.
-    """
-
-    step: int
-    files: dict[str, int]
-    items: dict[tuple[str, int, int], tuple[str, int]]
-    optim_layout: object
-    written_by: dict[str, str]
-
-
-def read_crcs(
-    storage: Storage, folder: Location, ranges: Iterable[tuple[str, int, int]]
-) -> Iterator[tuple[tuple[str, int, int], int]]:
-    """Each ``(file, offset, length)`` range and the CRC-32C of its stored bytes."""
-    fs = storage.dcp_filesystem(folder)  # reads as DCP's reader does
-    by_file: dict[str, list[tuple[int, int]]] = {}
-    for name, offset, length in ranges:
-        by_file.setdefault(name, []).append((offset, length))
-    for name, spans in by_file.items():
-        with fs.create_stream(storage.join(folder, name), "rb") as f:
-            for offset, length in sorted(spans):
-                f.seek(offset)
-                data = f.read(length)
-                if len(data) != length:
-                    raise CheckpointError(f"{name} ended at byte {offset + len(data)}")
-                yield (name, offset, length), crc32c(data)
-
-
-class ManifestWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
-
-    Each rank takes every item's CRC-32C as it is written (read back only if the
-    file system recorded none) and passes it to the coordinator in DCP's write
-    results, which writes ``manifest.json`` after ``.metadata``. ``written`` is,
-    after the save, ``(tensors, bytes)`` this rank wrote (bytes with
-    ``torch.save`` framing); ``**kwargs`` go to ``FileSystemWriter``.
-    """
-
-    def __init__(
-        self, storage: Storage, path: str | os.PathLike, *, step: int, **kwargs: Any
-    ) -> None:
-        super().__init__(path, **kwargs)
-        self.storage = storage
-        self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
-        # A local stream fsyncs at close; fsspec's have no fileno (DCP would
-        # os.sync()): DCP's own fsync of each file would be a second one.
-        self.sync_files = False
-        if is_url(path):
-            self.path = self.fs.init_path(path)
-        self.step = step
-        self.written = (0, 0)
-
-    def write_data(
-        self, plan: SavePlan, planner: SavePlanner
-    ) -> Future[list[WriteResult]]:
-        """DCP's ``write_data``, with the CRC-32C of each item written."""
-        results = super().write_data(plan, planner).wait()
-        tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
-        lengths = [r.storage_data.length for r in results if r.index in tensors]
-        self.written = (len(lengths), sum(lengths))
-        infos = [r.storage_data for r in results]
-        ranges = [(i.relative_path, i.offset, i.length) for i in infos]
-        crcs = getattr(self.fs, "crcs", {})
-        if not all(r in crcs for r in ranges):  # a file system that records none
-            crcs = dict(read_crcs(self.storage, self.path, ranges))
-        checked = [  # storage_data (info, crc), for the coordinator
-            WriteResult(r.index, r.size_in_bytes, (r.storage_data, crcs[k]))
-            for r, k in zip(results, ranges, strict=True)
-        ]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(checked)
-        return future
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` as DCP does, then ``manifest.json``."""
-        plain = [  # DCP's own storage_data, without the CRC-32C
-            [WriteResult(r.index, r.size_in_bytes, r.storage_data[0]) for r in rank]
-            for rank in results
-        ]
-        super().finish(metadata, plain)
-        written = [(r.index.fqn, *r.storage_data) for r in itertools.chain(*results)]
-        manifest = {
-            "format": _FORMAT,
-            "step": self.step,
-            "checksum": "crc32c",
-            "optim_layout": LAYOUT_VERSION,
-            "written_by": {"torch": str(torch.__version__), "pippy": _pippy_version()},
-            "files": dict(sorted(_file_ends(i for _, i, _ in written).items())),
-            "items": [
-                {
-                    "key": key,
-                    "file": info.relative_path,
-                    "offset": info.offset,
-                    "length": info.length,
-                    "crc32c": crc,
-                }
-                for key, info, crc in written
-            ],
-        }
-        # dumps: json.dump streams through the pure-Python encoder, ~10x slower.
-        data = json.dumps(manifest, separators=(",", ":")).encode()
-        self.before_commit()
-        # In a staging folder, whose publishing makes the names in it durable.
-        self.storage.write_atomic(join(self.path, MANIFEST_FILE), data, staged=True)
-
-    def before_commit(self) -> None:
-        """Runs just before the manifest is written (on a store, the commit)."""
-
-
-@functools.cache
-def _pippy_version() -> str:
-    """Pippy's installed version, once per process (a lookup takes milliseconds)."""
-    try:
-        return importlib.metadata.version("pippy")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        return "unknown"
-
-
-def read_manifest(storage: Storage, folder: Location) -> Manifest | None:
-    """A step folder's ``manifest.json``, or None; refuses a link out or damage."""
-    path = step_file(storage, folder, MANIFEST_FILE)
-    if storage.size(path) is None:
-        return None
-    try:
-        raw = json.loads(storage.read_bytes(path))
-        if raw.get("format") != _FORMAT:
-            raise ValueError(f"format {raw.get('format')!r}, not {_FORMAT!r}")
-        files = {str(k): _count(v) for k, v in raw["files"].items()}
-        items = {}
-        for i in raw["items"]:
-            place = (str(i["file"]), _count(i["offset"]), _count(i["length"]))
-            items[place] = (str(i["key"]), _count(i["crc32c"]))
-        versions = raw.get("written_by", {})
-        if not isinstance(versions, dict):
-            raise ValueError(f"written_by is {versions!r}, not an object")
-        versions = {str(k): str(v) for k, v in versions.items()}
-        step = _count(raw["step"])
-        return Manifest(step, files, items, raw.get("optim_layout"), versions)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(
-            f"{path} is damaged ({type(e).__name__}: {e}): restore it, or load "
-            "the step unverified (verify=False, --allow-no-manifest)"
-        ) from None
-
-
-def _count(value: Any) -> int:
-    """``value`` if it is a non-negative int; else a ``ValueError``."""
-    return check_number(
-        value, "{!r} is not a non-negative integer", whole=True, at_least=0
-    )
-
-
-def check_manifest(
-    storage: Storage,
-    folder: Location,
-    ranges: Mapping[tuple[str, int, int], str],
-    sizes: Mapping[str, int | None],
-) -> Manifest:
-    """Reads a step's manifest; refuses one absent or at odds with the folder.
-
-    ``sizes``: data files' sizes already found (:func:`find_damage`), not asked again.
-    """
-    manifest = read_manifest(storage, folder)
-    if manifest is None:
-        raise CheckpointError(
-            f"{str(folder)!r} has no {MANIFEST_FILE}, so its content cannot be "
-            "verified (written by plain DCP or an older pippy, or the file was "
-            "lost). If you know it is intact, load it with verify=False"
-        )
-    if parse_step(folder) not in (None, manifest.step):
-        raise CheckpointError(
-            f"{str(folder)!r} holds step {manifest.step} by its {MANIFEST_FILE}: a "
-            "folder renamed or copied under another step's name. Give it its own "
-            f"name (step-{manifest.step}) or move it out of the checkpoint folder"
-        )
-    check_layout_version(manifest.optim_layout, repr(str(folder)))
-    for name, size in manifest.files.items():
-        path = storage.join(folder, name)
-        actual = sizes[name] if name in sizes else storage.size(path)
-        if actual != size:
-            raise CheckpointError(
-                f"{str(folder)!r} is damaged: {name} has "
-                f"{'no file' if actual is None else f'{actual} bytes'}, "
-                f"{MANIFEST_FILE} says {size}. Restore it, or {MOVE_ASIDE}"
-            )
-    recorded = {place: key for place, (key, _) in manifest.items.items()}
-    if dict(ranges) != recorded:
-        differ = sorted(
-            {ranges.get(p) or recorded[p] for p in ranges.keys() ^ recorded.keys()}
-            | {k for p, k in ranges.items() if recorded.get(p, k) != k}
-        )
-        raise CheckpointError(
-            f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} "
-            f"disagree on where {', '.join(map(repr, differ[:4]))} are stored. "
-            f"Restore the step, or {MOVE_ASIDE}"
-        )
-    return manifest
-
-
-def verify_item(
-    manifest: Manifest, place: tuple[str, int, int], key: str, crc: int
-) -> None:
-    """Raises unless the manifest lists the item at ``place`` with CRC-32C ``crc``."""
-    name, offset, length = place
-    if place not in manifest.items:
-        raise CheckpointError(
-            f"item {key!r} of {name} (bytes {offset}-{offset + length}) is not "
-            f"in {MANIFEST_FILE}: .metadata and the manifest disagree, so the "
-            "step is damaged or was edited; load an earlier step"
-        )
-    if crc != manifest.items[place][1]:
-        raise CheckpointError(
-            f"item {key!r} of {name} is damaged: its bytes do not match their "
-            f"checksum in {MANIFEST_FILE} (a flipped bit, or a file replaced "
-            f"by another). Restore the file, or {MOVE_ASIDE}"
-        )
-
-
 def find_damage(
     storage: Storage,
     path: Location,
@@ -577,7 +320,7 @@ def find_damage(
     ``sizes``, if given, is filled with each file's size (None: missing).
     """
     problems = []  # check_structure passed: each item has a place
-    for name, size in sorted(_file_ends(metadata.storage_data.values()).items()):
+    for name, size in sorted(file_ends(metadata.storage_data.values()).items()):
         actual = storage.size(storage.join(path, name))
         if sizes is not None:
             sizes[name] = actual
@@ -586,15 +329,6 @@ def find_damage(
         elif actual < size:
             problems.append(f"{name} has {actual} bytes, its items need {size}")
     return problems
-
-
-def _file_ends(infos: Iterable[Any]) -> dict[str, int]:
-    """``{file: where its last item ends}``: the size its items need."""
-    ends: dict[str, int] = {}
-    for info in infos:
-        end = info.offset + info.length
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
-    return ends
 
 
 def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> None:

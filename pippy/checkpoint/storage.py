@@ -13,47 +13,21 @@ import io
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import IO, Any, Protocol, cast
 
-import google_crc32c
-import numpy
-import torch
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint._fsspec_filesystem import (
     FileSystem as FsspecFileSystem,
 )
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
-from torch.serialization import get_crc32_options, set_crc32_options
-from torch.torch_version import TorchVersion
 
 from pippy.checkpoint.errors import CheckpointDirError, UnsafeCheckpointError
 
 #: A checkpoint location: a local path, or an fsspec URL as a ``str``.
 Location = str | os.PathLike
-
-#: Bytes one CRC-32C call takes: google_crc32c holds the GIL in a call, and
-#: other threads (the one launching kernels) run between calls.
-CRC_CHUNK = 4 << 20
-
-
-def crc32c(data: Any, crc: int = 0) -> int:
-    """The CRC-32C of ``data`` (bytes-like), extending ``crc``, in chunks.
-
-    Args:
-        data: Contiguous bytes-like (``bytes``, a ``memoryview``, an array).
-        crc: The CRC-32C of the bytes before ``data`` (0: none).
-
-    Returns:
-        The CRC-32C, as one ``google_crc32c.extend`` call over all of it
-        would give; each call takes at most :data:`CRC_CHUNK` bytes.
-    """
-    array = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
-    for start in range(0, len(array), CRC_CHUNK):
-        crc = google_crc32c.extend(crc, array[start : start + CRC_CHUNK])
-    return crc
 
 
 def is_url(location: Location) -> bool:
@@ -187,118 +161,6 @@ def step_file(storage: Storage, folder: Location, name: str) -> Any:
     return path
 
 
-# Checksums as written: a CRC-32C per item, in place of torch.save's CRC-32.
-
-#: Whether ``torch.save``'s CRC-32 setting is per thread (a ContextVar from 2.12).
-CRC32_PER_THREAD = TorchVersion(torch.__version__) >= "2.12"
-
-
-@contextmanager
-def no_crc32() -> Iterator[None]:
-    """This thread's ``torch.save`` writes zero CRC-32s (the manifest has CRC-32C).
-
-    A no-op on torch 2.10 and 2.11, where the setting is the whole process's: other
-    threads' saves would lose it, and two writer threads could leave it off.
-    """
-    if not CRC32_PER_THREAD:
-        yield
-        return
-    previous = get_crc32_options()
-    set_crc32_options(False)
-    try:
-        yield
-    finally:
-        set_crc32_options(previous)
-
-
-# Writes up to this many bytes are gathered before they are checksummed.
-_SMALL_WRITE = 16 * 1024
-
-
-class _Crc32cStream:
-    """A stream being written, recording the CRC-32C of the bytes between two tells."""
-
-    def __init__(self, raw: Any, name: str, record: dict) -> None:
-        self.raw, self.name, self.record = raw, name, record
-        self.start, self.crc = raw.tell(), 0
-        self.small = bytearray()  # small writes not yet checksummed nor passed on
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        """Writes ``data``, extending the checksum (of a view, not a copy)."""
-        size = len(data)  # torch.save and DCP write bytes (format "B")
-        if size <= _SMALL_WRITE:
-            self.small += data
-            return size
-        self._pass_small()
-        self.crc = crc32c(data, self.crc)
-        return self.raw.write(data)
-
-    def _pass_small(self) -> None:
-        """Checksums the gathered small writes and passes them on."""
-        if self.small:
-            data = bytes(self.small)
-            self.crc = crc32c(data, self.crc)
-            self.raw.write(data)
-            self.small.clear()
-
-    def tell(self) -> int:
-        """The position; the span since the last call is recorded."""
-        self._pass_small()
-        position = int(self.raw.tell())
-        if position != self.start:
-            self.record[self.name, self.start, position - self.start] = self.crc
-            self.start, self.crc = position, 0
-        return position
-
-    def fileno(self) -> int:
-        """The file's descriptor, for DCP's fsync; AttributeError if it has none."""
-        self.flush()
-        return int(self.raw.fileno())
-
-    def flush(self) -> None:
-        """Flushes the stream."""
-        self._pass_small()
-        self.raw.flush()
-
-    def close(self) -> None:
-        """Records the last span, then closes."""
-        if not self.closed:
-            self.tell()
-            self.raw.close()
-            self.closed = True
-
-
-class _Checksumming:
-    """A mixin for DCP's ``FileSystem``s that records each written item's CRC-32C.
-
-    DCP's writer calls ``tell()`` around each item, so each span between two calls
-    is one item; ``crcs`` maps its ``(file, offset, length)`` to its CRC-32C as
-    written. ``torch.save``'s CRC-32 is off meanwhile, and its ~40 small records
-    per item are gathered into one write.
-    """
-
-    crcs: dict[tuple[str, int, int], int]
-
-    def _open(self, path: str | os.PathLike, mode: str) -> AbstractContextManager[Any]:
-        """The stream DCP's own file system opens."""
-        return super().create_stream(path, mode)  # type: ignore[misc]
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        """DCP's stream; written, through a :class:`_Crc32cStream`."""
-        with self._open(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            record = self.__dict__.setdefault("crcs", {})
-            stream = _Crc32cStream(raw, os.path.basename(os.fspath(path)), record)
-            with no_crc32():
-                yield stream
-            if not stream.closed:  # .metadata's (DCP leaves it open): write the rest
-                stream.tell()
-
-
 # POSIX folders: durable writes, atomic renames, exclusive creation by hard link.
 
 
@@ -333,8 +195,8 @@ class _DurableWriter(io.BufferedWriter):
             super().close()
 
 
-class DurableFileSystem(_Checksumming, FileSystem):
-    """DCP's local ``FileSystem``: fsync at close, items checksummed.
+class DurableFileSystem(FileSystem):
+    """DCP's local ``FileSystem``, each file it writes fsynced at close.
 
     torch 2.13's own fsyncs ``.metadata`` before flushing it and never a
     folder. pippy's DCP writers write into a staging folder alone, whose names
@@ -342,11 +204,17 @@ class DurableFileSystem(_Checksumming, FileSystem):
     it renames it: ``.metadata``'s rename needs no fsync of its own.
     """
 
-    def _open(self, path: str | os.PathLike, mode: str) -> AbstractContextManager[Any]:
+    @contextmanager
+    def create_stream(
+        self, path: str | os.PathLike, mode: str
+    ) -> Generator[io.IOBase, None, None]:
         """DCP's stream; a written file is fsynced at close."""
         if "w" not in mode:
-            return super()._open(path, mode)
-        return _DurableWriter(io.FileIO(os.fspath(path), "wb"))
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _DurableWriter(io.FileIO(os.fspath(path), "wb")) as stream:
+            yield stream
 
 
 class RangeFile:
@@ -494,10 +362,6 @@ class LocalStorage(Storage):
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 # The protocols whose PUT takes If-Match on a version tag (s3fs passes it on).
 _CONDITIONAL = {"s3", "s3a"}
-
-
-class _FsspecFileSystem(_Checksumming, FsspecFileSystem):
-    """DCP's fsspec ``FileSystem``, each item checksummed as written, without CRC-32."""
 
 
 class FsspecStorage(Storage):
@@ -655,7 +519,7 @@ class FsspecStorage(Storage):
         return os.fspath(location).rstrip("/")
 
     def dcp_filesystem(self, location: Location) -> FileSystemBase:
-        """DCP's fsspec ``FileSystem``, set up for ``location``, without CRC-32."""
-        fs = _FsspecFileSystem()
+        """DCP's fsspec ``FileSystem``, set up for ``location``."""
+        fs = FsspecFileSystem()
         fs.init_path(os.fspath(location))
         return fs
