@@ -49,9 +49,6 @@ from pippy.checkpoint.storage import Location, Storage, is_url, join, step_file
 
 MANIFEST_FILE = "manifest.json"
 _FORMAT = "pippy-manifest/1"
-# Tensor items of this many bytes or more are read straight into their tensor
-# (:class:`ItemReader`); smaller ones whole, then loaded: fewer Python calls.
-STREAMED = 1 << 20
 
 #: Bytes one CRC-32C call takes: google_crc32c holds the GIL in a call, and
 #: other threads (the one launching kernels) run between calls.
@@ -422,6 +419,11 @@ def file_ends(infos: Iterable[Any]) -> dict[str, int]:
         end = info.offset + info.length
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
     return ends
+
+
+# Tensor items of this many bytes or more are read straight into their tensor
+# (:class:`ItemReader`); smaller ones whole, then loaded: fewer Python calls.
+STREAMED = 1 << 20
 
 
 class ItemReader(io.RawIOBase):
