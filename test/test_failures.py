@@ -218,13 +218,15 @@ def adam_state(kind, params="all"):
         (
             ("AdamW", "bias"),
             ("AdamW",),
-            "the checkpoint does not match this optimizer (3 problem(s)): ",
+            "only the optimizer differs from the checkpoint's: it holds other "
+            "parameters than the saved one did",
         ),
         (
             ("AdamW", "bias"),
             ("AdamW",),
-            "Only the optimizer differs: it holds other parameters than the saved "
-            "one did (one frozen in a run and trained in the other)",
+            "(one frozen in a run and trained in the other) or is of another class; "
+            "build it over the same parameters as the run that saved it did (3 "
+            "problem(s): ",
         ),
     ],
 )
@@ -801,7 +803,7 @@ def test_optimizer_state_the_optimizer_loaded_into_cannot_take_says_why(tmp_path
     with pytest.raises(
         checkpoint.CheckpointError,
         match="'optim.state.b.bias.exp_avg', .* optimizer state that the optimizer "
-        "loaded into has no place for: .* it has stepped only some parameters",
+        "loaded into has no place for .* it has stepped only some parameters",
     ):
         load(rolled_back, folder)
 
@@ -976,10 +978,14 @@ def test_another_optimizer_or_scheduler_gets_an_error_that_says_so(tmp_path):
     folder = save(saved, tmp_path)
     sgd = two_heads_state(torch.optim.SGD, lr=0.1, momentum=0.9)
     with pytest.raises(
-        checkpoint.CheckpointError, match="Only the optimizer's state differs"
+        checkpoint.CheckpointError,
+        match="only the optimizer's state differs from the checkpoint's: build "
+        "the optimizer as the run that saved it did",
     ):
         load(sgd, folder)
     scheduled = two_heads_state()
     scheduled.lr_scheduler = lambda_lr(scheduled.optimizer)
-    with pytest.raises(checkpoint.CheckpointError, match="Build the LR scheduler"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match="LR scheduler differs .*: build it"
+    ):
         load(scheduled, folder)

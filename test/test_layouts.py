@@ -252,34 +252,33 @@ def test_state_that_is_not_the_models_is_named_when_it_does_not_load(tmp_path):
     old["model"]["data.rng_state"] = old.pop("data")["rng_state"]
     checkpoint.save_stage(old, tmp_path / "old", step=1)
     assert refusal(sampled_state(), tmp_path / "old" / "step-1") == (
-        "the checkpoint does not match this run's state (1 problem(s)): "
-        "'data.rng_state' is not in the checkpoint. This run's state has a 'data' "
-        "section that the checkpoint lacks (it holds 'model.data.rng_state' "
-        "instead): load a step saved with the same state, or build this run's "
-        "state without it."
+        "this run's state has a 'data' section that the checkpoint lacks (it "
+        "holds 'model.data.rng_state' instead): load a step saved with the same "
+        "state, or build this run's state without it (1 problem(s): "
+        "'data.rng_state' is not in the checkpoint)"
     )
     assert refusal(sampled_state(extra=False), tmp_path / "old" / "step-1") == (
-        "1 key(s) of the checkpoint are read by no rank and would be dropped: "
-        "'model.data.rng_state'. This model has no module 'data' (its modules: "
-        "layers, norm, output, tok_embeddings): those keys are another model's, "
-        "or other state saved under 'model.'. Load into the model that saved "
-        "them, or remap those keys before loading."
+        "1 key(s) of the checkpoint are read by no rank and would be dropped "
+        "('model.data.rng_state'): this model has no module 'data' (its modules: "
+        "layers, norm, output, tok_embeddings), so those keys are another model's "
+        "or other state saved under 'model.': load into the model that saved "
+        "them, or remap those keys before loading"
     )
     checkpoint.save_stage(sampled_state(), tmp_path / "new")
     assert refusal(sampled_state(extra=False), tmp_path / "new" / "step-1") == (
-        "1 key(s) of the checkpoint are read by no rank and would be dropped: "
-        "'data.rng_state'. This run's state lacks a 'data' section: to restore "
+        "1 key(s) of the checkpoint are read by no rank and would be dropped "
+        "('data.rng_state'): this run's state lacks a 'data' section: to restore "
         "it, add a Stateful of that name to the StageState's extra; to leave it "
-        "unread, load with must_read=('model.', 'optim.', 'lr_scheduler.', 'step')."
+        "unread, load with must_read=('model.', 'optim.', 'lr_scheduler.', 'step')"
     )
     # torchtitan's own sections, which a pippy run's state has no place for.
     save_torchtitan(trained_state(), tmp_path / "titan" / "step-1")
     assert refusal(fresh_state(), tmp_path / "titan" / "step-1", verify=False) == (
-        "2 key(s) of the checkpoint are read by no rank and would be dropped: "
-        "'dataloader.world_size', 'train_state.ntokens_seen'. This run's state "
+        "2 key(s) of the checkpoint are read by no rank and would be dropped "
+        "('dataloader.world_size', 'train_state.ntokens_seen'): this run's state "
         "lacks 'dataloader' and 'train_state' sections: to restore them, add a "
         "Stateful of each name to the StageState's extra; to leave them unread, "
-        "load with must_read=('model.', 'optim.', 'lr_scheduler.', 'step')."
+        "load with must_read=('model.', 'optim.', 'lr_scheduler.', 'step')"
     )
 
 

@@ -20,6 +20,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+#: How to build what a load refuses, in most of their messages: ``build the
+#: optimizer {AS_SAVED}``.
+AS_SAVED = "as the run that saved it did"
+
 
 class CheckpointError(Exception):
     """Base of pippy's checkpoint errors; the message says what to do."""

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from pippy.checkpoint.checks import leaf_places
-from pippy.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from pippy.checkpoint.errors import AS_SAVED, CheckpointError, UnsafeCheckpointError
 from pippy.checkpoint.keys import TORCHTITAN, OptimKeys, detect_layout, pippy_name
 from pippy.checkpoint.state import stateless_keys
 
@@ -47,14 +47,17 @@ def resolve_trusted(trusted: bool | None) -> bool:
     return os.environ.get(TRUST_ENV) == "1" if trusted is None else trusted
 
 
-def refusal(what: str, refused: str) -> UnsafeCheckpointError:
-    """The error for loading ``what``, whose pickle would import ``refused``."""
+def refusal(what: str, refused: str, allow: str = "") -> UnsafeCheckpointError:
+    """The error for loading ``what``, whose pickle would import ``refused``.
+
+    ``allow``: another way to load it, after the trust switch (``, or ...``).
+    """
     return UnsafeCheckpointError(
         f"refused to load {what}: it would import {refused}, which no checkpoint "
-        "written by DCP or pippy holds, and unpickling it could run code. If you "
+        "written by DCP or pippy holds and whose unpickling could run code; if you "
         f"trust where the checkpoint comes from, set {TRUST_ENV}=1 (or pass "
         "trusted=True, or --trust-checkpoint to python -m pippy) to load it "
-        "with plain pickle."
+        f"with plain pickle{allow}"
     )
 
 
@@ -95,10 +98,8 @@ def _section(key: str) -> str:
 
 def _quoted(names: list[str]) -> str:
     """``a 'x' section``, ``'x' and 'y' sections``: the sections named so."""
-    names = [repr(n.rstrip(".")) for n in names]
-    if len(names) == 1:
-        return f"a {names[0]} section"
-    return f"{', '.join(names[:-1])} and {names[-1]} sections"
+    *head, last = [repr(n.rstrip(".")) for n in names] or [""]
+    return f"{', '.join(head)} and {last} sections" if head else f"a {last} section"
 
 
 def _keys_read(plan: LoadPlan) -> list[str]:
@@ -111,6 +112,53 @@ def _keys_read(plan: LoadPlan) -> list[str]:
 def _empty(item: Any) -> bool:
     """Whether a checkpoint item is a tensor of no element (nothing to read)."""
     return isinstance(item, TensorStorageMetadata) and 0 in item.size
+
+
+#: Why the keys :meth:`SafeLoadPlanner.create_local_plan` refuses do not match,
+#: and the fix, by cause (the first that applies).
+_MISMATCH = {
+    "dtype": "this run's tensors are of another dtype than the checkpoint's: build "
+    "them in the checkpoint's dtype ({dtypes}, for example with module.to(dtype)) "
+    "before loading, as a load would cast every tensor",
+    "unpacked": "the checkpoint was written by pippy before optimizer options were "
+    "packed into optim.scalars.<fqn> (it has optim.param_groups.* keys): load its "
+    "weights alone (load_model, or a StageState without an optimizer)",
+    "optim state": "only the optimizer's state differs from the checkpoint's: build "
+    f"the optimizer {AS_SAVED} (its class, and options that add state, such as "
+    "amsgrad or momentum)",
+    "optim": "only the optimizer differs from the checkpoint's: it holds other "
+    "parameters than the saved one did (one frozen in a run and trained in the "
+    f"other) or is of another class; build it over the same parameters {AS_SAVED}",
+    "lr_scheduler": "the LR scheduler differs from the checkpoint's: build it (or "
+    f"none) {AS_SAVED}",
+    "model": "the model does not match the checkpoint: build it with the "
+    "configuration it was saved with",
+    "sections": "this run's state has {sections} unlike the checkpoint's: build it "
+    + AS_SAVED,
+    "lacking": "this run's state has {sections} that the checkpoint lacks{instead}: "
+    "load a step saved with the same state, or build this run's state without it",
+}
+
+#: Why the checkpoint keys that :meth:`SafeLoadPlanner.create_global_plan`
+#: finds unread are unread, and the fix, by cause (each that applies).
+_UNREAD = {
+    "extra": "this run's state lacks {extra}: to restore {it}, add a Stateful of "
+    "{each} name to the StageState's extra; to leave {it} unread, load with "
+    "must_read={ours!r}",
+    "own": "this run's state lacks {own}: build it with the LR scheduler and step "
+    "of the run that saved it, or load with must_read={ours!r}",
+    "optim state": "{which} optimizer state that the optimizer loaded into has no "
+    "place for (it is another class, as SGD without momentum has no state; it has "
+    "stepped only some parameters, where a fresh one gets state for every "
+    "parameter that requires grad; or they do not require grad here): build the "
+    f"optimizer {AS_SAVED}, freshly, and unfreeze them",
+    "module": "this model has no module {missing} (its modules: {present}), so "
+    "those keys are another model's or other state saved under 'model.': load "
+    "into the model that saved them, or remap those keys before loading",
+    "split": "the model or its split does not match the checkpoint (fewer layers? "
+    "per-stage state keyed by a stage index that no longer exists?): fix the "
+    "model, or remap those keys before loading",
+}
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -207,18 +255,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     retyped[key] = item.properties.dtype
         if problems:
             shown = "; ".join(list(problems.values())[:6])
-            sections = {_section(self.layout_name(k)) for k in problems}
-            what = (
-                "this optimizer"
-                if sections == {"optim."}
-                else "this model"
-                if self._in_model(problems)
-                else "this run's state"
-            )
             raise CheckpointError(
-                f"the checkpoint does not match {what} ({len(problems)} "
-                f"problem(s)): {shown}{' ...' if len(problems) > 6 else ''}. "
-                f"{self._fix_for(problems, saved, retyped)}"
+                f"{self._mismatch(problems, saved, retyped)} ({len(problems)} "
+                f"problem(s): {shown}{' ...' if len(problems) > 6 else ''})"
             )
         plan = super().create_local_plan()
         # The keys this rank reads, for the coordinator's check that every key
@@ -231,61 +270,39 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """Whether some of the keys are the model's or the optimizer's."""
         return any(_section(self.layout_name(k)) in ("model.", "optim.") for k in keys)
 
-    def _fix_for(
+    def _mismatch(
         self, problems: dict[str, str], saved: Any, retyped: dict[str, torch.dtype]
     ) -> str:
-        """What to do about the problems :meth:`create_local_plan` found.
+        """What :meth:`create_local_plan` found, and the fix: a :data:`_MISMATCH`.
 
         ``retyped`` maps the keys of another dtype to the checkpoint's dtype.
         """
-        if len(retyped) == len(problems):
-            dtypes = ", ".join(sorted({str(d) for d in retyped.values()}))
-            return (
-                f"Build it in the checkpoint's dtype ({dtypes}, for example with "
-                "module.to(dtype)) before loading; a load would cast every tensor."
-            )
-        wants_packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
-        if wants_packed and any(k.startswith("optim.param_groups.") for k in saved):
-            return (
-                "It was written by pippy before optimizer options were packed "
-                "into optim.scalars.<fqn> (it has optim.param_groups.* keys): "
-                "load its weights alone (load_model, or a StageState, without "
-                "an optimizer)."
-            )
-        if all(self._optim_section(k) == "state" for k in problems):
-            return (
-                "Only the optimizer's state differs: build the optimizer as the "
-                "run that saved it did (its class, and options that add state, "
-                "such as amsgrad or momentum)."
-            )
-        if all(_section(self.layout_name(k)) == "optim." for k in problems):
-            return (
-                "Only the optimizer differs: it holds other parameters than the "
-                "saved one did (one frozen in a run and trained in the other), or "
-                "is of another class. Build it over the same parameters as the "
-                "run that saved it did."
-            )
-        if all(re.search(r"(^|\.)lr_scheduler\.", k) for k in problems):
-            return "Build the LR scheduler (or none) as the run that saved it did."
-        if self._in_model(problems):
-            return "Build the model with the configuration it was saved with."
-        name = self.layout_name  # the problems are of this state's other sections
+        name = self.layout_name
         sections = sorted({_section(name(k)) for k in problems})
-        if any(k in saved for k in problems):
-            return (
-                f"This run's state has {_quoted(sections)} unlike the "
-                "checkpoint's: build it as the run that saved the checkpoint did."
-            )
-        elsewhere = [
+        packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
+        unpacked = packed and any(k.startswith("optim.param_groups.") for k in saved)
+        causes = {
+            "dtype": len(retyped) == len(problems),
+            "unpacked": unpacked,
+            "optim state": all(self._optim_section(k) == "state" for k in problems),
+            "optim": sections == ["optim."],
+            "lr_scheduler": all(
+                re.search(r"(^|\.)lr_scheduler\.", k) for k in problems
+            ),
+            "model": self._in_model(problems),
+            "sections": any(k in saved for k in problems),
+            "lacking": True,
+        }
+        cause = next(cause for cause, applies in causes.items() if applies)
+        elsewhere = [  # where the missing keys are, if under another section
             repr(key)
-            for key in saved
+            for key in (saved if cause == "lacking" else ())
             if any(name(key).endswith(f".{name(k)}") for k in problems)
         ]
-        instead = f" (it holds {', '.join(elsewhere[:3])} instead)" if elsewhere else ""
-        return (
-            f"This run's state has {_quoted(sections)} that the checkpoint "
-            f"lacks{instead}: load a step saved with the same state, or build "
-            "this run's state without it."
+        instead = f" (it holds {', '.join(elsewhere[:3])} instead)" * bool(elsewhere)
+        dtypes = ", ".join(sorted({str(d) for d in retyped.values()}))
+        return _MISMATCH[cause].format(
+            dtypes=dtypes, sections=_quoted(sections), instead=instead
         )
 
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
@@ -308,66 +325,49 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         keys = sorted(unread)
         shown = ", ".join(repr(k) for k in keys[:8])
         raise CheckpointError(
-            f"{len(keys)} key(s) of the checkpoint are read by no rank and "
-            f"would be dropped: {shown}{' ...' if len(keys) > 8 else ''}. "
+            f"{len(keys)} key(s) of the checkpoint are read by no rank and would be "
+            f"dropped ({shown}{' ...' if len(keys) > 8 else ''}): "
             f"{self._why_unread(keys, read)}"
         )
 
     def _why_unread(self, unread: list[str], read: set[str]) -> str:
-        """Why the checkpoint's keys that no rank reads are unread, and the fix."""
-        name, why = self.layout_name, []
+        """Why the checkpoint's keys that no rank reads are unread: :data:`_UNREAD`."""
+        name = self.layout_name
         sections = {_section(name(k)) for k in unread} - {"model.", "optim."}
+        extra = sorted(sections - {"lr_scheduler.", "step"})
+        own = sorted(sections & {"lr_scheduler.", "step"})
         # This state's sections as a must_read: pippy's own first, then the extras.
         pippys = ("model.", "optim.", "lr_scheduler.", "step")
         have = {_section(name(k)) for k in self.state_dict}
         ours = tuple(s for s in pippys if s in have) + tuple(sorted(have - {*pippys}))
-        if extra := sorted(sections - {"lr_scheduler.", "step"}):
-            it, each = ("it", "that") if len(extra) == 1 else ("them", "each")
-            why.append(
-                f"This run's state lacks {_quoted(extra)}: to restore {it}, add "
-                f"a Stateful of {each} name to the StageState's extra; to leave "
-                f"{it} unread, load with must_read={ours!r}."
-            )
-        if own := sorted(sections & {"lr_scheduler.", "step"}):
-            why.append(
-                f"This run's state lacks {_quoted(own)}: build it with the LR "
-                "scheduler and step of the run that saved it, or load with "
-                f"must_read={ours!r}."
-            )
         others = [k for k in unread if self._optim_section(k) != "state"]
-        if len(others) < len(unread):
-            why.append(
-                f"{'Some are' if others else 'They are'} optimizer state that "
-                "the optimizer loaded into has no place for: it is another class "
-                "(SGD without momentum has no state), it has stepped only some "
-                "parameters (a fresh one gets state for every parameter that "
-                "requires grad), or they do not require grad here. Build the "
-                "optimizer as the run that saved it did, freshly, and unfreeze "
-                "them."
-            )
-        if not self._in_model(others):
-            return " ".join(why)
 
         def modules(keys: Any) -> set[str]:  # the top-level modules model keys name
             model = (name(k) for k in keys if name(k).startswith("model."))
             return {k.removeprefix("model.").split(".")[0] for k in model}
 
         mine = modules(read)
-        if mine and (theirs := sorted(modules(others) - mine)):  # a module it lacks
-            missing, present = " or ".join(map(repr, theirs)), ", ".join(sorted(mine))
-            why.append(
-                f"This model has no module {missing} (its modules: {present}): "
-                "those keys are another model's, or other state saved under "
-                "'model.'. Load into the model that saved them, or remap those "
-                "keys before loading."
-            )
-        else:
-            why.append(
-                "The model or its split does not match the checkpoint (fewer "
-                "layers? per-stage state keyed by a stage index that no longer "
-                "exists?). Fix the model, or remap those keys before loading."
-            )
-        return " ".join(why)
+        theirs = sorted(modules(others) - mine) if mine else []  # modules it lacks
+        causes = {
+            "extra": extra,
+            "own": own,
+            "optim state": len(others) < len(unread),
+            "module": self._in_model(others) and theirs,
+            "split": self._in_model(others) and not theirs,
+        }
+        it, each = ("it", "that") if len(extra) == 1 else ("them", "each")
+        fields = dict(
+            extra=_quoted(extra),
+            own=_quoted(own),
+            it=it,
+            each=each,
+            ours=ours,
+            which="some are" if others else "they are",
+            missing=" or ".join(map(repr, theirs)),
+            present=", ".join(sorted(mine)),
+        )
+        why = (_UNREAD[cause] for cause, applies in causes.items() if applies)
+        return "; ".join(text.format(**fields) for text in why)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Unpickles a non-tensor item once (weights_only unless trusted), in place."""
@@ -384,17 +384,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             match = re.search(r"GLOBAL ([\w.]+)", str(e))
             if match is None:  # not a refused global: the bytes are damaged
                 raise CheckpointError(f"{what} is damaged: {e}") from None
-            error = refusal(what, match.group(1))
+            allow = ""
             if self._optim_section(fqn) == "scalars":  # a param group's option
                 module, _, name = match[1].rpartition(".")
-                error = UnsafeCheckpointError(
-                    f"{error} If {name} is a class of yours that a param group "
-                    "holds (a dataclass option, say) and you trust it, allow that "
-                    "class alone, before loading: "
-                    f"torch.serialization.add_safe_globals([{name}]) "
-                    f"({name} of {module})."
+                allow = (
+                    f", or, if {name} is a class of yours that a param group holds "
+                    "(a dataclass option, say) and you trust it, allow that class "
+                    "alone, before loading: torch.serialization.add_safe_globals("
+                    f"[{name}]) ({name} of {module})"
                 )
-            raise error from None
+            raise refusal(what, match[1], allow) from None
         if not self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it
             self.state_dict[fqn] = item
             return
