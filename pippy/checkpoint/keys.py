@@ -283,7 +283,7 @@ def _torchtitan_name(key: str) -> str:
     if (back := pippy_name(name)) != key:
         raise ValueError(
             f"{key!r} has no place in torchtitan's layout: written as {name!r}, it "
-            f"would read back as {back!r}. Keep other state in a section "
+            f"would read back as {back!r}; keep other state in a section "
             "(<name>.<entry>) and the model's top-level modules out of torchtitan's "
             "section names (optimizer, lr_scheduler, train_state, dataloader)"
         )

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from pippy.checkpoint.checks import fingerprint, named_leaves
-from pippy.checkpoint.errors import CheckpointError, KeyCollisionError
+from pippy.checkpoint.errors import AS_SAVED, CheckpointError, KeyCollisionError
 from pippy.checkpoint.keys import (
     OptimKeys,
     pack_scalars,
@@ -68,8 +68,10 @@ def _named_renames(module: nn.Module) -> Iterator[None]:
     except AttributeError as e:
         found = []  # the renaming hooks (torchtitan's fused QKV split into wq, wk, wv)
         for name, sub in module.named_modules():
-            hooks = list(sub._state_dict_hooks.values())
-            hooks += sub._state_dict_pre_hooks.values()
+            hooks = [
+                *sub._state_dict_hooks.values(),
+                *sub._state_dict_pre_hooks.values(),
+            ]
             own = dict(sub.named_parameters()).keys() | dict(sub.named_buffers()).keys()
             if hooks and (renamed := sorted(set(sub.state_dict(keep_vars=True)) - own)):
                 hook = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
@@ -81,7 +83,7 @@ def _named_renames(module: nn.Module) -> Iterator[None]:
             raise
         raise CheckpointError(
             f"{'; '.join(found)}: DCP's state_dict helpers map each key back to "
-            "the parameter of that name and fail on it. Checkpoint the "
+            "the parameter of that name and fail on it: checkpoint the "
             "parameters under their own names (remove the hook from the stage "
             "and convert keys when exporting)"
         ) from e
@@ -150,7 +152,7 @@ class StageState(Stateful):
         if held:
             raise ValueError(
                 f"extra state {held} is a module or optimizer: its keys would name "
-                "this layout. Pass all stage modules (and optimizers) as the "
+                "this layout; pass all stage modules (and optimizers) as the "
                 "first arguments"
             )
         if self.lr_schedulers and not self.optimizers:
@@ -206,7 +208,7 @@ class StageState(Stateful):
                 raise TypeError(
                     f"extra state {name!r} is a {type(obj).__name__}, not a Stateful "
                     "(an object with state_dict() and load_state_dict()): loading "
-                    "could not put its values back. Wrap it in one"
+                    "could not put its values back; wrap it in one"
                 )
             sd[name] = obj.state_dict()
         return sd
@@ -216,8 +218,8 @@ class StageState(Stateful):
         states = [s.state_dict() for s in self.lr_schedulers]
         if any(fingerprint(s) != fingerprint(states[0]) for s in states[1:]):
             raise CheckpointError(
-                "the LR schedulers of this rank's parts hold different state; "
-                "one copy is saved for all of them. Give every part the same "
+                "the LR schedulers of this rank's parts hold different state, "
+                "but one copy is saved for all of them: give every part the same "
                 "schedule, stepped together"
             )
         return states[0]
@@ -313,8 +315,7 @@ class StageState(Stateful):
             raise CheckpointError(
                 f"the checkpoint's optimizer state has no {_listed(lost)}, though it "
                 "has other state of the same parameters: it was saved by another "
-                "optimizer class (or edited). Build the optimizer as the run that "
-                "saved it did"
+                f"optimizer class (or edited); build the optimizer {AS_SAVED}"
             )
         for what, odd in (("has no", missing), ("has entries this one lacks:", extra)):
             if odd:
@@ -322,7 +323,7 @@ class StageState(Stateful):
                     f"the checkpoint's optimizer state {what} {_listed(odd)}: it was "
                     "saved by another optimizer class or with other param-group "
                     "options (an LR scheduler adds 'initial_lr'); build the "
-                    "optimizer (and scheduler) as the run that saved it did"
+                    f"optimizer (and scheduler) {AS_SAVED}"
                 )
         return stateless
 
@@ -350,8 +351,8 @@ class StageState(Stateful):
                             f"checkpoint {option}={not value} for {fqns[0]!r}: it "
                             "was saved by another optimizer class (AdamW is Adam "
                             "with decoupled_weight_decay=True) or with that option "
-                            "switched, which loading would switch back. Build the "
-                            "optimizer as the run that saved it did"
+                            "switched, which loading would switch back; build the "
+                            f"optimizer {AS_SAVED}"
                         )
             differ: dict[str, tuple[str, Any, Any]] = {}
             options = sorted(group.keys() - _IMPLEMENTATION_OPTIONS, key="lr".__ne__)
@@ -367,8 +368,7 @@ class StageState(Stateful):
                     f"param group {index} here holds parameters saved with different "
                     f"{', '.join(map(repr, differ))}: {option} {first!r} for "
                     f"{fqns[0]!r}, {other!r} for {fqn!r}; one group would silently "
-                    "get the first one's. Build the param groups as the run that "
-                    "saved it did"
+                    f"get the first one's; build the param groups {AS_SAVED}"
                 )
 
     def _check_split_groups(
@@ -401,9 +401,9 @@ class StageState(Stateful):
                             f"param groups {other} and {index} here hold "
                             f"{other_fqn!r} and {fqn!r}, saved in one group: "
                             f"loading would give both its {', '.join(differ)}, "
-                            "not this run's. Build the param groups as the run "
-                            "that saved it did, or load the weights alone "
-                            "(a StageState without the optimizer)"
+                            f"not this run's; build the param groups {AS_SAVED}, "
+                            "or load the weights alone (a StageState without the "
+                            "optimizer)"
                         )
 
     def _check_scheduler(
@@ -424,8 +424,8 @@ class StageState(Stateful):
                     raise CheckpointError(
                         f"the LR scheduler was saved for {len(theirs)} param "
                         f"group(s) (its {key!r}), this one has {len(ours)}: its "
-                        "per-group schedule would not line up. Build the param "
-                        "groups as the run that saved it did"
+                        "per-group schedule would not line up; build the param "
+                        f"groups {AS_SAVED}"
                     )
         for index, group in self._all_groups():
             for param in group["params"]:
@@ -434,7 +434,7 @@ class StageState(Stateful):
                         f"param group {index} here holds {fqn_of[param]!r}, which "
                         f"was in group {was} when saved: the LR scheduler's "
                         "per-group lists (base_lrs, ...) are by position, so two "
-                        "groups would swap schedules. Build the param groups in "
+                        "groups would swap schedules; build the param groups in "
                         "the order of the run that saved it"
                     )
 
@@ -444,7 +444,7 @@ def _check_one(held: Any, new: Any, fqn: str) -> None:
     if held is not None and held is not new:
         raise KeyCollisionError(
             f"two parts of this rank hold different tensors named {fqn!r}: DCP "
-            "would save one of them. Each part must hold what it owns, under the "
+            "would save one of them; each part must hold what it owns, under the "
             "un-split model's FQN"
         )
 
@@ -524,7 +524,7 @@ def _check_storable(optimizers: Sequence[Optimizer], fqn_of: Mapping[Any, str]) 
                     raise CheckpointError(
                         f"optimizer state {name!r} of parameter {fqn!r} is a "
                         f"{type(value).__name__}; DCP stores only tensors, ints, "
-                        "floats and dicts of them in optimizer state. Keep it as a "
+                        "floats and dicts of them in optimizer state; keep it as a "
                         "number or a tensor (an enum as its int), or as a "
                         "param-group option, which may hold any picklable value"
                     )
