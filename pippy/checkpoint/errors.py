@@ -61,6 +61,12 @@ class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
     """A checkpoint holds a pickle that could run code, or a link out of its step."""
 
 
+def listed(items: Any, first: int = 5, sep: str = ", ", show: Any = repr) -> str:
+    """The ``first`` items shown, joined, and how many more: ``'a', 'b' and 3 more``."""
+    more = f" and {len(items) - first} more" if len(items) > first else ""
+    return sep.join(map(show, items[:first])) + more
+
+
 def _message(error: BaseException) -> str:
     """An exception's message, saying plainly when the disk is full."""
     text = str(error)

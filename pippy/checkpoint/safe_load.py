@@ -33,7 +33,12 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from pippy.checkpoint.checks import leaf_places
-from pippy.checkpoint.errors import AS_SAVED, CheckpointError, UnsafeCheckpointError
+from pippy.checkpoint.errors import (
+    AS_SAVED,
+    CheckpointError,
+    UnsafeCheckpointError,
+    listed,
+)
 from pippy.checkpoint.keys import TORCHTITAN, OptimKeys, detect_layout, pippy_name
 from pippy.checkpoint.state import stateless_keys
 
@@ -254,10 +259,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                     )
                     retyped[key] = item.properties.dtype
         if problems:
-            shown = "; ".join(list(problems.values())[:6])
+            shown = listed(list(problems.values()), 6, "; ", str)
             raise CheckpointError(
                 f"{self._mismatch(problems, saved, retyped)} ({len(problems)} "
-                f"problem(s): {shown}{' ...' if len(problems) > 6 else ''})"
+                f"problem(s): {shown})"
             )
         plan = super().create_local_plan()
         # The keys this rank reads, for the coordinator's check that every key
@@ -323,10 +328,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             return global_plan
         read = {key for plan in global_plan for key in _keys_read(plan)}
         keys = sorted(unread)
-        shown = ", ".join(repr(k) for k in keys[:8])
         raise CheckpointError(
             f"{len(keys)} key(s) of the checkpoint are read by no rank and would be "
-            f"dropped ({shown}{' ...' if len(keys) > 8 else ''}): "
+            f"dropped ({listed(keys, 8)}): "
             f"{self._why_unread(keys, read)}"
         )
 

@@ -34,12 +34,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from pippy.checkpoint.checks import fingerprint, named_leaves
-from pippy.checkpoint.errors import AS_SAVED, CheckpointError, KeyCollisionError
-from pippy.checkpoint.keys import (
-    OptimKeys,
-    pack_scalars,
-    unpack_scalars,
-)
+from pippy.checkpoint.errors import AS_SAVED, CheckpointError, KeyCollisionError, listed
+from pippy.checkpoint.keys import OptimKeys, pack_scalars, unpack_scalars
 
 # How a step is computed, not what it computes: param groups need not agree.
 _IMPLEMENTATION_OPTIONS = {"params", "foreach", "fused", "capturable", "differentiable"}
@@ -54,12 +50,6 @@ def _as_list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, Sequence) else [value]
 
 
-def _listed(keys: list[str]) -> str:
-    """The first five keys, quoted, and how many more."""
-    more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
-    return ", ".join(repr(k) for k in keys[:5]) + more
-
-
 @contextmanager
 def _named_renames(module: nn.Module) -> Iterator[None]:
     """Turns DCP's AttributeError on a key a state_dict hook renamed into ours."""
@@ -68,10 +58,8 @@ def _named_renames(module: nn.Module) -> Iterator[None]:
     except AttributeError as e:
         found = []  # the renaming hooks (torchtitan's fused QKV split into wq, wk, wv)
         for name, sub in module.named_modules():
-            hooks = [
-                *sub._state_dict_hooks.values(),
-                *sub._state_dict_pre_hooks.values(),
-            ]
+            hooks = list(sub._state_dict_hooks.values())
+            hooks += sub._state_dict_pre_hooks.values()
             own = dict(sub.named_parameters()).keys() | dict(sub.named_buffers()).keys()
             if hooks and (renamed := sorted(set(sub.state_dict(keep_vars=True)) - own)):
                 hook = ", ".join(getattr(h, "__qualname__", repr(h)) for h in hooks)
@@ -313,14 +301,14 @@ class StageState(Stateful):
         lost = [k for k in missing if k.startswith("state.")]
         if lost:  # a parameter with none of its state is taken as stateless
             raise CheckpointError(
-                f"the checkpoint's optimizer state has no {_listed(lost)}, though it "
+                f"the checkpoint's optimizer state has no {listed(lost)}, though it "
                 "has other state of the same parameters: it was saved by another "
                 f"optimizer class (or edited); build the optimizer {AS_SAVED}"
             )
         for what, odd in (("has no", missing), ("has entries this one lacks:", extra)):
             if odd:
                 raise CheckpointError(
-                    f"the checkpoint's optimizer state {what} {_listed(odd)}: it was "
+                    f"the checkpoint's optimizer state {what} {listed(odd)}: it was "
                     "saved by another optimizer class or with other param-group "
                     "options (an LR scheduler adds 'initial_lr'); build the "
                     f"optimizer (and scheduler) {AS_SAVED}"
