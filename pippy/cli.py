@@ -1,10 +1,10 @@
 """Command line for pippy checkpoints: ``python -m pippy inspect|export|convert``.
 
-Reads only through :mod:`pippy.checkpoint`'s safe reader and planner
-(:func:`~pippy.checkpoint.reader.read_metadata`,
-:func:`~pippy.checkpoint.offline.read_checkpoint`),
-so a checkpoint's pickles run no code unless ``--trust-checkpoint`` is given
-(or ``PIPPY_TRUST_CHECKPOINT=1`` is set; decided once, in :func:`main`).
+Parses and prints only: the work is :mod:`pippy.checkpoint`'s public offline
+tools (:func:`~pippy.checkpoint.inspect_step`,
+:func:`~pippy.checkpoint.export_weights`, ...), which read through its safe
+reader and planner, so a checkpoint's pickles run no code unless
+``--trust-checkpoint`` is given (or ``PIPPY_TRUST_CHECKPOINT=1`` is set).
 """
 
 from __future__ import annotations
@@ -21,29 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from safetensors.torch import save
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
-from pippy.checkpoint.keys import detect_layout
-from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
-from pippy.checkpoint.offline import (
-    convert_layout,
-    export_hf,
-    model_weights,
-    refuse_out,
-    verify_step,
-)
-from pippy.checkpoint.reader import read_metadata
-from pippy.checkpoint.safe_load import resolve_trusted
-from pippy.checkpoint.steps import (
-    find_damage,
-    is_complete,
-    list_steps,
-    newest_complete_step,
-    parse_step,
-)
-from pippy.checkpoint.storage import Storage, storage_for
 
 __all__ = ["main", "parser"]
 
@@ -98,47 +78,13 @@ def _rank(file_name: str) -> str:
     return match.group(1) if match else "?"
 
 
-def _disk_size(storage: Storage, folder: Any) -> int:
-    """Bytes of all files in a step folder."""
-    sizes = (storage.size(storage.join(folder, n)) for n in storage.listdir(folder))
-    return sum(size for size in sizes if size is not None)
-
-
-def _resolve(
-    storage: Storage, path: Any, step: int | None
-) -> tuple[dict[int, Any], Any]:
-    """Returns the run's step folders (none for a step folder) and the chosen one."""
-    if not storage.exists(path):
-        raise FileNotFoundError(f"no such folder: {str(path)!r}")
-    if not storage.is_dir(path):
-        raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
-    own_step = parse_step(path)
-    if is_complete(storage, path) or own_step is not None:  # one step: read it
-        if step is not None and own_step != step:
-            raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
-        return {}, path
-    steps = list_steps(storage, path)
-    if step is not None:
-        if step not in steps:
-            raise ValueError(f"no step {step} in {str(path)!r} (steps: {list(steps)})")
-        return steps, steps[step]
-    # The newest step a resume would take (the table shows why not newer ones).
-    latest, _ = newest_complete_step(storage, path)
-    if latest is None:
-        found = f"only incomplete steps {list(steps)}" if steps else "no step-<N>"
-        raise checkpoint.CheckpointNotFoundError(f"{str(path)!r} holds {found}")
-    return steps, latest
-
-
-def _completeness(storage: Storage, folder: Any, args: argparse.Namespace) -> str:
+def _completeness(report: checkpoint.StepReport) -> str:
     """The COMPLETE column of a step: yes, or why not."""
-    if not is_complete(storage, folder):
+    if not report.complete:
         return "no (no .metadata)"
-    try:
-        metadata = read_metadata(folder, trusted=args.trusted)
-    except checkpoint.CheckpointError as e:
-        return f"no ({type(e).__name__})"
-    damage = find_damage(storage, folder, metadata)
+    if report.error is not None:
+        return f"no ({type(report.error).__name__})"
+    damage = report.damage
     return (
         f"no (damaged: {damage[0]}{' ...' if len(damage) > 1 else ''})"
         if damage
@@ -148,23 +94,23 @@ def _completeness(storage: Storage, folder: Any, args: argparse.Namespace) -> st
 
 def _inspect(args: argparse.Namespace) -> None:
     """``inspect``: the run's steps, then one step's files (and keys, with --keys)."""
-    storage = storage_for(args.path)
-    steps, folder = _resolve(storage, args.path, args.step)
-    metadata = read_metadata(folder, trusted=args.trusted)
-    damage, unverified = find_damage(storage, folder, metadata), None
-    if args.verify and not damage and read_manifest(storage, folder) is None:
+    # The newest step a resume would take, by default (the table shows why not
+    # newer ones).
+    report = checkpoint.inspect_step(
+        args.path, step=args.step, verify=args.verify, trusted=args.trusted
+    )
+    if report.error is not None:
+        raise report.error
+    folder, metadata, damage = report.folder, report.metadata, report.damage
+    assert metadata is not None  # read, as there is no error
+    unverified = None
+    if report.verified is not None:
+        print(f"verified: {folder}: {report.verified} items match its manifest.json")
+    elif args.verify and not damage:
         unverified = (
-            f"not verified: {folder} has no {MANIFEST_FILE} to verify against "
+            f"not verified: {folder} has no manifest.json to verify against "
             "(written by plain DCP or torchtitan, or the file was lost)"
         )
-    elif args.verify and not damage:
-        try:
-            verified = verify_step(folder, trusted=args.trusted, storage=storage)
-            print(f"verified: {folder}: {verified} items match its {MANIFEST_FILE}")
-        except checkpoint.UnsafeCheckpointError:
-            raise  # not damage: refused, in one line
-        except checkpoint.CheckpointError as e:
-            damage = [str(e)]
     for problem in damage:
         print(f"damaged: {problem}; this step cannot be loaded")
     items = metadata.state_dict_metadata
@@ -172,23 +118,21 @@ def _inspect(args: argparse.Namespace) -> None:
     keys = [k for k in items if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
     if not keys:
         raise ValueError(f"no key of {str(folder)!r} matches --keys {patterns}")
+    steps = checkpoint.inspect_steps(args.path, trusted=args.trusted)
     if steps:
         print(f"{args.path}: {len(steps)} step(s)")
-        step_rows = [
-            [s, _completeness(storage, p, args), _human(_disk_size(storage, p))]
-            for s, p in steps.items()
-        ]
+        step_rows = [[s, _completeness(r), _human(r.size)] for s, r in steps.items()]
         _table(["STEP", "COMPLETE", "ON DISK"], step_rows, right={0, 2})
         print()
     rows, per_file = _key_rows(metadata, keys)
-    layout = detect_layout(items)
+    layout = report.layout
     if args.keys is None:  # the files alone
         print(f"{folder}: {len(items)} keys ({layout} layout); --keys lists them")
     else:
         print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
         _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
         print()
-    _print_files(storage, folder, per_file, len(keys))
+    _print_files(report, per_file, len(keys))
     if damage:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
     if unverified:  # a script trusting the exit status must not take it as verified
@@ -230,8 +174,7 @@ def _key_rows(
 
 
 def _print_files(
-    storage: Storage,
-    folder: Any,
+    report: checkpoint.StepReport,
     per_file: dict[str, tuple[set[str], int]],
     count: int,
 ) -> None:
@@ -239,22 +182,21 @@ def _print_files(
     rows: list[list] = []
     on_disk = 0
     for name, (names, total) in sorted(per_file.items()):
-        size = storage.size(storage.join(folder, name))
+        size = report.files.get(name)
         on_disk += size or 0
         shown = "missing" if size is None else _human(size)
         rows.append([name, _rank(name), len(names), total, shown])
     rows.append(["total", "", count, sum(row[3] for row in rows), _human(on_disk)])
     _table(["FILE", "RANK", "KEYS", "BYTES", "ON DISK"], rows, right={1, 2, 3, 4})
-    others = sorted(set(storage.listdir(folder)) - per_file.keys())
+    others = sorted(report.files.keys() - per_file.keys())
     if others:
         also = ", ".join(others)
-        in_all = _human(_disk_size(storage, folder))
-        print(f"{folder}: {in_all} on disk in all (also {also})")
+        print(f"{report.folder}: {_human(report.size)} on disk in all (also {also})")
 
 
 def _export_hf(args: argparse.Namespace, folder: Any) -> None:
     """``export --hf-config``: a folder ``from_pretrained`` opens."""
-    files = export_hf(
+    files = checkpoint.export_hf(
         folder,
         args.out,
         config=args.hf_config,
@@ -270,45 +212,29 @@ def _export_hf(args: argparse.Namespace, folder: Any) -> None:
 
 def _export(args: argparse.Namespace) -> None:
     """``export``: a step's model weights into one file (or HF folder), atomically."""
+    folder = checkpoint.inspect_step(args.path, trusted=args.trusted).folder
     if args.hf_config:
-        return _export_hf(args, _resolve(storage_for(args.path), args.path, None)[1])
+        return _export_hf(args, folder)
     out = args.out
-    storage = storage_for(out)  # a file: whole, by rename or by one PUT
     fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "pt")
-    refuse_out(storage, out)
-    if storage.is_dir(out):
-        raise IsADirectoryError(
-            f"{str(out)!r} is a folder: --out names the file to write (a Hugging "
-            "Face folder needs --hf-config)"
-        )
-    if storage.exists(out) and not args.force:
-        raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")
-    parent = storage.parent(out)
-    if storage.atomic_rename and not storage.is_dir(parent):  # a store has no folders
-        name = storage.name(out)
-        raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
-    _, folder = _resolve(storage_for(args.path), args.path, None)
-    weights = model_weights(
+    weights = checkpoint.export_weights(
         folder,
+        out,
+        format=fmt,
         dtype=_DTYPES.get(args.dtype),
+        force=args.force,
         trusted=args.trusted,
         verify=not args.allow_no_manifest,
     )
-    # Atomic: a failed export leaves no partial file.
-    with storage.open_atomic(out) as f:
-        if fmt == "safetensors":
-            f.write(save(weights, metadata={"format": "pt"}))
-        else:
-            torch.save(weights, f)
     size = _human(sum(t.numel() * t.element_size() for t in weights.values()))
     print(f"{folder} -> {out}: {len(weights)} tensors, {size} ({fmt})")
 
 
 def _convert(args: argparse.Namespace) -> None:
     """``convert``: a step rewritten in the other layout."""
-    _, folder = _resolve(storage_for(args.path), args.path, None)
+    folder = checkpoint.inspect_step(args.path, trusted=args.trusted).folder
     verify = not args.allow_no_manifest
-    count = convert_layout(
+    count = checkpoint.convert_layout(
         folder, args.out, to=args.to, trusted=args.trusted, verify=verify
     )
     print(f"{folder} -> {args.out}: {count} items ({args.to} layout)")
@@ -452,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad arguments).
     """
     args = parser().parse_args(argv)
-    args.trusted = resolve_trusted(args.trust_checkpoint or None)
+    args.trusted = args.trust_checkpoint or None  # None: PIPPY_TRUST_CHECKPOINT
     try:
         with warnings.catch_warnings():  # one process, reading alone, by design
             warnings.filterwarnings("ignore", "torch.distributed is disabled")

@@ -24,7 +24,10 @@ They are DCP's plug-ins, public by name for a script that builds them itself::
 
 (without the pieces' watch for stalled ranks, ``timeout``, and one error
 for a failure on any rank). Also exported: :class:`AsyncSaver`,
-:func:`fail_together` and the errors.
+:func:`fail_together`, the errors, and the offline tools ``python -m pippy``
+runs on: :func:`inspect_step` and :func:`inspect_steps` (a
+:class:`StepReport` each), :func:`export_weights`, :func:`export_hf` and
+:func:`convert_layout`.
 The modules, one idea each:
 
 * ``async_saver``: background saves.
@@ -43,8 +46,8 @@ The modules, one idea each:
 * ``load``: the load sequence (``load_stage``) and its pieces.
 * ``manifest``: checksums: each item's CRC-32C taken as it is written, kept in
   ``manifest.json``, checked as it is read.
-* ``offline``: tools in one process: read, export to Hugging Face, convert to
-  or from torchtitan's layout, verify a step.
+* ``offline``: tools in one process: inspect, read, export (to one file or
+  Hugging Face), convert to or from torchtitan's layout, verify a step.
 * ``owner``: ``FolderOwner``, its record on a folder, a lease on an object store.
 * ``reader``: a step's ``.metadata`` and items read with no code a pickle
   could carry run, each item checked against its checksum; rank 0 opens it.
@@ -74,6 +77,14 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.hf import StageReader, load_hf_stage
 from pippy.checkpoint.load import load_into, load_stage, open_step
+from pippy.checkpoint.offline import (
+    StepReport,
+    convert_layout,
+    export_hf,
+    export_weights,
+    inspect_step,
+    inspect_steps,
+)
 from pippy.checkpoint.reader import SafeFileSystemReader
 from pippy.checkpoint.resume import find_latest_step
 from pippy.checkpoint.safe_load import SafeLoadPlanner
@@ -101,10 +112,16 @@ __all__ = [
     "SafeLoadPlanner",
     "StageReader",
     "StageState",
+    "StepReport",
     "StepWriter",
     "UnsafeCheckpointError",
+    "convert_layout",
+    "export_hf",
+    "export_weights",
     "fail_together",
     "find_latest_step",
+    "inspect_step",
+    "inspect_steps",
     "load_hf_stage",
     "load_into",
     "load_stage",

@@ -1,8 +1,10 @@
-"""A checkpoint in one process: read whole, loaded into the un-split model, exported.
+"""A checkpoint in one process: inspected, read, loaded into the whole model, exported.
 
 The stages' keys are the un-split model's FQNs, so their union is the whole
-model, read with no process group or pipeline; :func:`verify_step` checks a
-step's every item against its manifest. :func:`export_hf` writes
+model, read with no process group or pipeline; :func:`inspect_step` and
+:func:`inspect_steps` report what a folder holds, with no tensor read
+(:func:`verify_step` checks a step's every item against its manifest).
+:func:`export_hf` writes
 ``safetensors`` directly (DCP's Hugging Face consolidation mishandles integer
 and bool tensors in torch 2.13, pytorch/pytorch#192485).
 """
@@ -17,6 +19,7 @@ import uuid
 import warnings
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from pippy.checkpoint.checks import (
@@ -36,6 +39,8 @@ from pippy.checkpoint.checks import (
 from pippy.checkpoint.errors import (
     CheckpointDirError,
     CheckpointError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
     explain_failures,
 )
 from pippy.checkpoint.hf import experts_one_by_one
@@ -48,24 +53,187 @@ from pippy.checkpoint.keys import (
     to_torchtitan,
 )
 from pippy.checkpoint.load import load_stage, open_step, read_into
-from pippy.checkpoint.manifest import ManifestWriter
-from pippy.checkpoint.reader import verify_step
+from pippy.checkpoint.manifest import ManifestWriter, read_manifest
+from pippy.checkpoint.reader import read_metadata, verify_step
 from pippy.checkpoint.save import take_state
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.steps import is_step_name, list_steps, step_holding
+from pippy.checkpoint.steps import (
+    find_damage,
+    is_complete,
+    is_step_name,
+    list_steps,
+    newest_complete_step,
+    parse_step,
+    step_holding,
+)
 from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
 
 __all__ = [
+    "StepReport",
     "convert_layout",
     "diff_state_dicts",
     "fingerprints",
     "export_hf",
+    "export_weights",
+    "inspect_step",
+    "inspect_steps",
     "load_model",
     "read_checkpoint",
     "verify_step",
 ]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a step folder holds, found with no tensor read (:func:`inspect_step`).
+
+    Attributes:
+        folder: The step folder.
+        complete: Whether its save finished: it has ``.metadata`` (and, on an
+            object store, ``manifest.json``).
+        files: ``{name: bytes}`` of everything in the folder (None: a folder).
+        metadata: Its ``.metadata``; None where it could not be read.
+        error: Why ``.metadata`` could not be read (missing, refused, damaged),
+            to raise; None where it was read.
+        layout: ``"pippy"`` or ``"torchtitan"``, by its keys; None unread.
+        damage: One line per data file missing or shorter than its items
+            need, or the item that failed verification; empty if none.
+        verified: The number of items found to match ``manifest.json``; None
+            where none were checked (not asked, damage found, or no manifest).
+    """
+
+    folder: Any
+    complete: bool
+    files: dict[str, int | None]
+    metadata: Metadata | None
+    error: CheckpointError | None
+    layout: str | None
+    damage: tuple[str, ...]
+    verified: int | None
+
+    @property
+    def size(self) -> int:
+        """Bytes of the files in the folder."""
+        return sum(size for size in self.files.values() if size is not None)
+
+
+def _report(
+    storage: Storage, folder: Any, trusted: bool | None, verify: bool = False
+) -> StepReport:
+    """The report of one step folder; with ``verify``, its items checked."""
+    names = storage.listdir(folder)
+    files = {name: storage.size(storage.join(folder, name)) for name in names}
+    metadata, error, damage, verified = None, None, [], None
+    try:
+        metadata = read_metadata(folder, trusted=trusted)
+    except CheckpointError as e:
+        error = e
+    if metadata is not None:
+        damage = find_damage(storage, folder, metadata)
+    # A manifest refused (linked out) or damaged raises: there is nothing to verify.
+    readable = metadata is not None and not damage
+    if verify and readable and read_manifest(storage, folder) is not None:
+        try:
+            verified = verify_step(folder, trusted=trusted, storage=storage)
+        except UnsafeCheckpointError:
+            raise  # not damage: refused
+        except CheckpointError as e:
+            damage = [str(e)]
+    layout = None if metadata is None else detect_layout(metadata.state_dict_metadata)
+    complete = is_complete(storage, folder)
+    return StepReport(
+        folder, complete, files, metadata, error, layout, tuple(damage), verified
+    )
+
+
+def _is_one_step(storage: Storage, path: Location) -> bool:
+    """Whether ``path`` is a step folder itself, not a run's checkpoint folder."""
+    return is_complete(storage, path) or parse_step(path) is not None
+
+
+def inspect_step(
+    path: Location,
+    *,
+    step: int | None = None,
+    verify: bool = False,
+    trusted: bool | None = None,
+) -> StepReport:
+    """Reports what one step holds: its files, ``.metadata`` and damage.
+
+    Reads ``.metadata`` and the folder's listing, no tensor (with ``verify``,
+    every item's bytes too); a step that cannot be read is reported, not
+    raised (:attr:`StepReport.error`).
+
+    Args:
+        path: A step folder, or a run's checkpoint folder (``step-<N>``
+            folders in it).
+        step: The step of a run's folder to report; None: the newest complete
+            one, the one a resume would take.
+        verify: Also check every item against ``manifest.json``, if there is
+            one.
+        trusted: As :func:`read_checkpoint`.
+
+    Returns:
+        The step's report; its ``folder`` is ``path`` itself where ``path``
+        is a step folder.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        NotADirectoryError: ``path`` is a file.
+        ValueError: ``step`` is given with a step folder of another step, or
+            is not in the run's folder.
+        CheckpointNotFoundError: The run's folder holds no complete step.
+        CheckpointDirError: As :func:`inspect_steps`.
+        UnsafeCheckpointError: A ``manifest.json`` leads out of its folder
+            (the newest step's, or with ``verify`` the step's), or with
+            ``verify`` an item is refused.
+        CheckpointError: With ``verify``, ``manifest.json`` is damaged.
+    """
+    storage = storage_for(path)
+    if not storage.exists(path):
+        raise FileNotFoundError(f"no such folder: {str(path)!r}")
+    if not storage.is_dir(path):
+        raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
+    if _is_one_step(storage, path):
+        if step is not None and parse_step(path) != step:
+            raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
+        return _report(storage, path, trusted, verify)
+    steps = list_steps(storage, path)
+    if step is not None:
+        if step not in steps:
+            raise ValueError(f"no step {step} in {str(path)!r} (steps: {list(steps)})")
+        return _report(storage, steps[step], trusted, verify)
+    latest, _ = newest_complete_step(storage, path)
+    if latest is None:
+        found = f"only incomplete steps {list(steps)}" if steps else "no step-<N>"
+        raise CheckpointNotFoundError(f"{str(path)!r} holds {found}")
+    return _report(storage, latest, trusted, verify)
+
+
+def inspect_steps(
+    path: Location, *, trusted: bool | None = None
+) -> dict[int, StepReport]:
+    """Reports each step of a run's checkpoint folder, as :func:`inspect_step`.
+
+    Args:
+        path: A run's checkpoint folder.
+        trusted: As :func:`read_checkpoint`.
+
+    Returns:
+        ``{step: its report}``, in step order, complete or not; empty where
+        ``path`` is a step folder itself, or holds no ``step-<N>`` folder.
+
+    Raises:
+        CheckpointDirError: ``path`` is a file, or holds a folder named as a
+            step but not as pippy names one (``step-08``).
+    """
+    storage = storage_for(path)
+    if _is_one_step(storage, path):
+        return {}
+    steps = list_steps(storage, path).items()
+    return {step: _report(storage, folder, trusted) for step, folder in steps}
 
 
 def read_checkpoint(
@@ -362,6 +530,70 @@ def model_weights(
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         weights[key] = value.contiguous()
+    return weights
+
+
+def export_weights(
+    path: Location,
+    out: Location,
+    *,
+    format: str | None = None,
+    dtype: torch.dtype | None = None,
+    force: bool = False,
+    trusted: bool | None = None,
+    verify: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Writes a step's model weights to one file, whole or not at all.
+
+    The un-split model's ``state_dict`` (keys under ``model.``, the prefix
+    removed; no optimizer state), written beside ``out`` and renamed (on an
+    object store, one upload): a failed export leaves no partial file.
+
+    Args:
+        path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
+        out: The file to write.
+        format: ``"pt"`` (``torch.save``) or ``"safetensors"``; None:
+            safetensors for a name ending in ``.safetensors``, else pt.
+        dtype: If given, floating-point tensors are converted to it.
+        force: Replace an existing file ``out``.
+        trusted: As :func:`read_checkpoint`.
+        verify: As :func:`~pippy.checkpoint.load_stage`.
+
+    Returns:
+        The weights written, ``{fqn: CPU tensor}``.
+
+    Raises:
+        ValueError: ``format`` is neither; ``out`` is or lies in a step
+            folder, or holds steps (see :func:`refuse_out`); a model entry is
+            not a tensor.
+        IsADirectoryError: ``out`` is a folder.
+        FileExistsError: ``out`` exists and ``force`` is False.
+        FileNotFoundError: There is no folder to write ``out`` in.
+        CheckpointError: As :func:`read_checkpoint`.
+    """
+    if format is None:
+        format = "safetensors" if os.fspath(out).endswith(".safetensors") else "pt"
+    if format not in ("pt", "safetensors"):
+        raise ValueError(f"no format {format!r}: 'pt' or 'safetensors'")
+    storage = storage_for(out)  # a file: whole, by rename or by one PUT
+    refuse_out(storage, out)
+    if storage.is_dir(out):
+        raise IsADirectoryError(
+            f"{str(out)!r} is a folder: --out names the file to write (a Hugging "
+            "Face folder needs --hf-config)"
+        )
+    if storage.exists(out) and not force:
+        raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")
+    parent = storage.parent(out)
+    if storage.atomic_rename and not storage.is_dir(parent):  # a store has no folders
+        name = storage.name(out)
+        raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
+    weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
+    with storage.open_atomic(out) as f:
+        if format == "safetensors":
+            f.write(save(weights, metadata={"format": "pt"}))
+        else:
+            torch.save(weights, f)
     return weights
 
 
