@@ -194,38 +194,26 @@ def _print_files(
         print(f"{report.folder}: {_human(report.size)} on disk in all (also {also})")
 
 
-def _export_hf(args: argparse.Namespace, folder: Any) -> None:
-    """``export --hf-config``: a folder ``from_pretrained`` opens."""
-    files = checkpoint.export_hf(
-        folder,
-        args.out,
-        config=args.hf_config,
-        max_shard_size=_parse_size(args.max_shard_size),
-        dtype=_DTYPES.get(args.dtype),
-        force=args.force,
-        trusted=args.trusted,
-        verify=not args.allow_no_manifest,
-    )
-    names = ", ".join(f.name for f in files)
-    print(f"{folder} -> {args.out}: {names} (Hugging Face)")
-
-
 def _export(args: argparse.Namespace) -> None:
     """``export``: a step's model weights into one file (or HF folder), atomically."""
     folder = checkpoint.inspect_step(args.path, trusted=args.trusted).folder
-    if args.hf_config:
-        return _export_hf(args, folder)
+    options: dict[str, Any] = {
+        "dtype": _DTYPES.get(args.dtype),
+        "force": args.force,
+        "trusted": args.trusted,
+        "verify": not args.allow_no_manifest,
+    }
+    if args.hf_config:  # a folder from_pretrained opens
+        limit = _parse_size(args.max_shard_size)
+        files = checkpoint.export_hf(
+            folder, args.out, config=args.hf_config, max_shard_size=limit, **options
+        )
+        names = ", ".join(f.name for f in files)
+        print(f"{folder} -> {args.out}: {names} (Hugging Face)")
+        return
     out = args.out
     fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "pt")
-    weights = checkpoint.export_weights(
-        folder,
-        out,
-        format=fmt,
-        dtype=_DTYPES.get(args.dtype),
-        force=args.force,
-        trusted=args.trusted,
-        verify=not args.allow_no_manifest,
-    )
+    weights = checkpoint.export_weights(folder, out, format=fmt, **options)
     size = _human(sum(t.numel() * t.element_size() for t in weights.values()))
     print(f"{folder} -> {out}: {len(weights)} tensors, {size} ({fmt})")
 

@@ -148,11 +148,6 @@ def _report(
     )
 
 
-def _is_one_step(storage: Storage, path: Location) -> bool:
-    """Whether ``path`` is a step folder itself, not a run's checkpoint folder."""
-    return is_complete(storage, path) or parse_step(path) is not None
-
-
 def inspect_step(
     path: Location,
     *,
@@ -196,7 +191,7 @@ def inspect_step(
         raise FileNotFoundError(f"no such folder: {str(path)!r}")
     if not storage.is_dir(path):
         raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
-    if _is_one_step(storage, path):
+    if is_complete(storage, path) or parse_step(path) is not None:  # one step
         if step is not None and parse_step(path) != step:
             raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
         return _report(storage, path, trusted, verify)
@@ -230,7 +225,7 @@ def inspect_steps(
             step but not as pippy names one (``step-08``).
     """
     storage = storage_for(path)
-    if _is_one_step(storage, path):
+    if is_complete(storage, path) or parse_step(path) is not None:  # one step
         return {}
     steps = list_steps(storage, path).items()
     return {step: _report(storage, folder, trusted) for step, folder in steps}
