@@ -1,10 +1,9 @@
 """A checkpoint in one process: inspected, read, loaded into the whole model, exported.
 
 The stages' keys are the un-split model's FQNs, so their union is the whole
-model, read with no process group or pipeline; :func:`inspect_step` and
-:func:`inspect_steps` report what a folder holds, with no tensor read
-(:func:`verify_step` checks a step's every item against its manifest).
-:func:`export_hf` writes
+model, read with no process group or pipeline. :func:`inspect_step` reports
+what a step holds with no tensor read (with ``verify``, each item checked
+against its manifest, as :func:`verify_step`). :func:`export_hf` writes
 ``safetensors`` directly (DCP's Hugging Face consolidation mishandles integer
 and bool tensors in torch 2.13, pytorch/pytorch#192485).
 """
