@@ -1,8 +1,8 @@
 """Command line for pippy checkpoints: ``python -m pippy inspect|export|convert``.
 
 Parses and prints only: the work is :mod:`pippy.checkpoint`'s public offline
-tools (:func:`~pippy.checkpoint.inspect_step`,
-:func:`~pippy.checkpoint.export_weights`, ...), which read through its safe
+tools (:func:`~pippy.checkpoint.offline.inspect_step`,
+:func:`~pippy.checkpoint.offline.export_weights`, ...), which read through its safe
 reader and planner, so a checkpoint's pickles run no code unless
 ``--trust-checkpoint`` is given (or ``PIPPY_TRUST_CHECKPOINT=1`` is set).
 """
@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 
 __all__ = ["main", "parser"]
 
@@ -78,7 +79,7 @@ def _rank(file_name: str) -> str:
     return match.group(1) if match else "?"
 
 
-def _completeness(report: checkpoint.StepReport) -> str:
+def _completeness(report: offline.StepReport) -> str:
     """The COMPLETE column of a step: yes, or why not."""
     if not report.complete:
         return "no (no .metadata)"
@@ -96,7 +97,7 @@ def _inspect(args: argparse.Namespace) -> None:
     """``inspect``: the run's steps, then one step's files (and keys, with --keys)."""
     # The newest step a resume would take, by default (the table shows why not
     # newer ones).
-    report = checkpoint.inspect_step(
+    report = offline.inspect_step(
         args.path, step=args.step, verify=args.verify, trusted=args.trusted
     )
     if report.error is not None:
@@ -118,7 +119,7 @@ def _inspect(args: argparse.Namespace) -> None:
     keys = [k for k in items if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
     if not keys:
         raise ValueError(f"no key of {str(folder)!r} matches --keys {patterns}")
-    steps = checkpoint.inspect_steps(args.path, trusted=args.trusted)
+    steps = offline.inspect_steps(args.path, trusted=args.trusted)
     if steps:
         print(f"{args.path}: {len(steps)} step(s)")
         step_rows = [[s, _completeness(r), _human(r.size)] for s, r in steps.items()]
@@ -174,7 +175,7 @@ def _key_rows(
 
 
 def _print_files(
-    report: checkpoint.StepReport,
+    report: offline.StepReport,
     per_file: dict[str, tuple[set[str], int]],
     count: int,
 ) -> None:
@@ -196,7 +197,7 @@ def _print_files(
 
 def _export(args: argparse.Namespace) -> None:
     """``export``: a step's model weights into one file (or HF folder), atomically."""
-    folder = checkpoint.inspect_step(args.path, trusted=args.trusted).folder
+    folder = offline.inspect_step(args.path, trusted=args.trusted).folder
     options: dict[str, Any] = {
         "dtype": _DTYPES.get(args.dtype),
         "force": args.force,
@@ -205,7 +206,7 @@ def _export(args: argparse.Namespace) -> None:
     }
     if args.hf_config:  # a folder from_pretrained opens
         limit = _parse_size(args.max_shard_size)
-        files = checkpoint.export_hf(
+        files = offline.export_hf(
             folder, args.out, config=args.hf_config, max_shard_size=limit, **options
         )
         names = ", ".join(f.name for f in files)
@@ -213,16 +214,16 @@ def _export(args: argparse.Namespace) -> None:
         return
     out = args.out
     fmt = args.format or ("safetensors" if out.endswith(".safetensors") else "pt")
-    weights = checkpoint.export_weights(folder, out, format=fmt, **options)
+    weights = offline.export_weights(folder, out, format=fmt, **options)
     size = _human(sum(t.numel() * t.element_size() for t in weights.values()))
     print(f"{folder} -> {out}: {len(weights)} tensors, {size} ({fmt})")
 
 
 def _convert(args: argparse.Namespace) -> None:
     """``convert``: a step rewritten in the other layout."""
-    folder = checkpoint.inspect_step(args.path, trusted=args.trusted).folder
+    folder = offline.inspect_step(args.path, trusted=args.trusted).folder
     verify = not args.allow_no_manifest
-    count = checkpoint.convert_layout(
+    count = offline.convert_layout(
         folder, args.out, to=args.to, trusted=args.trusted, verify=verify
     )
     print(f"{folder} -> {args.out}: {count} items ({args.to} layout)")

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from pippy import checkpoint
+from pippy.checkpoint import offline
 from pippy.checkpoint.reader import read_metadata
 from pippy.checkpoint.safe_load import TRUST_ENV
 from pippy.cli import main
@@ -83,17 +84,17 @@ def test_help_lists_the_commands_and_flags(capsys):
 
 def test_a_script_asks_what_inspect_and_export_answer_by_public_names(run, tmp_path):
     root, saved = run
-    report = checkpoint.inspect_step(root, verify=True)  # the newest complete step
+    report = offline.inspect_step(root, verify=True)  # the newest complete step
     assert report.folder == root / "step-3" and report.complete and not report.damage
     assert report.error is None and report.layout == "pippy"
     assert report.verified == len(report.metadata.storage_data)
     assert report.size == sum(p.stat().st_size for p in report.folder.iterdir())
-    steps = checkpoint.inspect_steps(root)
+    steps = offline.inspect_steps(root)
     assert list(steps) == [3, 9] and steps[3].complete and not steps[9].complete
     assert isinstance(steps[9].error, checkpoint.CheckpointNotFoundError)
-    assert checkpoint.inspect_steps(root / "step-3") == {}  # a step folder itself
+    assert offline.inspect_steps(root / "step-3") == {}  # a step folder itself
     out = tmp_path / "m.safetensors"
-    weights = checkpoint.export_weights(report.folder, out)
+    weights = offline.export_weights(report.folder, out)
     assert load_file(out).keys() == weights.keys() == saved.keys()
 
 

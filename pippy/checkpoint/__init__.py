@@ -24,10 +24,9 @@ They are DCP's plug-ins, public by name for a script that builds them itself::
 
 (without the pieces' watch for stalled ranks, ``timeout``, and one error
 for a failure on any rank). Also exported: :class:`AsyncSaver`,
-:func:`fail_together`, the errors, and the offline tools ``python -m pippy``
-runs on: :func:`inspect_step` and :func:`inspect_steps` (a
-:class:`StepReport` each), :func:`export_weights`, :func:`export_hf` and
-:func:`convert_layout`.
+:func:`fail_together` and the errors; the offline tools ``python -m pippy``
+runs on are :mod:`pippy.checkpoint.offline`'s public names (``inspect_step``,
+``inspect_steps``, ``export_weights``, ``export_hf``, ``convert_layout``, ...).
 The modules, one idea each:
 
 * ``async_saver``: background saves.
@@ -77,14 +76,6 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.hf import StageReader, load_hf_stage
 from pippy.checkpoint.load import load_into, load_stage, open_step
-from pippy.checkpoint.offline import (
-    StepReport,
-    convert_layout,
-    export_hf,
-    export_weights,
-    inspect_step,
-    inspect_steps,
-)
 from pippy.checkpoint.reader import SafeFileSystemReader
 from pippy.checkpoint.resume import find_latest_step
 from pippy.checkpoint.safe_load import SafeLoadPlanner
@@ -112,16 +103,10 @@ __all__ = [
     "SafeLoadPlanner",
     "StageReader",
     "StageState",
-    "StepReport",
     "StepWriter",
     "UnsafeCheckpointError",
-    "convert_layout",
-    "export_hf",
-    "export_weights",
     "fail_together",
     "find_latest_step",
-    "inspect_step",
-    "inspect_steps",
     "load_hf_stage",
     "load_into",
     "load_stage",

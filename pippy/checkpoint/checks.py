@@ -89,6 +89,25 @@ _HASH_WORDS = 16 << 20
 _HASH_ODD = 0x9E3779B97F4A7C15 - (1 << 64)  # an odd int64: the golden ratio's
 
 
+def fingerprints(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """A short text per leaf of a (nested) state_dict that differs when it does.
+
+    Compare two with ``==`` to tell whether two states are equal bit for bit
+    without holding both, e.g. a model's before it is freed and another's
+    after its checkpoint was loaded into it.
+
+    Args:
+        state_dict: As from ``StageState.state_dict()``.
+
+    Returns:
+        ``{dotted key (as DCP names it): text}``; a tensor's text is its
+        dtype, shape and the CRC-32C of its bytes (a DTensor's, this rank's
+        shard; a GPU tensor is copied to the host one at a time), another
+        value's its ``repr``.
+    """
+    return {key: fingerprint(value) for key, value in named_leaves(state_dict)}
+
+
 def device_hash(tensor: torch.Tensor) -> torch.Tensor:
     """A 64-bit hash of a tensor's bytes, computed where the tensor lives.
 

@@ -14,10 +14,8 @@ import json
 import logging
 import os
 import re
-import uuid
 import warnings
-from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,12 +29,10 @@ from torch.distributed.tensor import DTensor
 
 from pippy.checkpoint.checks import (
     diff_state_dicts,
-    fingerprint,
-    named_leaves,
+    fingerprints,
     tied_groups,
 )
 from pippy.checkpoint.errors import (
-    CheckpointDirError,
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
@@ -63,9 +59,15 @@ from pippy.checkpoint.steps import (
     list_steps,
     newest_complete_step,
     parse_step,
-    step_holding,
+    refuse_out,
 )
-from pippy.checkpoint.storage import Location, Storage, check_publishable, storage_for
+from pippy.checkpoint.storage import (
+    Location,
+    Storage,
+    check_publishable,
+    storage_for,
+    written_whole,
+)
 
 __all__ = [
     "StepReport",
@@ -327,25 +329,6 @@ def _check_ties(
             )
 
 
-def fingerprints(state_dict: Mapping[str, Any]) -> dict[str, str]:
-    """A short text per leaf of a (nested) state_dict that differs when it does.
-
-    Compare two with ``==`` to tell whether two states are equal bit for bit
-    without holding both, e.g. a model's before it is freed and another's
-    after its checkpoint was loaded into it.
-
-    Args:
-        state_dict: As from ``StageState.state_dict()``.
-
-    Returns:
-        ``{dotted key (as DCP names it): text}``; a tensor's text is its
-        dtype, shape and the CRC-32C of its bytes (a DTensor's, this rank's
-        shard; a GPU tensor is copied to the host one at a time), another
-        value's its ``repr``.
-    """
-    return {key: fingerprint(value) for key, value in named_leaves(state_dict)}
-
-
 def load_model(
     path: Location,
     model: nn.Module,
@@ -497,7 +480,7 @@ def export_hf(
         raise ValueError("the Hugging Face config must be a JSON object")
     weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
     weights = experts_one_by_one(weights, config.get("model_type"))
-    with _written_whole(storage, out, replace=True) as tmp:
+    with written_whole(storage, out, replace=True) as tmp:
         text = json.dumps(dict(config), indent=2) + "\n"
         storage.write_atomic(storage.join(tmp, "config.json"), text.encode())
         names = ["config.json", *_write(storage, tmp, weights, max_shard_size)]
@@ -591,33 +574,6 @@ def export_weights(
     return weights
 
 
-def refuse_out(storage: Storage, out: Location) -> None:
-    """Refuses to write ``out`` where it would damage or replace a checkpoint.
-
-    Args:
-        storage: ``out``'s storage.
-        out: A file or folder an offline tool is about to write (or replace).
-
-    Raises:
-        ValueError: ``out`` is or lies in a complete step folder, or is a
-            folder holding ``step-<N>`` folders (a run's checkpoint folder).
-    """
-    holder = step_holding(storage, out)
-    if holder is not None:
-        inside = storage.same_place(holder) != storage.same_place(out)
-        where = f"lies in the step folder {str(holder)!r}" if inside else "is a step"
-        raise ValueError(
-            f"refused to write {os.fspath(out)!r}: it {where}, a checkpoint that "
-            "writing there would damage. Write it outside every step folder"
-        )
-    if storage.is_dir(out) and (steps := list_steps(storage, out)):
-        raise ValueError(
-            f"refused to write {os.fspath(out)!r}: it is a checkpoint folder holding "
-            f"{', '.join(f'step-{n}' for n in steps)}, which replacing it would "
-            "delete. Write it to a folder of its own"
-        )
-
-
 # The names export_hf writes: what force may replace.
 _HF_NAMES = re.compile(
     r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors"
@@ -646,32 +602,6 @@ def _refuse_replacing(storage: Storage, out: Location) -> None:
             "Hugging Face export writes, and force replaces an earlier export "
             "only. Write the export to a folder of its own"
         )
-
-
-@contextmanager
-def _written_whole(storage: Storage, out: Location, *, replace: bool) -> Iterator[Any]:
-    """A folder to write, published as ``out`` after the block; removed if it fails."""
-    token = uuid.uuid4().hex[:12]
-    tmp = storage.join(storage.parent(out), f".{storage.name(out)}.partial-{token}")
-    if not storage.atomic_rename:  # written in place, committed by its manifest
-        tmp = out
-    try:
-        storage.makedirs(tmp, staged=tmp != out)
-    except OSError as e:  # a file where a folder above it should be, say
-        where = storage.parent(out)
-        why = e.strerror or e
-        raise CheckpointDirError(
-            f"cannot write {str(out)!r} in {str(where)!r}: {why}"
-        ) from e
-    try:
-        yield tmp
-        if tmp != out:
-            if replace:
-                storage.remove(out)  # fine if there is none
-            storage.publish(tmp, out)
-    except BaseException:
-        storage.remove(tmp)
-        raise
 
 
 def _is_zero(value: Any) -> bool:
@@ -738,7 +668,7 @@ def convert_layout(
             f"{os.fspath(out)!r} would hold step {step}: name it step-{step}"
         )
     flat, step, planner = take_state(flat, step=step)
-    with _written_whole(storage, out, replace=False) as staging:
+    with written_whole(storage, out, replace=False) as staging:
         writer = ManifestWriter(storage, staging, step=step)  # loads verify it
         with warnings.catch_warnings(), explain_failures(f"writing {out}"):
             # One process, writing alone, by design.

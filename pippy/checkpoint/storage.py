@@ -523,3 +523,29 @@ class FsspecStorage(Storage):
         fs = FsspecFileSystem()
         fs.init_path(os.fspath(location))
         return fs
+
+
+@contextmanager
+def written_whole(storage: Storage, out: Location, *, replace: bool) -> Iterator[Any]:
+    """A folder to write, published as ``out`` after the block; removed if it fails."""
+    token = uuid.uuid4().hex[:12]
+    tmp = storage.join(storage.parent(out), f".{storage.name(out)}.partial-{token}")
+    if not storage.atomic_rename:  # written in place, committed by its manifest
+        tmp = out
+    try:
+        storage.makedirs(tmp, staged=tmp != out)
+    except OSError as e:  # a file where a folder above it should be, say
+        where = storage.parent(out)
+        why = e.strerror or e
+        raise CheckpointDirError(
+            f"cannot write {str(out)!r} in {str(where)!r}: {why}"
+        ) from e
+    try:
+        yield tmp
+        if tmp != out:
+            if replace:
+                storage.remove(out)  # fine if there is none
+            storage.publish(tmp, out)
+    except BaseException:
+        storage.remove(tmp)
+        raise
