@@ -143,6 +143,13 @@ def test_a_step_without_its_commit_record_is_never_taken(bucket, four_steps):
     # its manifest.json (the commit record) is not.
     fs.rm(f"{run[5:]}/step-4/manifest.json")
     assert checkpoint.find_latest_step(run) == f"{run}/step-2"
+    for read in (offline.read_checkpoint, checkpoint.open_step):  # asked by name
+        with pytest.raises(
+            checkpoint.CheckpointNotFoundError,
+            match="has no manifest.json, a step's commit record on an object store: "
+            "a save that did not finish",
+        ):
+            read(f"{run}/step-4")
     again = example(run, "--steps", "4")
     assert f"resuming from {run}/step-2" in again.stdout
     assert f"removed {run}/step-4: a save of it never committed" in again.stdout

@@ -43,7 +43,12 @@ from torch.futures import Future
 from torch.serialization import get_crc32_options, set_crc32_options
 from torch.torch_version import TorchVersion
 
-from pippy.checkpoint.errors import MOVE_ASIDE, CheckpointError, check_number
+from pippy.checkpoint.errors import (
+    MOVE_ASIDE,
+    CheckpointError,
+    CheckpointNotFoundError,
+    check_number,
+)
 from pippy.checkpoint.keys import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import Location, Storage, is_url, join, step_file
 
@@ -357,6 +362,12 @@ def check_manifest(
     the step the folder's name says, if it says one.
     """
     manifest = read_manifest(storage, folder)
+    if manifest is None and not storage.atomic_rename:  # its commit record
+        raise CheckpointNotFoundError(
+            f"{str(folder)!r} has no {MANIFEST_FILE}, a step's commit record on an "
+            "object store: a save that did not finish (use an earlier step), or a "
+            "step plain DCP wrote, to load with verify=False if you know it is intact"
+        )
     if manifest is None:
         raise CheckpointError(
             f"{str(folder)!r} has no {MANIFEST_FILE}, so its content cannot be "
