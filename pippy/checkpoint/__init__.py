@@ -42,7 +42,8 @@ The modules, one idea each:
   deadline (``StopSignal``, ``stop_with_launcher``).
 * ``keys``: optimizer state keyed by parameter FQN; torchtitan's names for
   pippy's keys, and back.
-* ``load``: the load sequence (``load_stage``) and its pieces.
+* ``load``: the step to resume from (``find_latest_step``, rank 0 answering
+  for all); the load sequence (``load_stage``) and its pieces.
 * ``manifest``: checksums: each item's CRC-32C taken as it is written, kept in
   ``manifest.json``, checked as it is read.
 * ``offline``: tools in one process: inspect, read, export (to one file or
@@ -50,7 +51,6 @@ The modules, one idea each:
 * ``owner``: ``FolderOwner``, its record on a folder, a lease on an object store.
 * ``reader``: a step's ``.metadata`` and items read with no code a pickle
   could carry run, each item checked against its checksum; rank 0 opens it.
-* ``resume``: the step to resume from, rank 0 answering for all.
 * ``safe_load``: ``SafeLoadPlanner``: every key read, nothing converted
   silently; what a load may unpickle.
 * ``save``: the save sequence (``save_stage``) and its pieces, DCP's plug-ins.
@@ -75,9 +75,8 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from pippy.checkpoint.hf import StageReader, load_hf_stage
-from pippy.checkpoint.load import load_into, load_stage, open_step
+from pippy.checkpoint.load import find_latest_step, load_into, load_stage, open_step
 from pippy.checkpoint.reader import SafeFileSystemReader
-from pippy.checkpoint.resume import find_latest_step
 from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.save import (
     CheckedSavePlanner,
