@@ -272,7 +272,7 @@ def cli_runs(run, tmp_path_factory):
         "no_key_matches": (["inspect", root, "--keys", "nothing.*"], "no key"),
         "out_exists": (
             ["export", step, "--out", tmp / "existing.pt"],
-            "pass --force",
+            "pass force=True (--force)",
         ),
         "poisoned_inspect": (["inspect", poisoned["inspect"]], "refused to load"),
         "poisoned_export": (
@@ -331,7 +331,10 @@ def test_errors_are_one_line_and_exit_2(cli_runs, case):
         (["inspect", "{root}", "--step", "9"], "step-9' is not a complete checkpoint"),
         (["export", "{root}/step-9", "--out", "{tmp}/m.pt"], "not a complete"),
         (["export", "{tmp}/no_model/step-1", "--out", "{tmp}/m.pt"], "'model.'"),
-        (["inspect", "{root}/step-3", "--step", "4"], "--step needs a run folder"),
+        (
+            ["inspect", "{root}/step-3", "--step", "4"],
+            "step (--step) needs a run folder",
+        ),
         (["inspect", "{tmp}"], "holds no step-<N>"),
         (["export", "{root}", "--out", "{tmp}/no/m.pt"], "no folder"),
         (
@@ -384,7 +387,10 @@ def tree_bytes(folder):
             ["convert", "{step}", "--to", "pippy", "--out", "{run}/step-02"],
             "step-02' would hold step 2: name it step-2",
         ),
-        (["export", "{step}", "--out", "{tmp}"], "is a folder: --out names the file"),
+        (
+            ["export", "{step}", "--out", "{tmp}"],
+            "is a folder: out (--out) names the file",
+        ),
         (
             ["export", "{step}", "--hf-config", "{tmp}/bad.json", "--out", "{tmp}/hf"],
             "bad.json' is not JSON: Expecting value",

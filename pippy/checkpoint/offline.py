@@ -194,7 +194,9 @@ def inspect_step(
         raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
     if is_complete(storage, path) or parse_step(path) is not None:  # one step
         if step is not None and parse_step(path) != step:
-            raise ValueError(f"--step needs a run folder; {str(path)!r} is one step")
+            raise ValueError(
+                f"step (--step) needs a run folder; {str(path)!r} is one step"
+            )
         return _report(storage, path, trusted, verify)
     steps = list_steps(storage, path)
     if step is not None:
@@ -556,11 +558,13 @@ def export_weights(
     refuse_out(storage, out)
     if storage.is_dir(out):
         raise IsADirectoryError(
-            f"{str(out)!r} is a folder: --out names the file to write (a Hugging "
-            "Face folder needs --hf-config)"
+            f"{str(out)!r} is a folder: out (--out) names the file to write (a "
+            "Hugging Face folder is export_hf's, --hf-config)"
         )
     if storage.exists(out) and not force:
-        raise FileExistsError(f"{str(out)!r} exists; pass --force to overwrite it")
+        raise FileExistsError(
+            f"{str(out)!r} exists; pass force=True (--force) to overwrite it"
+        )
     parent = storage.parent(out)
     if storage.atomic_rename and not storage.is_dir(parent):  # a store has no folders
         name = storage.name(out)
