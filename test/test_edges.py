@@ -232,6 +232,25 @@ def test_a_manifest_edited_to_match_its_folder_is_refused(tmp_path):
         checkpoint.load_stage(linear_state(), copied)
 
 
+@pytest.mark.parametrize("text", ['{"format": "pippy-manif', '{"format": "other/1"}'])
+def test_a_step_whose_manifest_is_damaged_is_refused_not_passed_over(tmp_path, text):
+    """A damaged manifest is damage, not an unfinished save: the step is still
+    the newest, its load is refused naming the manifest (no silent step back),
+    and only verified=True passes it over, moved aside as damaged."""
+    _, step_1 = saved_linear(tmp_path, step=1)
+    _, step_2 = saved_linear(tmp_path, step=2)
+    (step_2 / MANIFEST_FILE).write_text(text)
+    assert checkpoint.find_latest_step(tmp_path) == step_2
+    with pytest.raises(
+        checkpoint.CheckpointError, match="manifest.json is damaged .*: restore it"
+    ):
+        checkpoint.load_stage(linear_state(), step_2)
+    assert main(["inspect", str(tmp_path), "--verify"]) == 2  # not step-1, silently
+    assert checkpoint.find_latest_step(tmp_path, verified=True) == step_1
+    [aside] = tmp_path.glob(".step-2.damaged-*")
+    assert (aside / MANIFEST_FILE).read_text() == text  # kept, not deleted
+
+
 def test_two_names_for_one_step_are_refused(tmp_path):
     _, folder = saved_linear(tmp_path, step=8)
     shutil.copytree(folder, tmp_path / "step-08")

@@ -406,7 +406,13 @@ def _unverifiable(storage: Storage, path: Location) -> str | None:
     """Why a step is passed over before its items are read, or None."""
     if (why := why_not_whole(storage, path)) is not None:
         return why
-    if read_manifest(storage, path) is None:  # read already: no error now
+    try:
+        manifest = read_manifest(storage, path)
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError:  # damaged: verify_step says so, and it is passed over
+        return None
+    if manifest is None:
         raise CheckpointError(
             f"{os.fspath(path)} has no manifest.json, so it cannot be "
             "verified: resume from it without verification, or move it aside"

@@ -185,19 +185,22 @@ def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
 def why_not_whole(storage: Storage, path: Location) -> str | None:
     """None if a step folder is complete and holds its step, else why not.
 
-    Its manifest naming another step or damaged: it does not hold its step;
-    a manifest that links out of the folder raises ``UnsafeCheckpointError``.
+    Its manifest naming another step: it does not hold its step. A damaged
+    manifest does not make a step less whole: the step is taken, and reading
+    it refuses the damage (``verified=True`` passes it over as damaged); a
+    manifest that links out of the folder raises ``UnsafeCheckpointError``.
     """
     if not is_complete(storage, path):
         return "incomplete (no .metadata: its save did not finish)"
     try:
         manifest = read_manifest(storage, path)
-        holds = manifest is None or manifest.step == parse_step(path)
     except UnsafeCheckpointError:
         raise  # a link out of the folder: refused, not passed over as damage
-    except CheckpointError:  # damaged
-        holds = False
-    return None if holds else "its manifest names another step"
+    except CheckpointError:  # damaged: refused where it is read
+        return None
+    if manifest is None or manifest.step == parse_step(path):
+        return None
+    return "its manifest names another step"
 
 
 def newest_complete_step(
