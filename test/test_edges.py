@@ -690,6 +690,11 @@ def test_a_second_owner_is_refused_and_a_dead_ones_record_taken_over(tmp_path, c
             "started .*\\), by a FolderOwner not yet released: use that one",
         ):
             checkpoint.job.FolderOwner(tmp_path).acquire()
+        with pytest.raises(
+            checkpoint.CheckpointDirInUseError, match="not yet released"
+        ):
+            first.acquire()  # refused again: and still holds the folder
+        first.check()
     assert not (tmp_path / OWNER_FILE).exists()  # released
 
     record.update(pid=dead_pid(), token="deadjob")
@@ -766,15 +771,16 @@ def test_an_owner_whose_record_was_taken_over_writes_nothing_more(tmp_path):
 
 def test_a_save_is_given_its_folders_owner_or_refused(tmp_path):
     """The owner reaches the save as an argument: a save given none into a
-    folder that holds an owner record is refused naming the owner, one given
-    another folder's owner or a released one too; nothing is written."""
+    folder that holds an owner record is refused naming the owner (so is an
+    offline tool's write there), one given another folder's owner or a
+    released one too; nothing is written."""
     state = checkpoint.StageState(torch.nn.Linear(2, 2), step=1)
     with checkpoint.job.FolderOwner(tmp_path / "run") as owner:
         with pytest.raises(
             checkpoint.CheckpointDirInUseError,
             match=f"{re.escape(str(tmp_path / 'run'))} is owned by a job's "
-            rf"FolderOwner \(host '.*', pid {os.getpid()}, started .*\), and this "
-            "save was given no owner: pass owner= that FolderOwner",
+            rf"FolderOwner \(host '.*', pid {os.getpid()}, started .*\), so only "
+            "that job's saves, given it as owner=, write there: pass owner= that",
         ):
             checkpoint.save_stage(state, tmp_path / "run")
         for other in (tmp_path / "other", tmp_path / "run" / "step-1"):
@@ -782,11 +788,26 @@ def test_a_save_is_given_its_folders_owner_or_refused(tmp_path):
                 checkpoint.save_stage(state, other, owner=owner)
             with pytest.raises(ValueError, match="the owner given holds .*run, not"):
                 checkpoint.AsyncSaver(other, owner=owner)
+        src = checkpoint.save_stage(state, tmp_path / "src")  # offline tools too
+        for write in (
+            lambda: offline.export_weights(src, tmp_path / "run" / "w.pt"),
+            lambda: offline.convert_layout(
+                src, tmp_path / "run" / "step-1", to="torchtitan"
+            ),
+        ):
+            with pytest.raises(
+                checkpoint.CheckpointDirInUseError, match="is owned by a job's"
+            ):
+                write()
         assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [OWNER_FILE]
-        checkpoint.save_stage(state, tmp_path / "run", owner=owner)
+        (tmp_path / "link").symlink_to(tmp_path / "run")  # the folder, by a link
+        checkpoint.save_stage(state, tmp_path / "link", owner=owner)
     state.step = 2
     with pytest.raises(checkpoint.CheckpointDirInUseError, match="was released"):
         checkpoint.save_stage(state, tmp_path / "run", owner=owner)
+    with checkpoint.AsyncSaver(tmp_path / "run", owner=owner) as saver:
+        with pytest.raises(checkpoint.CheckpointDirInUseError, match="was released"):
+            saver.save(state)  # at the call, not at the next wait()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-1"]
     assert not (tmp_path / "other").exists()
 

@@ -320,6 +320,8 @@ class AsyncSaver:
 
         Raises:
             RuntimeError: The saver is closed.
+            CheckpointDirInUseError: Its ``owner`` was released; nothing is
+                taken.
             ValueError: This rank's state holds another step (the other ranks raise
                 a ``CheckpointError`` naming it, by their next :meth:`poll`,
                 :meth:`wait` or ``save``), or a plain state_dict came without a step
@@ -332,6 +334,8 @@ class AsyncSaver:
         """
         if self._closed:
             raise RuntimeError("this AsyncSaver is closed: make a new one to save")
+        if self.owner is not None and self.owner.released:  # alike on every rank
+            self.owner.check()  # raises, naming it
         self.wait()
         started = time.perf_counter()
         group = self.process_group  # who saves, now: checked again in the background

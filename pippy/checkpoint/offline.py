@@ -49,6 +49,7 @@ from pippy.checkpoint.keys import (
 )
 from pippy.checkpoint.load import load_stage, open_step, read_into
 from pippy.checkpoint.manifest import ManifestWriter, read_manifest
+from pippy.checkpoint.owner import refuse_out
 from pippy.checkpoint.reader import read_metadata, verify_step
 from pippy.checkpoint.save import take_state
 from pippy.checkpoint.state import StageState
@@ -59,7 +60,6 @@ from pippy.checkpoint.steps import (
     list_steps,
     newest_complete_step,
     parse_step,
-    refuse_out,
 )
 from pippy.checkpoint.storage import (
     Location,

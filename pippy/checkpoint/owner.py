@@ -50,6 +50,7 @@ from pippy.checkpoint.steps import (
     list_steps,
     refuse_step_folder,
     remove_staging,
+    step_holding,
     wait_for_deletions,
 )
 from pippy.checkpoint.storage import (
@@ -57,6 +58,7 @@ from pippy.checkpoint.storage import (
     Location,
     Storage,
     is_url,
+    same_location,
     storage_for,
 )
 
@@ -197,7 +199,7 @@ class _OwnerRecord:
         """A record (the owner's by default), or None if none; not pippy's: refused."""
         try:
             record = json.loads(self.storage.read_bytes(path or self.record))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no record, or no folder
             return None
         except ValueError:
             record = None
@@ -432,15 +434,18 @@ def check_owner(
 ) -> FolderOwner | None:
     """``owner``, if it is None or holds ``checkpoint_dir``; else a ``ValueError``.
 
-    Compared as spelled (absolute, normalised), without I/O: every rank makes
-    a save's writer, and only rank 0 looks at the folder.
+    Compared as spelled (absolute, normalised) first, without I/O (every rank
+    makes a save's writer, and only rank 0 looks at the folder); links are
+    resolved only where the spellings differ.
     """
 
     def spelled(location: Location) -> str:
         text = os.fspath(location)
         return text.rstrip("/") if is_url(text) else os.path.abspath(text)
 
-    if owner is not None and spelled(owner.root) != spelled(checkpoint_dir):
+    if owner is None or spelled(owner.root) == spelled(checkpoint_dir):
+        return owner
+    if not same_location(owner.root, checkpoint_dir):
         raise ValueError(
             f"the owner given holds {owner.root}, not {checkpoint_dir}: give the "
             "save the FolderOwner of the folder it saves into"
@@ -449,7 +454,7 @@ def check_owner(
 
 
 def refuse_unowned(storage: Storage, checkpoint_dir: Location) -> None:
-    """Refuses a save given no owner into a folder that holds an owner record.
+    """Refuses a write not given an owner into a folder that holds an owner record.
 
     Raises:
         CheckpointDirInUseError: ``checkpoint_dir`` holds ``.owner.json``.
@@ -458,9 +463,10 @@ def refuse_unowned(storage: Storage, checkpoint_dir: Location) -> None:
     if record is not None:
         raise CheckpointDirInUseError(
             f"{checkpoint_dir} is owned by a job's FolderOwner ({_describe(record)}), "
-            "and this save was given no owner: pass owner= that FolderOwner if it "
-            "is this job's, else use another folder, or take this one with "
-            "FolderOwner (which takes a dead owner's record over)"
+            "so only that job's saves, given it as owner=, write there: pass "
+            "owner= that FolderOwner if it is this job's, else write to another "
+            "folder, or take this one with FolderOwner (which takes a dead "
+            "owner's record over)"
         )
 
 
@@ -552,12 +558,13 @@ class FolderOwner:
                     "(s3://), or run without FolderOwner and see to one job per "
                     "folder yourself"
                 )
-            self._record = StoreLease(self.root, storage, self.lease_seconds)
+            record: _OwnerRecord = StoreLease(self.root, storage, self.lease_seconds)
         else:
-            self._record = _LocalRecord(self.root, storage)
-        self.token = on_coordinator(
-            f"cannot write to {self.root}", self._record.acquire, self.process_group
+            record = _LocalRecord(self.root, storage)
+        self.token = on_coordinator(  # a refusal leaves a held record as it was
+            f"cannot write to {self.root}", record.acquire, self.process_group
         )
+        self._record, self.released = record, False
 
     def release(self) -> None:
         """Removes the record if it is still this job's (on rank 0, no collective).
@@ -593,3 +600,35 @@ class FolderOwner:
     def lost(self) -> bool:
         """Whether this process knows that another job took the folder over (no I/O)."""
         return self._record is not None and bool(self._record.lost)
+
+
+def refuse_out(storage: Storage, out: Location) -> None:
+    """Refuses to write ``out`` where it would damage or replace a checkpoint.
+
+    Args:
+        storage: ``out``'s storage.
+        out: A file or folder an offline tool is about to write (or replace).
+
+    Raises:
+        ValueError: ``out`` is or lies in a complete step folder, or is a
+            folder holding ``step-<N>`` folders (a run's checkpoint folder).
+        CheckpointDirInUseError: ``out`` is in, or is, a folder that holds an
+            owner record (a job's, which alone writes there).
+    """
+    holder = step_holding(storage, out)
+    if holder is not None:
+        inside = storage.same_place(holder) != storage.same_place(out)
+        where = f"lies in the step folder {str(holder)!r}" if inside else "is a step"
+        raise ValueError(
+            f"refused to write {os.fspath(out)!r}: it {where}, a checkpoint that "
+            "writing there would damage. Write it outside every step folder"
+        )
+    if storage.is_dir(out) and (steps := list_steps(storage, out)):
+        raise ValueError(
+            f"refused to write {os.fspath(out)!r}: it is a checkpoint folder holding "
+            f"{', '.join(f'step-{n}' for n in steps)}, which replacing it would "
+            "delete. Write it to a folder of its own"
+        )
+    refuse_unowned(storage, storage.parent(out))
+    if storage.is_dir(out):
+        refuse_unowned(storage, out)

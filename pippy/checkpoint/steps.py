@@ -414,30 +414,3 @@ def storage_ranges(metadata: Metadata) -> dict:
         (info.relative_path, info.offset, info.length): index.fqn
         for index, info in metadata.storage_data.items()
     }
-
-
-def refuse_out(storage: Storage, out: Location) -> None:
-    """Refuses to write ``out`` where it would damage or replace a checkpoint.
-
-    Args:
-        storage: ``out``'s storage.
-        out: A file or folder an offline tool is about to write (or replace).
-
-    Raises:
-        ValueError: ``out`` is or lies in a complete step folder, or is a
-            folder holding ``step-<N>`` folders (a run's checkpoint folder).
-    """
-    holder = step_holding(storage, out)
-    if holder is not None:
-        inside = storage.same_place(holder) != storage.same_place(out)
-        where = f"lies in the step folder {str(holder)!r}" if inside else "is a step"
-        raise ValueError(
-            f"refused to write {os.fspath(out)!r}: it {where}, a checkpoint that "
-            "writing there would damage. Write it outside every step folder"
-        )
-    if storage.is_dir(out) and (steps := list_steps(storage, out)):
-        raise ValueError(
-            f"refused to write {os.fspath(out)!r}: it is a checkpoint folder holding "
-            f"{', '.join(f'step-{n}' for n in steps)}, which replacing it would "
-            "delete. Write it to a folder of its own"
-        )
