@@ -312,10 +312,15 @@ class Waits:
             self.ours.set_timeout(self._timeout_before)
         if not dist.is_initialized():  # the group was destroyed: no store to read
             return None
-        if failed:
-            self._read_mark()
-        if self._posted:
-            _get_default_store().delete_key(f"{self.prefix}/r{self.rank}")
+        try:
+            if failed and self.timeout is not None:  # no deadline: nobody marks one
+                self._read_mark()
+            if self._posted:
+                _get_default_store().delete_key(f"{self.prefix}/r{self.rank}")
+        except dist.DistError:  # the store is gone (its launcher killed, say)
+            if not failed:
+                raise
+            return None  # the block's own error says what happened
         if self._marked and not failed:  # the late rank came in time
             _get_default_store().delete_key(f"{self.prefix}/abort")
         return CheckpointTimeout(self.mark[1]) if failed and self.mark else None
