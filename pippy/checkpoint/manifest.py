@@ -398,7 +398,8 @@ def check_manifest(
         )
         raise CheckpointError(
             f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} "
-            f"disagree on where {', '.join(map(repr, differ[:4]))} are stored. "
+            f"disagree on where {', '.join(map(repr, differ[:4]))} "
+            f"{'is' if len(differ) == 1 else 'are'} stored. "
             f"Restore the step, or {MOVE_ASIDE}"
         )
     return manifest

@@ -33,6 +33,7 @@ from pippy.checkpoint.checks import (
     tied_groups,
 )
 from pippy.checkpoint.errors import (
+    MOVE_ASIDE,
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
@@ -100,7 +101,8 @@ class StepReport:
             to raise; None where it was read.
         layout: ``"pippy"`` or ``"torchtitan"``, by its keys; None unread.
         damage: One line per data file missing or shorter than its items
-            need, or the item that failed verification; empty if none.
+            need, or the item that failed verification, each with its fix;
+            empty if none.
         verified: The number of items found to match ``manifest.json``; None
             where none were checked (not asked, damage found, or no manifest).
     """
@@ -132,7 +134,8 @@ def _report(
     except CheckpointError as e:
         error = e
     if metadata is not None:
-        damage = find_damage(storage, folder, metadata)
+        fix = f"restore the file, or {MOVE_ASIDE}"
+        damage = [f"{p}: {fix}" for p in find_damage(storage, folder, metadata)]
     # A manifest refused (linked out) or damaged raises: there is nothing to verify.
     readable = metadata is not None and not damage
     if verify and readable and read_manifest(storage, folder) is not None:
@@ -140,8 +143,8 @@ def _report(
             verified = verify_step(folder, trusted=trusted, storage=storage)
         except UnsafeCheckpointError:
             raise  # not damage: refused
-        except CheckpointError as e:
-            damage = [str(e)]
+        except CheckpointError as e:  # its problem and fix, the step not named again
+            damage = [str(e).removeprefix(f"{str(folder)!r} is damaged: ")]
     layout = None if metadata is None else detect_layout(metadata.state_dict_metadata)
     complete = is_complete(storage, folder)
     return StepReport(

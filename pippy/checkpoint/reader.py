@@ -194,7 +194,9 @@ def _read_metadata_file(
                 f"{torch.__version__}, which cannot read it ({type(e).__name__}: "
                 f"{e}). Read it with torch {writer} or newer"
             ) from None
-        raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from None
+        raise CheckpointError(
+            f"{path} is damaged ({type(e).__name__}: {e}): restore it, or {MOVE_ASIDE}"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{path} does not hold DCP metadata")
     return metadata, data
