@@ -93,6 +93,11 @@ def test_a_script_asks_what_inspect_and_export_answer_by_public_names(run, tmp_p
     assert list(steps) == [3, 9] and steps[3].complete and not steps[9].complete
     assert isinstance(steps[9].error, checkpoint.CheckpointNotFoundError)
     assert offline.inspect_steps(root / "step-3") == {}  # a step folder itself
+    for inspect in (offline.inspect_step, offline.inspect_steps):  # alike
+        with pytest.raises(FileNotFoundError, match="no such folder"):
+            inspect(tmp_path / "nope")
+        with pytest.raises(NotADirectoryError, match="is a file"):
+            inspect(root / "step-3" / ".metadata")
     out = tmp_path / "m.safetensors"
     weights = offline.export_weights(report.folder, out)
     assert load_file(out).keys() == weights.keys() == saved.keys()

@@ -152,6 +152,16 @@ def _report(
     )
 
 
+def _folder_storage(path: Location) -> Storage:
+    """``path``'s storage; FileNotFoundError or NotADirectoryError unless a folder."""
+    storage = storage_for(path)
+    if not storage.exists(path):
+        raise FileNotFoundError(f"no such folder: {str(path)!r}")
+    if not storage.is_dir(path):
+        raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
+    return storage
+
+
 def inspect_step(
     path: Location,
     *,
@@ -190,11 +200,7 @@ def inspect_step(
             ``verify`` an item is refused.
         CheckpointError: With ``verify``, ``manifest.json`` is damaged.
     """
-    storage = storage_for(path)
-    if not storage.exists(path):
-        raise FileNotFoundError(f"no such folder: {str(path)!r}")
-    if not storage.is_dir(path):
-        raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
+    storage = _folder_storage(path)
     if is_complete(storage, path) or parse_step(path) is not None:  # one step
         if step is not None and parse_step(path) != step:
             raise ValueError(
@@ -227,10 +233,12 @@ def inspect_steps(
         ``path`` is a step folder itself, or holds no ``step-<N>`` folder.
 
     Raises:
-        CheckpointDirError: ``path`` is a file, or holds a folder named as a
-            step but not as pippy names one (``step-08``).
+        FileNotFoundError: ``path`` does not exist.
+        NotADirectoryError: ``path`` is a file.
+        CheckpointDirError: ``path`` holds a folder named as a step but not
+            as pippy names one (``step-08``).
     """
-    storage = storage_for(path)
+    storage = _folder_storage(path)
     if is_complete(storage, path) or parse_step(path) is not None:  # one step
         return {}
     steps = list_steps(storage, path).items()
