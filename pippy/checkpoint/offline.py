@@ -33,7 +33,6 @@ from pippy.checkpoint.checks import (
     tied_groups,
 )
 from pippy.checkpoint.errors import (
-    MOVE_ASIDE,
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
@@ -101,8 +100,8 @@ class StepReport:
             to raise; None where it was read.
         layout: ``"pippy"`` or ``"torchtitan"``, by its keys; None unread.
         damage: One line per data file missing or shorter than its items
-            need, or the item that failed verification, each with its fix;
-            empty if none.
+            need, or the item that failed verification (with its fix); empty
+            if none.
         verified: The number of items found to match ``manifest.json``; None
             where none were checked (not asked, damage found, or no manifest).
     """
@@ -134,8 +133,7 @@ def _report(
     except CheckpointError as e:
         error = e
     if metadata is not None:
-        fix = f"restore the file, or {MOVE_ASIDE}"
-        damage = [f"{p}: {fix}" for p in find_damage(storage, folder, metadata)]
+        damage = find_damage(storage, folder, metadata)
     # A manifest refused (linked out) or damaged raises: there is nothing to verify.
     readable = metadata is not None and not damage
     if verify and readable and read_manifest(storage, folder) is not None:
