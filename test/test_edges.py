@@ -783,6 +783,10 @@ def test_a_save_is_given_its_folders_owner_or_refused(tmp_path):
             "that job's saves, given it as owner=, write there: pass owner= that",
         ):
             checkpoint.save_stage(state, tmp_path / "run")
+        with pytest.raises(ValueError, match="was never acquired, so it holds nothing"):
+            checkpoint.save_stage(
+                state, tmp_path / "run", owner=checkpoint.job.FolderOwner(tmp_path)
+            )
         for other in (tmp_path / "other", tmp_path / "run" / "step-1"):
             with pytest.raises(ValueError, match="the owner given holds .*run, not"):
                 checkpoint.save_stage(state, other, owner=owner)

@@ -434,6 +434,8 @@ def check_owner(
 ) -> FolderOwner | None:
     """``owner``, if it is None or holds ``checkpoint_dir``; else a ``ValueError``.
 
+    An owner never acquired holds no folder: refused too.
+
     Compared as spelled (absolute, normalised) first, without I/O (every rank
     makes a save's writer, and only rank 0 looks at the folder); links are
     resolved only where the spellings differ.
@@ -443,6 +445,11 @@ def check_owner(
         text = os.fspath(location)
         return text.rstrip("/") if is_url(text) else os.path.abspath(text)
 
+    if owner is not None and not owner.token and not owner.released:
+        raise ValueError(
+            f"the FolderOwner of {owner.root} was never acquired, so it holds "
+            "nothing: enter it (with FolderOwner(folder) as owner) before saving"
+        )
     if owner is None or spelled(owner.root) == spelled(checkpoint_dir):
         return owner
     if not same_location(owner.root, checkpoint_dir):
