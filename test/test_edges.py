@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from ranks import run_ranks
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -249,6 +250,45 @@ def test_a_step_whose_manifest_is_damaged_is_refused_not_passed_over(tmp_path, t
     assert checkpoint.find_latest_step(tmp_path, verified=True) == step_1
     [aside] = tmp_path.glob(".step-2.damaged-*")
     assert (aside / MANIFEST_FILE).read_text() == text  # kept, not deleted
+
+
+def test_the_plugins_refuse_what_take_state_would_and_a_step_is_no_run_folder(
+    tmp_path,
+):
+    """DCP's plug-ins used by name check what take_state checks: a StepWriter
+    of several ranks with DCP's own planner (which would keep one of two ranks'
+    copies of a key), a planner and a writer of other steps, a state holding
+    another step; nothing is published. find_latest_step refuses a step folder for its run's."""
+    state = {"model": {"w": torch.ones(2)}, "step": 1}
+
+    def two_ranks_plain_planner(rank, nproc):  # both offer "model.w"
+        with pytest.raises(CheckpointException, match="save with pippy's Checked"):
+            dcp.save(state, storage_writer=checkpoint.StepWriter(tmp_path / "two", 1))
+
+    run_ranks(2, two_ranks_plain_planner)
+    assert not (tmp_path / "two").exists() or not any((tmp_path / "two").iterdir())
+    refusals = [
+        (
+            checkpoint.CheckedSavePlanner(step=1),
+            5,
+            "planner saves step 1 and the writer",
+        ),
+        (checkpoint.CheckedSavePlanner(step=5), 5, "holds step 1; it cannot be step-5"),
+    ]
+    for planner, step, refusal in refusals:
+        with pytest.raises(CheckpointException, match=re.escape(refusal)):
+            dcp.save(
+                state,
+                storage_writer=checkpoint.StepWriter(tmp_path, step),
+                planner=planner,
+            )
+    assert not list(tmp_path.glob("step-*"))
+    writer = checkpoint.StepWriter(tmp_path, 1)
+    dcp.save(state, storage_writer=writer, planner=checkpoint.CheckedSavePlanner())
+    with pytest.raises(checkpoint.CheckpointDirError, match="is or lies in the step"):
+        checkpoint.find_latest_step(tmp_path / "step-1")
+    with pytest.raises(checkpoint.CheckpointDirError, match="is or lies in the step"):
+        checkpoint.find_latest_step(tmp_path / "step-1", verified=True)
 
 
 def test_two_names_for_one_step_are_refused(tmp_path):

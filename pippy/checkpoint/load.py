@@ -62,6 +62,7 @@ from pippy.checkpoint.steps import (
     hidden_name,
     list_steps,
     newest_complete_step,
+    refuse_step_folder,
     why_not_whole,
 )
 from pippy.checkpoint.storage import Location, Storage, storage_for
@@ -438,6 +439,7 @@ def _newest_verified(
     def next_step() -> Any:  # on rank 0: the next step to read, or None
         nonlocal left
         if left is None:
+            refuse_step_folder(storage, checkpoint_dir)
             left = list(reversed(list_steps(storage, checkpoint_dir).values()))
         while left:
             path = left.pop(0)
@@ -526,8 +528,9 @@ def find_latest_step(
 
     Raises:
         CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
-            not a folder, cannot be listed, or is a URL whose storage client
-            is missing; with ``verified``, a step cannot be moved.
+            not a folder, cannot be listed, is or lies in a step folder, or
+            is a URL whose storage client is missing; with ``verified``, a
+            step cannot be moved.
         UnsafeCheckpointError: On every rank: the manifest of a step it
             reaches is a link leading out of the step folder; with
             ``verified``, a step holds a pickle that would run code or such a
@@ -545,6 +548,7 @@ def find_latest_step(
 
     def decide() -> Any:  # on rank 0
         storage = storage_for(checkpoint_dir)
+        refuse_step_folder(storage, checkpoint_dir)  # a run's folder, not a step's
         latest, skipped = newest_complete_step(storage, checkpoint_dir)
         if skipped:
             logger.warning(

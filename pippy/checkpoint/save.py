@@ -58,6 +58,15 @@ from pippy.checkpoint.storage import Location, is_url, same_location, storage_fo
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """A local plan's data from :class:`CheckedSavePlanner`: its offer and step."""
+
+    offer: Any
+    step: int | None
+    inner: Any  # the wrapped planner's own
+
+
 class CheckedSavePlanner(SavePlanner):
     """DCP's save planner, refusing in DCP's own planning what DCP would lose.
 
@@ -110,20 +119,25 @@ class CheckedSavePlanner(SavePlanner):
         try:
             if self.failure is not None:
                 raise self.failure
+            stored = self._state_dict.get("step")
+            if isinstance(stored, int) and self.step not in (None, stored):
+                raise ValueError(
+                    f"the state holds step {stored}; it cannot be step-{self.step}"
+                )
             offer = offer_keys(
                 self._state_dict, process_group=self.process_group, mesh=self.mesh
             )
         except Exception as e:
             raise own_error(e) from e
         plan = self.planner.create_local_plan()
-        data = (offer, self.step, plan.planner_data)
+        data = _Checked(offer, self.step, plan.planner_data)
         return dataclasses.replace(plan, planner_data=data)
 
     def create_global_plan(
         self, all_plans: list[SavePlan]
     ) -> tuple[list[SavePlan], Metadata]:
         """Judges every rank's step and offer, then ``planner``'s global plan."""
-        steps = [p.planner_data[1] for p in all_plans]
+        steps = [p.planner_data.step for p in all_plans]
         if len(set(steps)) > 1:  # counters that drifted apart: one folder for all
             ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
             named = ", ".join(
@@ -134,10 +148,13 @@ class CheckedSavePlanner(SavePlanner):
                 "the same step: keep one step counter for the job"
             )
         refuse_losses(
-            [p.planner_data[0] for p in all_plans], process_group=self.process_group
+            [p.planner_data.offer for p in all_plans], process_group=self.process_group
         )
         return self.planner.create_global_plan(
-            [dataclasses.replace(p, planner_data=p.planner_data[2]) for p in all_plans]
+            [
+                dataclasses.replace(p, planner_data=p.planner_data.inner)
+                for p in all_plans
+            ]
         )
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
@@ -303,6 +320,7 @@ class StepWriter(ManifestWriter):
         )
         self.process_group: dist.ProcessGroup | None = None  # pippy's, in saving()
         self.used = False  # by a dcp.save
+        self.checked = False  # by a CheckedSavePlanner's plan
 
     def reset(self, checkpoint_id: Location | None = None) -> None:
         """As DCP's; ValueError for a ``checkpoint_id`` other than ``final``."""
@@ -314,14 +332,37 @@ class StepWriter(ManifestWriter):
         super().reset()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """The plan, naming the step saved: the coordinator alone makes its folder."""
+        """The plan, naming the step saved: the coordinator alone makes its folder.
+
+        Raises:
+            ValueError: The plan is :class:`CheckedSavePlanner`'s, of another
+                step.
+        """
+        checked = plan.planner_data
+        self.checked = isinstance(checked, _Checked)  # the keys checked across ranks
+        if isinstance(checked, _Checked) and checked.step not in (None, self.step):
+            raise ValueError(
+                f"the planner saves step {checked.step} and the writer step-"
+                f"{self.step}: give both the same step"
+            )
         self.used = True
         final = self.final  # as written: only the coordinator looks at the folder
         named = os.fspath(final) if is_url(final) else os.path.abspath(final)
         return dataclasses.replace(plan, storage_data=named)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """DCP's plans, each carrying the staging folder made here."""
+        """DCP's plans, each carrying the staging folder made here.
+
+        Raises:
+            ValueError: Several ranks save, without :class:`CheckedSavePlanner`.
+        """
+        if len(plans) > 1 and not self.checked:
+            raise ValueError(
+                "several ranks save with a StepWriter, so they save with pippy's "
+                "CheckedSavePlanner (DCP's own planner keeps one copy of a key two "
+                "ranks offer, silently): pass dcp.save planner=CheckedSavePlanner(), "
+                "or take_state's"
+            )
         if self.ranks is not None and len(plans) != self.ranks:
             raise CheckpointError(
                 f"step-{self.step} was to be saved by {self.ranks} ranks, but "
