@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pippy.checkpoint import checks  # noqa: E402
 from pippy.checkpoint.safe_load import SafeLoadPlanner  # noqa: E402
-from pippy.checkpoint.save import CheckedSavePlanner  # noqa: E402
+from pippy.checkpoint.save import CheckedSavePlanner, _Checked  # noqa: E402
 
 
 def stage_state(stage: int, keys: int) -> dict:
@@ -74,9 +74,8 @@ def local_plans(ranks: int, stages: int, keys: int) -> tuple[list, list]:
         with mock.patch.object(dist, "get_world_size", return_value=ranks):
             offer = checks.offer_keys(state, mesh=mesh)  # type: ignore[arg-type]
         plain.append(plan)
-        ours.append(
-            dataclasses.replace(plan, planner_data=(offer, 1, plan.planner_data))
-        )
+        checked = _Checked(offer, 1, plan.planner_data)  # as its create_local_plan
+        ours.append(dataclasses.replace(plan, planner_data=checked))
     return plain, ours
 
 
