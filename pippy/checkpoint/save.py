@@ -119,11 +119,8 @@ class CheckedSavePlanner(SavePlanner):
         try:
             if self.failure is not None:
                 raise self.failure
-            stored = self._state_dict.get("step")
-            if isinstance(stored, int) and self.step not in (None, stored):
-                raise ValueError(
-                    f"the state holds step {stored}; it cannot be step-{self.step}"
-                )
+            if self.step is not None:
+                check_holds(self._state_dict, self.step)
             offer = offer_keys(
                 self._state_dict, process_group=self.process_group, mesh=self.mesh
             )
@@ -245,10 +242,15 @@ def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str,
         state_dict = state.state_dict()
     else:  # its Statefuls taken here, not in dcp.save: a failure reaches every rank
         state_dict = statefuls_taken(state)
+    check_holds(state_dict, step)
+    return state_dict
+
+
+def check_holds(state_dict: Mapping[str, Any], step: int) -> None:
+    """ValueError if ``state_dict``'s own ``step`` entry is another step."""
     stored = state_dict.get("step")
     if isinstance(stored, int) and stored != step:
         raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
-    return state_dict
 
 
 def _last_two(path: str) -> str:
@@ -400,7 +402,7 @@ class StepWriter(ManifestWriter):
         storage, final = self.storage, self.final
         if self.owner is None:
             refuse_unowned(storage, self.checkpoint_dir)  # another job's, or forgotten
-        self.check_owner()  # a job that lost the folder writes nothing
+        self._check_owner()  # a job that lost the folder writes nothing
         refuse_step_folder(storage, self.checkpoint_dir)  # a step holds no steps
         step_names(storage, self.checkpoint_dir)  # a file, a step-08: say so
         if why_not_whole(storage, final) is None:
@@ -446,15 +448,15 @@ class StepWriter(ManifestWriter):
 
     def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
         """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
-        self.check_owner()
+        self._check_owner()
         super().finish(metadata, results)
         self.publish()
 
     def before_commit(self) -> None:
         """The lease checked again: on a store the manifest commits the step."""
-        self.check_owner()
+        self._check_owner()
 
-    def check_owner(self) -> None:
+    def _check_owner(self) -> None:
         """Raises unless the owner given (if any) still holds the folder."""
         if self.owner is not None:
             self.owner.check()
@@ -462,7 +464,7 @@ class StepWriter(ManifestWriter):
     def publish(self) -> None:
         """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         try:
-            self.check_owner()
+            self._check_owner()
             if self.staging != self.final:  # on a store: committed by its record
                 self.storage.publish(self.staging, self.final)
         except OSError as e:
