@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from pippy.checkpoint.collectives import pippy_group
+from pippy.checkpoint.collectives import global_rank, pippy_group
 from pippy.checkpoint.errors import (
     DivergedReplicasError,
     KeyCollisionError,
@@ -44,12 +44,9 @@ def leaf_places(
             yield f"{prefix}{key}", state_dict, key
 
 
-def named_leaves(
-    state_dict: Mapping[str, Any], prefix: str = ""
-) -> Iterator[tuple[str, Any]]:
+def named_leaves(state_dict: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
     """Yields ``(dotted key, leaf)`` of a nested state_dict, as DCP names them."""
-    for name, parent, key in leaf_places(state_dict, prefix):
-        yield name, parent[key]
+    return ((name, parent[key]) for name, parent, key in leaf_places(state_dict))
 
 
 def local(value: Any) -> Any:
@@ -93,35 +90,24 @@ def fingerprints(state_dict: Mapping[str, Any]) -> dict[str, str]:
     """A short text per leaf of a (nested) state_dict that differs when it does.
 
     Compare two with ``==`` to tell whether two states are equal bit for bit
-    without holding both, e.g. a model's before it is freed and another's
-    after its checkpoint was loaded into it.
+    without holding both (a model's before it is freed, and after a load).
 
     Args:
         state_dict: As from ``StageState.state_dict()``.
 
     Returns:
-        ``{dotted key (as DCP names it): text}``; a tensor's text is its
-        dtype, shape and the CRC-32C of its bytes (a DTensor's, this rank's
-        shard; a GPU tensor is copied to the host one at a time), another
-        value's its ``repr``.
+        ``{dotted key (as DCP names it): text}``: a tensor's dtype, shape and
+        CRC-32C (a DTensor's, of this rank's shard), another value's ``repr``.
     """
     return {key: fingerprint(value) for key, value in named_leaves(state_dict)}
 
 
 def device_hash(tensor: torch.Tensor) -> torch.Tensor:
-    """A 64-bit hash of a tensor's bytes, computed where the tensor lives.
+    """A 0-dim int64 hash of a tensor's bytes, computed on its device (no sync).
 
-    The bytes as little-endian 8-byte words (zero-padded), each times a
-    distinct odd weight, summed modulo 2**64 (int64 wraps around): integer
-    sums do not depend on the order of the reduction, so equal bytes give
-    equal hashes on every rank, and any change to one word changes it. No
-    host copy, no sync.
-
-    Args:
-        tensor: Any tensor (a DTensor: pass its local shard).
-
-    Returns:
-        A 0-dim int64 tensor on ``tensor``'s device.
+    Its 8-byte words (zero-padded), each times a distinct odd weight, summed
+    modulo 2**64: an integer sum does not depend on the reduction's order, so
+    equal bytes hash equal on every rank, and any changed word changes it.
     """
     raw = _raw_bytes(tensor)
     pad = (-raw.numel()) % 8
@@ -139,9 +125,7 @@ def device_hash(tensor: torch.Tensor) -> torch.Tensor:
 def digests(values: Mapping[str, Any]) -> dict[str, str]:
     """:func:`fingerprint` of each value; tensors off the CPU by :func:`device_hash`.
 
-    A CRC-32C would copy each device tensor to the host, one sync each, on
-    the save's critical path; their hashes come to the host in one copy per
-    device.
+    Their hashes come to the host in one copy per device, not one sync each.
     """
     found: dict[str, str] = {}
     on_device: dict[Any, list[tuple[str, torch.Tensor]]] = {}
@@ -223,10 +207,7 @@ def _with_ranks(items: Mapping[str, Any]) -> str:
 
 
 def _chunk(value: Any) -> tuple[Any, ...] | None:
-    """Where the chunks DCP writes of a leaf start; None for a whole tensor.
-
-    A DTensor's local shard, a ShardedTensor's local shards.
-    """
+    """Where the chunks DCP writes of a DTensor or ShardedTensor start; else None."""
     if isinstance(value, DTensor):
         return tuple(
             compute_local_shape_and_global_offset(
@@ -256,11 +237,7 @@ def _replicated(value: Any, dp_dims: tuple[str, ...]) -> bool:
 
 
 def _parameter_of(key: str) -> str | None:
-    """The FQN of the parameter an optimizer entry belongs to, or None.
-
-    ``optim.state.<fqn>.<name>`` and ``optim.scalars.<fqn>``: every rank
-    holding a shard of the parameter holds the entry.
-    """
+    """The FQN of the parameter an ``optim.state.`` or ``optim.scalars.`` key names."""
     section, _, rest = key.partition(".")
     kind, _, name = rest.partition(".")
     if section != "optim":
@@ -269,10 +246,7 @@ def _parameter_of(key: str) -> str | None:
 
 
 def _by_fqn(section: str, value: Any) -> bool:
-    """Whether a section is DCP's recipe's ``optimizer``, naming no layout.
-
-    An optimizer state_dict keyed by FQNs, as ``get_state_dict`` gives it.
-    """
+    """Whether a section is an ``optimizer`` keyed by FQNs (``get_state_dict``'s)."""
     if section != "optimizer" or not isinstance(value, Mapping):
         return False
     state, groups = value.get("state"), value.get("param_groups")
@@ -419,10 +393,7 @@ def refuse_losses(
     """The rest of :func:`check_keys`: judges every rank's offer, by group rank."""
     if not dist.is_initialized():
         return
-    offers = {
-        dist.get_global_rank(process_group, r) if process_group else r: offer
-        for r, offer in enumerate(gathered)
-    }
+    offers = {global_rank(process_group, r): o for r, o in enumerate(gathered)}
     with_mesh = [r for r, offer in offers.items() if offer["meshed"]]
     if 0 < len(with_mesh) < len(offers):
         without = [r for r in offers if r not in with_mesh]
@@ -432,17 +403,15 @@ def refuse_losses(
         )
     # A section every rank nests its state under (DCP's tutorial's "app") is
     # a namespace; one some ranks use (a stage's, "stage0") names the layout.
-    nested = {
-        section: by
-        for section, by in _ranks_by(
-            offers, lambda o: ((s, None) for s in o["nested"])
-        ).items()
-        if len(_all(by)) < len(offers)
-    }
+    nesting: dict[str, list[int]] = {}
+    for rank, offer in offers.items():
+        for section in offer["nested"]:
+            nesting.setdefault(section, []).append(rank)
+    nested = {s: ranks for s, ranks in nesting.items() if len(ranks) < len(offers)}
     if nested:
         raise NestedStateError(
             f"model or optimizer state is nested under other sections: "
-            f"{_with_ranks({s: _all(by) for s, by in nested.items()})}. Its keys would "
+            f"{_with_ranks(nested)}. Its keys would "
             "name this layout, and no other layout could load them. Keep model and "
             "optimizer state under 'model' and 'optim', keyed by the un-split "
             "model's FQNs: give StageState all of a rank's stage modules and "
@@ -477,10 +446,8 @@ def refuse_losses(
 def _clean(offers: Mapping[int, Mapping[str, Any]]) -> bool:
     """Whether, quickly, no owned chunk is on two stages and no replica differs.
 
-    The coordinator of 1,024 ranks compares each stage's replicas' offers
-    whole (C-level dict equality) and the stages' chunk sets, instead of
-    indexing every key of every rank; False sends it to the checks that name
-    what is wrong. Replicas by placements (across stages) take that path too.
+    Compares each stage's replicas' offers whole and the stages' chunk sets
+    (fast for 1,024 ranks); False: :func:`_refuse_owned` names what is wrong.
     """
     first: dict[Any, Mapping[str, Any]] = {}  # each stage's first offer
     for offer in offers.values():

@@ -1,30 +1,23 @@
 """pippy's collectives: its own gloo group, one outcome for all, a late rank named.
 
 pippy's collectives run on a gloo group of its own (:func:`pippy_group`),
-whatever backend the caller's group has. :func:`fail_together` and
-:func:`on_coordinator` give every rank one outcome of a step that some rank
-runs alone. Waiting for the other ranks of a save or load: who is late, how
-far, how long.
+whatever backend the caller's group has; only its timeout is ever changed.
+:func:`fail_together` and :func:`on_coordinator` give every rank one outcome
+of a step that some rank runs alone.
 
-Every rank goes straight into DCP's collectives while a thread of its own
-watches the save or load (:func:`waiting`) past two points: ``start`` and
-``write`` or ``read``. One over within :func:`log_every` seconds and its
-``timeout`` costs no store operation and no collective; past that, through the
-c10d store, each rank records every interval its last point and progress, and
-the lowest rank waiting logs one WARNING naming the late ranks. With a
-``timeout``, at the deadline a waiting rank marks the operation aborted; every
-collective of the block on pippy's own gloo group
-(:func:`pippy_group`: pippy's, and DCP's where it is
-given that group) waits at most ``timeout`` + :data:`ABORT_WAIT_S`
-(``ProcessGroup.set_timeout``, put back at the end), so every rank raises one
-:class:`~pippy.checkpoint.errors.CheckpointTimeout`. pippy's group is then
-unfit for more collectives: end the job. The caller's group (NCCL's watchdog
-would stop the process) is never touched. A rank that arrived less than an
-interval before another's deadline may still be named.
+:func:`waiting` watches a save or load from a thread of its own, past two
+points: ``start`` and ``write`` or ``read``. Past :func:`log_every` seconds
+each rank records its point and progress in the c10d store, and the lowest
+rank waiting logs one WARNING naming the late ranks. With a ``timeout``, at
+the deadline a waiting rank marks the operation aborted; every collective on
+pippy's group waits at most ``timeout`` + :data:`ABORT_WAIT_S`, so every rank
+raises one :class:`~pippy.checkpoint.errors.CheckpointTimeout` (a rank that
+arrived within an interval of the deadline may still be named). pippy's group
+is then unfit for more collectives: end the job. The caller's group (NCCL's
+watchdog would stop the process) is never touched.
 
-Private torch names (no public getter): the store (``_get_default_store``)
-and a group's gloo backend's ``options._timeout``;
-:mod:`~pippy.checkpoint.steps` lists them.
+Private torch names (:mod:`~pippy.checkpoint.steps` lists them): the store
+(``_get_default_store``) and a gloo backend's ``options._timeout``.
 """
 
 from __future__ import annotations
@@ -68,10 +61,8 @@ def pippy_group(
 ) -> dist.ProcessGroup | None:
     """Pippy's own gloo group over the ranks of ``process_group``.
 
-    pippy's collectives run on it, whatever backend the caller's group has
-    (NCCL alone included), and only its timeout is ever changed (a save's or
-    load's ``timeout=``); the caller's group is never touched. Made on first
-    use, on the ranks of ``process_group`` at once, then kept.
+    Made on first use, by those ranks at once, then kept. Only its timeout is
+    ever changed (a save's or load's ``timeout=``), never the caller's group's.
 
     Args:
         process_group: The caller's group; the default group if None.
@@ -98,39 +89,33 @@ def pippy_group(
 def _gloo_group(
     group: dist.ProcessGroup | None, timeout: timedelta | None = None
 ) -> dist.ProcessGroup:
-    """A new gloo group over ``group``'s ranks, made by them alone."""
+    """A new gloo group over ``group``'s ranks (all: None), made by them alone."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # type: ignore[arg-type]
-    if len(ranks) == dist.get_world_size():  # named by torch's count, as usual
-        return dist.new_group(ranks, backend="gloo", timeout=timeout)
-    # named by its ranks: the other ranks need not take part
+    # A subgroup is named by its ranks, so that the other ranks need not take part.
+    subgroup = len(ranks) < dist.get_world_size()
     return dist.new_group(
-        ranks, backend="gloo", timeout=timeout, use_local_synchronization=True
+        ranks, backend="gloo", timeout=timeout, use_local_synchronization=subgroup
     )
 
 
 def made_group(
     process_group: dist.ProcessGroup | None = None,
 ) -> dist.ProcessGroup | None:
-    """A new gloo group of pippy's own over ``process_group``'s ranks.
+    """A new gloo group of pippy's own over ``process_group``'s ranks (all: None).
 
-    All ranks if None. :func:`pippy_group` gives it back for itself; forget
-    it with :func:`drop_group`. None where torch.distributed is not
-    initialized.
+    :func:`pippy_group` gives it back for itself; forget it with
+    :func:`drop_group`. None where torch.distributed is not initialized.
     """
     if not dist.is_initialized():
         return None
-    ours = _gloo_group(process_group or dist.group.WORLD)
+    ours = _gloo_group(process_group)
     _groups[id(ours)] = (ours, ours)
     return ours
 
 
 @atexit.register
 def _release_groups() -> None:
-    """Destroys and forgets pippy's groups at exit, while Python still runs.
-
-    Those the caller's ``destroy_process_group()`` left, so that their gloo
-    threads end then, not in the interpreter's teardown.
-    """
+    """Destroys pippy's groups at exit, so that their gloo threads end in time."""
     held = {id(ours): ours for _, ours in _groups.values()}
     _groups.clear()
     if not dist.is_initialized():
@@ -144,6 +129,11 @@ def drop_group(group: dist.ProcessGroup) -> None:
     """Forgets, then destroys, a group from :func:`made_group`."""
     _groups.pop(id(group), None)
     dist.destroy_process_group(group)
+
+
+def global_rank(process_group: dist.ProcessGroup | None, rank: int) -> int:
+    """The global rank of ``rank`` of ``process_group`` (the default group: None)."""
+    return dist.get_global_rank(process_group, rank) if process_group else rank
 
 
 @contextmanager
@@ -186,9 +176,7 @@ def fail_together(
     errors: list[str | None] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(errors, error, group=pippy_group(process_group))
     failed = {
-        dist.get_global_rank(process_group, r) if process_group else r: e
-        for r, e in enumerate(errors)
-        if e is not None
+        global_rank(process_group, r): e for r, e in enumerate(errors) if e is not None
     }
     if own is not None and keep_own_error:
         raise own
@@ -213,7 +201,7 @@ def on_coordinator(
         except Exception as e:  # a bug: the same exception on every rank
             own, outcome[0] = e, portable(e, action)
     if dist.is_initialized():
-        src = dist.get_global_rank(process_group, 0) if process_group else 0
+        src = global_rank(process_group, 0)
         dist.broadcast_object_list(outcome, src=src, group=pippy_group(process_group))
     error = own if own is not None else outcome[0]
     if error is not None:  # this rank's own, else as rank 0 sent it
@@ -365,7 +353,7 @@ class Waits:
         if self.progress is None:
             return "1|started"
         done, total, nbytes, total_bytes = self.progress
-        verb = {"write": "wrote", "read": "read"}.get(self.points[1], "did")
+        verb = "wrote" if self.points[1] == "write" else "read"
         mb = f"{nbytes / 1e6:.1f} of {total_bytes / 1e6:.1f} MB"
         return f"1|{verb} {done} of {total} items, {mb}"
 

@@ -109,7 +109,7 @@ def pack_scalars(
     # a metadata entry): AdamW gets 3 items per parameter instead of 14.
     packed: dict[str, Any] = {}
     scalars: dict[str, list[list[Any]]] = {}
-    zero_dim: list[tuple[list[Any], torch.Tensor]] = []  # (entry, tensor)
+    zero_dim: list[list[Any]] = []  # entries holding a 0-dim tensor
     for key, value in optim_sd.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             packed[key] = value
@@ -124,10 +124,9 @@ def pack_scalars(
         entry = [f"{section}.{name}", value]
         if isinstance(value, torch.Tensor):
             entry.append(str(value.dtype).removeprefix("torch."))
-            zero_dim.append((entry, value))
+            zero_dim.append(entry)
         scalars.setdefault(fqn, []).append(entry)
-    tensors = [tensor for _, tensor in zero_dim]
-    for (entry, _), number in zip(zero_dim, _numbers(tensors), strict=True):
+    for entry, number in zip(zero_dim, _numbers([e[1] for e in zero_dim]), strict=True):
         entry[1] = number
     for fqn, index in groups.items():
         if fqn in scalars:
@@ -139,8 +138,7 @@ def pack_scalars(
 def _numbers(tensors: list[torch.Tensor]) -> list[Any]:
     """The Python numbers of 0-dim tensors: one host copy per device and dtype.
 
-    Fused or capturable AdamW keeps ``step`` on the GPU, where ``.item()``
-    on each would sync the device once per parameter.
+    Not ``.item()`` on each: fused AdamW's ``step``s on a GPU, one sync each.
     """
     numbers: list[Any] = [None] * len(tensors)
     alike: dict[tuple[Any, ...], list[int]] = {}
@@ -200,16 +198,10 @@ _PARAM_GROUPS = "train_state.pippy_param_groups"
 
 
 def detect_layout(keys: Iterable[str]) -> str:
-    """Tells pippy's layout from torchtitan's by a checkpoint's keys.
+    """:data:`PIPPY` or :data:`TORCHTITAN`: the layout a checkpoint's keys are in.
 
-    Args:
-        keys: The checkpoint's keys (``state_dict_metadata``).
-
-    Returns:
-        :data:`PIPPY` if a key is ``step``; else :data:`TORCHTITAN` if a
-        key is under ``optimizer.`` or ``train_state.``, or if none is under
-        ``model.``; else :data:`PIPPY` (a model-only torchtitan checkpoint
-        whose FQNs start with ``model.`` names the same weights either way).
+    A model-only torchtitan checkpoint whose FQNs start with ``model.`` reads
+    as pippy's: it names the same weights either way.
     """
     if not isinstance(keys, Mapping | Set):  # a mapping's "in" takes no loop
         keys = list(keys)

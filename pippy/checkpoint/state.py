@@ -330,26 +330,25 @@ class StageState(Stateful):
 
         for index, group in self._all_groups():
             fqns = [fqn_of[p] for p in group["params"] if p in fqn_of]
-            for option, value in group.items():  # a switch of the algorithm
-                saved = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
-                if isinstance(value, bool) and option not in _IMPLEMENTATION_OPTIONS:
-                    if any(isinstance(v, bool) and v != value for v in saved):
-                        raise CheckpointError(
-                            f"param group {index} here has {option}={value}, the "
-                            f"checkpoint {option}={not value} for {fqns[0]!r}: it "
-                            "was saved by another optimizer class (AdamW is Adam "
-                            "with decoupled_weight_decay=True) or with that option "
-                            "switched, which loading would switch back; build the "
-                            f"optimizer {AS_SAVED}"
-                        )
             differ: dict[str, tuple[str, Any, Any]] = {}
             options = sorted(group.keys() - _IMPLEMENTATION_OPTIONS, key="lr".__ne__)
             for option in options:
-                values = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
-                for fqn, value in zip(fqns[1:], values[1:], strict=True):
-                    if comparable(value) != comparable(values[0]):
-                        differ[option] = (fqn, values[0], value)
-                        break
+                here = group[option]
+                saved = [optim_sd.get(f"param_groups.{f}.{option}") for f in fqns]
+                if isinstance(here, bool) and any(  # a switch of the algorithm
+                    isinstance(v, bool) and v != here for v in saved
+                ):
+                    raise CheckpointError(
+                        f"param group {index} here has {option}={here}, the "
+                        f"checkpoint {option}={not here} for {fqns[0]!r}: it "
+                        "was saved by another optimizer class (AdamW is Adam "
+                        "with decoupled_weight_decay=True) or with that option "
+                        "switched, which loading would switch back; build the "
+                        f"optimizer {AS_SAVED}"
+                    )
+                for fqn, value in zip(fqns[1:], saved[1:], strict=True):
+                    if comparable(value) != comparable(saved[0]):
+                        differ.setdefault(option, (fqn, saved[0], value))
             if differ:
                 option, (fqn, first, other) = next(iter(differ.items()))
                 raise CheckpointError(
