@@ -10,7 +10,7 @@ import copy
 import logging
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from typing import Any
@@ -38,21 +38,13 @@ from pippy.checkpoint.save import (
     state_to_save,
     step_of,
 )
-from pippy.checkpoint.state import StageState
+from pippy.checkpoint.state import StageState, take_or_failure
 from pippy.checkpoint.steps import check_keep_last, step_dir
 from pippy.checkpoint.storage import Location
 
 logger = logging.getLogger(__name__)
 _ATOMIC = (int, float, bool, str, type(None))  # values deepcopy returns as they are
-
-
-def changed_in_place(key: str) -> str:
-    """The one line for a saved tensor changed between ``save()`` and its copy."""
-    return (
-        f"{key} was changed in place after save() returned and before it was "
-        "copied, so this step is not published: call the saver's "
-        "wait_for_staging() before changing saved tensors"
-    )
+_Versions = Sequence[tuple[tuple[Any, ...], torch.Tensor, int]]  # path, tensor, version
 
 
 class KeptBufferStager:
@@ -93,15 +85,15 @@ class KeptBufferStager:
         state_dict: Mapping[str, Any],
         *,
         later: Callable[[], Mapping[str, Any]] | None = None,
-        after: Callable[[], None] | None = None,
+        versions: _Versions = (),
     ) -> dict[str, Any] | Future[dict[str, Any]]:
         """A copy of ``state_dict`` in the buffers, or (``in_background``) its Future.
 
         Its tensors are valid until the next :meth:`stage` or :meth:`close`.
-        ``later`` (``in_background`` only) takes more of the state_dict in the
-        stager's thread before the copy; what it reads must not change until then.
-        ``after`` runs once the bytes are copied (``in_background``: in the
-        stager's thread), to check what the copy read.
+        ``later`` takes more of the state_dict just before the copy
+        (``in_background``: in the stager's thread); what it reads must not
+        change until then. ``versions`` (path, tensor, version) are checked
+        after the copy, as the copied tensors' own are.
 
         Raises:
             CheckpointError: A tensor was changed in place (its version counter
@@ -110,12 +102,10 @@ class KeptBufferStager:
         """
         if self._staging is not None:  # the buffers are free again (its error told)
             wait([self._staging])
-        pairs: list[tuple[torch.Tensor, torch.Tensor, int, tuple]] = []
+        pairs: list[tuple[tuple[Any, ...], torch.Tensor, int, torch.Tensor]] = []
         staged = self._copy(state_dict, (), pairs)
         if not self.in_background:
-            if later is not None:
-                raise ValueError("only a stager in_background takes state later")
-            return self._fill(pairs, None, staged, None, after)
+            return self._fill(pairs, None, staged, later, versions)
         ready = None
         on_gpu = later is not None and torch.cuda.is_initialized()
         if on_gpu or any(src.is_cuda for _, src, _, _ in pairs):
@@ -125,37 +115,35 @@ class KeptBufferStager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-staging")
         self._staging = self._executor.submit(
-            self._fill, pairs, ready, staged, later, after
+            self._fill, pairs, ready, staged, later, versions
         )
         return self._staging
 
     @torch.no_grad()
     def _fill(
-        self,
-        pairs: list,
-        ready: Any,
-        staged: Any = None,
-        later: Any = None,
-        after: Any = None,
+        self, pairs: list, ready: Any, staged: Any, later: Any, versions: _Versions
     ) -> Any:
-        """Copies ``pairs`` (``later``'s too) after ``ready``; checks the sources."""
+        """Copies ``pairs`` (``later``'s too) after ``ready``; checks the versions."""
         if later is not None:
             staged = {**self._copy(later(), (), pairs), **staged}
         side = self._stream if ready is not None else None
         with torch.cuda.stream(side) if side is not None else nullcontext():
             if side is not None:
                 side.wait_event(ready)  # the sources hold the values of the call
-            for buffer, source, _, _ in pairs:
+            for _, source, _, buffer in pairs:
                 buffer.copy_(source, non_blocking=self.pin_memory)
         if side is not None:
             side.synchronize()
         elif self.pin_memory and torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking copies are done
-        for _, source, version, path in pairs:
-            if source._version != version:
-                raise CheckpointError(changed_in_place(".".join(map(str, path))))
-        if after is not None:
-            after()
+        for path, tensor, version, *_ in (*pairs, *versions):
+            if tensor._version != version:
+                raise CheckpointError(
+                    f"{'.'.join(map(str, path))} was changed in place after save() "
+                    "returned and before it was copied, so this step is not "
+                    "published: call the saver's wait_for_staging() before "
+                    "changing saved tensors"
+                )
         return staged
 
     def _copy(self, value: Any, path: tuple[Any, ...], pairs: list) -> Any:
@@ -194,7 +182,7 @@ class KeptBufferStager:
                 _pin_exactly(buffer)
             kept = (layout, buffer.requires_grad_(tensor.requires_grad))
             self._buffers[path] = kept
-        pairs.append((kept[1], tensor, tensor._version, path))
+        pairs.append((path, tensor, tensor._version, kept[1]))
         return kept[1]
 
     def synchronize_staging(self) -> None:
@@ -216,31 +204,31 @@ class AsyncSaver:
     """Saves in the background, one save at a time, as DCP's ``async_save``.
 
     ``save`` blocks only while it takes the state; the checkpoint holds the
-    values of the call. The default stager (:class:`KeptBufferStager`) copies
-    the state into kept buffers while the next forward and backward run; for a
-    ``StageState`` it also takes the model's and optimizers' state_dicts there
-    (the step, LR schedulers, extra state and param groups' options are taken
-    at the call; a parameter or buffer replaced meanwhile is saved as it was),
-    except before the optimizers have state (DCP makes it with a step), under
-    FSDP (it swaps parameters in forward), or with an optimizer's own
-    ``state_dict``. A ``StageState``'s buffers (BatchNorm's kernels update
-    running statistics in place without moving their version counters) and
-    extra state are copied at the call. Its parameters and optimizer tensors
-    are copied later: ``save`` hooks the optimizers' ``step`` to wait for the
+    values of the call, or is not published. The default stager
+    (:class:`KeptBufferStager`) copies the state into kept buffers while the
+    next forward and backward run. Of a ``StageState`` the step, LR
+    schedulers, extra state, param groups' options and buffers (BatchNorm's
+    kernels update running statistics in place without moving their version
+    counters) are taken at the call; the model's and optimizers' state_dicts
+    in the stager's thread (a parameter or buffer replaced meanwhile is saved
+    as it was), except before the optimizers have state (DCP makes it with a
+    step), under FSDP (it swaps parameters in forward), or with an
+    optimizer's own ``state_dict``. Its parameters and optimizer tensors are
+    copied later: ``save`` hooks the optimizers' ``step`` to wait for the
     copy, and a tensor changed in place before its copy (a ``clamp_``, an
-    ``add_``: its version counter moves) fails the save on every rank, naming
-    it, and nothing is published; call :meth:`wait_for_staging` before such a
-    change. Writes through ``.data`` move no version counter and are not seen.
-    A plain state_dict's ``save`` returns once copied.
+    ``add_``: its version counter moves; not a write through ``.data``) fails
+    the save on every rank, naming it, and nothing is published; call
+    :meth:`wait_for_staging` before such a change. A plain state_dict's
+    ``save`` returns once copied.
 
     The rest runs in one background thread over a gloo group of its own (async
     saves must not share a group with training collectives): the checks of
     :func:`~pippy.checkpoint.save_stage`, the staging folder, ``dcp.save`` and the
     publishing. :meth:`poll`, once per training step, reports it or raises its
     failure on every rank at the same step, without waiting; the next ``save``,
-    :meth:`wait` (which a load must call first) and :meth:`close` wait for it. Two
-    saves in flight on one gloo group crash (torch 2.13: "Connection reset by
-    peer"), hence one at a time. Rank 0 logs each published step (INFO).
+    :meth:`wait` (which a load must call first) and :meth:`close` wait for it.
+    One save at a time: two in flight on one gloo group crash (torch 2.13:
+    "Connection reset by peer"). Rank 0 logs each published step (INFO).
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -281,13 +269,12 @@ class AsyncSaver:
         self.owner = check_owner(owner, checkpoint_dir)
         self.keep_last = check_keep_last(keep_last)
         self.timeout = seconds(timeout)
-        # pippy's own gloo group over the saving ranks, this saver's alone: its
-        # timeout is the saver's to set (the caller's group is never touched)
+        # The saver's own gloo group over the saving ranks: its timeout is the
+        # saver's to set (the caller's group is never touched).
         self.process_group = made_group(process_group)
         self._upload: Future | None = None  # the save in flight
         self._staging: Future | None = None  # its copy, until waited for
         self._told: Future | None = None  # a failed save save() raised itself
-        # The one thread that writes and publishes, one save after the other.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pippy-async-save")
         self._closed = False
         # poll()'s own gloo group, made here on every rank at once: made in
@@ -305,9 +292,9 @@ class AsyncSaver:
     ) -> Any:
         """Waits for the previous save, then starts saving ``state``, on every rank.
 
-        At the call, on each rank alone, the state is taken (its step checked) and the
-        copy starts (see the class). Python's garbage collector is paused until it
-        returns (not in the background).
+        At the call, on each rank alone, the state is taken (its step checked)
+        and the copy starts (see the class). Python's garbage collector is
+        paused until it returns.
 
         Args:
             state: The stage's ``StageState``, or a nested state_dict (e.g.
@@ -322,10 +309,10 @@ class AsyncSaver:
             RuntimeError: The saver is closed.
             CheckpointDirInUseError: Its ``owner`` was released; nothing is
                 taken.
-            ValueError: This rank's state holds another step (the other ranks raise
-                a ``CheckpointError`` naming it, by their next :meth:`poll`,
-                :meth:`wait` or ``save``), or a plain state_dict came without a step
-                (on every rank alike); nothing is written.
+            ValueError: This rank's state holds another step (the other ranks
+                raise a ``CheckpointError`` naming it, by their next
+                :meth:`poll`, :meth:`wait` or ``save``), or a plain state_dict
+                came without a step (on every rank alike); nothing is written.
             CheckpointError, KeyCollisionError, CheckpointDirError,
                 CheckpointTimeout: The previous save failed or was refused (see
                 :meth:`wait`); ``CheckpointError`` also where copying a plain
@@ -394,13 +381,10 @@ class AsyncSaver:
             now["lr_scheduler"] = state._scheduler_state()
         now.update((name, obj.state_dict()) for name, obj in state.extra.items())
         now = _cloned(now)  # extra state, as it is now: small
-        # The optimizers' options as they are now (an LR set before the next
-        # step must not be saved), and the module's tensors as they are now:
-        # buffers copied (BatchNorm's kernels update running statistics in place
-        # without moving their version counters), the rest by the stager after
-        # a check of their version counters.
+        # The optimizers' options and the module's tensors as they are now
+        # (an LR set before the next step must not be saved), buffers copied.
         held = state.module.state_dict(keep_vars=True)
-        buffers, versions = _buffers_now(state.module), _versions(state)
+        buffers = _buffers_now(state.module)
         later = copy.copy(state)
         later.optimizer = [_options_now(o) for o in state.optimizers]
         later.lr_scheduler, later.extra = None, {}
@@ -421,12 +405,7 @@ class AsyncSaver:
             _put(taken["model"], buffers)
             return taken  # its step is the one taken now
 
-        def unchanged() -> None:  # after the copy: what it read is the call's
-            for key, tensor, version in versions:
-                if tensor._version != version:
-                    raise CheckpointError(changed_in_place(key))
-
-        return stager.stage(now, later=take, after=unchanged)
+        return stager.stage(now, later=take, versions=_versions(state))
 
     def _write(self, taken: Any, step: int, started: float, ranks: int) -> Any:
         """In the background: the wait, the staging folder, the write, publishing."""
@@ -444,11 +423,14 @@ class AsyncSaver:
             ranks=ranks,
             owner=self.owner,
         )
-        action = f"saving step-{step} in the background"
-        with writer.saving(action, self.timeout, group):
+        with writer.saving(
+            f"saving step-{step} in the background", self.timeout, group
+        ):
             planner = CheckedSavePlanner(mesh=self.mesh, process_group=group, step=step)
-            copy = planner.take(copied)
-            dcp.save(copy, storage_writer=writer, planner=planner, process_group=group)
+            state_dict, planner.failure = take_or_failure(copied)
+            dcp.save(
+                state_dict, storage_writer=writer, planner=planner, process_group=group
+            )
         if not dist.is_initialized() or dist.get_rank() == 0:
             took = time.perf_counter() - started
             logger.info(
@@ -459,13 +441,13 @@ class AsyncSaver:
     def wait_for_staging(self) -> None:
         """Waits until the state of the save in flight has been copied.
 
-        Call it before anything but the saved optimizers' ``step`` changes the saved
-        tensors in place.
+        Call it before anything but the saved optimizers' ``step`` changes the
+        saved tensors in place.
 
         Raises:
-            CheckpointError: Staging, or taking the state in the background, failed
-                (also if the module's state_dict keys changed since the call); the
-                step is not published.
+            CheckpointError: Staging, or taking the state in the background,
+                failed (also if the module's state_dict keys changed since the
+                call); the step is not published.
         """
         try:
             self._staged()
@@ -571,12 +553,10 @@ class AsyncSaver:
 
 
 def _pin_exactly(buffer: torch.Tensor) -> None:
-    """Pins ``buffer``'s memory, its exact size, until the buffer is freed.
+    """Pins ``buffer``'s exact bytes until it is freed, as DCP's stager does.
 
-    ``pin_memory=True`` takes memory from the caching host allocator, which
-    rounds each block up to a power of two (up to twice the stage, kept for
-    the saver's life); registering the buffer's own memory with CUDA
-    (``cudaHostRegister``, as DCP's stager does) pins just its bytes.
+    ``pin_memory=True`` would round each block up to a power of two (the
+    caching host allocator's), kept for the saver's life.
     """
     storage = buffer.untyped_storage()
     if storage.nbytes() == 0:
@@ -597,11 +577,7 @@ def _cloned(value: Any) -> Any:
 
 
 def _buffers_now(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of each persistent buffer of ``module``, by the FQN DCP saves.
-
-    BatchNorm's kernels update running statistics in place without moving
-    their version counters, so buffers are copied at the call.
-    """
+    """A copy of each persistent buffer of ``module``, by the FQN DCP saves."""
     return {
         fqn: tensor.detach().clone()
         for key, tensor in module.state_dict(keep_vars=True).items()
@@ -615,19 +591,16 @@ def _put(model: dict[str, Any], copies: Mapping[str, torch.Tensor]) -> None:
     model.update((fqn, value) for fqn, value in copies.items() if fqn in model)
 
 
-def _versions(state: StageState) -> list[tuple[str, torch.Tensor, int]]:
-    """Each parameter's and optimizer state tensor's key and version counter."""
+def _versions(state: StageState) -> _Versions:
+    """Each parameter's and optimizer state tensor's path and version counter."""
     fqn_of: dict[torch.Tensor, str] = {
         p: name for name, p in state.module.named_parameters()
     }
-    found: list[tuple[str, torch.Tensor, int]] = [
-        (f"model.{name}", p, p._version) for p, name in fqn_of.items()
-    ]
+    found: list = [(("model", name), p, p._version) for p, name in fqn_of.items()]
     for optimizer in state.optimizers:
         for param, entries in optimizer.state.items():
-            name = fqn_of.get(param, "?")
             found += [
-                (f"optim.state.{name}.{key}", value, value._version)
+                (("optim", "state", fqn_of.get(param, "?"), key), value, value._version)
                 for key, value in entries.items()
                 if isinstance(value, torch.Tensor)
             ]

@@ -14,7 +14,7 @@ import dataclasses
 import gc
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -70,13 +70,13 @@ class _Checked:
 class CheckedSavePlanner(SavePlanner):
     """DCP's save planner, refusing in DCP's own planning what DCP would lose.
 
-    Each rank's local plan carries its key check's offer
+    Each rank's local plan carries its step and its key check's offer
     (:func:`~pippy.checkpoint.checks.offer_keys`), or raises its ``failure``
-    there so that no rank waits for it alone; the coordinator judges every
-    offer (:func:`~pippy.checkpoint.checks.refuse_losses`) inside DCP's first
-    gather, before it plans the write. The rest is ``planner``'s
-    (``DefaultSavePlanner`` if None). Made by :func:`take_state`, whose
-    errors it raises.
+    (taking the state failed) there, so that no rank waits for it alone; the
+    coordinator judges them all (:func:`~pippy.checkpoint.checks.refuse_losses`)
+    in DCP's first gather, before it plans the write. The rest is ``planner``'s
+    (``DefaultSavePlanner`` if None). Made by :func:`take_state`, whose errors
+    it raises.
     """
 
     def __init__(
@@ -99,18 +99,13 @@ class CheckedSavePlanner(SavePlanner):
         self.failure: Exception | None = None  # set where taking the state failed
         self._state_dict: dict[str, Any] = {}
 
-    def take(self, take: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """``take()``; if it fails in a process group, {} and the failure kept."""
-        state_dict, self.failure = take_or_failure(take)
-        return state_dict
-
     def set_up_planner(
         self,
         state_dict: dict[str, Any],
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """As ``planner``'s; keeps the state_dict (nested) for the key check."""
+        """As ``planner``'s; keeps the state_dict for the key check."""
         self._state_dict = state_dict
         self.planner.set_up_planner(state_dict, storage_meta, is_coordinator)
 
@@ -147,12 +142,10 @@ class CheckedSavePlanner(SavePlanner):
         refuse_losses(
             [p.planner_data.offer for p in all_plans], process_group=self.process_group
         )
-        return self.planner.create_global_plan(
-            [
-                dataclasses.replace(p, planner_data=p.planner_data.inner)
-                for p in all_plans
-            ]
-        )
+        inner = [
+            dataclasses.replace(p, planner_data=p.planner_data.inner) for p in all_plans
+        ]
+        return self.planner.create_global_plan(inner)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """As ``planner``'s."""
@@ -196,23 +189,24 @@ def take_state(
     Raises:
         TypeError: ``state`` is neither a :class:`StageState` nor a mapping.
         ValueError: At once: no ``step`` for a plain state_dict, a ``timeout``
-            not in (0, 365 days], or a ``planner`` with DCP's plan
-            caching on. From ``dcp.save``: the state's own ``step`` entry is
-            another step, on that rank (the others raise ``CheckpointError``
-            naming it); at once without a process group.
-        KeyCollisionError: From ``dcp.save``, as ``check_keys`` (also
-            ``DivergedReplicasError`` and ``NestedStateError``), on every rank.
-        CheckpointDirInUseError: From ``dcp.save``, nothing written: this is
-            a torchrun worker whose launcher is gone
-            (:func:`~pippy.checkpoint.job.check_launcher`); ranks that did
-            not find it raise ``CheckpointError`` naming those that did.
+            not in (0, 365 days], or a ``planner`` with DCP's plan caching on.
+            From ``dcp.save`` (at once without a process group): the state
+            holds another step, on that rank; the others raise
+            ``CheckpointError`` naming it.
+        KeyCollisionError: From ``dcp.save``, on every rank (also
+            ``DivergedReplicasError`` and ``NestedStateError``).
+        CheckpointDirInUseError: From ``dcp.save`` (at once without a process
+            group), nothing written: this torchrun worker's launcher is gone
+            (:func:`~pippy.checkpoint.job.check_launcher`); the other ranks
+            raise ``CheckpointError`` naming it.
     """
     step = step_of(state, step)
     collectives.seconds(timeout)  # refused at once; the waits are the save's
     checked = CheckedSavePlanner(
         planner, mesh=mesh, process_group=process_group, step=step
     )
-    return checked.take(lambda: state_to_save(state, step)), step, checked
+    state_dict, checked.failure = take_or_failure(lambda: state_to_save(state, step))
+    return state_dict, step, checked
 
 
 def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
@@ -230,13 +224,7 @@ def step_of(state: StageState | Mapping[str, Any], step: int | None) -> int:
 
 
 def state_to_save(state: StageState | Mapping[str, Any], step: int) -> dict[str, Any]:
-    """:func:`take_state`'s part that each rank runs alone: the state, as ``step``.
-
-    Raises:
-        CheckpointDirInUseError: This torchrun worker's launcher is gone
-            (:func:`~pippy.checkpoint.job.check_launcher`).
-        ValueError: The state holds another step.
-    """
+    """The state taken, on this rank alone; raises if it holds another step."""
     check_launcher()
     if isinstance(state, StageState):
         state_dict = state.state_dict()
@@ -251,11 +239,6 @@ def check_holds(state_dict: Mapping[str, Any], step: int) -> None:
     stored = state_dict.get("step")
     if isinstance(stored, int) and stored != step:
         raise ValueError(f"the state holds step {stored}; it cannot be step-{step}")
-
-
-def _last_two(path: str) -> str:
-    """``<folder name>/step-<N>`` of a step's path: alike on every rank, any mount."""
-    return "/".join(path.rstrip("/").rsplit("/", 2)[-2:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,11 +260,9 @@ class StepWriter(ManifestWriter):
     ``.metadata`` and ``manifest.json``, the coordinator publishes the step.
     On an object store the step is written in place and its manifest,
     written last, commits it. Made by :func:`publish_step`, whose arguments
-    and errors it takes.
-
-    ``ranks``, if given, is how many ranks were to save when the save was
-    asked for: DCP's planning refuses any other number (a process group
-    destroyed meanwhile would leave each rank saving alone, as one process).
+    and errors it takes; ``ranks``, if given, is how many ranks were to save
+    when the save was asked for: DCP's planning refuses any other number (a
+    process group destroyed meanwhile would leave each rank saving alone).
 
     Attributes:
         final: ``<checkpoint_dir>/step-<step>``, what readers see.
@@ -291,9 +272,8 @@ class StepWriter(ManifestWriter):
             with ``torch.save``'s framing): replicated items count on the one
             replica that wrote them.
         process_group: In :func:`publish_step`'s block, the group to pass
-            ``dcp.save``: pippy's own gloo group over the saving ranks
-            (:func:`~pippy.checkpoint.collectives.pippy_group`), whose collectives
-            ``timeout`` bounds; None where no other rank saves.
+            ``dcp.save``: pippy's own gloo group over the saving ranks, whose
+            collectives ``timeout`` bounds; None where no other rank saves.
     """
 
     def __init__(
@@ -317,9 +297,7 @@ class StepWriter(ManifestWriter):
         self.checkpoint_dir, self.keep_last = checkpoint_dir, check_keep_last(keep_last)
         self.owner = check_owner(owner, checkpoint_dir)
         self.staging: Any = None
-        self.waits: collectives.Waits | None = (
-            None  # the watch of the save, in saving()
-        )
+        self.waits: collectives.Waits | None = None  # in saving()
         self.process_group: dist.ProcessGroup | None = None  # pippy's, in saving()
         self.used = False  # by a dcp.save
         self.checked = False  # by a CheckedSavePlanner's plan
@@ -334,15 +312,10 @@ class StepWriter(ManifestWriter):
         super().reset()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """The plan, naming the step saved: the coordinator alone makes its folder.
-
-        Raises:
-            ValueError: The plan is :class:`CheckedSavePlanner`'s, of another
-                step.
-        """
+        """The plan, naming the step's folder; refuses a planner of another step."""
         checked = plan.planner_data
         self.checked = isinstance(checked, _Checked)  # the keys checked across ranks
-        if isinstance(checked, _Checked) and checked.step not in (None, self.step):
+        if self.checked and checked.step not in (None, self.step):
             raise ValueError(
                 f"the planner saves step {checked.step} and the writer step-"
                 f"{self.step}: give both the same step"
@@ -353,11 +326,7 @@ class StepWriter(ManifestWriter):
         return dataclasses.replace(plan, storage_data=named)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """DCP's plans, each carrying the staging folder made here.
-
-        Raises:
-            ValueError: Several ranks save, without :class:`CheckedSavePlanner`.
-        """
+        """DCP's plans, each carrying the staging folder made here."""
         if len(plans) > 1 and not self.checked:
             raise ValueError(
                 "several ranks save with a StepWriter, so they save with pippy's "
@@ -372,9 +341,10 @@ class StepWriter(ManifestWriter):
                 "the save was in flight?): nothing is published. Wait for a "
                 "save to finish (close the AsyncSaver) before ending the group"
             )
-        by_name: dict[str, list[int]] = {}  # by first rank
+        by_name: dict[str, list[int]] = {}  # <folder>/step-<N>: alike on any mount
         for rank, plan in enumerate(plans):
-            by_name.setdefault(_last_two(plan.storage_data), []).append(rank)
+            name = "/".join(plan.storage_data.rstrip("/").rsplit("/", 2)[-2:])
+            by_name.setdefault(name, []).append(rank)
         places = (self.storage.same_place(p.storage_data) for p in plans)
         if len(by_name) > 1 and len(set(places)) > 1:  # not one folder, linked
             saved = "; ".join(f"{name_ranks(r)}: {n!r}" for n, r in by_name.items())
@@ -382,7 +352,6 @@ class StepWriter(ManifestWriter):
                 f"the ranks save into different step folders ({saved}): every "
                 "rank must pass the same checkpoint folder and step"
             )
-        plans = [dataclasses.replace(p, storage_data=None) for p in plans]
         try:
             self.staging = self._make_staging()
         except OSError as e:
@@ -390,6 +359,7 @@ class StepWriter(ManifestWriter):
                 self.checkpoint_dir, f".step-{self.step}.partial-*"
             )
             raise dir_error(f"cannot create {where}", e) from e
+        plans = [dataclasses.replace(p, storage_data=None) for p in plans]
         return [
             dataclasses.replace(
                 p, storage_data=_Staged(p.storage_data.prefix, self.staging)
@@ -529,17 +499,13 @@ def publish_step(
 
     Use it around ``dcp.save``, on every rank. The :class:`StepWriter`
     publishes the step inside ``dcp.save`` once every rank has written (a
-    rename, atomic and durable on a POSIX file system), and only then removes
-    steps beyond ``keep_last``. A crash before that leaves only a hidden
-    staging folder, which :func:`~pippy.checkpoint.find_latest_step` never
-    picks. If the body raises, nothing is published and the coordinator
-    removes the staging folder.
-
-    Note:
-        Every rank must reach ``dcp.save``: one that raises in the body
-        before it leaves the others waiting in DCP's first collective until
-        ``timeout`` (a ``CheckpointTimeout`` naming it) or, without one, the
-        process group's own timeout.
+    rename, atomic and durable on a POSIX file system), then removes steps
+    beyond ``keep_last``. A crash before that leaves only a hidden staging
+    folder, which :func:`~pippy.checkpoint.find_latest_step` never picks; if
+    the body raises, nothing is published and the coordinator removes it.
+    Every rank must reach ``dcp.save``: one that raises before it leaves the
+    others waiting in DCP's first collective until ``timeout`` (a
+    ``CheckpointTimeout`` naming it) or the process group's own timeout.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; created if missing. On
@@ -548,17 +514,18 @@ def publish_step(
         keep_last: If set, keep only this many newest complete steps.
         owner: The folder's :class:`~pippy.checkpoint.job.FolderOwner`, if
             this job holds one: the coordinator checks that it still does
-            before it makes the staging folder, and again before the
-            manifest and the publishing. Without one, a folder that holds
-            an owner record is refused.
-        process_group: Group of the ranks that save; the default group if None.
-            ``dcp.save`` in the body must run on the same ranks: pass it
+            before it makes the staging folder, the manifest and the
+            publishing. Without one, a folder that holds an owner record is
+            refused.
+        process_group: The ranks that save; the default group if None.
+            ``dcp.save`` in the body must run on them: pass it
             ``process_group=writer.process_group`` (pippy's gloo group over
             them, which ``timeout`` bounds; the caller's is never touched).
         timeout: Seconds (or a ``timedelta``) a rank that has written its
             items waits for the others before the save is abandoned; None
             waits without a deadline. Ranks not done are logged with what
-            they wrote, every :func:`~pippy.checkpoint.collectives.log_every` seconds.
+            they wrote, every :func:`~pippy.checkpoint.collectives.log_every`
+            seconds.
         **writer_options: Passed to the :class:`StepWriter` (DCP's
             ``thread_count``, ...).
 
@@ -581,9 +548,9 @@ def publish_step(
             timed out: end the job.
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
             ``owner`` holds another folder; ``overwrite`` is among
-            ``writer_options`` (before anything is made: a published step is
-            never overwritten); ``dcp.save`` in the body saved with another
-            writer, or another ``checkpoint_id``.
+            ``writer_options`` (a published step is never overwritten);
+            ``dcp.save`` in the body saved with another writer, or another
+            ``checkpoint_id``.
     """
     collectives.seconds(timeout)  # a bad timeout is refused before anything is made
     writer = StepWriter(
@@ -653,11 +620,10 @@ def save_stage(
         TypeError, ValueError, KeyCollisionError: As :func:`take_state`, and
             a ``thread_count`` under 1; nothing is written (the checkpoint
             folder may be created).
-        CheckpointDirError: As :func:`publish_step`.
+        CheckpointDirError, CheckpointTimeout: As :func:`publish_step`.
         CheckpointDirInUseError: As :func:`take_state` and :func:`publish_step`.
         CheckpointError: ``dcp.save`` failed on some rank (one line per rank);
             nothing is published.
-        CheckpointTimeout: As :func:`publish_step`.
     """
     message = "thread_count must be a whole number >= 1, not {!r}"
     check_number(thread_count, message, whole=True, at_least=1)
