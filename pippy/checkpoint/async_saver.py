@@ -203,23 +203,21 @@ class KeptBufferStager:
 class AsyncSaver:
     """Saves in the background, one save at a time, as DCP's ``async_save``.
 
-    ``save`` blocks only while it takes the state; the checkpoint holds the
-    values of the call, or is not published. The default stager
-    (:class:`KeptBufferStager`) copies the state into kept buffers while the
-    next forward and backward run. Of a ``StageState`` the step, LR
+    ``save`` blocks only while it takes the state; the step holds the values
+    of the call, or is not published. Of a ``StageState``, the step, LR
     schedulers, extra state, param groups' options and buffers (BatchNorm's
     kernels update running statistics in place without moving their version
-    counters) are taken at the call; the model's and optimizers' state_dicts
-    in the stager's thread (a parameter or buffer replaced meanwhile is saved
-    as it was), except before the optimizers have state (DCP makes it with a
-    step), under FSDP (it swaps parameters in forward), or with an
-    optimizer's own ``state_dict``. Its parameters and optimizer tensors are
-    copied later: ``save`` hooks the optimizers' ``step`` to wait for the
-    copy, and a tensor changed in place before its copy (a ``clamp_``, an
-    ``add_``: its version counter moves; not a write through ``.data``) fails
-    the save on every rank, naming it, and nothing is published; call
-    :meth:`wait_for_staging` before such a change. A plain state_dict's
-    ``save`` returns once copied.
+    counters) are taken at the call; the default stager
+    (:class:`KeptBufferStager`) takes the model's and optimizers' state_dicts
+    (a parameter replaced meanwhile is saved as it was) and copies the
+    tensors into kept buffers while the next forward and backward run. All
+    is taken at the call before the optimizers have state, under FSDP (it
+    swaps parameters in forward), or with an optimizer's own ``state_dict``.
+    ``save`` hooks the optimizers' ``step`` to wait for the copy; a tensor
+    changed in place before its copy (its version counter moves: ``clamp_``,
+    ``add_``; a write through ``.data`` is not seen) fails the save on every
+    rank, naming it: call :meth:`wait_for_staging` before such a change. A
+    plain state_dict's ``save`` returns once copied.
 
     The rest runs in one background thread over a gloo group of its own (async
     saves must not share a group with training collectives): the checks of

@@ -416,12 +416,6 @@ class StepWriter(ManifestWriter):
         with self.waits.counting(planner, sizes) as counted:  # progress, then arrival
             return super().write_data(plan, counted)
 
-    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
-        """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
-        self._check_owner()
-        super().finish(metadata, results)
-        self.publish()
-
     def before_commit(self) -> None:
         """The lease checked again: on a store the manifest commits the step."""
         self._check_owner()
@@ -431,8 +425,10 @@ class StepWriter(ManifestWriter):
         if self.owner is not None:
             self.owner.check()
 
-    def publish(self) -> None:
-        """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
+    def finish(self, metadata: Any, results: list[list[WriteResult]]) -> None:
+        """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
+        self._check_owner()
+        super().finish(metadata, results)
         try:
             self._check_owner()
             if self.staging != self.final:  # on a store: committed by its record
