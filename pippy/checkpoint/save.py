@@ -533,20 +533,16 @@ def publish_step(
             ``checkpoint_dir`` is a file or cannot be written, the ranks pass
             folders of different names, or another save published the step
             meanwhile.
-        CheckpointDirInUseError: On every rank: this job lost the folder to
-            another job, or no ``owner`` was given for a folder that holds an
-            owner record.
-        CheckpointError: ``dcp.save`` in the body failed on some rank (one
-            line per failed rank).
+        CheckpointDirInUseError: On every rank: this job lost the folder, or
+            no ``owner`` was given for a folder that holds an owner record.
+        CheckpointError: ``dcp.save`` failed on some rank (a line per rank).
         CheckpointTimeout: Some rank had not written its items within
-            ``timeout``: on every rank that had, naming those that had not;
-            nothing is published. The group then holds a collective that
-            timed out: end the job.
+            ``timeout``: on the others, naming it; nothing is published, and
+            the group holds a collective that timed out: end the job.
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
             ``owner`` holds another folder; ``overwrite`` is among
-            ``writer_options`` (a published step is never overwritten);
-            ``dcp.save`` in the body saved with another writer, or another
-            ``checkpoint_id``.
+            ``writer_options``; ``dcp.save`` in the body saved with another
+            writer, or another ``checkpoint_id``.
     """
     collectives.seconds(timeout)  # a bad timeout is refused before anything is made
     writer = StepWriter(
