@@ -517,11 +517,7 @@ class AsyncSaver:
         return self
 
     def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
-        """Closes: the save in flight lands first.
-
-        Where the block raised, a failure of that save is logged (ERROR) and
-        the block's error goes on; otherwise :meth:`close` raises it.
-        """
+        """Closes; where the block raised, a failure of the save is logged (ERROR)."""
         if error is None:
             return self.close()
         try:

@@ -1,11 +1,9 @@
 """The one save sequence, ``save_stage``, and the DCP plug-ins it is made of.
 
-Each rank takes its state and checks it (:func:`take_state`, whose
-:class:`CheckedSavePlanner` carries every rank's outcome and the key check's
-offers in DCP's own planning), then ``dcp.save`` writes it through
+Each rank takes its state (:func:`take_state`, whose :class:`CheckedSavePlanner`
+checks it in DCP's own planning), then ``dcp.save`` writes it through
 :class:`StepWriter`, which stages the step and publishes it whole
-(:func:`publish_step`). The pieces are spelled out in
-:mod:`pippy.checkpoint`'s snippet.
+(:func:`publish_step`).
 """
 
 from __future__ import annotations
