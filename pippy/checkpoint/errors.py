@@ -100,11 +100,10 @@ def one_line(error: BaseException) -> str:
 
 
 def portable(error: Exception, action: str | None = None) -> Exception:
-    """``error`` if it unpickles (it is sent to the other ranks), else its line.
+    """``error`` if it unpickles (to be sent to the other ranks), else its line.
 
-    The line, a ``CheckpointError``: ``<type>: <message>``; with the ``action``
-    that rank 0 ran alone (:func:`~pippy.checkpoint.collectives.on_coordinator`),
-    ``<action>: <type> on rank 0: <message>``.
+    The line, a ``CheckpointError``: ``<type>: <message>``, or ``<action>: <type>
+    on rank 0: <message>`` with the ``action`` rank 0 ran alone.
     """
     try:
         pickle.loads(pickle.dumps(error))
@@ -138,11 +137,7 @@ def name_ranks(ranks: list[int]) -> str:
 
 
 def failed_on(action: str, failures: Mapping[int, str]) -> CheckpointError:
-    """One error for failures on several ranks: a line per rank, by rank.
-
-    One line where every rank failed alike: ``<action> failed on ranks 0-3:
-    <the failure>``.
-    """
+    """One error for failures on several ranks: a line per rank, or one if alike."""
     if len(failures) > 1 and len(set(failures.values())) == 1:
         ranks, [line] = name_ranks(sorted(failures)), set(failures.values())
         return CheckpointError(f"{action} failed on {ranks}: {line}")
@@ -195,24 +190,11 @@ def check_number(
     text: bool = False,
     shown: Any = _SHOWN,
 ) -> Any:
-    """``value`` if it is a number of the kind and in the range asked, else ValueError.
+    """``value`` if a number (an ``int`` if ``whole``) in the range, else ValueError.
 
-    Args:
-        value: What to check; a ``bool`` is no number, NaN in no range.
-        message: The error, one sentence, with ``{}`` or ``{!r}`` where
-            ``shown`` goes: ``"a step is a whole number >= 0, not {!r}"``.
-        whole: An ``int`` only; else an ``int`` or a ``float``.
-        above: The range's lower end, not in it.
-        at_least: The range's lower end, in it.
-        at_most: The range's upper end, in it.
-        text: ``value`` is text (an environment variable) read as a float.
-        shown: What the message shows, if not ``value``.
-
-    Returns:
-        ``value``, read as a float where ``text``.
-
-    Raises:
-        ValueError: ``message``, ``shown`` filled in.
+    A ``bool`` is no number, NaN in no range; ``text``: ``value`` (an environment
+    variable) is read as a float, and returned so. ``message`` has ``{}`` or
+    ``{!r}`` where ``shown`` (``value`` by default) goes.
     """
     number = value
     if text:
@@ -220,10 +202,9 @@ def check_number(
             number = float(value)
         except ValueError:
             number = math.nan
-    kind = int if whole else int | float
     if (
         isinstance(number, bool)
-        or not isinstance(number, kind)
+        or not isinstance(number, int if whole else int | float)
         or not (above is None or number > above)
         or not (at_least is None or number >= at_least)
         or not number <= at_most

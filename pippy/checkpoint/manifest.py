@@ -61,16 +61,7 @@ CRC_CHUNK = 4 << 20
 
 
 def crc32c(data: Any, crc: int = 0) -> int:
-    """The CRC-32C of ``data`` (bytes-like), extending ``crc``, in chunks.
-
-    Args:
-        data: Contiguous bytes-like (``bytes``, a ``memoryview``, an array).
-        crc: The CRC-32C of the bytes before ``data`` (0: none).
-
-    Returns:
-        The CRC-32C, as one ``google_crc32c.extend`` call over all of it
-        would give; each call takes at most :data:`CRC_CHUNK` bytes.
-    """
+    """The CRC-32C of contiguous bytes-like ``data``, extending ``crc`` (0: none)."""
     array = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
     for start in range(0, len(array), CRC_CHUNK):
         crc = google_crc32c.extend(crc, array[start : start + CRC_CHUNK])
@@ -85,8 +76,8 @@ CRC32_PER_THREAD = TorchVersion(torch.__version__) >= "2.12"
 def no_crc32() -> Iterator[None]:
     """This thread's ``torch.save`` writes zero CRC-32s (the manifest has CRC-32C).
 
-    A no-op on torch 2.10 and 2.11, where the setting is the whole process's: other
-    threads' saves would lose it, and two writer threads could leave it off.
+    A no-op on torch 2.10 and 2.11, whose setting is the process's (other threads'
+    saves would lose it).
     """
     if not CRC32_PER_THREAD:
         yield
@@ -113,7 +104,7 @@ class _Crc32cStream:
         self.closed = False
 
     def write(self, data: Any) -> int:
-        """Writes ``data``, extending the checksum (of a view, not a copy)."""
+        """Writes ``data``, extending the checksum."""
         size = len(data)  # torch.save and DCP write bytes (format "B")
         if size <= _SMALL_WRITE:
             self.small += data
@@ -158,12 +149,11 @@ class _Crc32cStream:
 
 
 class Checksumming:
-    """DCP's file system ``inner``, recording each written item's CRC-32C.
+    """DCP's file system ``inner``, recording each written item's CRC-32C in ``crcs``.
 
-    DCP's writer calls ``tell()`` around each item, so each span between two calls
-    is one item; ``crcs`` maps its ``(file, offset, length)`` to its CRC-32C as
-    written. ``torch.save``'s CRC-32 is off meanwhile, and its ~40 small records
-    per item are gathered into one write. All else is ``inner``'s.
+    DCP's writer calls ``tell()`` around each item: ``crcs`` maps each span between
+    two calls, ``(file, offset, length)``, to its CRC-32C. ``torch.save``'s CRC-32
+    is off meanwhile, and its ~40 small records per item make one write.
     """
 
     def __init__(self, inner: FileSystemBase) -> None:
@@ -192,10 +182,9 @@ class Checksumming:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What one save wrote, as recorded in ``manifest.json``.
+    """``manifest.json``: ``items`` maps ``(file, offset, length)`` to ``(key, crc)``.
 
-    ``items`` maps ``(file, offset, length)`` to ``(key, crc32c)``; ``files`` gives
-    sizes in bytes; ``optim_layout`` None means layout 1.
+    ``files`` gives sizes in bytes; ``optim_layout`` None means layout 1.
     """
 
     step: int
@@ -226,11 +215,10 @@ def read_crcs(
 class ManifestWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter``, also writing ``manifest.json`` with checksums.
 
-    Each rank takes every item's CRC-32C as it is written (read back only if the
-    file system recorded none) and passes it to the coordinator in DCP's write
-    results, which writes ``manifest.json`` after ``.metadata``. ``written`` is,
-    after the save, ``(tensors, bytes)`` this rank wrote (bytes with
-    ``torch.save`` framing); ``**kwargs`` go to ``FileSystemWriter``.
+    Each rank passes every item's CRC-32C, taken as written (read back if the file
+    system recorded none), to the coordinator in DCP's write results; it writes
+    ``manifest.json`` after ``.metadata``. ``written``: ``(tensors, bytes)`` this
+    rank wrote; ``**kwargs`` go to ``FileSystemWriter``.
     """
 
     def __init__(
@@ -357,9 +345,8 @@ def check_manifest(
 ) -> Manifest:
     """Reads a step's manifest; refuses one absent or at odds with the folder.
 
-    ``sizes``: data files' sizes already found
-    (:func:`~pippy.checkpoint.steps.find_damage`), not asked again; ``named``:
-    the step the folder's name says, if it says one.
+    ``sizes``: data files' sizes already found (by ``steps.find_damage``);
+    ``named``: the step the folder's name says, if any.
     """
     manifest = read_manifest(storage, folder)
     if manifest is None and not storage.atomic_rename:  # its commit record
@@ -392,10 +379,7 @@ def check_manifest(
             )
     recorded = {place: key for place, (key, _) in manifest.items.items()}
     if dict(ranges) != recorded:
-        differ = sorted(
-            {ranges.get(p) or recorded[p] for p in ranges.keys() ^ recorded.keys()}
-            | {k for p, k in ranges.items() if recorded.get(p, k) != k}
-        )
+        differ = sorted({key for _, key in ranges.items() ^ recorded.items()})
         raise CheckpointError(
             f"{str(folder)!r} is damaged: its .metadata and {MANIFEST_FILE} "
             f"disagree on where {', '.join(map(repr, differ[:4]))} "

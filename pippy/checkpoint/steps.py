@@ -1,14 +1,10 @@
 """Step folders: names, completeness, retention, the newest; ``.metadata`` checked.
 
 A run's checkpoint folder holds one ``step-<N>`` folder per save, published
-whole by :func:`~pippy.checkpoint.save.publish_step`. On an object store (an
-fsspec URL: no rename) a step is written in place; ``manifest.json``, written
-last in one PUT, is its commit record. A folder whose name says another step
-than its manifest is never taken for that step. Functions here ask the storage
-from the calling process; in a job rank 0 asks and broadcasts.
-
-Each item's CRC-32C, taken as it is written, is in ``manifest.json``
-(:mod:`~pippy.checkpoint.manifest`).
+whole by :func:`~pippy.checkpoint.save.publish_step`. On an object store (no
+rename) a step is written in place; ``manifest.json``, written last in one PUT,
+is its commit record. A folder whose name says another step than its manifest
+is never taken for that step. In a job, rank 0 alone calls these.
 
 Private torch names pippy relies on, each tested in
 test/test_torch_internals.py on torch 2.10 to 2.15
@@ -72,11 +68,10 @@ logger = logging.getLogger(__name__)
 METADATA_FILE = ".metadata"
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
-#: The hidden step folders, ``.step-<N>.<kind>-<token>``: a save's staging
-#: (``partial``) and a step retention took out of view (``deleting``), whose
-#: token is random and which the folder's owner deletes once their job is gone;
-#: steps moved aside and kept for a look (``incomplete``, ``damaged``), whose
-#: token is the time.
+#: Hidden step folders, ``.step-<N>.<kind>-<token>``: a save's staging (``partial``)
+#: and a step retention took out of view (``deleting``), random token, deleted once
+#: their job is gone; steps moved aside for a look (``incomplete``, ``damaged``),
+#: the time as token.
 _HIDDEN = re.compile(r"\.step-[0-9]+\.(partial|deleting|incomplete|damaged)-.*")
 _LEFTOVER = ("partial", "deleting")
 
@@ -185,10 +180,8 @@ def list_steps(storage: Storage, checkpoint_dir: Location) -> dict[int, Any]:
 def why_not_whole(storage: Storage, path: Location) -> str | None:
     """None if a step folder is complete and holds its step, else why not.
 
-    Its manifest naming another step: it does not hold its step. A damaged
-    manifest does not make a step less whole: the step is taken, and reading
-    it refuses the damage (``verified=True`` passes it over as damaged); a
-    manifest that links out of the folder raises ``UnsafeCheckpointError``.
+    A damaged manifest does not make a step less whole: reading it refuses the
+    damage; one that links out of the folder raises ``UnsafeCheckpointError``.
     """
     if not is_complete(storage, path):
         return "incomplete (no .metadata: its save did not finish)"
@@ -225,40 +218,32 @@ def remove_old_steps(
     """Removes all but the newest ``keep_last`` complete steps, never ``keep``.
 
     Each goes out of view at once (renamed aside, or its manifest deleted on a
-    store); its files, and the folders earlier deletions left (a kill, an
-    error), are deleted by a thread of this process, off every rank's critical
-    path (:func:`wait_for_deletions`). Incomplete folders (maybe a save in
-    progress) and folders whose manifest names another step or links out are
-    left alone. In a job, rank 0 alone calls it.
+    store); a thread deletes its files, and what earlier deletions left, off the
+    critical path (:func:`wait_for_deletions`). Folders not counted as steps
+    (incomplete, another step's, linking out) are left alone.
     """
     check_keep_last(keep_last)
     steps = list_steps(storage, checkpoint_dir).values()
     complete = [p for p in steps if _counted(storage, p)]
     old = [p for p in complete[:-keep_last] if p != keep]
     doomed = []
-    for path in old:  # out of view in one operation, its files deleted after
+    for path in old:
         if storage.atomic_rename:  # one rename, fsynced: step-<N> is whole or gone
-            aside = storage.join(
-                checkpoint_dir, hidden_name(storage.name(path), "deleting")
-            )
-            storage.publish(path, aside)
-            doomed.append(aside)
-        else:  # no rename: uncommitted first, then never taken as a step
+            name = hidden_name(storage.name(path), "deleting")
+            doomed.append(storage.join(checkpoint_dir, name))
+            storage.publish(path, doomed[-1])
+        else:  # uncommitted first, then never taken as a step
             storage.remove(storage.join(path, MANIFEST_FILE))
             doomed.append(path)
     if old:
         names = ", ".join(storage.name(p) for p in old)
         logger.info("removed %s (keeping the newest %d)", names, keep_last)
     with _deleting_lock:  # and what an earlier deletion left (a kill, an error)
-        _deleting.update(os.fspath(p) for p in doomed)
-        left = [
-            path
-            for name in storage.listdir(checkpoint_dir)
-            if hidden_kind(name) == "deleting"
-            and os.fspath(path := storage.join(checkpoint_dir, name)) not in _deleting
-        ]
-        _deleting.update(os.fspath(p) for p in left)
-        doomed += left
+        _deleting.update(map(os.fspath, doomed))
+        for path in _leftovers(storage, checkpoint_dir, ("deleting",)):
+            if os.fspath(path) not in _deleting:
+                _deleting.add(os.fspath(path))
+                doomed.append(path)
     if doomed:
         thread = threading.Thread(
             target=_delete, args=(storage, doomed), name="pippy-delete"
@@ -303,13 +288,18 @@ def _counted(storage: Storage, path: Location) -> bool:
     return False
 
 
+def _leftovers(storage: Storage, checkpoint_dir: Location, kinds: Any) -> list[Any]:
+    """The hidden step folders of these kinds in ``checkpoint_dir``."""
+    names = storage.listdir(checkpoint_dir)
+    return [storage.join(checkpoint_dir, n) for n in names if hidden_kind(n) in kinds]
+
+
 def remove_staging(storage: Storage, checkpoint_dir: Location) -> list[str]:
     """Deletes a dead job's staging and ``.deleting-`` folders (owner only)."""
-    names = storage.listdir(checkpoint_dir)
-    removed = [n for n in names if hidden_kind(n) in _LEFTOVER]
-    for name in removed:
-        storage.remove(storage.join(checkpoint_dir, name))
-    return removed
+    removed = _leftovers(storage, checkpoint_dir, _LEFTOVER)
+    for path in removed:
+        storage.remove(path)
+    return [storage.name(p) for p in removed]
 
 
 def find_damage(
@@ -378,14 +368,9 @@ def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> N
                     n = math.prod(c.sizes)
                     chunks.append((c.offsets, n * itemsize))
                     volume += n
-                    whole = len(c.offsets) == len(shape) and c.sizes == shape
-                    if whole and not any(c.offsets):
-                        continue  # the whole tensor, as a step without shards has
+                    fits = zip(c.offsets, c.sizes, shape, strict=True)
                     inside = inside and len(c.offsets) == len(c.sizes) == len(shape)
-                    inside = inside and all(
-                        0 <= o and o + s <= d
-                        for o, s, d in zip(c.offsets, c.sizes, shape, strict=True)
-                    )
+                    inside = inside and all(0 <= o and o + s <= d for o, s, d in fits)
                 if not inside or volume != math.prod(shape):
                     raise CheckpointError(
                         f"{damaged}: {key!r} declares shape {list(shape)}, which "

@@ -24,7 +24,11 @@ from torch.distributed.checkpoint._fsspec_filesystem import (
 )
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
-from pippy.checkpoint.errors import CheckpointDirError, UnsafeCheckpointError
+from pippy.checkpoint.errors import (
+    CheckpointDirError,
+    UnsafeCheckpointError,
+    dir_error,
+)
 
 #: A checkpoint location: a local path, or an fsspec URL as a ``str``.
 Location = str | os.PathLike
@@ -47,7 +51,9 @@ class Storage(Protocol):
 
     Locations are of the storage's own kind (``Path`` or URL ``str``). Writes are
     durable when they return; ``atomic_rename`` tells whether :meth:`publish` is
-    atomic, as publishing a step requires.
+    atomic, as publishing a step requires. ``staged``: the location is, or lies
+    in, a folder to :meth:`publish`, which makes the names in it durable then
+    (a file's bytes are durable at once either way).
     """
 
     atomic_rename: bool
@@ -79,11 +85,7 @@ class Storage(Protocol):
         """The names in folder ``location``, sorted; empty if it does not exist."""
 
     def makedirs(self, location: Location, *, staged: bool = False) -> None:
-        """Creates folder ``location`` and its parents, durably; fine if it exists.
-
-        ``staged``: ``location`` is a folder to :meth:`publish`, which makes its
-        name durable then; only its missing parents are made durable now.
-        """
+        """Creates folder ``location`` and its parents, durably; fine if it exists."""
 
     def read_bytes(self, location: Location) -> bytes:
         """The whole file at ``location``."""
@@ -98,11 +100,7 @@ class Storage(Protocol):
     def open_atomic(
         self, location: Location, *, staged: bool = False
     ) -> AbstractContextManager[IO[bytes]]:
-        """A stream whose bytes appear at ``location`` whole, once the block ends.
-
-        ``staged``: ``location`` lies in a folder to :meth:`publish`, which makes
-        its names durable then; the file's bytes are durable at once either way.
-        """
+        """A stream whose bytes appear at ``location`` whole, once the block ends."""
 
     def create_exclusive(self, location: Location, data: bytes) -> bool:
         """Creates the file ``location`` holding ``data``; False if it exists."""
@@ -173,20 +171,11 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _rename_durably(source: Location, target: Location) -> None:
-    """Renames, fsyncing a folder's entries before and the target's holder after."""
-    source, target = Path(source), Path(target)
-    if source.is_dir():
-        _fsync_dir(source)
-    os.rename(source, target)
-    _fsync_dir(target.parent)
-
-
 class _DurableWriter(io.BufferedWriter):
     """A buffered file whose ``close`` flushes, then fsyncs, then closes."""
 
     def close(self) -> None:
-        """Flushes the buffer and fsyncs the file before closing it."""
+        """Flushes and fsyncs the file, then closes it."""
         try:
             if not self.closed:
                 self.flush()
@@ -198,10 +187,8 @@ class _DurableWriter(io.BufferedWriter):
 class DurableFileSystem(FileSystem):
     """DCP's local ``FileSystem``, each file it writes fsynced at close.
 
-    torch 2.13's own fsyncs ``.metadata`` before flushing it and never a
-    folder. pippy's DCP writers write into a staging folder alone, whose names
-    :meth:`LocalStorage.publish` makes durable (an fsync of the folder) before
-    it renames it: ``.metadata``'s rename needs no fsync of its own.
+    torch 2.13's own fsyncs ``.metadata`` before flushing it, and never a folder:
+    :meth:`LocalStorage.publish` fsyncs the staging folder before its rename.
     """
 
     @contextmanager
@@ -218,18 +205,11 @@ class DurableFileSystem(FileSystem):
 
 
 class RangeFile:
-    """A local file read by byte ranges (``pread``), with no readahead.
+    """A local file read by byte ranges (``pread``), readahead off; a context manager.
 
-    For readers that want a few ranges of large files (a stage's tensors in a
-    model's shards): ``POSIX_FADV_RANDOM`` turns the file's readahead off, so
-    the disk reads what is asked for. Use it as a context manager.
-
-    Args:
-        path: A local file.
-
-    Attributes:
-        name: The file's name, for messages.
-        size: Its size in bytes.
+    For a few ranges of large files (a stage's tensors in a model's shards):
+    ``POSIX_FADV_RANDOM`` makes the disk read only what is asked for. ``name``
+    (for messages) and ``size`` are the file's.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -273,15 +253,15 @@ class LocalStorage(Storage):
         return Path(location).is_dir()
 
     def size(self, location: Location) -> int | None:
-        """The size of the file at ``location``; None if no file is there."""
+        """The file's size; None if no file is there."""
         path = Path(location)
         return path.stat().st_size if path.is_file() else None
 
     def listdir(self, location: Location) -> list[str]:
-        """The names in folder ``location``, sorted; empty if it does not exist."""
+        """The names in the folder, sorted; empty if it does not exist."""
         try:
             return sorted(os.listdir(location))
-        except (FileNotFoundError, NotADirectoryError):  # as Path.exists: nothing
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
     def makedirs(self, location: Location, *, staged: bool = False) -> None:
@@ -299,7 +279,7 @@ class LocalStorage(Storage):
             raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(location))
 
     def read_bytes(self, location: Location) -> bytes:
-        """The whole file at ``location``."""
+        """The whole file."""
         return Path(location).read_bytes()
 
     @contextmanager
@@ -335,7 +315,11 @@ class LocalStorage(Storage):
 
     def publish(self, source: Location, target: Location) -> None:
         """Renames, fsyncing a folder's entries before and the target's holder after."""
-        _rename_durably(source, target)
+        source, target = Path(source), Path(target)
+        if source.is_dir():
+            _fsync_dir(source)
+        os.rename(source, target)
+        _fsync_dir(target.parent)
 
     def remove(self, location: Location) -> None:
         """Deletes the file or folder tree; fsyncs the folder that held it."""
@@ -389,7 +373,7 @@ class FsspecStorage(Storage):
             raise CheckpointDirError(f"{url!r} is not a storage URL: {e}") from None
 
     def _path(self, location: Location) -> str:
-        """The URL without its protocol, fsspec's cached listings of it dropped."""
+        """The URL without its protocol, fsspec's cached listing of it dropped."""
         path = cast(str, self.fs._strip_protocol(os.fspath(location)))
         self.fs.invalidate_cache(path)
         return path
@@ -403,7 +387,7 @@ class FsspecStorage(Storage):
         return bool(self.fs.isdir(self._path(location)))
 
     def size(self, location: Location) -> int | None:
-        """The size of the object at ``location``; None if there is none."""
+        """The object's size; None if there is none."""
         path = self._path(location)
         return int(self.fs.size(path)) if self.fs.isfile(path) else None
 
@@ -427,7 +411,7 @@ class FsspecStorage(Storage):
         self.fs.makedirs(path, exist_ok=True)
 
     def read_bytes(self, location: Location) -> bytes:
-        """The whole object at ``location``."""
+        """The whole object."""
         return cast(bytes, self.fs.cat_file(self._path(location)))
 
     @contextmanager
@@ -468,13 +452,11 @@ class FsspecStorage(Storage):
     def replace_if_unchanged(
         self, location: Location, data: bytes, version: str | None
     ) -> str | None:
-        """Overwrites the object in one PUT if still at ``version``; the new tag.
+        """Overwrites the object if still at ``version`` (S3 ``If-Match``); new tag.
 
-        A conditional PUT (S3's ``If-Match``, honoured by AWS S3 and SeaweedFS),
-        so a writer that stalled cannot overwrite another's; only where
-        :attr:`conditional`. Without a ``version`` (the store gave the object
-        no tag), a plain PUT (tag ""). None if the object changed or is gone:
-        nothing was written.
+        So a writer that stalled cannot overwrite another's (only where
+        :attr:`conditional`); None if the object changed or is gone. Without a
+        ``version`` (the store gave none), a plain PUT (tag "").
         """
         path = self._path(location)
         if version is None:
@@ -491,10 +473,10 @@ class FsspecStorage(Storage):
         return str(out["ETag"])
 
     def publish(self, source: Location, target: Location) -> None:
-        """Moves ``source`` to ``target`` object by object: copies, then deletes.
+        """Copies ``source`` to ``target`` object by object, then deletes it.
 
-        Not atomic. Each object is named: a store without folders has no
-        object for the prefix itself to copy.
+        Not atomic. Each object is named: a store without folders has no object
+        for the prefix.
         """
         source, target = self._path(source), self._path(target)
         objects = self.fs.find(source) if self.fs.isdir(source) else [source]
@@ -503,11 +485,7 @@ class FsspecStorage(Storage):
         self.remove(source)  # no wildcard: refused in the URL
 
     def remove(self, location: Location) -> None:
-        """Deletes the object or the tree under ``location``.
-
-        A tree's folder entry, which a store with folders (SeaweedFS) keeps
-        once its objects are gone, goes on a second pass.
-        """
+        """Deletes the object or tree (a second pass: the folder SeaweedFS keeps)."""
         for _ in range(2):
             path = self._path(location)  # listings as they are now
             if not self.fs.exists(path):
@@ -535,11 +513,8 @@ def written_whole(storage: Storage, out: Location, *, replace: bool) -> Iterator
     try:
         storage.makedirs(tmp, staged=tmp != out)
     except OSError as e:  # a file where a folder above it should be, say
-        where = storage.parent(out)
-        why = e.strerror or e
-        raise CheckpointDirError(
-            f"cannot write {str(out)!r} in {str(where)!r}: {why}"
-        ) from e
+        action = f"cannot write {str(out)!r} in {str(storage.parent(out))!r}"
+        raise dir_error(action, e) from e
     try:
         yield tmp
         if tmp != out:
