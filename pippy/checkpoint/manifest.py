@@ -244,7 +244,7 @@ class ManifestWriter(FileSystemWriter):
         tensors = {i.index for i in plan.items if i.type != WriteItemType.BYTE_IO}
         lengths = [r.storage_data.length for r in results if r.index in tensors]
         self.written = (len(lengths), sum(lengths))
-        infos = [r.storage_data for r in results]
+        infos = (r.storage_data for r in results)
         ranges = [(i.relative_path, i.offset, i.length) for i in infos]
         crcs = getattr(self.fs, "crcs", {})
         if not all(r in crcs for r in ranges):  # a file system that records none
@@ -316,10 +316,7 @@ def read_manifest(storage: Storage, folder: Location) -> Manifest | None:
         for i in raw["items"]:
             place = (str(i["file"]), _count(i["offset"]), _count(i["length"]))
             items[place] = (str(i["key"]), _count(i["crc32c"]))
-        versions = raw.get("written_by", {})
-        if not isinstance(versions, dict):
-            raise ValueError(f"written_by is {versions!r}, not an object")
-        versions = {str(k): str(v) for k, v in versions.items()}
+        versions = {str(k): str(v) for k, v in raw.get("written_by", {}).items()}
         step = _count(raw["step"])
         return Manifest(step, files, items, raw.get("optim_layout"), versions)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
