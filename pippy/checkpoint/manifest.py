@@ -199,12 +199,9 @@ def read_crcs(
 ) -> Iterator[tuple[tuple[str, int, int], int]]:
     """Each ``(file, offset, length)`` range and the CRC-32C of its stored bytes."""
     fs = storage.dcp_filesystem(folder)  # reads as DCP's reader does
-    by_file: dict[str, list[tuple[int, int]]] = {}
-    for name, offset, length in ranges:
-        by_file.setdefault(name, []).append((offset, length))
-    for name, spans in by_file.items():
+    for name, spans in itertools.groupby(sorted(ranges), key=lambda r: r[0]):
         with fs.create_stream(storage.join(folder, name), "rb") as f:
-            for offset, length in sorted(spans):
+            for _, offset, length in spans:
                 f.seek(offset)
                 data = f.read(length)
                 if len(data) != length:
