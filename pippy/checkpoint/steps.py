@@ -288,7 +288,9 @@ def _counted(storage: Storage, path: Location) -> bool:
     return False
 
 
-def _leftovers(storage: Storage, checkpoint_dir: Location, kinds: Any) -> list[Any]:
+def _leftovers(
+    storage: Storage, checkpoint_dir: Location, kinds: tuple[str, ...]
+) -> list[Any]:
     """The hidden step folders of these kinds in ``checkpoint_dir``."""
     names = storage.listdir(checkpoint_dir)
     return [storage.join(checkpoint_dir, n) for n in names if hidden_kind(n) in kinds]
