@@ -1,14 +1,10 @@
 """A job's guards: one writer per folder, no save after its launcher dies, a last save.
 
 :class:`FolderOwner` (:mod:`~pippy.checkpoint.owner`) lets one job at a time
-write a folder; every save of a torchrun worker whose launcher died is
-refused (:func:`check_launcher`, on by default) and
-:func:`stop_with_launcher` ends such workers at once; :class:`StopSignal`
-turns a preemption signal on any rank into a last save of one step by every
-rank, which must end within the launcher's grace period (``torchrun
---shutdown-timeout``, Slurm's ``KillWait``, Kubernetes'
-``terminationGracePeriodSeconds``): given by the caller, or torchrun's from
-the environment its workers inherit (``PET_SHUTDOWN_TIMEOUT``).
+write a folder; a torchrun worker whose launcher died saves nothing
+(:func:`check_launcher`) or ends at once (:func:`stop_with_launcher`);
+:class:`StopSignal` turns a preemption signal on any rank into a last save by
+every rank, within the launcher's grace period (:func:`launcher_deadline`).
 """
 
 from __future__ import annotations
@@ -39,7 +35,6 @@ _launcher = os.getppid()
 
 
 def _forked() -> None:
-    """In a forked child: its parent is the process that forked it."""
     global _launcher
     _launcher = os.getppid()
 
@@ -51,23 +46,17 @@ def check_launcher() -> None:
     """Refuses a save by a torchrun worker whose launcher is gone.
 
     A ``torchrun`` killed with ``-9`` leaves its workers running, re-parented;
-    they would train on and publish steps beside the job restarted in their
-    place. Every save (:func:`~pippy.checkpoint.save_stage`,
-    :func:`~pippy.checkpoint.take_state`, :class:`~pippy.checkpoint.AsyncSaver`)
-    calls this first, inside DCP's planning, so all ranks raise together. It
-    compares the parent's pid with the one at start (one ``getppid``), and only
-    in a worker that torchrun started (``TORCHELASTIC_RUN_ID`` set).
-    ``PIPPY_LAUNCHER_CHECK=0`` turns it off; :func:`stop_with_launcher` ends
-    such a worker at once instead of at its next save.
+    they would publish steps beside the job restarted in their place. Every
+    save calls this first, inside DCP's planning, so all ranks raise together.
+    It compares the parent's pid with the one at start, in a worker that
+    torchrun started (``TORCHELASTIC_RUN_ID`` set) unless
+    ``PIPPY_LAUNCHER_CHECK=0``.
 
     Raises:
         CheckpointDirInUseError: This torchrun worker's launcher is gone.
     """
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return
-    if os.environ.get(LAUNCHER_CHECK_ENV, "1") == "0":
-        return
-    if os.getppid() != _launcher:
+    off = os.environ.get(LAUNCHER_CHECK_ENV) == "0"
+    if "TORCHELASTIC_RUN_ID" in os.environ and not off and os.getppid() != _launcher:
         raise CheckpointDirInUseError(
             f"this worker's launcher (pid {_launcher}) is gone, so a restarted "
             "job may write the checkpoint folder now: nothing is saved, end this "
@@ -79,8 +68,7 @@ def stop_with_launcher(poll_seconds: float = 0.5) -> None:
     """Kills this process (``SIGKILL``) as soon as its launcher (its parent) is gone.
 
     Workers of a ``torchrun`` killed with ``-9`` are re-parented and would
-    train on, saving into a folder a restarted job now writes. A daemon
-    thread compares the parent's pid with the one at the call.
+    train on; a daemon thread compares the parent's pid with the one at the call.
 
     Args:
         poll_seconds: How often the parent is checked.
@@ -103,11 +91,9 @@ class StopSignal:
     reach some ranks only. The handler only notes it; :meth:`requested`,
     called by every rank once per step, has all ranks stop (and save) at the
     same step without holding up the loop: each call starts an asynchronous
-    ``all_reduce`` of the ranks' signals on a gloo group of its own (CPU: no
-    GPU queue to wait for) and reads the one the previous call started. At
-    construction, rank 0 warns if ``torchrun``'s restarts would hang
-    (:func:`check_restarts`): a job that saves on a stop signal is one a
-    launcher restarts.
+    ``all_reduce`` of the ranks' signals on a gloo group of its own and reads
+    the one the previous call started. At construction, rank 0 warns if
+    ``torchrun``'s restarts would hang (:func:`check_restarts`).
 
     Attributes:
         received: The signal this rank received, or None.

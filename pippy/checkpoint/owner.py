@@ -1,34 +1,13 @@
-"""One writer per checkpoint folder: ``FolderOwner``, its record on a folder or bucket.
+"""One writer per checkpoint folder: :class:`FolderOwner` and its record.
 
 Two jobs that write one folder (a restart while the old job's workers still
 run, as a launcher killed with ``-9`` leaves them) delete and overwrite each
-other's saves. :class:`FolderOwner` lets one job at a time write a folder.
-
-On an object store with conditional writes (S3; other stores are refused:
-there a renewal could overwrite a new owner's record, so no lease holds; no
-hard link, no rename, no ``/proc`` of the writer's host), :class:`StoreLease`
-creates the record with a conditional write (S3's
-``If-None-Match: *``: of two jobs, exactly one succeeds) and renews it every
-third of its lease in a daemon thread, by a conditional PUT (``If-Match`` on
-its ETag, so that a stalled job's renewal cannot overwrite a new owner's). An
-expired record is taken over only by the job that first creates the claim
-``.owner.takeover-<token>``. Expiry compares the record's ``expires`` (epoch
-seconds) with this host's clock: NTP keeps a cluster's clocks well within a
-lease. A job that stalled past its lease may have lost the folder, so before
-each write that could touch another job's objects (a step's first file, its
-commit record, retention) a save given the owner calls :meth:`FolderOwner.check`
-(one GET).
-Left open: a data PUT under way when the job stalled lands when it wakes, in
-that job's uncommitted step (a step of the same number the new owner saved
-meanwhile fails its manifest's checksums at load). A local folder's record,
-held without a lease, is checked the same way (one read of ``.owner.json``):
-a job whose record was taken over (taken for gone, or from before a Slurm
-requeue while a node cut off from the controller still ran) stops at its
-next save instead of writing on beside the new owner.
+other's saves: :class:`FolderOwner` lets one job at a time write a folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -74,32 +53,28 @@ LEASE_SECONDS = 60.0
 LEASE_ENV = "PIPPY_LEASE_SECONDS"
 
 
-def _proc(name: str) -> str | None:
-    """A file of this host's ``/proc`` (not a checkpoint's), or None."""
+def _proc(name: str) -> str:
+    """A file of this host's ``/proc`` (not a checkpoint's); empty if unreadable."""
     try:
         with open(f"/proc/{name}") as f:
             return f.read()
     except OSError:
-        return None
-
-
-def _boot_id() -> str:
-    """This machine's boot id: a pid means the same process only within one boot."""
-    return (_proc("sys/kernel/random/boot_id") or "").strip()
-
-
-def _pid_namespace() -> str:
-    """This process's PID namespace (containers on one host each have theirs)."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
         return ""
 
 
+def _here() -> dict[str, str]:
+    """This host, its boot and this PID namespace: where a pid names one process."""
+    pidns = ""
+    with contextlib.suppress(OSError):
+        pidns = os.readlink("/proc/self/ns/pid")  # each container has its own
+    boot = _proc("sys/kernel/random/boot_id").strip()
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns}
+
+
 def _start_time(pid: int) -> str | None:
-    """When process ``pid`` started (ticks after boot, field 22 of proc(5)), or None."""
+    """When process ``pid`` started (field 22 of proc(5)); None if none runs."""
     stat = _proc(f"{pid}/stat")
-    return None if stat is None else stat.rsplit(")", 1)[1].split()[19]
+    return stat.rsplit(")", 1)[1].split()[19] if stat else None
 
 
 def _slurm_job() -> list[Any] | None:
@@ -122,23 +97,8 @@ def _when(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(seconds))
 
 
-def _resolve_lease_seconds(seconds: float | None) -> float:
-    """The lease in seconds: the argument, else PIPPY_LEASE_SECONDS, else 60."""
-    text = os.environ.get(LEASE_ENV) if seconds is None else str(seconds)
-    if text is None:
-        return LEASE_SECONDS
-    where = f"{LEASE_ENV}={{!r}}" if seconds is None else "lease_seconds={}"
-    message = (
-        f"{where} is not a lease: give a number of seconds above 0 and at most "
-        "365 days, or leave it unset for the default of 60"
-    )
-    return check_number(  # a longer one overflows a timestamp
-        text, message, above=0, at_most=MAX_TIMEOUT_S, text=True
-    )
-
-
-class _OwnerRecord:
-    """A folder's owner record on rank 0; subclasses say when another's is taken."""
+class _Record:
+    """A local folder's owner record, on rank 0; a dead owner's is taken over."""
 
     #: What the record is, for a message.
     kind = "file"
@@ -148,55 +108,51 @@ class _OwnerRecord:
         self.record = storage.join(root, OWNER_FILE)
         self.token = ""
         self.since = ""  # when this job acquired the record
-        self.created = False  # the folder did not exist: release removes it empty
+        self.created = False  # acquire made the folder: release removes it empty
         self.lost = ""  # once another job took the folder over: the message
 
     def _mine(self) -> dict[str, Any]:
         """This job's record, with what tells whether its process still runs."""
         pid = os.getpid()
-        here = {"host": socket.gethostname(), "boot": _boot_id(), "pid": pid}
-        here["pidns"] = _pid_namespace()  # a pid names a process only within it
         return {
-            **here,
+            **_here(),
+            "pid": pid,
             "slurm": _slurm_job(),
             "start": _start_time(pid),
             "since": self.since,
             "token": self.token,
         }
 
+    def _encoded(self) -> bytes:
+        return json.dumps(self._mine()).encode()
+
     def _gone(self, record: dict[str, Any]) -> bool:
         """Whether ``record``'s process ended: ran here, or before a Slurm requeue."""
-        pid, job, theirs = record.get("pid"), _slurm_job(), record.get("slurm")
+        job, theirs = _slurm_job(), record.get("slurm")
         # Slurm ends every process of a job, on every node, before it requeues it.
-        if job and isinstance(theirs, list) and len(theirs) == 3:
-            if (
-                theirs[:2] == job[:2]
-                and isinstance(theirs[2], int)
-                and theirs[2] < job[2]
-            ):
-                return True
+        if (
+            job
+            and isinstance(theirs, list)
+            and len(theirs) == 3
+            and theirs[:2] == job[:2]
+            and isinstance(theirs[2], int)
+            and theirs[2] < job[2]
+        ):
+            return True
+        here, pid = _here(), record.get("pid")
         return (
-            record.get("host") == socket.gethostname()
-            and record.get("boot") == _boot_id()
-            and record.get("pidns", _pid_namespace()) == _pid_namespace()
+            record.get("host") == here["host"]
+            and record.get("boot") == here["boot"]
+            and record.get("pidns", here["pidns"]) == here["pidns"]
             and (not isinstance(pid, int) or _start_time(pid) != record.get("start"))
         )
-
-    def _this_process(self, record: dict[str, Any]) -> bool:
-        """Whether ``record`` is this process's (an owner not yet released)."""
-        mine = self._mine()
-        return all(record.get(k) == mine[k] for k in ("host", "boot", "pid", "start"))
-
-    def _encoded(self) -> bytes:
-        """This job's record as written."""
-        return json.dumps(self._mine()).encode()
 
     def _valid(self, record: Any) -> bool:
         """Whether ``record`` (parsed JSON) is an owner record pippy wrote."""
         return isinstance(record, dict)
 
     def _read(self, path: str = "", *, strict: bool = True) -> dict[str, Any] | None:
-        """A record (the owner's by default), or None if none; not pippy's: refused."""
+        """A record (the owner's by default) or None; one not pippy's is refused."""
         try:
             record = json.loads(self.storage.read_bytes(path or self.record))
         except (FileNotFoundError, NotADirectoryError):  # no record, or no folder
@@ -218,6 +174,8 @@ class _OwnerRecord:
         list_steps(self.storage, self.root)  # a file where the folder should be: say so
         self.token = uuid.uuid4().hex[:12]
         self.since = _when(time.time())
+        # A store's empty folder is no object of its own: nothing to remove.
+        self.created = self.kind == "file" and not self.storage.exists(self.root)
         self.storage.makedirs(self.root)
         for _ in range(3):  # another job may take a stale record first
             if self.storage.create_exclusive(self.record, self._encoded()):
@@ -227,60 +185,15 @@ class _OwnerRecord:
         raise CheckpointDirError(f"could not take {self.root}: it keeps changing")
 
     def _take_over(self, record: dict[str, Any]) -> None:
-        """Removes another job's ``record`` where it may be taken over; else refuses."""
-        raise NotImplementedError
-
-    def check(self, *, always: bool = False) -> None:
-        """One read: CheckpointDirInUseError if another job took the record over."""
-        if not self.lost:
-            record = self._read(strict=False)
-            if record is None or record.get("token") != self.token:
-                self._lose(record)
-        if self.lost:
-            raise CheckpointDirInUseError(self.lost)
-
-    def _lose(self, record: dict[str, Any] | None, when: str = "") -> None:
-        """Notes that another job took the folder over; raises saying so."""
-        if record is not None:
-            other = f"another job took it over ({_describe(record)})"
-        else:
-            other = "its owner record is gone (another job took it over)"
-        self.lost = (
-            f"this job lost {self.root}: {other}{when}, so this job writes "
-            "nothing more there. Stop this job; the other job's steps are "
-            "untouched: resume from them once it has ended"
-        )
-        raise CheckpointDirInUseError(self.lost)
-
-    def release(self) -> bool:
-        """Removes the record if still this job's (and an empty folder acquire made)."""
-        record = self._read()
-        if record is None or record.get("token") != self.token:
-            return False
-        self.storage.remove(self.record)
-        if self.created and not self.storage.listdir(self.root):
-            self.storage.remove(self.root)  # a job that saved nothing
-        return True
-
-
-class _LocalRecord(_OwnerRecord):
-    """The owner record of a local folder; a dead owner's is taken over."""
-
-    def acquire(self) -> str:
-        """Creates the folder if needed and the record; the saving code checks it."""
-        self.created = not self.storage.exists(self.root)
-        return super().acquire()
-
-    def _take_over(self, record: dict[str, Any]) -> None:
         """Moves a dead owner's record aside (and its leftovers); refuses a live one."""
-        gone = self._gone(record)
-        if self._this_process(record):
+        mine = self._mine()
+        if all(record.get(k) == mine[k] for k in ("host", "boot", "pid", "start")):
             raise CheckpointDirInUseError(
                 f"{self.root} is already owned by this process ({_describe(record)}),"
                 " by a FolderOwner not yet released: use that one, or release it "
                 "before taking the folder again"
             )
-        if not gone:
+        if not self._gone(record):
             raise CheckpointDirInUseError(
                 f"{self.root} is in use by another job ({_describe(record)}): one "
                 "writer per checkpoint folder. Wait for that job to end or stop "
@@ -301,9 +214,59 @@ class _LocalRecord(_OwnerRecord):
         for name in remove_staging(self.storage, self.root):
             logger.warning("removed %s, left by that job", name)
 
+    def _current(self) -> dict[str, Any] | None:
+        """The record that says who owns the folder now."""
+        return self._read(strict=False)
 
-class StoreLease(_OwnerRecord):
-    """The owner record of a folder on an object store, held with a lease."""
+    def check(self) -> None:
+        """One read: CheckpointDirInUseError if another job took the record over."""
+        if self.lost:
+            raise CheckpointDirInUseError(self.lost)
+        record = self._current()
+        if record is None or record.get("token") != self.token:
+            self._lose(record)
+
+    def _lose(self, record: dict[str, Any] | None) -> None:
+        """Notes that another job took the folder over; raises saying so."""
+        if record is not None:
+            other = f"another job took it over ({_describe(record)})"
+        else:
+            other = "its owner record is gone (another job took it over)"
+        self.lost = (
+            f"this job lost {self.root}: {other}{self._lost_when()}, so this job "
+            "writes nothing more there. Stop this job; the other job's steps are "
+            "untouched: resume from them once it has ended"
+        )
+        raise CheckpointDirInUseError(self.lost)
+
+    def _lost_when(self) -> str:
+        return ""
+
+    def release(self) -> bool:
+        """Removes the record if still this job's (and an empty folder acquire made)."""
+        record = self._read()
+        if record is None or record.get("token") != self.token:
+            return False
+        self.storage.remove(self.record)
+        if self.created and not self.storage.listdir(self.root):
+            self.storage.remove(self.root)  # a job that saved nothing
+        return True
+
+
+class StoreLease(_Record):
+    """The owner record of a folder on an object store, held with a lease.
+
+    Created with S3's ``If-None-Match: *`` (of two jobs, one succeeds) and
+    renewed every third of the lease, in a daemon thread, by a PUT with
+    ``If-Match`` on its ETag, so that a stalled job's renewal cannot overwrite
+    a new owner's: a store without conditional writes holds no lease, and is
+    refused. An expired record is taken over only by the job that first
+    creates the claim ``.owner.json.takeover-<token>``; expiry trusts the
+    hosts' clocks (NTP) to agree within a lease. Left open: a data PUT under
+    way when a job stalled lands when it wakes, in its own uncommitted step (a
+    step of that number the new owner saved meanwhile fails its checksums at
+    load).
+    """
 
     kind = "object"
     root: str  # the folder's URL, without a trailing slash
@@ -312,10 +275,21 @@ class StoreLease(_OwnerRecord):
         self, root: Location, storage: FsspecStorage, lease_seconds: float | None
     ) -> None:
         super().__init__(os.fspath(root).rstrip("/"), storage)
-        self.lease_seconds = _resolve_lease_seconds(lease_seconds)
+        text = os.environ.get(LEASE_ENV) if lease_seconds is None else lease_seconds
+        where = f"{LEASE_ENV}={{!r}}" if lease_seconds is None else "lease_seconds={}"
+        self.lease_seconds = LEASE_SECONDS
+        if text is not None:  # a longer lease overflows a timestamp
+            self.lease_seconds = check_number(
+                str(text),
+                f"{where} is not a lease: give a number of seconds above 0 and at "
+                "most 365 days, or leave it unset for the default of 60",
+                above=0,
+                at_most=MAX_TIMEOUT_S,
+                text=True,
+            )
         self._version: str | None = None  # of this job's record, as last written
         self.expires = 0.0  # of this job's record, as last written
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the renewing thread and a save's check
         self._stop = threading.Event()
         self._thread = threading.Thread(  # started by acquire
             target=self._renew, name="pippy-lease", daemon=True
@@ -336,6 +310,12 @@ class StoreLease(_OwnerRecord):
         """Creates the record or takes an expired one over; renews it; the token."""
         token = super().acquire()
         self._version = self.storage.version(self.record)  # just made
+        if self._version is None:  # a renewal would be a plain PUT: no lease
+            self.storage.remove(self.record)
+            raise CheckpointDirError(
+                f"{self.root}: the store gave {OWNER_FILE} no ETag to renew it "
+                "by (If-Match), so no lease can hold there"
+            )
         self._thread.start()
         return token
 
@@ -385,36 +365,33 @@ class StoreLease(_OwnerRecord):
             except OSError as e:  # the store did not answer: try again soon
                 logger.warning("could not renew the lease of %s: %s", self.root, e)
 
+    def _current(self) -> dict[str, Any] | None:
+        """The record, or once this job's lease expired a claim on it."""
+        record = self._read(strict=False)
+        if time.time() < self.expires:
+            return record
+        claim = self._read(f"{self.record}.takeover-{self.token}", strict=False)
+        return claim or record  # late: a job may be taking it over
+
     def check(self, *, always: bool = False) -> None:
         """One GET: CheckpointDirInUseError if lost; renews if due (or ``always``)."""
-        with self._lock:  # the renewing thread and a save's check
-            if self.lost:
-                raise CheckpointDirInUseError(self.lost)
-            record = self._read(strict=False)
-            if time.time() >= self.expires:  # late: a job may be taking it over
-                claim = self._read(f"{self.record}.takeover-{self.token}", strict=False)
-                record = claim or record
-            if record is None or record.get("token") != self.token:
-                self._lose(record)
-            due = self.expires - time.time() < self.lease_seconds * 2 / 3
-            if always or due:  # only over this job's own last write
+        with self._lock:
+            super().check()
+            if always or self.expires - time.time() < self.lease_seconds * 2 / 3:
                 version = self.storage.replace_if_unchanged(
                     self.record, self._encoded(), self._version
                 )
                 if version is None:
                     self._lose(self._read(strict=False))
-                self._version = version or None
+                self._version = version
 
-    def _lose(self, record: dict[str, Any] | None, when: str = "") -> None:
-        """Notes that another job took the folder over, and when; raises saying so."""
+    def _lost_when(self) -> str:
         if time.time() >= self.expires:
-            when = (
+            return (
                 f" after this job's lease expired at {_when(self.expires)} (not "
                 f"renewed for {self.lease_seconds:g} s: this job stalled)"
             )
-        else:
-            when = f", though this job's lease ran until {_when(self.expires)}"
-        super()._lose(record, when)
+        return f", though this job's lease ran until {_when(self.expires)}"
 
     def release(self) -> bool:
         """Stops renewing; deletes the record if still this job's (not once lost)."""
@@ -422,7 +399,7 @@ class StoreLease(_OwnerRecord):
         self._thread.join(timeout=self.lease_seconds)
         if self.lost or not super().release():
             return False
-        claims = f"{self.storage.name(self.record)}.takeover-"
+        claims = f"{OWNER_FILE}.takeover-"
         for name in self.storage.listdir(self.root):  # this job's, of an old lease
             if name.startswith(claims) and not name.endswith(self.token):
                 self.storage.remove(self.storage.join(self.root, name))
@@ -434,11 +411,9 @@ def check_owner(
 ) -> FolderOwner | None:
     """``owner``, if it is None or holds ``checkpoint_dir``; else a ``ValueError``.
 
-    An owner never acquired holds no folder: refused too.
-
-    Compared as spelled (absolute, normalised) first, without I/O (every rank
-    makes a save's writer, and only rank 0 looks at the folder); links are
-    resolved only where the spellings differ.
+    An owner never acquired holds no folder: refused too. Compared as spelled
+    first, without I/O (every rank makes a save's writer, and only rank 0
+    looks at the folder); links are resolved only where the spellings differ.
     """
 
     def spelled(location: Location) -> str:
@@ -466,7 +441,7 @@ def refuse_unowned(storage: Storage, checkpoint_dir: Location) -> None:
     Raises:
         CheckpointDirInUseError: ``checkpoint_dir`` holds ``.owner.json``.
     """
-    record = _OwnerRecord(checkpoint_dir, storage)._read(strict=False)
+    record = _Record(checkpoint_dir, storage)._read(strict=False)
     if record is not None:
         raise CheckpointDirInUseError(
             f"{checkpoint_dir} is owned by a job's FolderOwner ({_describe(record)}), "
@@ -483,7 +458,7 @@ class FolderOwner:
     On entry (every rank of ``process_group`` at once), rank 0 alone checks
     the folder, creates it if needed and the owner record ``.owner.json``;
     every rank gets the record's token or the same error. On exit the record
-    is removed if it is still this job's. Each save is given the owner, and
+    is removed if it is still this job's. Each save is given the owner and
     checks, before it writes and before it publishes, that the record is
     still this job's::
 
@@ -491,20 +466,18 @@ class FolderOwner:
             ...  # resume, train
             save_stage(state, checkpoint_dir, owner=owner)
 
-    A save not given an owner is refused in a folder that holds an owner
-    record (:func:`refuse_unowned`). Without ``with``: :meth:`acquire`, then
-    :meth:`release` in a ``finally``.
-    A dead owner's record (same host and boot, no process with its pid and
-    start time) is taken over with a warning, and its staging folders and the
-    steps its retention hid but did not delete are removed. So is the record
-    of the same Slurm job before a requeue (``SLURM_CLUSTER_NAME`` and
-    ``SLURM_JOB_ID`` equal, ``SLURM_RESTART_COUNT`` higher: sbatch(1)), from
-    any node, as Slurm ends a job's processes before it requeues it
-    (scontrol(1), ``requeue``); a node cut off from the controller may still
-    run them, so a job whose record was taken over stops at its next save.
-    Any other record from another host never is (its job may still run). On an
-    object store (an fsspec URL) rank 0 holds the record with a lease
-    (:class:`StoreLease`).
+    Without ``with``: :meth:`acquire`, then :meth:`release` in a ``finally``.
+    A save given no owner is refused in a folder that holds a record
+    (:func:`refuse_unowned`). A dead owner's record is taken over with a
+    warning, and its staging folders and the steps its retention hid are
+    removed: one of this host and boot whose process (pid and start time) is
+    gone, or one of the same Slurm job before a requeue (``SLURM_CLUSTER_NAME``
+    and ``SLURM_JOB_ID`` equal, ``SLURM_RESTART_COUNT`` higher), from any
+    node, as Slurm ends a job's processes before it requeues it (a node cut
+    off from the controller may still run them: a job whose record was taken
+    over stops at its next save). Another host's record never is (its job may
+    still run). On an object store (an fsspec URL) rank 0 holds the record
+    with a lease (:class:`StoreLease`).
 
     Args:
         checkpoint_dir: The run's checkpoint folder.
@@ -537,7 +510,7 @@ class FolderOwner:
         self.lease_seconds = lease_seconds
         self.token = ""
         self.released = False
-        self._record: _OwnerRecord | None = None  # rank 0 holds it
+        self._record: _Record | None = None  # rank 0 holds it
 
     def __enter__(self) -> FolderOwner:
         """Takes ownership: :meth:`acquire`."""
@@ -556,18 +529,17 @@ class FolderOwner:
                 class says.
         """
         storage = storage_for(self.root)
-        if isinstance(storage, FsspecStorage):  # an object store
-            if not storage.conditional:  # a renewal could overwrite a new owner's
-                raise CheckpointDirError(
-                    f"{self.root}: {storage.protocol}:// offers pippy no "
-                    "conditional write, so a lease there could not keep a second "
-                    "job out; hold the folder on a file system (a path) or on S3 "
-                    "(s3://), or run without FolderOwner and see to one job per "
-                    "folder yourself"
-                )
-            record: _OwnerRecord = StoreLease(self.root, storage, self.lease_seconds)
-        else:
-            record = _LocalRecord(self.root, storage)
+        if not isinstance(storage, FsspecStorage):
+            record = _Record(self.root, storage)
+        elif storage.conditional:
+            record = StoreLease(self.root, storage, self.lease_seconds)
+        else:  # a renewal could overwrite a new owner's record
+            raise CheckpointDirError(
+                f"{self.root}: {storage.protocol}:// offers pippy no conditional "
+                "write, so a lease there could not keep a second job out; hold "
+                "the folder on a file system (a path) or on S3 (s3://), or run "
+                "without FolderOwner and see to one job per folder yourself"
+            )
         self.token = on_coordinator(  # a refusal leaves a held record as it was
             f"cannot write to {self.root}", record.acquire, self.process_group
         )
