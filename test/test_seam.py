@@ -45,6 +45,16 @@ def memory_run(tmp_path):
     fs.rm(url, recursive=True)
 
 
+def test_a_lease_is_refused_where_the_store_tags_no_object(tmp_path, monkeypatch):
+    """A store that writes conditionally but gives the owner record no ETag:
+    a renewal would be a plain PUT, which is no lease. Refused, nothing left."""
+    url = f"memory://{tmp_path.name}/run"
+    monkeypatch.setattr(FsspecStorage, "conditional", property(lambda self: True))
+    with pytest.raises(checkpoint.CheckpointDirError, match="no ETag to renew it by"):
+        checkpoint.job.FolderOwner(url).acquire()
+    assert fsspec.filesystem("memory").find(url) == []
+
+
 @pytest.mark.parametrize("url", ["memory://run", "file:///tmp/pippy-url-run"])
 def test_a_url_is_never_a_local_folder_and_a_save_there_commits_by_record(
     tmp_path, monkeypatch, url
