@@ -7,15 +7,12 @@ error (:func:`~pippy.checkpoint.collectives.on_coordinator`): NFS attribute
 caching can make ranks disagree on what a folder holds (and resume from
 different steps), and hundreds of ranks listing a bucket at once get
 throttled into "no checkpoint". With ``verified=True`` every rank reads its
-share of each step it checks (:func:`~pippy.checkpoint.reader.verify_step`),
-so that no rank reads a step alone. ``test/test_one_rank_decides.py`` counts
-who lists what.
+share of each step it checks (:func:`~pippy.checkpoint.reader.verify_step`).
 
 Rank 0 opens the step (:func:`open_step`: pippy's reader and planner), every
 rank fills its stage's state_dict through ``dcp.load`` and applies it once
 every rank has read (:func:`load_into`); a step in torchtitan's layout is
-read as well (:func:`read_any_layout`). The pieces are spelled out in
-:mod:`pippy.checkpoint`'s snippet.
+read as well (:func:`read_any_layout`).
 """
 
 from __future__ import annotations
@@ -23,8 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext, suppress
+from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -65,7 +63,7 @@ from pippy.checkpoint.steps import (
     refuse_step_folder,
     why_not_whole,
 )
-from pippy.checkpoint.storage import Location, Storage, storage_for
+from pippy.checkpoint.storage import Location, storage_for
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +101,7 @@ def open_step(
         timeout: Seconds (or a ``timedelta``) the ranks wait for each other
             to open it; None: no deadline. Late ranks are logged either way.
         extension_registry: DCP's registry of the stream extensions the step
-            was written with (the ``_extensions`` of
-            :func:`~pippy.checkpoint.save.publish_step`), as
+            was written with (``publish_step``'s ``_extensions``), as
             ``FileSystemReader``'s; None: DCP's default (ZStandard).
 
     Returns:
@@ -147,21 +144,6 @@ def read_into(
         dcp.load(state_dict, storage_reader=reader, planner=planner, **options)
 
 
-def _renamed(wanted: Mapping[str, Any], saved: Mapping[str, Any]) -> Any:
-    """``wanted`` in torchtitan's names if those find more of a step's keys.
-
-    None if its own names find as many (DCP's recipe has ``optimizer.`` keys
-    too, in its own names).
-    """
-    try:
-        renamed = to_torchtitan(wanted)
-    except ValueError:  # a key with no torchtitan name
-        return None
-    found = sum(k in saved for k in wanted)
-    more = found < len(wanted) and found < sum(k in saved for k in renamed)
-    return renamed if more else None
-
-
 def read_any_layout(
     state_dict: dict[str, Any],
     reader: SafeFileSystemReader,
@@ -172,19 +154,22 @@ def read_any_layout(
 
     By name, unless the step is in torchtitan's layout and pippy's names for
     the state (``model.``, ``optim.``, ``step``) renamed to torchtitan's find
-    more of it.
+    more of it (DCP's recipe has ``optimizer.`` keys too, in its own names).
     """
     saved = reader.read_metadata().state_dict_metadata
-    wanted, must_read = dict(named_leaves(state_dict)), planner.must_read
-    flat = None if detect_layout(saved) == PIPPY else _renamed(wanted, saved)
-    if flat is None:
+    wanted = dict(named_leaves(state_dict))
+    found, flat = sum(k in saved for k in wanted), None
+    if detect_layout(saved) != PIPPY and found < len(wanted):
+        with suppress(ValueError):  # a key with no torchtitan name: by name
+            flat = to_torchtitan(wanted)
+    if flat is None or sum(k in saved for k in flat) <= found:
         return read_into(state_dict, reader, planner, **options)
     # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
     # optimizer without one may leave it unread (pippy keeps it in scalars).
     planner.must_read = tuple(
         k
         for k in saved
-        if pippy_name(k).startswith(must_read)
+        if pippy_name(k).startswith(planner.must_read)
         and not (k.startswith("optimizer.param_groups.") and k.endswith(".initial_lr"))
     )
     apply = reader.after_reads
@@ -222,20 +207,18 @@ def load_into(
     cyclic garbage collector is paused in the block.
 
     Note:
-        DCP loads in place: when a load fails on some rank, every rank
-        raises, but the stages of the ranks that read their items hold the
-        step's tensors, and theirs applied; a rank whose read failed holds
-        the items read before the failure. Load another step, or build the
-        stages anew, before training on. As in
-        :func:`~pippy.checkpoint.save.publish_step`, every rank must reach
+        When a load fails on some rank, every rank raises, but the ranks that
+        read their items hold the step's tensors, applied; a rank whose read
+        failed holds the items read before the failure. Load another step,
+        or build the stages anew, before training on. Every rank must reach
         ``dcp.load``.
 
     Args:
-        state: The stage's :class:`StageState`; ``StageState(module)``
-            without an optimizer loads the weights alone. Any ``Stateful``
-            whose ``state_dict()`` holds the tensors to fill works too, and a
-            nested state_dict, filled in place (its top-level ``Stateful``
-            objects loaded, as ``dcp.load`` does).
+        state: The stage's :class:`StageState` (``StageState(module)``
+            without an optimizer loads the weights alone), any ``Stateful``
+            whose ``state_dict()`` holds the tensors to fill, or a nested
+            state_dict, filled in place (its top-level ``Stateful`` objects
+            loaded, as ``dcp.load`` does).
         reader: The storage reader that ``dcp.load`` in the body reads with:
             pippy's, from :func:`open_step`, or another.
         process_group: The ranks that load; the default group if None.
@@ -250,18 +233,18 @@ def load_into(
         The state_dict to pass to ``dcp.load``.
 
     Raises:
-        CheckpointError: ``state.state_dict()`` or ``dcp.load`` failed on
-            some rank, or applying refused on some rank (one line per rank),
-            on every other rank; the rank where it failed raises its own
-            error. With another reader than pippy's, a failed
-            ``state.state_dict()`` is raised after ``dcp.load``.
+        CheckpointError: ``state.state_dict()``, ``dcp.load`` or applying
+            failed on some rank (one line per rank), on every other rank; the
+            rank where it failed raises its own error. With another reader
+            than pippy's, a failed ``state.state_dict()`` is raised after
+            ``dcp.load``.
         CheckpointTimeout: Some rank was not there within ``timeout``, on
             every rank, naming it; nothing is applied. After one inside
-            ``dcp.load``, pippy's group (``reader.process_group``) is not
-            fit for more collectives.
+            ``dcp.load``, ``reader.process_group`` is not fit for more
+            collectives.
         TypeError: ``reader`` is not a ``StorageReader`` (a path, say).
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
-            ``dcp.load`` in the body read with another reader than pippy's
+            ``dcp.load`` in the body read with another reader than
             ``reader``, or another ``checkpoint_id``.
     """
     if not isinstance(reader, StorageReader):
@@ -275,9 +258,9 @@ def load_into(
     with (
         gc_paused(),
         collectives.waiting(action, "read", timeout, process_group) as waits,
+        _filled(state, reader, action, process_group, waits) as state_dict,
     ):
-        with _filled(state, reader, action, process_group, waits) as state_dict:
-            yield state_dict
+        yield state_dict
 
 
 @contextmanager
@@ -289,16 +272,19 @@ def _filled(
     waits: collectives.Waits | None,
 ) -> Iterator[dict[str, Any]]:
     """:func:`load_into`'s block, inside the watch ``waits``."""
+    if not isinstance(state, dict):
+        take, give = state.state_dict, state.load_state_dict
+    else:  # taken and loaded as DCP does
+        take, give = partial(statefuls_taken, state), partial(_load_plain, state)
     applied = False
-    stateful = _PlainState(state) if isinstance(state, dict) else state
 
     def apply(filled: dict[str, Any]) -> None:
         nonlocal applied
         applied = True
-        stateful.load_state_dict(filled)
+        give(filled)
 
+    state_dict, failure = take_or_failure(take)
     ours = reader if isinstance(reader, SafeFileSystemReader) else None
-    state_dict, failure = take_or_failure(stateful.state_dict)
     if ours:  # what its dcp.load needs of this block, for that load only
         ours.waits, ours.after_reads = waits, apply
         ours.process_group = waits.ours if waits else process_group
@@ -313,13 +299,21 @@ def _filled(
             )
     finally:
         if ours:
-            ours.waits = ours.after_reads = ours.failure = None
-            ours.process_group = None
+            ours.waits = ours.after_reads = ours.failure = ours.process_group = None
     if not applied:  # not read by pippy's reader: its own all_gather
         with fail_together(action, process_group):
             if failure is not None:  # another reader's planning did not raise it
                 raise failure
-            stateful.load_state_dict(state_dict)
+            give(state_dict)
+
+
+def _load_plain(state: dict[str, Any], filled: dict[str, Any]) -> None:
+    """Loads a plain state_dict's top-level Statefuls, as DCP does; sets the rest."""
+    for key, value in filled.items():
+        if isinstance(held := state.get(key), Stateful):
+            held.load_state_dict(value)
+        else:
+            state[key] = value
 
 
 def load_stage(
@@ -363,8 +357,8 @@ def load_stage(
         CheckpointError: It is damaged or does not match the stage (keys,
             shapes, dtypes, optimizer or param groups), or the state could
             not be taken or applied (a ``Stateful`` raised): on every rank,
-            one line per rank that refused.
-            Damage found in an item leaves the tensors read before it loaded.
+            one line per rank that refused. Damage found in an item leaves
+            the tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
     action, group = f"loading {path}", process_group
@@ -376,44 +370,11 @@ def load_stage(
         )
         planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
         with _filled(state, reader, action, group, waits) as filled:
-            if no_dist:
-                read_any_layout(filled, reader, planner, no_dist=True)
-            else:
-                ours = reader.process_group
-                read_any_layout(filled, reader, planner, process_group=ours)
+            ours = reader.process_group
+            read_any_layout(
+                filled, reader, planner, process_group=ours, no_dist=no_dist
+            )
     return filled if isinstance(state, StageState) else state
-
-
-class _PlainState:
-    """A plain state_dict as :func:`load_into` takes a stage, its Statefuls as DCP's."""
-
-    def __init__(self, state: dict[str, Any]) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        """A copy, each top-level Stateful's state in its place."""
-        return statefuls_taken(self.state)
-
-    def load_state_dict(self, filled: dict[str, Any]) -> None:
-        """Loads each top-level Stateful; a loaded entry replaces any other."""
-        for key, value in filled.items():
-            if isinstance(held := self.state.get(key), Stateful):
-                held.load_state_dict(value)
-            else:
-                self.state[key] = value
-
-
-def _unverifiable(storage: Storage, path: Location) -> str | None:
-    """Why a step is passed over before its items are read, or None."""
-    if (why := why_not_whole(storage, path)) is not None:
-        return why
-    # Read there already; a damaged one is verify_step's to name, as damage.
-    if storage.size(storage.join(path, MANIFEST_FILE)) is None:
-        raise CheckpointError(
-            f"{os.fspath(path)} has no manifest.json, so it cannot be "
-            "verified: resume from it without verification, or move it aside"
-        )
-    return None
 
 
 def _newest_verified(
@@ -421,75 +382,72 @@ def _newest_verified(
 ) -> Any:
     """The newest step that verifies, each rank reading its share of each.
 
-    No rank of a group reads a step all alone (without one, this process
-    reads it all); rank 0 logs each step passed over.
+    No rank of a group reads a step all alone. Rank 0 picks each step to
+    verify, and at the end moves the damaged ones passed over aside and logs
+    each step passed over.
     """
     action = f"cannot check {os.fspath(checkpoint_dir)}"
     storage = storage_for(checkpoint_dir)
     share = (0, 1)
     if dist.is_initialized():
         share = (dist.get_rank(process_group), dist.get_world_size(process_group))
-    found, passed, left = None, [], None  # on rank 0: passed, the steps left
+    passed: list[tuple[Any, str, bool]] = []  # on rank 0: (step, why, damaged)
+    left: list[Any] | None = None  # on rank 0: the steps not looked at, oldest first
 
-    def next_step() -> Any:  # on rank 0: the next step to read, or None
+    def next_step() -> Any:  # on rank 0: the next step to verify, or None
         nonlocal left
         if left is None:
             refuse_step_folder(storage, checkpoint_dir)
-            left = list(reversed(list_steps(storage, checkpoint_dir).values()))
+            left = list(list_steps(storage, checkpoint_dir).values())
         while left:
-            path = left.pop(0)
-            if (why := _unverifiable(storage, path)) is None:
+            path = left.pop()
+            if (why := why_not_whole(storage, path)) is not None:
+                passed.append((path, why, False))
+            elif storage.size(storage.join(path, MANIFEST_FILE)) is None:
+                # a damaged one is verify_step's to name, as damage
+                raise CheckpointError(
+                    f"{os.fspath(path)} has no manifest.json, so it cannot be "
+                    "verified: resume from it without verification, or move it aside"
+                )
+            else:
                 return path
-            passed.append((path, storage.name(path), why, False))
         return None
 
+    found = None
     while (path := on_coordinator(action, next_step, process_group)) is not None:
         problem = None
         try:
             verify_step(path, storage=storage, share=share)
-        except UnsafeCheckpointError as e:
-            problem = ("unsafe", str(e))
-        except CheckpointError as e:
-            problem = ("damaged", str(e))
-        problems: list[Any] = [problem] * share[1]
+        except CheckpointError as e:  # unsafe: refused, not passed over
+            problem = (isinstance(e, UnsafeCheckpointError), str(e))
+        problems = [problem] * share[1]
         if share[1] > 1:
-            group = pippy_group(process_group)
-            dist.all_gather_object(problems, problem, group=group)
-        found_ = [p for p in problems if p is not None]
-        if unsafe := [text for kind, text in found_ if kind == "unsafe"]:
+            dist.all_gather_object(problems, problem, group=pippy_group(process_group))
+        failed = [p for p in problems if p is not None]
+        if unsafe := [text for is_unsafe, text in failed if is_unsafe]:
             raise UnsafeCheckpointError(unsafe[0])
-        if not found_:
+        if not failed:
             found = path
             break
-        passed.append((path, storage.name(path), found_[0][1], True))
+        passed.append((path, failed[0][1], True))
 
-    def finish() -> Any:  # on rank 0
-        return _passed_over(storage, checkpoint_dir, found, passed)
+    def finish() -> Any:  # on rank 0: the damaged steps moved aside once one verifies
+        if found is None and any(damaged for *_, damaged in passed):
+            reasons = "; ".join(f"{storage.name(p)}: {why}" for p, why, _ in passed)
+            raise CheckpointError(
+                f"no step of {os.fspath(checkpoint_dir)} verifies ({reasons}). "
+                "Restore one, or move them all out of the folder to start afresh"
+            )
+        for path, why, damaged in passed:
+            name = storage.name(path)
+            if damaged:  # renamed, kept for a look
+                aside = hidden_name(name, "damaged")
+                storage.publish(path, storage.join(storage.parent(path), aside))
+                why = f"moved aside to {aside}: {why}"
+            logger.warning("skipped %s: %s", name, why)
+        return found
 
     return on_coordinator(action, finish, process_group)
-
-
-def _passed_over(
-    storage: Storage, checkpoint_dir: Location, found: Any, passed: list
-) -> Any:
-    """``found``, once the damaged steps passed over are moved aside.
-
-    Each step passed over is logged; CheckpointError if none verified and
-    some are damaged.
-    """
-    if found is None and any(damaged for *_, damaged in passed):
-        reasons = "; ".join(f"{name}: {why}" for _, name, why, _ in passed)
-        raise CheckpointError(
-            f"no step of {os.fspath(checkpoint_dir)} verifies ({reasons}). "
-            "Restore one, or move them all out of the folder to start afresh"
-        )
-    for path, name, why, damaged in passed:  # moved only once one verifies
-        if damaged:  # renamed, kept for a look
-            aside = hidden_name(storage.name(path), "damaged")
-            storage.publish(path, storage.join(storage.parent(path), aside))
-            why = f"moved aside to {aside}: {why}"
-        logger.warning("skipped %s: %s", name, why)
-    return found
 
 
 def find_latest_step(

@@ -1,15 +1,13 @@
 """Reading a step safely: its ``.metadata`` without running pickles, each item checked.
 
-torch 2.13's ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load``:
+torch's ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load``:
 whoever can write a checkpoint folder could run code on every rank that
 loads it. :class:`SafeFileSystemReader` unpickles ``.metadata`` under an
 allow-list of DCP's own classes, reads each item only from a file inside
 its step and within that file's size, and checks each against the CRC-32C
-that ``manifest.json`` holds for it;
-:func:`~pippy.checkpoint.safe_load.resolve_trusted` is the one place that
-reads ``PIPPY_TRUST_CHECKPOINT``. Rank 0 opens the step and
-broadcasts what it read (:func:`open_reader`); the other ranks open only
-the data files whose items they load.
+that ``manifest.json`` holds for it. Rank 0 opens the step and broadcasts
+what it read (:func:`open_reader`); the other ranks open only the data
+files whose items they load.
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
@@ -46,6 +45,7 @@ from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
+    listed,
     own_error,
     portable,
 )
@@ -103,21 +103,6 @@ _METADATA_GLOBALS = {
     for name in names.split()
 }
 _BYTES = LoadItemType.BYTE_IO
-
-
-#: A function of the state_dict ``dcp.load`` fills, run once the reads are done.
-Apply = Callable[[dict[str, Any]], None]
-
-
-def _refuse_none(path: Location | None) -> None:
-    """CheckpointNotFoundError for a step ``None``: find_latest_step found none."""
-    if path is None:
-        raise CheckpointNotFoundError(
-            "no step to load: the path is None (find_latest_step returns None "
-            "where the folder holds no complete step); check for it first"
-        )
-
-
 # How many fields this torch's TensorProperties pickles.
 _FIELDS = len(TensorProperties().__getstate__())
 
@@ -161,9 +146,8 @@ def _read_metadata_file(
     if (size := storage.size(path)) is None and storage.exists(path):  # a FIFO
         raise CheckpointError(f"{path} is damaged: it is not a file")
     if size is None:
-        listed = list_steps(storage, folder).values()
-        steps = [p for p in listed if is_complete(storage, p)]
-        if steps:
+        folders = list_steps(storage, folder).values()
+        if steps := [p for p in folders if is_complete(storage, p)]:
             raise CheckpointNotFoundError(
                 f"{str(folder)!r} is a run's checkpoint folder; pass one of its "
                 f"steps, e.g. {str(steps[-1])!r}"
@@ -183,16 +167,15 @@ def _read_metadata_file(
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # whatever a crafted pickle makes the unpickler raise
-        newer = False
+        newer = None
         with suppress(Exception):  # no manifest, or no version in it: no help here
-            manifest = cast(Manifest, read_manifest(storage, folder))
-            writer = manifest.written_by["torch"]
-            newer = TorchVersion(writer) > torch.__version__
+            writer = cast(Manifest, read_manifest(storage, folder)).written_by["torch"]
+            newer = writer if TorchVersion(writer) > torch.__version__ else None
         if newer:
             raise CheckpointError(
-                f"{path} was written by torch {writer}, this is torch "
+                f"{path} was written by torch {newer}, this is torch "
                 f"{torch.__version__}, which cannot read it ({type(e).__name__}: "
-                f"{e}). Read it with torch {writer} or newer"
+                f"{e}). Read it with torch {newer} or newer"
             ) from None
         raise CheckpointError(
             f"{path} is damaged ({type(e).__name__}: {e}): restore it, or {MOVE_ASIDE}"
@@ -216,12 +199,10 @@ class SafeFileSystemReader(FileSystemReader):
         path: The step folder (the ``checkpoint_id``).
         trusted: True loads any pickle, as ``FileSystemReader`` does; None
             decides by :func:`~pippy.checkpoint.safe_load.resolve_trusted`.
-        check_files: Also check the data files (:func:`find_damage`); False
-            reads the metadata alone.
+        check_files: Also check the data files; False reads the metadata alone.
         verify: Check the manifest, and each item's checksum as it is read
             (with ``check_files``). False loads one without a manifest.
-        storage: ``path``'s storage, if the caller has it; else found from
-            ``path``.
+        storage: ``path``'s storage, if the caller has it.
         extension_registry: DCP's registry of the stream extensions the step
             was written with (``FileSystemWriter``'s ``_extensions``); None:
             DCP's default one (ZStandard).
@@ -240,10 +221,11 @@ class SafeFileSystemReader(FileSystemReader):
 
     manifest: Manifest | None
     metadata_bytes: bytes  # .metadata as read, which rank 0 broadcasts
-    # Given by load_into for one dcp.load: its watch, what to apply after the
-    # reads, and this rank's failure to take its state (raised in DCP's planning).
+    # Set by load_into for one dcp.load: its watch, what to apply once the
+    # reads are done, and this rank's failure to take its state (raised in
+    # DCP's planning).
     waits: Waits | None = None
-    after_reads: Apply | None = None
+    after_reads: Callable[[dict[str, Any]], None] | None = None
     failure: Exception | None = None
     #: In :func:`~pippy.checkpoint.load_into`'s block, the group to pass
     #: ``dcp.load``: pippy's own gloo group over the loading ranks, whose
@@ -268,9 +250,8 @@ class SafeFileSystemReader(FileSystemReader):
         if not check_files:
             return
         sizes: dict[str, int | None] = {}  # each file's, asked once
-        problems = find_damage(storage, folder, self.metadata, sizes)
-        if problems:
-            shown = "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "")
+        if problems := find_damage(storage, folder, self.metadata, sizes):
+            shown = listed(problems, 4, "; ", str)
             raise self._damaged(shown, f"Restore those files, or {MOVE_ASIDE}")
         if verify:
             ranges = storage_ranges(self.metadata)
@@ -286,7 +267,11 @@ class SafeFileSystemReader(FileSystemReader):
         extension_registry: ExtensionRegistry | None,
     ) -> None:
         """DCP's reader of ``path``, set up without touching a file."""
-        _refuse_none(path)
+        if path is None:
+            raise CheckpointNotFoundError(
+                "no step to load: the path is None (find_latest_step returns None "
+                "where the folder holds no complete step); check for it first"
+            )
         super().__init__(path, _extension_registry=extension_registry)
         self.extension_registry = extension_registry or ExtensionRegistry()
         self.storage = storage = storage or storage_for(path)
@@ -347,24 +332,18 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each planned item once, checks it, then hands it to ``planner``.
 
-        Each stored byte is read once and checked (whole, and with
-        ``verify`` against its CRC-32C): a non-tensor item, and a tensor item
-        under 1 MiB, before it is unpickled; a larger tensor item, which
-        ``torch.load`` (``weights_only``) reads straight into a new tensor as
-        DCP's reader does, before it is copied into the state_dict. Then,
-        under :attr:`waits`, the rank waits for the others, and
-        :attr:`after_reads` runs.
+        Each stored byte is read once and checked before the planner gets it
+        (whole, and with ``verify`` against its CRC-32C); a tensor item of
+        1 MiB or more is checked as ``torch.load`` reads it into a new
+        tensor, before it is copied into the state_dict. Then, under
+        :attr:`waits`, the rank waits for the others, and :attr:`after_reads`
+        runs.
 
         Raises:
             UnsafeCheckpointError: Unless trusted, ``planner`` is not a
                 :class:`~pippy.checkpoint.safe_load.SafeLoadPlanner` and the
                 plan holds non-tensor items.
             CheckpointError: An item is damaged (cut short, or not its CRC-32C).
-
-        Note:
-            DCP loads in place: after a damaged item, the items before it
-            already hold the step's values; load another step, or build the
-            stage anew, before using it.
         """
         unsafe = not (self.trusted or isinstance(planner, SafeLoadPlanner))
         if unsafe and any(req.type == _BYTES for req in plan.items):
@@ -380,11 +359,11 @@ class SafeFileSystemReader(FileSystemReader):
             name = self.storage_data[req.storage_index].relative_path
             per_file.setdefault(name, {}).setdefault(req.storage_index, []).append(req)
         counting: Any = nullcontext(planner)
-        if (waits := self.waits) is not None:  # each item's bytes, for progress
+        if self.waits is not None:  # each item's bytes, for progress
             sizes = {
                 i: self.storage_data[i].length for by in per_file.values() for i in by
             }
-            counting = waits.counting(planner, sizes)
+            counting = self.waits.counting(planner, sizes)
         with counting as counted:
             for name, items in per_file.items():
                 path = self.fs.concat_path(self.path, name)
@@ -436,12 +415,7 @@ class SafeFileSystemReader(FileSystemReader):
                 stream = io.BytesIO(stream.read(-1))
             tensor = torch.load(stream, map_location="cpu", weights_only=True)
         for req in reqs:  # the part of the tensor each reads, into the planner's
-            part = tensor
-            for dim, (offset, size) in enumerate(
-                zip(req.storage_offsets, req.lengths, strict=True)
-            ):
-                if size < part.size(dim):
-                    part = part.narrow(dim, offset, size)
+            part = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != part.size():
                 raise self._damaged(
@@ -454,27 +428,25 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _check_item(self, key: str, info: Any, size: int, crc: int | None) -> None:
         """Raises unless the item is whole (``size`` bytes), its CRC-32C ``crc``."""
-        name, offset, length = info.relative_path, info.offset, info.length
-        if size != length:
+        if size != info.length:
             raise self._damaged(
-                f"{name} ends at byte {offset + size}, inside item {key!r}",
+                f"{info.relative_path} ends at byte {info.offset + size}, inside "
+                f"item {key!r}",
                 f"Restore the file, or {MOVE_ASIDE}",
             )
-        if self.manifest is None or crc is None:
-            return
-        verify_item(self.manifest, (name, offset, length), key, crc)
+        if self.manifest is not None and crc is not None:
+            place = (info.relative_path, info.offset, info.length)
+            verify_item(self.manifest, place, key, crc)
 
     def _check_step(self, data: bytes) -> None:
         """Raises unless the stored step (``data``) is the manifest's."""
-        if self.manifest is not None:  # the stored step, the name and manifest agree
-            step = restricted_load(io.BytesIO(data))
-            if step != self.manifest.step:
-                raise CheckpointError(
-                    f"{str(self.folder)!r} holds step {step!r}, its "
-                    f"{MANIFEST_FILE} says {self.manifest.step}: the manifest "
-                    "was edited or belongs to another step. Move the folder "
-                    "out of the checkpoint folder"
-                )
+        step = restricted_load(io.BytesIO(data))
+        if self.manifest is not None and step != self.manifest.step:
+            raise CheckpointError(
+                f"{str(self.folder)!r} holds step {step!r}, its {MANIFEST_FILE} "
+                f"says {self.manifest.step}: the manifest was edited or belongs to "
+                "another step. Move the folder out of the checkpoint folder"
+            )
 
     def _damaged(self, what: str, fix: str) -> CheckpointError:
         """The error for this step's damage: ``what`` is wrong, and ``fix``."""
@@ -492,8 +464,9 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
             :class:`SafeFileSystemReader`.
     """
-    reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
-    return reader.read_metadata()
+    return SafeFileSystemReader(
+        path, trusted=trusted, check_files=False
+    ).read_metadata()
 
 
 def verify_step(
@@ -540,33 +513,30 @@ def open_reader(
     extension_registry: ExtensionRegistry | None = None,
 ) -> SafeFileSystemReader:
     """A :class:`SafeFileSystemReader` made on rank 0, its metadata broadcast."""
-    _refuse_none(path)
+    made: list[SafeFileSystemReader] = []
 
-    def make() -> SafeFileSystemReader:
+    def make() -> Any:  # on rank 0; a CheckpointError reaches every rank as itself
         reader = SafeFileSystemReader(
             path, trusted=trusted, verify=verify, extension_registry=extension_registry
         )
         reader.check_extensions()
-        return reader
-
-    if no_dist or not dist.is_initialized():
-        return make()
-    made: list[SafeFileSystemReader] = []
-
-    def check() -> Any:  # on rank 0; a CheckpointError reaches every rank as itself
-        made.append(make())
+        made.append(reader)
         # .metadata's bytes, not the object: pickling DCP's Metadata again
         # costs rank 0 more than the others' unpickling it
-        return made[0].trusted, made[0].metadata_bytes, made[0].manifest, str(path)
+        return reader.trusted, reader.metadata_bytes, reader.manifest, str(path)
 
-    checked = on_coordinator(f"cannot read {os.fspath(path)}", check, process_group)
+    if no_dist or not dist.is_initialized():
+        make()
+        return made[0]
+    trusted, data, manifest, theirs = on_coordinator(
+        f"cannot read {os.fspath(path)}", make, process_group
+    )
     if made:
         return made[0]
     reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
-    reader._open(path, checked[0], None, extension_registry)
-    reader.metadata_bytes, reader.manifest, theirs = checked[1:]
-    data, name = reader.metadata_bytes, str(reader.folder)
-    reader.metadata = _MetadataUnpickler(data, name, reader.trusted).load()
+    reader._open(path, trusted, None, extension_registry)
+    reader.metadata_bytes, reader.manifest = data, manifest
+    reader.metadata = _MetadataUnpickler(data, str(reader.folder), trusted).load()
     if reader.storage.name(theirs) != reader.storage.name(path):  # another step
         reader.failure = ValueError(  # raised in DCP's planning, so on every rank
             f"this rank opened {str(path)!r} and rank 0 {theirs!r}: every rank "

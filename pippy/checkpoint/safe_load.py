@@ -3,11 +3,10 @@
 DCP's ``DefaultLoadPlanner`` reads non-tensor items with
 ``torch.load(weights_only=False)``, stops at the first missing key,
 converts dtypes silently and ignores keys that no rank asks for.
-:class:`SafeLoadPlanner` refuses all of this, naming the keys and the fix;
-its coordinator checks that the ranks together read every key of the step.
+:class:`SafeLoadPlanner` refuses all of this, naming the keys and the fix.
 :func:`restricted_load` is the one way a load unpickles a non-tensor item,
 and :func:`resolve_trusted` the one place that reads
-``PIPPY_TRUST_CHECKPOINT``, which lets both load any pickle.
+``PIPPY_TRUST_CHECKPOINT``.
 """
 
 from __future__ import annotations
@@ -53,10 +52,7 @@ def resolve_trusted(trusted: bool | None) -> bool:
 
 
 def refusal(what: str, refused: str, allow: str = "") -> UnsafeCheckpointError:
-    """The error for loading ``what``, whose pickle would import ``refused``.
-
-    ``allow``: another way to load it, after the trust switch (``, or ...``).
-    """
+    """The error for ``what``, whose pickle imports ``refused``; ``allow``: or how."""
     return UnsafeCheckpointError(
         f"refused to load {what}: it would import {refused}, which no checkpoint "
         "written by DCP or pippy holds and whose unpickling could run code; if you "
@@ -203,9 +199,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.trusted = resolve_trusted(trusted)
         self.must_read = must_read
-        self._keys: tuple[Any, Any] = ((), {})  # wanted and saved: set_up_planner
-        self._parser: OptimKeys | None = None  # of _keys, built when a message needs it
-        self.layout_name: Callable[[str], str] = str  # a key's pippy name, likewise
+        self._parser: OptimKeys | None = None  # built when a message needs it
+        self.layout_name: Callable[[str], str] = str  # a key's pippy name
 
     def set_up_planner(
         self,
@@ -217,7 +212,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         wanted = list(self.state_dict)  # as DCP flattened them
         saved = metadata.state_dict_metadata if metadata is not None else {}
-        self._keys, self._parser = (wanted, saved), None
+        self._parser = None
         self.layout_name = pippy_name if detect_layout(saved) == TORCHTITAN else str
         stateless = stateless_keys(wanted, saved) if metadata is not None else ()
         if stateless:  # not loaded: dropped from DCP's view and the caller's dict
@@ -230,7 +225,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def _optim_section(self, key: str) -> str | None:
         """The optimizer section of a dotted key (``state``, ...), or None."""
         if self._parser is None:
-            self._parser = OptimKeys.of_keys([*self._keys[0], *self._keys[1]])
+            saved = self.metadata.state_dict_metadata if self.metadata else {}
+            self._parser = OptimKeys.of_keys([*self.state_dict, *saved])
         parsed = self._parser.split(key)
         return None if parsed is None else parsed[1]
 
@@ -278,10 +274,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def _mismatch(
         self, problems: dict[str, str], saved: Any, retyped: dict[str, torch.dtype]
     ) -> str:
-        """What :meth:`create_local_plan` found, and the fix: a :data:`_MISMATCH`.
-
-        ``retyped`` maps the keys of another dtype to the checkpoint's dtype.
-        """
+        """Why :meth:`create_local_plan` refuses (a :data:`_MISMATCH`), and the fix."""
         name = self.layout_name
         sections = sorted({_section(name(k)) for k in problems})
         packed = any(k.startswith("optim.scalars.") for k in self.state_dict)
