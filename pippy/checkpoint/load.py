@@ -1,18 +1,12 @@
 """Which step to load, and the one load sequence, ``load_stage``, and its pieces.
 
-:func:`find_latest_step` picks the step to resume from: the newest complete
-one, or the newest that verifies. Rank 0 of the process group alone answers
-every question about the checkpoint folder, and broadcasts its answer or its
-error (:func:`~pippy.checkpoint.collectives.on_coordinator`): NFS attribute
-caching can make ranks disagree on what a folder holds (and resume from
-different steps), and hundreds of ranks listing a bucket at once get
-throttled into "no checkpoint". With ``verified=True`` every rank reads its
-share of each step it checks (:func:`~pippy.checkpoint.reader.verify_step`).
-
-Rank 0 opens the step (:func:`open_step`: pippy's reader and planner), every
-rank fills its stage's state_dict through ``dcp.load`` and applies it once
-every rank has read (:func:`load_into`); a step in torchtitan's layout is
-read as well (:func:`read_any_layout`).
+Rank 0 alone answers every question about the checkpoint folder and
+broadcasts its answer or its error: NFS attribute caching can make ranks
+disagree on what a folder holds, and hundreds of ranks listing a bucket at
+once get throttled into "no checkpoint". A load is :func:`open_step` (pippy's
+reader and planner, the step opened on rank 0), then ``dcp.load`` inside
+:func:`load_into` (the stage's state_dict to fill, applied once every rank
+has read); :func:`read_any_layout` reads a step in torchtitan's layout too.
 """
 
 from __future__ import annotations
@@ -84,31 +78,27 @@ def open_step(
 
     Call it on every rank of ``process_group`` at once: rank 0 alone reads
     the step's ``.metadata`` and manifest, and the others take its answer.
-    Python's cyclic garbage collector is paused meanwhile.
 
     Args:
         path: A ``step-<N>`` folder.
         must_read: Prefixes of the checkpoint's keys that some rank must read
             (see :class:`SafeLoadPlanner`); ``("model.",)`` for weights alone.
         trusted: True loads any pickle, as plain DCP does (only for a
-            checkpoint from a trusted source); None: if
-            ``PIPPY_TRUST_CHECKPOINT`` is 1.
+            trusted checkpoint); None: if ``PIPPY_TRUST_CHECKPOINT`` is 1.
         verify: Check every item read against the step's ``manifest.json``;
             False loads a checkpoint without one (plain DCP's), unverified.
         process_group: The ranks that load; the default group if None.
-        no_dist: This process opens it alone, with no collective, as
-            ``dcp.load``'s ``no_dist``.
-        timeout: Seconds (or a ``timedelta``) the ranks wait for each other
-            to open it; None: no deadline. Late ranks are logged either way.
+        no_dist: This process opens it alone, as ``dcp.load``'s ``no_dist``.
+        timeout: Seconds (or a ``timedelta``) the ranks wait for each other;
+            None: no deadline. Late ranks are logged either way.
         extension_registry: DCP's registry of the stream extensions the step
-            was written with (``publish_step``'s ``_extensions``), as
-            ``FileSystemReader``'s; None: DCP's default (ZStandard).
+            was written with (``publish_step``'s ``_extensions``); None: DCP's
+            default (ZStandard).
 
     Returns:
-        ``(storage_reader, planner)``. The reader reads this step alone (a
-        ``dcp.load`` with another ``checkpoint_id`` raises ``ValueError``)
-        and, unless trusted, hands non-tensor items only to a
-        :class:`SafeLoadPlanner` (others: ``UnsafeCheckpointError``).
+        ``(storage_reader, planner)``. The reader reads this step alone (another
+        ``checkpoint_id``: ``ValueError``) and, unless trusted, hands non-tensor
+        items only to a :class:`SafeLoadPlanner`.
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
@@ -152,9 +142,8 @@ def read_any_layout(
 ) -> None:
     """Fills a state_dict from a step in either layout, in place.
 
-    By name, unless the step is in torchtitan's layout and pippy's names for
-    the state (``model.``, ``optim.``, ``step``) renamed to torchtitan's find
-    more of it (DCP's recipe has ``optimizer.`` keys too, in its own names).
+    By name, unless the step is in torchtitan's layout and pippy's names
+    renamed to torchtitan's find more of it.
     """
     saved = reader.read_metadata().state_dict_metadata
     wanted = dict(named_leaves(state_dict))
@@ -197,55 +186,50 @@ def load_into(
 ) -> Iterator[dict[str, Any]]:
     """Gives the stage's state_dict to fill, then applies it; if one rank fails, all do.
 
-    Use it around ``dcp.load``, on every rank. DCP loads in place, into
-    tensors that must exist: ``state.state_dict()`` returns the stage's own
-    (and creates the optimizer's empty state). With pippy's reader
-    (:func:`open_step`) each rank applies inside ``dcp.load`` once its reads
-    are done, and DCP's last collective carries the outcome (a rank whose
-    read failed applies nothing); with another reader it applies after
-    ``dcp.load``, and an ``all_gather_object`` carries the outcome. Python's
-    cyclic garbage collector is paused in the block.
+    Use it around ``dcp.load``, on every rank: DCP loads in place, into the
+    stage's own tensors (``state.state_dict()``, which creates the optimizer's
+    empty state). With pippy's reader each rank applies inside ``dcp.load``
+    once its reads are done, and DCP's last collective carries the outcome;
+    with another reader it applies after ``dcp.load``, and an
+    ``all_gather_object`` carries it. Python's cyclic garbage collector is
+    paused in the block.
 
     Note:
         When a load fails on some rank, every rank raises, but the ranks that
-        read their items hold the step's tensors, applied; a rank whose read
-        failed holds the items read before the failure. Load another step,
-        or build the stages anew, before training on. Every rank must reach
-        ``dcp.load``.
+        read their items hold the step's tensors, applied, and a rank whose
+        read failed those read before the failure: load another step, or build
+        the stages anew, before training on.
 
     Args:
-        state: The stage's :class:`StageState` (``StageState(module)``
-            without an optimizer loads the weights alone), any ``Stateful``
-            whose ``state_dict()`` holds the tensors to fill, or a nested
-            state_dict, filled in place (its top-level ``Stateful`` objects
-            loaded, as ``dcp.load`` does).
-        reader: The storage reader that ``dcp.load`` in the body reads with:
+        state: The stage's :class:`StageState` (``StageState(module)`` without
+            an optimizer loads the weights alone), any ``Stateful`` whose
+            ``state_dict()`` holds the tensors to fill, or a nested state_dict,
+            filled in place (its top-level ``Stateful`` objects loaded, as
+            ``dcp.load`` does).
+        reader: The storage reader ``dcp.load`` in the body reads with:
             pippy's, from :func:`open_step`, or another.
         process_group: The ranks that load; the default group if None.
-            ``dcp.load`` in the body must run on the same ranks: with
-            pippy's reader, pass it ``process_group=reader.process_group``
-            (pippy's gloo group over them, which ``timeout`` bounds).
+            ``dcp.load`` must run on the same ranks: with pippy's reader, pass
+            it ``process_group=reader.process_group`` (pippy's gloo group over
+            them, which ``timeout`` bounds).
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
-            the start of the load and, with pippy's reader, once it has read
-            its items; None: no deadline. Late ranks are logged either way.
+            the start of the load and, with pippy's reader, once it has read its
+            items; None: no deadline. Late ranks are logged either way.
 
     Yields:
         The state_dict to pass to ``dcp.load``.
 
     Raises:
-        CheckpointError: ``state.state_dict()``, ``dcp.load`` or applying
-            failed on some rank (one line per rank), on every other rank; the
-            rank where it failed raises its own error. With another reader
-            than pippy's, a failed ``state.state_dict()`` is raised after
-            ``dcp.load``.
-        CheckpointTimeout: Some rank was not there within ``timeout``, on
-            every rank, naming it; nothing is applied. After one inside
-            ``dcp.load``, ``reader.process_group`` is not fit for more
-            collectives.
+        CheckpointError: Taking the state, ``dcp.load`` or applying failed on
+            some rank (one line per rank), on every other rank; the rank where
+            it failed raises its own error.
+        CheckpointTimeout: Some rank was not there within ``timeout``, on every
+            rank; nothing is applied. After one inside ``dcp.load``,
+            ``reader.process_group`` is not fit for more collectives.
         TypeError: ``reader`` is not a ``StorageReader`` (a path, say).
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
-            ``dcp.load`` in the body read with another reader than
-            ``reader``, or another ``checkpoint_id``.
+            ``dcp.load`` in the body did not read with ``reader``, or read
+            another ``checkpoint_id``.
     """
     if not isinstance(reader, StorageReader):
         raise TypeError(
@@ -334,10 +318,8 @@ def load_stage(
     under pippy's names. Python's cyclic garbage collector is paused meanwhile.
 
     Args:
-        state: The stage's :class:`StageState` (``StageState(module)``
-            without an optimizer loads the weights alone), or a nested
-            state_dict that is filled in place (its top-level ``Stateful``
-            objects loaded, as ``dcp.load`` does).
+        state: The stage's :class:`StageState`, or a nested state_dict, as
+            :func:`load_into`'s.
         path: A ``step-<N>`` folder.
         must_read: As :func:`open_step`.
         trusted: As :func:`open_step`.
@@ -351,14 +333,12 @@ def load_stage(
         The state_dict as loaded (tensors are the stage's own).
 
     Raises:
-        CheckpointNotFoundError: ``path`` is not a complete checkpoint, or
-            is None.
+        CheckpointNotFoundError: ``path`` is None or not a complete checkpoint.
         UnsafeCheckpointError: It holds a pickle that could run code.
         CheckpointError: It is damaged or does not match the stage (keys,
-            shapes, dtypes, optimizer or param groups), or the state could
-            not be taken or applied (a ``Stateful`` raised): on every rank,
-            one line per rank that refused. Damage found in an item leaves
-            the tensors read before it loaded.
+            shapes, dtypes, optimizer or param groups), or a ``Stateful``
+            raised: on every rank, one line per rank that refused. Damage found
+            in an item leaves the tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
     action, group = f"loading {path}", process_group
@@ -382,9 +362,8 @@ def _newest_verified(
 ) -> Any:
     """The newest step that verifies, each rank reading its share of each.
 
-    No rank of a group reads a step all alone. Rank 0 picks each step to
-    verify, and at the end moves the damaged ones passed over aside and logs
-    each step passed over.
+    Rank 0 picks each step to verify and, at the end, moves the damaged ones
+    passed over aside and logs each step passed over.
     """
     action = f"cannot check {os.fspath(checkpoint_dir)}"
     storage = storage_for(checkpoint_dir)
@@ -456,45 +435,39 @@ def find_latest_step(
     verified: bool = False,
     process_group: dist.ProcessGroup | None = None,
 ) -> Any:
-    """Finds the newest complete step folder, to resume from.
+    """Finds the newest complete step folder, to resume from; rank 0 answers for all.
 
     Incomplete folders (no ``.metadata``: a crash mid-save) and folders whose
-    ``manifest.json`` names another step (copied or renamed) are never
-    chosen; a warning names those newer than the one returned. A complete
-    step damaged afterwards is returned, and loading it fails on every
-    restart. ``verified=True`` goes past such steps instead: each is moved to
-    ``.step-<N>.damaged-<time>`` (kept for a look, never chosen nor saved
-    over) and named, with why, in a warning on rank 0.
+    ``manifest.json`` names another step are never chosen; a warning names
+    those newer than the one returned. A complete step damaged afterwards is
+    returned, and loading it fails on every restart; ``verified=True`` goes
+    past such steps instead: each is moved to ``.step-<N>.damaged-<time>``
+    (kept for a look, never chosen nor saved over) and named, with why, in a
+    warning on rank 0.
 
     Args:
         checkpoint_dir: The run's checkpoint folder; it may not exist yet.
-        verified: Verify complete steps from the newest down until one
-            passes, every rank reading its share of each step's bytes (see
-            :func:`verify_step`); call it as the folder's owner
-            (:class:`~pippy.checkpoint.job.FolderOwner`).
-        process_group: The ranks; the default group if None. Without an
-            initialized process group, this process answers alone.
+        verified: Verify complete steps from the newest down until one passes,
+            every rank reading its share of each (see :func:`verify_step`); call
+            it as the folder's owner (:class:`~pippy.checkpoint.job.FolderOwner`).
+        process_group: The ranks, which call it at once; the default group if
+            None. Without an initialized process group, this process answers
+            alone.
 
     Returns:
         The newest complete ``step-<N>`` folder (a ``Path``, or a URL for a
         URL), or None if there is none.
 
     Raises:
-        CheckpointDirError: On every rank: ``checkpoint_dir`` exists and is
-            not a folder, cannot be listed, is or lies in a step folder, or
-            is a URL whose storage client is missing; with ``verified``, a
-            step cannot be moved.
-        UnsafeCheckpointError: On every rank: the manifest of a step it
-            reaches is a link leading out of the step folder; with
-            ``verified``, a step holds a pickle that would run code or such a
-            link (not damage: nothing is passed over for it).
-        CheckpointError: With ``verified``, on every rank: no complete step
-            verifies (nothing is moved), or one to verify has no manifest.
-
-    Note:
-        Call it on every rank of ``process_group`` at once (a collective:
-        called on rank 0 alone, it waits), or without a process group. Rank
-        0 answers for all: every rank resumes from the same step.
+        CheckpointDirError: ``checkpoint_dir`` exists and is not a folder,
+            cannot be listed, is or lies in a step folder, or is a URL whose
+            storage client is missing; with ``verified``, a step cannot be
+            moved.
+        UnsafeCheckpointError: The manifest of a step it reaches is a link out
+            of the step folder; with ``verified``, a step holds a pickle that
+            would run code or such a link (nothing is passed over for it).
+        CheckpointError: With ``verified``: no complete step verifies (nothing
+            is moved), or one to verify has no manifest.
     """
     if verified:
         return _newest_verified(checkpoint_dir, process_group)

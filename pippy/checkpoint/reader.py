@@ -2,12 +2,10 @@
 
 torch's ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load``:
 whoever can write a checkpoint folder could run code on every rank that
-loads it. :class:`SafeFileSystemReader` unpickles ``.metadata`` under an
-allow-list of DCP's own classes, reads each item only from a file inside
-its step and within that file's size, and checks each against the CRC-32C
-that ``manifest.json`` holds for it. Rank 0 opens the step and broadcasts
-what it read (:func:`open_reader`); the other ranks open only the data
-files whose items they load.
+loads it. :class:`SafeFileSystemReader` unpickles it under an allow-list of
+DCP's own classes, reads each item only from a file inside its step and
+within that file's size, and checks each against its CRC-32C in
+``manifest.json``. Rank 0 opens the step for all (:func:`open_reader`).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.metadata import (
@@ -221,9 +218,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     manifest: Manifest | None
     metadata_bytes: bytes  # .metadata as read, which rank 0 broadcasts
-    # Set by load_into for one dcp.load: its watch, what to apply once the
-    # reads are done, and this rank's failure to take its state (raised in
-    # DCP's planning).
+    # Given by load_into for one dcp.load: its watch, what to apply after the
+    # reads, and this rank's failure to take its state (raised in DCP's planning).
     waits: Waits | None = None
     after_reads: Callable[[dict[str, Any]], None] | None = None
     failure: Exception | None = None
@@ -332,17 +328,15 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each planned item once, checks it, then hands it to ``planner``.
 
-        Each stored byte is read once and checked before the planner gets it
-        (whole, and with ``verify`` against its CRC-32C); a tensor item of
-        1 MiB or more is checked as ``torch.load`` reads it into a new
-        tensor, before it is copied into the state_dict. Then, under
-        :attr:`waits`, the rank waits for the others, and :attr:`after_reads`
-        runs.
+        Each stored byte is read once and checked (whole, and with ``verify``
+        against its CRC-32C) before the planner gets it; an item of 1 MiB or more
+        as ``torch.load`` reads it into a new tensor. Then, under :attr:`waits`,
+        the rank waits for the others, and :attr:`after_reads` runs.
 
         Raises:
             UnsafeCheckpointError: Unless trusted, ``planner`` is not a
-                :class:`~pippy.checkpoint.safe_load.SafeLoadPlanner` and the
-                plan holds non-tensor items.
+                :class:`~pippy.checkpoint.safe_load.SafeLoadPlanner` and the plan
+                holds non-tensor items.
             CheckpointError: An item is damaged (cut short, or not its CRC-32C).
         """
         unsafe = not (self.trusted or isinstance(planner, SafeLoadPlanner))
@@ -415,7 +409,12 @@ class SafeFileSystemReader(FileSystemReader):
                 stream = io.BytesIO(stream.read(-1))
             tensor = torch.load(stream, map_location="cpu", weights_only=True)
         for req in reqs:  # the part of the tensor each reads, into the planner's
-            part = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            part = tensor
+            for dim, (offset, size) in enumerate(
+                zip(req.storage_offsets, req.lengths, strict=True)
+            ):
+                if size < part.size(dim):
+                    part = part.narrow(dim, offset, size)
             target = planner.resolve_tensor(req).detach()
             if target.size() != part.size():
                 raise self._damaged(
@@ -428,15 +427,15 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _check_item(self, key: str, info: Any, size: int, crc: int | None) -> None:
         """Raises unless the item is whole (``size`` bytes), its CRC-32C ``crc``."""
-        if size != info.length:
+        name, offset, length = info.relative_path, info.offset, info.length
+        if size != length:
             raise self._damaged(
-                f"{info.relative_path} ends at byte {info.offset + size}, inside "
-                f"item {key!r}",
+                f"{name} ends at byte {offset + size}, inside item {key!r}",
                 f"Restore the file, or {MOVE_ASIDE}",
             )
-        if self.manifest is not None and crc is not None:
-            place = (info.relative_path, info.offset, info.length)
-            verify_item(self.manifest, place, key, crc)
+        if self.manifest is None or crc is None:
+            return
+        verify_item(self.manifest, (name, offset, length), key, crc)
 
     def _check_step(self, data: bytes) -> None:
         """Raises unless the stored step (``data``) is the manifest's."""
@@ -464,9 +463,8 @@ def read_metadata(path: str | os.PathLike, *, trusted: bool | None = None) -> Me
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
             :class:`SafeFileSystemReader`.
     """
-    return SafeFileSystemReader(
-        path, trusted=trusted, check_files=False
-    ).read_metadata()
+    reader = SafeFileSystemReader(path, trusted=trusted, check_files=False)
+    return reader.read_metadata()
 
 
 def verify_step(
