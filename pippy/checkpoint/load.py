@@ -417,11 +417,11 @@ def _newest_verified(
                 f"no step of {os.fspath(checkpoint_dir)} verifies ({reasons}). "
                 "Restore one, or move them all out of the folder to start afresh"
             )
-        for path, why, damaged in passed:
-            name = storage.name(path)
+        for step, why, damaged in passed:
+            name = storage.name(step)
             if damaged:  # renamed, kept for a look
                 aside = hidden_name(name, "damaged")
-                storage.publish(path, storage.join(storage.parent(path), aside))
+                storage.publish(step, storage.join(storage.parent(step), aside))
                 why = f"moved aside to {aside}: {why}"
             logger.warning("skipped %s: %s", name, why)
         return found
