@@ -1,19 +1,14 @@
 """Start from a Hugging Face folder: every rank reads only its own stage's tensors.
 
-A stage built with :func:`pippy.build_stage_module` keeps the un-split
-model's FQNs, the names ``save_pretrained`` gives its tensors, so each rank
-loads its stage's weights straight from the ``*.safetensors`` shards through
-DCP (``dcp.load`` with DCP's ``HuggingFaceStorageReader``, whose reads
-:class:`StageReader` replaces): it reads each shard's header, then only its
-own tensors' bytes (an FSDP2 shard: its rows), with ``pread`` into the
-stage's tensors. DCP's own reader maps each shard whole, and the kernel's
-readahead (8 MB per fault on some machines) then reads far beyond the stage.
-The experts of transformers' MoE models (Mixtral, Qwen3-MoE), which
-``save_pretrained`` stores one by one and the model holds fused, are read
-straight into the fused tensors' rows. Safetensors holds no pickled code.
-The folder's files must lie inside it,
-and every tensor of the stage must be in it with its shape and dtype
-(:class:`~pippy.checkpoint.SafeLoadPlanner`'s checks).
+A stage built with :func:`pippy.build_stage_module` keeps the un-split model's
+FQNs, the names ``save_pretrained`` gives its tensors, so each rank loads its
+stage's weights from the ``*.safetensors`` shards with ``dcp.load`` and
+:class:`StageReader`: DCP's ``HuggingFaceStorageReader``, reading each shard's
+header and then only the stage's own bytes (an FSDP2 shard: its rows) with
+``pread``. DCP's own reader maps each shard whole, and the kernel's readahead
+(8 MB per fault on some machines) then reads far beyond the stage. The experts
+of MoE models (Mixtral, Qwen3-MoE), which ``save_pretrained`` stores one by one
+and the model holds fused, are read straight into the fused tensors' rows.
 """
 
 from __future__ import annotations
@@ -23,8 +18,9 @@ import json
 import math
 import os
 import struct
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +53,7 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.storage import LocalStorage, RangeFile, is_url
+from pippy.checkpoint.storage import RangeFile, is_url
 
 __all__ = ["StageReader", "load_hf_stage"]
 
@@ -65,46 +61,34 @@ __all__ = ["StageReader", "load_hf_stage"]
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def check_folder(folder: str | os.PathLike) -> list[str]:
-    """Checks a Hugging Face folder before DCP's reader opens its shards.
+def _shards(folder: str | os.PathLike) -> list[str]:
+    """The shards to read, sorted: those the index names, else every one.
 
-    Returns:
-        The names of its shards, sorted: those its index names, else its
-        ``*.safetensors`` files.
-
-    Raises:
-        CheckpointNotFoundError: ``folder`` is not a local folder, or holds no
-            ``*.safetensors`` file.
-        UnsafeCheckpointError: A shard in it, or one its index names,
-            resolves outside it (a link).
-        CheckpointError: A shard its index names is missing.
+    Raises as :class:`StageReader`.
     """
-    storage = LocalStorage()
-    if is_url(folder) or not storage.is_dir(folder):
+    root = Path(folder).resolve()
+    if is_url(folder) or not root.is_dir():
         raise CheckpointNotFoundError(
             f"no Hugging Face folder at {os.fspath(folder)!r}: pass the local "
             "folder that save_pretrained wrote (config.json, *.safetensors)"
         )
-    shards = [n for n in storage.listdir(folder) if n.endswith(".safetensors")]
+    shards = sorted(p.name for p in root.glob("*.safetensors"))
     if not shards:
         raise CheckpointNotFoundError(
             f"{os.fspath(folder)!r} holds no *.safetensors file: pass the folder "
             "that save_pretrained wrote"
         )
-    index = storage.join(folder, INDEX_FILE)
-    if storage.exists(index):  # its shards alone, as from_pretrained reads them
-        shards = sorted(
-            set(json.loads(storage.read_bytes(index)).get("weight_map", {}).values())
-        )
-    root = storage.same_place(folder)
+    if (root / INDEX_FILE).exists():  # its shards alone, as from_pretrained reads
+        index = json.loads((root / INDEX_FILE).read_bytes())
+        shards = sorted(set(index.get("weight_map", {}).values()))
     for name in shards:
-        path = storage.same_place(storage.join(folder, name))
+        path = (root / name).resolve()
         if not path.is_relative_to(root) or path == root:
             raise UnsafeCheckpointError(
                 f"{name!r} in {os.fspath(folder)!r} resolves to {str(path)!r}, "
                 "outside the folder: refused; copy the shards into it"
             )
-        if storage.size(path) is None:
+        if not path.is_file():
             raise CheckpointError(
                 f"{os.fspath(folder)!r} lacks {name!r}, which its {INDEX_FILE} "
                 "names: copy the whole folder save_pretrained wrote"
@@ -120,27 +104,6 @@ class _Place:
     start: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-
-
-def _header(file: RangeFile) -> tuple[int, dict[str, Any]]:
-    """A safetensors file's header (8 bytes of length, then JSON) and its size."""
-    head = file.read(0, 8)
-    (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
-    if not 0 < length <= file.size - 8:
-        raise CheckpointError(f"{file.name} is not a safetensors file (its header)")
-    try:
-        return 8 + length, json.loads(file.read(8, length))
-    except ValueError as e:
-        raise CheckpointError(
-            f"{file.name}'s safetensors header is damaged: {e}"
-        ) from None
-
-
-def _read_into(file: RangeFile, tensor: torch.Tensor, offset: int) -> None:
-    """Fills a contiguous CPU tensor with the file's bytes from ``offset``."""
-    view = tensor.reshape(-1).view(torch.uint8).numpy().data  # writable, no copy
-    if file.read_into(view, offset) < len(view):
-        raise CheckpointError(f"{file.name} ends inside a tensor (truncated)")
 
 
 class StageReader(HuggingFaceStorageReader):
@@ -160,13 +123,15 @@ class StageReader(HuggingFaceStorageReader):
             another is refused (``CheckpointError``, on every rank).
 
     Raises:
-        CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
-            :func:`check_folder`, at once (inside ``dcp.load`` DCP would
-            report them as another error).
+        CheckpointNotFoundError: ``path`` is not a local folder, or holds no
+            ``*.safetensors`` file.
+        UnsafeCheckpointError: A shard in it, or one its index names,
+            resolves outside it (a link).
+        CheckpointError: A shard its index names is missing.
     """
 
     def __init__(self, path: str | os.PathLike, model_type: str | None = None) -> None:
-        self.shards = check_folder(path)
+        self.shards = _shards(path)  # at once: inside dcp.load, another error
         self.model_type = model_type
         super().__init__(os.fspath(path))
 
@@ -174,9 +139,9 @@ class StageReader(HuggingFaceStorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         """DCP's; refuses a folder of another model type than the stage's."""
-        storage, config = LocalStorage(), os.path.join(self.path, "config.json")
-        if self.model_type and storage.size(config) is not None:
-            saved = json.loads(storage.read_bytes(config)).get("model_type")
+        config = Path(self.path, "config.json")
+        if self.model_type and config.is_file():
+            saved = json.loads(config.read_bytes()).get("model_type")
             if saved and saved != self.model_type:
                 folder, ours = os.fspath(self.path), self.model_type
                 raise CheckpointError(
@@ -187,32 +152,46 @@ class StageReader(HuggingFaceStorageReader):
 
     def read_metadata(self) -> Metadata:
         """Every shard's tensors, from its header alone (read once per reader)."""
-        tensors, self.storage_data = self._headers
+        tensors: dict[str, Any] = {}
+        self.storage_data = {}
+        for key, place in self._places.items():
+            shape, zeros = torch.Size(place.shape), torch.Size([0] * len(place.shape))
+            chunks = [ChunkStorageMetadata(zeros, shape)]
+            properties = TensorProperties(dtype=place.dtype)
+            tensors[key] = TensorStorageMetadata(properties, shape, chunks)
+            self.storage_data[MetadataIndex(key, zeros)] = place
         metadata = Metadata(state_dict_metadata=tensors, storage_data=self.storage_data)
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
     @functools.cached_property
-    def _headers(self) -> tuple[dict[str, Any], dict[MetadataIndex, _Place]]:
-        """``(tensors' metadata, where each lies)`` from the shards' headers."""
-        tensors: dict[str, Any] = {}
-        shard_of: dict[str, str] = {}
-        places: dict[MetadataIndex, _Place] = {}
+    def _places(self) -> dict[str, _Place]:
+        """Where each tensor lies, from the shards' headers (a length, then JSON)."""
+        places: dict[str, _Place] = {}
         for name in self.shards:
             path = os.path.join(self.path, name)
             with RangeFile(path) as file:
-                data, header = _header(file)
-            size = file.size
-            for key, entry in header.items():
-                if key == "__metadata__":
-                    continue
-                if key in tensors:  # a stale shard: which is right is unknown
+                head = file.read(0, 8)
+                (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+                if not 0 < length <= file.size - 8:
                     raise CheckpointError(
-                        f"{key!r} is in both {shard_of[key]} and {name}: keep "
-                        "only the shards save_pretrained wrote (its index names "
-                        "them)"
+                        f"{name} is not a safetensors file (its header)"
                     )
-                shard_of[key] = name
+                try:
+                    header = json.loads(file.read(8, length))
+                except ValueError as e:
+                    raise CheckpointError(
+                        f"{name}'s safetensors header is damaged: {e}"
+                    ) from None
+            size = file.size
+            header.pop("__metadata__", None)
+            for key, entry in header.items():
+                if key in places:  # a stale shard: which is right is unknown
+                    raise CheckpointError(
+                        f"{key!r} is in both {os.path.basename(places[key].path)} "
+                        f"and {name}: keep only the shards save_pretrained wrote "
+                        "(its index names them)"
+                    )
                 try:
                     dtype, shape = _getdtype(entry["dtype"]), tuple(entry["shape"])
                     begin, end = entry["data_offsets"]
@@ -221,23 +200,14 @@ class StageReader(HuggingFaceStorageReader):
                         f"{name}'s header entry for {key!r} is damaged"
                     ) from None
                 nbytes = math.prod(shape) * dtype.itemsize
+                data = 8 + length  # where the tensors' bytes begin
                 if not (0 <= begin and end - begin == nbytes and data + end <= size):
                     raise CheckpointError(
                         f"{key!r} in {name} does not fit the file: its "
                         "header is damaged, or the file was cut short"
                     )
-                tensors[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=dtype),
-                    size=torch.Size(shape),
-                    chunks=[
-                        ChunkStorageMetadata(
-                            torch.Size([0] * len(shape)), torch.Size(shape)
-                        )
-                    ],
-                )
-                index = MetadataIndex(fqn=key, offset=[0] * len(shape))
-                places[index] = _Place(path, data + begin, shape, dtype)
-        return tensors, places
+                places[key] = _Place(path, data + begin, shape, dtype)
+        return places
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads each requested tensor's bytes (or its rows) into its target."""
@@ -269,7 +239,9 @@ class StageReader(HuggingFaceStorageReader):
         )
         rows_shape = (rows, *shape[1:]) if shape else ()
         block = target if direct else torch.empty(rows_shape, dtype=place.dtype)
-        _read_into(file, block, place.start + first * row_bytes)
+        view = block.reshape(-1).view(torch.uint8).numpy().data  # writable, no copy
+        if file.read_into(view, place.start + first * row_bytes) < len(view):
+            raise CheckpointError(f"{file.name} ends inside a tensor (truncated)")
         if not direct:
             cut = zip(offsets[1:], lengths[1:], strict=True)
             inner = (slice(None), *(slice(o, o + n) for o, n in cut))
@@ -277,59 +249,43 @@ class StageReader(HuggingFaceStorageReader):
         planner.commit_tensor(item, target)
 
 
-def _weights(modules: Iterable[nn.Module]) -> dict[str, Any]:
-    """The modules' weights by FQN, each tied parameter under its first name.
-
-    DCP's ``get_model_state_dict`` (DDP's prefix left out, FSDP2's shards as
-    DTensors); a tied parameter once, as ``save_pretrained`` stores it.
-    """
-    state_dict: dict[str, Any] = {}
-    for module in modules:
-        taken = get_model_state_dict(module)
-        inner = module.module if isinstance(module, DistributedDataParallel) else module
-        for group in tied_groups(inner):
-            for alias in group[1:]:
-                taken.pop(alias, None)
-        state_dict.update(taken)
-    return state_dict
-
-
-#: A fused expert weight of transformers' MoE models (``<moe>.experts.<name>``,
-#: experts along dim 0) and the weights a folder stores for each expert ``e``
-#: instead, in the fused tensor's order along dim 1: as ``save_pretrained``
-#: writes Qwen3-MoE (``<moe>.experts.<e>.gate_proj.weight``) or Mixtral
-#: (``<moe>.experts.<e>.w1.weight``, its ``<moe>`` ``block_sparse_moe``, not ``mlp``).
-_EXPERT_PARTS: dict[str, dict[str, tuple[str, ...]]] = {
-    "gate_up_proj": {"qwen": ("gate_proj", "up_proj"), "mixtral": ("w1", "w3")},
-    "down_proj": {"qwen": ("down_proj",), "mixtral": ("w2",)},
+#: The parts that ``save_pretrained`` stores for each expert ``e`` of a fused
+#: expert weight (``<moe>.experts.gate_up_proj``, experts along dim 0), in the
+#: fused tensor's order along dim 1, by naming: Qwen2-MoE's
+#: (``<moe>.experts.<e>.gate_proj.weight``) or Mixtral's (``w1``, its ``<moe>``
+#: named ``block_sparse_moe``, not ``mlp``).
+_PARTS = {
+    "qwen": {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
+    "mixtral": {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)},
+}
+#: The naming of each model type whose experts ``save_pretrained`` stores one
+#: by one (transformers' conversion mapping).
+_NAMING = {
+    **dict.fromkeys(["mixtral", "minimax", "minimax_m2"], "mixtral"),
+    **dict.fromkeys(["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"], "qwen"),
 }
 
 
-def _stored_as(key: str, naming: str) -> tuple[str, tuple[str, ...]] | None:
-    """``(block, parts)`` of a fused expert weight in ``naming`` (qwen, mixtral).
+def _renamed(key: str, naming: str) -> str:
+    """``key`` as a folder in ``naming`` names it (Mixtral's MoE block)."""
+    return key.replace(".mlp.", ".block_sparse_moe.", 1) if naming == "mixtral" else key
 
-    None for another key. A folder stores it as ``<block>.experts.<e>.<part>.weight``.
+
+def _expert_names(key: str, naming: str, experts: range) -> list[str]:
+    """The stored names of experts' parts of a fused expert weight, part by part.
+
+    Empty for a key that is no fused expert weight.
     """
-    block, _, fused = key.rpartition(".experts.")
-    if fused not in _EXPERT_PARTS:
-        return None
-    if naming == "mixtral":
-        block = f"{block.removesuffix('.mlp')}.block_sparse_moe"
-    return block, _EXPERT_PARTS[fused][naming]
-
-
-def _expert_keys(block: str, parts: tuple[str, ...], experts: range) -> list[str]:
-    """The stored names of experts' parts, part by part."""
+    block, _, fused = _renamed(key, naming).rpartition(".experts.")
+    parts = _PARTS[naming].get(fused, ())
     return [f"{block}.experts.{e}.{part}.weight" for part in parts for e in experts]
 
 
-def _one_by_one(
-    block: str, parts: tuple[str, ...], rows: torch.Tensor, first: int = 0
-) -> dict[str, torch.Tensor]:
-    """Views of each expert's parts of fused expert rows (experts ``first``, ...)."""
-    keys = _expert_keys(block, parts, range(first, first + len(rows)))
-    views = (expert for part in rows.chunk(len(parts), dim=1) for expert in part)
-    return dict(zip(keys, views, strict=True))
+def _one_by_one(names: list[str], rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of each expert's parts of fused expert rows, under ``names``."""
+    parts = rows.chunk(len(names) // len(rows), dim=1)
+    views = (expert for part in parts for expert in part)
+    return dict(zip(names, views, strict=True))
 
 
 def _experts_as_stored(
@@ -337,38 +293,32 @@ def _experts_as_stored(
 ) -> dict[str, Any]:
     """The stage's weights as the folder names them: fused experts as views.
 
-    A key the folder lacks is looked for under Mixtral's name of its MoE block
-    (``block_sparse_moe`` for ``mlp``); a fused expert weight the folder stores
-    per expert is replaced by views of it, one per stored tensor, named as the
-    folder names it, so that DCP reads each expert's tensor straight into its
-    rows of the fused tensor (an FSDP2 shard of experts: its own experts'
-    rows). Any other key stays as it is, for the load planner to judge.
+    A key the folder lacks is looked for under Mixtral's name; a fused expert
+    weight the folder stores per expert (found by any expert, so that a missing
+    one is named) is replaced by views of this rank's experts' rows, for DCP to
+    read each expert straight into. Any other key stays, for the planner to judge.
     """
     found: dict[str, Any] = {}
     for key, value in state_dict.items():
-        mixtral = key.replace(".mlp.", ".block_sparse_moe.", 1)
-        per_expert = _per_expert(key, value.shape, stored)
-        if key in stored or (mixtral not in stored and per_expert is None):
+        naming = _stored_naming(key, value, stored)
+        mixtral = _renamed(key, "mixtral")
+        if key in stored or (naming is None and mixtral not in stored):
             found[key] = value
-        elif per_expert is None:
+        elif naming is None:
             found[mixtral] = value
         else:
             rows, first = _local_experts(key, value)
-            found.update(_one_by_one(*per_expert, rows, first))
+            names = _expert_names(key, naming, range(first, first + len(rows)))
+            found.update(_one_by_one(names, rows))
     return found
 
 
-def _per_expert(
-    key: str, shape: Sequence[int], stored: Collection[str]
-) -> tuple[str, tuple[str, ...]] | None:
-    """``(block, parts)`` if the folder stores a fused expert weight per expert.
-
-    By any of its ``shape[0]`` experts' tensors: one missing is then named.
-    """
-    for naming in ("qwen", "mixtral"):
-        named = _stored_as(key, naming) if shape else None
-        if named and any(k in stored for k in _expert_keys(*named, range(shape[0]))):
-            return named
+def _stored_naming(key: str, value: Any, stored: Collection[str]) -> str | None:
+    """The naming in which the folder stores a fused expert weight per expert."""
+    for naming in _PARTS:
+        experts = range(len(value)) if value.dim() else range(0)
+        if any(name in stored for name in _expert_names(key, naming, experts)):
+            return naming
     return None
 
 
@@ -392,13 +342,6 @@ def _local_experts(key: str, value: Any) -> tuple[torch.Tensor, int]:
     return value.to_local().detach(), offset[0]
 
 
-#: The model types whose experts ``save_pretrained`` stores one by one, by the
-#: names it gives them (transformers' conversion mapping): Mixtral's, or
-#: Qwen2-MoE's (``gate_proj``, ``up_proj``, ``down_proj``).
-_MIXTRAL_NAMES = frozenset({"mixtral", "minimax", "minimax_m2"})
-_QWEN_NAMES = frozenset({"qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"})
-
-
 def experts_one_by_one(
     weights: Mapping[str, torch.Tensor], model_type: str | None
 ) -> dict[str, torch.Tensor]:
@@ -418,18 +361,18 @@ def experts_one_by_one(
     Returns:
         The weights under the names a Hugging Face folder holds.
     """
-    mixtral = model_type in _MIXTRAL_NAMES
-    if not mixtral and model_type not in _QWEN_NAMES:
+    naming = _NAMING.get(model_type or "")
+    if naming is None:
         return dict(weights)
     found: dict[str, torch.Tensor] = {}
     for key, value in weights.items():
-        named = _stored_as(key, "mixtral" if mixtral else "qwen")
-        if named is None or value.dim() != 3:
-            name = key.replace(".mlp.", ".block_sparse_moe.", 1) if mixtral else key
-            found[name] = value
-            continue
-        for name, expert in _one_by_one(*named, value).items():
-            found[name] = expert.clone()  # its own storage: safetensors'
+        names = (
+            _expert_names(key, naming, range(len(value))) if value.dim() == 3 else []
+        )
+        if names:  # each expert its own storage, as safetensors wants
+            found.update((n, v.clone()) for n, v in _one_by_one(names, value).items())
+        else:
+            found[_renamed(key, naming)] = value
     return found
 
 
@@ -458,16 +401,13 @@ def load_hf_stage(
         The number of tensors this rank loaded.
 
     Raises:
-        CheckpointNotFoundError: ``folder`` is not a folder, or holds no
-            ``*.safetensors`` file.
-        UnsafeCheckpointError: A shard in the folder, or one its index names,
-            resolves outside it (a link).
-        CheckpointError: A tensor of the stage is missing from the folder, or
-            has another shape or dtype there (the message names them, on
-            every rank); a tensor is in two of its files; its ``config.json``
-            names another ``model_type`` than the stage's (a ``transformers``
-            model's ``config``); a fused expert weight the folder stores per
-            expert is split over ranks along another dim than the experts'.
+        CheckpointNotFoundError, UnsafeCheckpointError: As :class:`StageReader`.
+        CheckpointError: As :class:`StageReader`; or a tensor of the stage is
+            missing from the folder, or has another shape or dtype there (named,
+            on every rank); a tensor is in two of its files; its ``config.json``
+            names another ``model_type`` than the stage's; a fused expert weight
+            the folder stores per expert is split over ranks along another dim
+            than the experts'.
     """
     if isinstance(stages, StageState):
         modules = [stages.module]
@@ -475,11 +415,16 @@ def load_hf_stage(
         modules = [stages]
     else:
         modules = list(stages)
-    inner = [m.module if isinstance(m, DistributedDataParallel) else m for m in modules]
-    types = {getattr(getattr(m, "config", None), "model_type", None) for m in inner}
-    # the folder checked before anything is read
+    weights: dict[str, Any] = {}  # DCP's: DDP's prefix left out, FSDP2's DTensors
+    types = set()
+    for module in modules:
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
+        types.add(getattr(getattr(inner, "config", None), "model_type", None))
+        weights.update(get_model_state_dict(module))
+        for group in tied_groups(inner):  # once, as save_pretrained stores it
+            for alias in group[1:]:
+                weights.pop(alias, None)
     reader = StageReader(folder, types.pop() if len(types) == 1 else None)
-    weights = _weights(modules)
     with explain_failures(f"loading {os.fspath(folder)}"):
         stored = reader.read_metadata().state_dict_metadata
         dcp.load(
