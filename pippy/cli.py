@@ -1,10 +1,9 @@
 """Command line for pippy checkpoints: ``python -m pippy inspect|export|convert``.
 
-Parses and prints only: the work is :mod:`pippy.checkpoint`'s public offline
-tools (:func:`~pippy.checkpoint.offline.inspect_step`,
-:func:`~pippy.checkpoint.offline.export_weights`, ...), which read through its safe
-reader and planner, so a checkpoint's pickles run no code unless
-``--trust-checkpoint`` is given (or ``PIPPY_TRUST_CHECKPOINT=1`` is set).
+Parses and prints only: the work is :mod:`pippy.checkpoint.offline`'s public
+tools, which read through its safe reader and planner, so a checkpoint's pickles
+run no code unless ``--trust-checkpoint`` is given (or
+``PIPPY_TRUST_CHECKPOINT=1`` is set).
 """
 
 from __future__ import annotations
@@ -17,19 +16,19 @@ import pickle
 import re
 import sys
 import warnings
+from collections import Counter, defaultdict
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
 
 __all__ = ["main", "parser"]
 
-_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30})
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "bfloat16", "float16")}
@@ -44,21 +43,25 @@ _ERRORS = (
 )
 
 
-def _parse_size(text: str) -> int:
-    """Bytes of a size such as ``5GB``, ``500MiB`` or ``1000``; else ValueError."""
-    match = _SIZE.match(text)
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"{text!r} is not a size such as 5GB, 500MB or 1000")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+def _size(text: str) -> int:
+    """Bytes of a size such as ``5GB``, ``500MiB`` or ``1000`` (an argparse type)."""
+    match = _SIZE.fullmatch(text.upper())
+    if not match or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size such as 5GB, 500MB or 1000"
+        )
+    return int(float(match[1]) * _UNITS[match[2] or "B"])
 
 
 def _human(n: float) -> str:
     """A byte count as B, kB, MB or GB (powers of 1,000, as the example prints)."""
-    for unit in ("B", "kB", "MB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB"):
         n /= 1000
-    return f"{n:.1f} GB"
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} GB"
 
 
 def _table(header: list[str], rows: list[list], right: set[int]) -> None:
@@ -73,45 +76,29 @@ def _table(header: list[str], rows: list[list], right: set[int]) -> None:
         print("  ".join(line).rstrip())
 
 
-def _rank(file_name: str) -> str:
-    """The rank that wrote a DCP data file (``__<rank>_0.distcp``), or ``?``."""
-    match = _RANK_FILE.match(file_name)
-    return match.group(1) if match else "?"
-
-
 def _completeness(report: offline.StepReport) -> str:
     """The COMPLETE column of a step: yes, or why not."""
     if not report.complete:
         return "no (no .metadata)"
     if report.error is not None:
         return f"no ({type(report.error).__name__})"
-    damage = report.damage
-    return (
-        f"no (damaged: {damage[0]}{' ...' if len(damage) > 1 else ''})"
-        if damage
-        else "yes"
-    )
+    if report.damage:
+        more = " ..." if len(report.damage) > 1 else ""
+        return f"no (damaged: {report.damage[0]}{more})"
+    return "yes"
 
 
 def _inspect(args: argparse.Namespace) -> None:
     """``inspect``: the run's steps, then one step's files (and keys, with --keys)."""
-    # The newest step a resume would take, by default (the table shows why not
-    # newer ones).
-    report = offline.inspect_step(
+    report = offline.inspect_step(  # by default the newest step a resume takes
         args.path, step=args.step, verify=args.verify, trusted=args.trusted
     )
     if report.error is not None:
         raise report.error
     folder, metadata, damage = report.folder, report.metadata, report.damage
     assert metadata is not None  # read, as there is no error
-    unverified = None
     if report.verified is not None:
         print(f"verified: {folder}: {report.verified} items match its manifest.json")
-    elif args.verify and not damage:
-        unverified = (
-            f"not verified: {folder} has no manifest.json to verify against "
-            "(written by plain DCP or torchtitan, or the file was lost)"
-        )
     for problem in damage:
         print(f"damaged: {problem}; this step cannot be loaded")
     items = metadata.state_dict_metadata
@@ -125,89 +112,89 @@ def _inspect(args: argparse.Namespace) -> None:
         step_rows = [[s, _completeness(r), _human(r.size)] for s, r in steps.items()]
         _table(["STEP", "COMPLETE", "ON DISK"], step_rows, right={0, 2})
         print()
-    rows, per_file = _key_rows(metadata, keys)
-    layout = report.layout
-    if args.keys is None:  # the files alone
-        print(f"{folder}: {len(items)} keys ({layout} layout); --keys lists them")
-    else:
-        print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
-        _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
-        print()
-    _print_files(report, per_file, len(keys))
+    _print_step(report, keys, listed=args.keys is not None)
     if damage:
         raise checkpoint.CheckpointError(f"{folder} is damaged: {damage[0]}")
-    if unverified:  # a script trusting the exit status must not take it as verified
-        raise checkpoint.CheckpointError(unverified)
+    if args.verify and report.verified is None:  # an exit status 0 is not verified
+        raise checkpoint.CheckpointError(
+            f"not verified: {folder} has no manifest.json to verify against "
+            "(written by plain DCP or torchtitan, or the file was lost)"
+        )
 
 
-def _key_rows(
-    metadata: Metadata, keys: list[str]
-) -> tuple[list[list], dict[str, tuple[set[str], int]]]:
-    """The KEY table's rows, and each file's keys and bytes of them."""
-    items, wanted = metadata.state_dict_metadata, set(keys)
-    per_file: dict[str, tuple[set[str], int]] = {}
-    stored: dict[str, int] = {}  # bytes of each key, over its files
-    files: dict[str, set[str]] = {}  # the files of each key
+def _print_step(report: offline.StepReport, keys: list[str], listed: bool) -> None:
+    """The step's files holding ``keys``, totalled; with ``listed``, the keys first.
+
+    A key's share of a file is its chunk's tensor bytes there, or an object's
+    pickled size.
+    """
+    folder, metadata, shown = report.folder, report.metadata, set(keys)
+    assert metadata is not None
+    items = metadata.state_dict_metadata
+    file_keys: dict[str, set[str]] = defaultdict(set)
+    key_files: dict[str, set[str]] = defaultdict(set)
+    file_bytes: Counter[str] = Counter()
+    key_bytes: Counter[str] = Counter()
     for index, info in metadata.storage_data.items():
-        if index.fqn not in wanted:
+        key, name = index.fqn, info.relative_path
+        if key not in shown:
             continue
-        item = items[index.fqn]
-        if isinstance(item, TensorStorageMetadata):  # this shard's tensor data
+        item, size = items[key], info.length
+        if isinstance(item, TensorStorageMetadata):
             chunk = next(c for c in item.chunks if c.offsets == index.offset)
             size = math.prod(chunk.sizes) * item.properties.dtype.itemsize
-        else:  # pickled: its size as stored
-            size = info.length
-        names, total = per_file.get(info.relative_path, (set(), 0))
-        per_file[info.relative_path] = (names | {index.fqn}, total + size)
-        stored[index.fqn] = stored.get(index.fqn, 0) + size
-        files.setdefault(index.fqn, set()).add(info.relative_path)
-    rows: list[list] = []
-    for key in keys:
-        item = items[key]
-        where = ",".join(sorted(files.get(key, ())))
-        if isinstance(item, TensorStorageMetadata):
-            dtype = item.properties.dtype
-            size = math.prod(item.size) * dtype.itemsize
-            rows.append([key, str(list(item.size)), str(dtype)[6:], size, where])
-        else:
-            rows.append([key, "-", "object", stored.get(key, 0), where])
-    return rows, per_file
-
-
-def _print_files(
-    report: offline.StepReport,
-    per_file: dict[str, tuple[set[str], int]],
-    count: int,
-) -> None:
-    """The FILE table of the keys shown, its total row counting those files alone."""
-    rows: list[list] = []
-    on_disk = 0
-    for name, (names, total) in sorted(per_file.items()):
-        size = report.files.get(name)
-        on_disk += size or 0
-        shown = "missing" if size is None else _human(size)
-        rows.append([name, _rank(name), len(names), total, shown])
-    rows.append(["total", "", count, sum(row[3] for row in rows), _human(on_disk)])
+        file_keys[name].add(key)
+        key_files[key].add(name)
+        file_bytes[name] += size
+        key_bytes[key] += size
+    if not listed:  # the files alone
+        print(
+            f"{folder}: {len(items)} keys ({report.layout} layout); --keys lists them"
+        )
+    else:
+        print(f"{folder}: {len(keys)} of {len(items)} keys ({report.layout} layout)")
+        rows: list[list] = []
+        for key in keys:
+            item, where = items[key], ",".join(sorted(key_files[key]))
+            if isinstance(item, TensorStorageMetadata):
+                dtype = item.properties.dtype
+                size = math.prod(item.size) * dtype.itemsize
+                rows.append([key, str(list(item.size)), str(dtype)[6:], size, where])
+            else:
+                rows.append([key, "-", "object", key_bytes[key], where])
+        _table(["KEY", "SHAPE", "DTYPE", "BYTES", "FILE"], rows, right={3})
+        print()
+    rows = []
+    for name in sorted(file_keys):
+        match, size = _RANK_FILE.fullmatch(name), report.files.get(name)
+        shown_size = "missing" if size is None else _human(size)
+        rank = match[1] if match else "?"
+        rows.append([name, rank, len(file_keys[name]), file_bytes[name], shown_size])
+    on_disk = _human(sum(report.files.get(name) or 0 for name in file_keys))
+    rows.append(["total", "", len(keys), file_bytes.total(), on_disk])
     _table(["FILE", "RANK", "KEYS", "BYTES", "ON DISK"], rows, right={1, 2, 3, 4})
-    others = sorted(report.files.keys() - per_file.keys())
+    others = sorted(report.files.keys() - file_keys.keys())
     if others:
         also = ", ".join(others)
-        print(f"{report.folder}: {_human(report.size)} on disk in all (also {also})")
+        print(f"{folder}: {_human(report.size)} on disk in all (also {also})")
 
 
 def _export(args: argparse.Namespace) -> None:
     """``export``: a step's model weights into one file (or HF folder), atomically."""
     folder = offline.inspect_step(args.path, trusted=args.trusted).folder
-    options: dict[str, Any] = {
-        "dtype": _DTYPES.get(args.dtype),
-        "force": args.force,
-        "trusted": args.trusted,
-        "verify": not args.allow_no_manifest,
-    }
+    options = dict(
+        dtype=_DTYPES.get(args.dtype),
+        force=args.force,
+        trusted=args.trusted,
+        verify=not args.allow_no_manifest,
+    )
     if args.hf_config:  # a folder from_pretrained opens
-        limit = _parse_size(args.max_shard_size)
         files = offline.export_hf(
-            folder, args.out, config=args.hf_config, max_shard_size=limit, **options
+            folder,
+            args.out,
+            config=args.hf_config,
+            max_shard_size=args.max_shard_size,
+            **options,
         )
         names = ", ".join(f.name for f in files)
         print(f"{folder} -> {args.out}: {names} (Hugging Face)")
@@ -239,7 +226,9 @@ def parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--trust-checkpoint",
-        action="store_true",
+        dest="trusted",  # None: PIPPY_TRUST_CHECKPOINT decides
+        action="store_const",
+        const=True,
         help="load any pickle the checkpoint holds, as plain DCP does; it can "
         "run code, so only for checkpoints from a trusted source",
     )
@@ -301,7 +290,8 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--out", required=True, metavar="FILE", help="file (or folder) to write"
     )
-    export.add_argument(
+    hf_or_file = export.add_mutually_exclusive_group()
+    hf_or_file.add_argument(
         "--hf-config",
         metavar="CONFIG_JSON",
         help="write a Hugging Face model folder at --out instead: this "
@@ -311,11 +301,12 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-size",
         default="5GB",
+        type=_size,
         metavar="SIZE",
         help="with --hf-config: largest safetensors shard, e.g. 5GB, 500MB "
         "(default: 5GB)",
     )
-    export.add_argument(
+    hf_or_file.add_argument(
         "--format",
         choices=["pt", "safetensors"],
         help="pt (torch.save) or safetensors; default: from FILE's extension "
@@ -367,7 +358,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad arguments).
     """
     args = parser().parse_args(argv)
-    args.trusted = args.trust_checkpoint or None  # None: PIPPY_TRUST_CHECKPOINT
     try:
         with warnings.catch_warnings():  # one process, reading alone, by design
             warnings.filterwarnings("ignore", "torch.distributed is disabled")

@@ -20,7 +20,6 @@ import os
 import struct
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,7 +52,7 @@ from pippy.checkpoint.errors import (
 )
 from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.state import StageState
-from pippy.checkpoint.storage import RangeFile, is_url
+from pippy.checkpoint.storage import LocalStorage, RangeFile, is_url
 
 __all__ = ["StageReader", "load_hf_stage"]
 
@@ -66,29 +65,31 @@ def _shards(folder: str | os.PathLike) -> list[str]:
 
     Raises as :class:`StageReader`.
     """
-    root = Path(folder).resolve()
-    if is_url(folder) or not root.is_dir():
+    storage = LocalStorage()
+    if is_url(folder) or not storage.is_dir(folder):
         raise CheckpointNotFoundError(
             f"no Hugging Face folder at {os.fspath(folder)!r}: pass the local "
             "folder that save_pretrained wrote (config.json, *.safetensors)"
         )
-    shards = sorted(p.name for p in root.glob("*.safetensors"))
+    shards = [n for n in storage.listdir(folder) if n.endswith(".safetensors")]
     if not shards:
         raise CheckpointNotFoundError(
             f"{os.fspath(folder)!r} holds no *.safetensors file: pass the folder "
             "that save_pretrained wrote"
         )
-    if (root / INDEX_FILE).exists():  # its shards alone, as from_pretrained reads
-        index = json.loads((root / INDEX_FILE).read_bytes())
-        shards = sorted(set(index.get("weight_map", {}).values()))
+    index = storage.join(folder, INDEX_FILE)
+    if storage.exists(index):  # its shards alone, as from_pretrained reads them
+        shards = json.loads(storage.read_bytes(index)).get("weight_map", {}).values()
+    shards = sorted(set(shards))
+    root = storage.same_place(folder)
     for name in shards:
-        path = (root / name).resolve()
+        path = storage.same_place(storage.join(folder, name))
         if not path.is_relative_to(root) or path == root:
             raise UnsafeCheckpointError(
                 f"{name!r} in {os.fspath(folder)!r} resolves to {str(path)!r}, "
                 "outside the folder: refused; copy the shards into it"
             )
-        if not path.is_file():
+        if storage.size(path) is None:
             raise CheckpointError(
                 f"{os.fspath(folder)!r} lacks {name!r}, which its {INDEX_FILE} "
                 "names: copy the whole folder save_pretrained wrote"
@@ -139,9 +140,9 @@ class StageReader(HuggingFaceStorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         """DCP's; refuses a folder of another model type than the stage's."""
-        config = Path(self.path, "config.json")
-        if self.model_type and config.is_file():
-            saved = json.loads(config.read_bytes()).get("model_type")
+        storage, config = LocalStorage(), os.path.join(self.path, "config.json")
+        if self.model_type and storage.size(config) is not None:
+            saved = json.loads(storage.read_bytes(config)).get("model_type")
             if saved and saved != self.model_type:
                 folder, ours = os.fspath(self.path), self.model_type
                 raise CheckpointError(
