@@ -27,18 +27,14 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from pippy.checkpoint.checks import (
-    diff_state_dicts,
-    fingerprints,
-    tied_groups,
-)
+from pippy.checkpoint.checks import diff_state_dicts, fingerprints, tied_groups
 from pippy.checkpoint.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
     explain_failures,
 )
-from pippy.checkpoint.hf import experts_one_by_one
+from pippy.checkpoint.hf import INDEX_FILE, experts_one_by_one
 from pippy.checkpoint.keys import (
     PIPPY,
     TORCHTITAN,
@@ -127,37 +123,38 @@ def _report(
     """The report of one step folder; with ``verify``, its items checked."""
     names = storage.listdir(folder)
     files = {name: storage.size(storage.join(folder, name)) for name in names}
-    metadata, error, damage, verified = None, None, [], None
+    complete = is_complete(storage, folder)
     try:
         metadata = read_metadata(folder, trusted=trusted)
     except CheckpointError as e:
-        error = e
-    if metadata is not None:
-        damage = find_damage(storage, folder, metadata)
+        return StepReport(folder, complete, files, None, e, None, (), None)
+    damage = find_damage(storage, folder, metadata)
+    verified = None
     # A manifest refused (linked out) or damaged raises: there is nothing to verify.
-    readable = metadata is not None and not damage
-    if verify and readable and read_manifest(storage, folder) is not None:
+    if verify and not damage and read_manifest(storage, folder) is not None:
         try:
             verified = verify_step(folder, trusted=trusted, storage=storage)
         except UnsafeCheckpointError:
             raise  # not damage: refused
         except CheckpointError as e:  # its problem and fix, the step not named again
             damage = [str(e).removeprefix(f"{str(folder)!r} is damaged: ")]
-    layout = None if metadata is None else detect_layout(metadata.state_dict_metadata)
-    complete = is_complete(storage, folder)
+    layout = detect_layout(metadata.state_dict_metadata)
     return StepReport(
-        folder, complete, files, metadata, error, layout, tuple(damage), verified
+        folder, complete, files, metadata, None, layout, tuple(damage), verified
     )
 
 
-def _folder_storage(path: Location) -> Storage:
-    """``path``'s storage; FileNotFoundError or NotADirectoryError unless a folder."""
+def _open_folder(path: Location) -> tuple[Storage, bool]:
+    """``path``'s storage, and whether it is one step rather than a run's folder.
+
+    FileNotFoundError or NotADirectoryError unless ``path`` is a folder.
+    """
     storage = storage_for(path)
     if not storage.exists(path):
         raise FileNotFoundError(f"no such folder: {str(path)!r}")
     if not storage.is_dir(path):
         raise NotADirectoryError(f"{str(path)!r} is a file, not a checkpoint folder")
-    return storage
+    return storage, is_complete(storage, path) or parse_step(path) is not None
 
 
 def inspect_step(
@@ -198,8 +195,8 @@ def inspect_step(
             ``verify`` an item is refused.
         CheckpointError: With ``verify``, ``manifest.json`` is damaged.
     """
-    storage = _folder_storage(path)
-    if is_complete(storage, path) or parse_step(path) is not None:  # one step
+    storage, one_step = _open_folder(path)
+    if one_step:
         if step is not None and parse_step(path) != step:
             raise ValueError(
                 f"step (--step) needs a run folder; {str(path)!r} is one step"
@@ -236,8 +233,8 @@ def inspect_steps(
         CheckpointDirError: ``path`` holds a folder named as a step but not
             as pippy names one (``step-08``).
     """
-    storage = _folder_storage(path)
-    if is_complete(storage, path) or parse_step(path) is not None:  # one step
+    storage, one_step = _open_folder(path)
+    if one_step:
         return {}
     steps = list_steps(storage, path).items()
     return {step: _report(storage, folder, trusted) for step, folder in steps}
@@ -329,11 +326,11 @@ def _check_ties(
     except KeyError:  # none of them is in the checkpoint: the load names them
         return
     for group in groups:
-        first, *others = [fqn for fqn in group if fqn in saved] or [""]
-        differ = [f for f in others if not torch.equal(saved[f], saved[first])]
+        held = [fqn for fqn in group if fqn in saved]
+        differ = [f for f in held[1:] if not torch.equal(saved[f], saved[held[0]])]
         if differ:
             raise CheckpointError(
-                f"{', '.join(map(repr, [first, *differ]))} are one tied parameter in "
+                f"{', '.join(map(repr, [held[0], *differ]))} are one tied parameter in "
                 f"this model but hold different values in {str(path)!r}: loading "
                 "would keep one and silently lose the other. Load into a model "
                 "with them untied (for Hugging Face, tie_word_embeddings=False)"
@@ -387,42 +384,36 @@ def load_model(
     return state.step
 
 
-#: torchtitan's count of tokens trained on, which pippy does not keep.
-_NTOKENS = "train_state.ntokens_seen"
-
-
 def _write(
     storage: Storage, folder: Location, weights: dict[str, torch.Tensor], limit: int
 ) -> list[str]:
-    """Writes shards of at most ``limit`` bytes (or one key); the index if several.
+    """Writes shards of at most ``limit`` bytes (or one tensor), an index if several.
 
     Returns the names of the files written (the index first, if any).
     """
-    shards: list[list[str]] = [[]]
+    shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for key, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
+        if shards[-1] and size + tensor.nbytes > limit:
+            shards.append({})
             size = 0
-        shards[-1].append(key)
-        size += nbytes
+        shards[-1][key] = tensor
+        size += tensor.nbytes
     n = len(shards)
     names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     if n == 1:
         names = ["model.safetensors"]
-    else:
-        total = sum(t.numel() * t.element_size() for t in weights.values())
-        where = {
-            k: name for name, keys in zip(names, shards, strict=True) for k in keys
-        }
-        index = {"metadata": {"total_size": total}, "weight_map": where}
-        data = json.dumps(index, indent=2).encode()
-        storage.write_atomic(storage.join(folder, "model.safetensors.index.json"), data)
-    for name, keys in zip(names, shards, strict=True):
-        data = save({k: weights[k] for k in keys}, metadata={"format": "pt"})
+    for name, shard in zip(names, shards, strict=True):
+        data = save(shard, metadata={"format": "pt"})
         storage.write_atomic(storage.join(folder, name), data)
-    return names if n == 1 else ["model.safetensors.index.json", *names]
+    if n == 1:
+        return names
+    where = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
+    total = sum(tensor.nbytes for tensor in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": where}
+    data = json.dumps(index, indent=2).encode()
+    storage.write_atomic(storage.join(folder, INDEX_FILE), data)
+    return [INDEX_FILE, *names]
 
 
 def export_hf(
@@ -461,6 +452,7 @@ def export_hf(
 
     Raises:
         FileExistsError: ``out`` exists and ``force`` is False.
+        FileNotFoundError: ``config`` names no file.
         ValueError: ``out`` is or lies in a step folder, or holds steps (even
             with ``force``: see :func:`refuse_out`); with ``force``, ``out`` is
             a folder holding anything an export does not write, or holds the
@@ -475,7 +467,8 @@ def export_hf(
             f"{os.fspath(out)!r} exists; pass force=True (--force) to replace it"
         )
     refuse_out(storage, out)
-    _refuse_replacing(storage, out)
+    if storage.is_dir(out):
+        _refuse_replacing(storage, out)
     if hasattr(config, "to_dict"):  # a transformers PretrainedConfig
         config = config.to_dict()
     if not isinstance(config, Mapping):
@@ -489,7 +482,7 @@ def export_hf(
             ) from None
     if not isinstance(config, Mapping):
         raise ValueError("the Hugging Face config must be a JSON object")
-    weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
+    weights = _model_weights(path, dtype, trusted, verify)
     weights = experts_one_by_one(weights, config.get("model_type"))
     with written_whole(storage, out, replace=True) as tmp:
         text = json.dumps(dict(config), indent=2) + "\n"
@@ -498,18 +491,38 @@ def export_hf(
     return [storage.join(out, name) for name in names]
 
 
-def model_weights(
-    path: Location,
-    *,
-    dtype: torch.dtype | None = None,
-    trusted: bool | None = None,
-    verify: bool = True,
-) -> dict[str, torch.Tensor]:
-    """A step's model weights, ``{fqn: contiguous CPU tensor}`` (``model.`` removed).
+#: The names export_hf writes: what force may replace.
+_HF_NAMES = re.compile(
+    r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors"
+)
 
-    Args and errors as :func:`export_hf`; what is left out, as
-    :func:`read_checkpoint`.
-    """
+
+def _refuse_replacing(storage: Storage, out: Location) -> None:
+    """ValueError unless the folder ``out`` holds an earlier export alone."""
+    here = Path.cwd()
+    if storage.atomic_rename and Path(out).resolve() in (here, *here.parents):
+        raise ValueError(
+            f"refused to replace {os.fspath(out)!r}: it is or holds the current "
+            "folder. Write the export to a folder of its own"
+        )
+    others = [  # a folder named model.safetensors is no export's
+        n
+        for n in storage.listdir(out)
+        if not _HF_NAMES.fullmatch(n) or storage.size(storage.join(out, n)) is None
+    ]
+    if others:
+        shown = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
+        raise ValueError(
+            f"refused to replace {os.fspath(out)!r}: it holds {shown}, which no "
+            "Hugging Face export writes, and force replaces an earlier export "
+            "only. Write the export to a folder of its own"
+        )
+
+
+def _model_weights(
+    path: Location, dtype: torch.dtype | None, trusted: bool | None, verify: bool
+) -> dict[str, torch.Tensor]:
+    """A step's model weights, ``{fqn: contiguous CPU tensor}``, for an export."""
     weights = {}
     state = read_checkpoint(path, prefix="model.", trusted=trusted, verify=verify)
     for key, value in state.items():
@@ -578,7 +591,7 @@ def export_weights(
     if storage.atomic_rename and not storage.is_dir(parent):  # a store has no folders
         name = storage.name(out)
         raise FileNotFoundError(f"no folder {str(parent)!r} to write {name} in")
-    weights = model_weights(path, dtype=dtype, trusted=trusted, verify=verify)
+    weights = _model_weights(path, dtype, trusted, verify)
     with storage.open_atomic(out) as f:
         if format == "safetensors":
             f.write(save(weights, metadata={"format": "pt"}))
@@ -587,41 +600,8 @@ def export_weights(
     return weights
 
 
-# The names export_hf writes: what force may replace.
-_HF_NAMES = re.compile(
-    r"config\.json|model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors"
-)
-
-
-def _refuse_replacing(storage: Storage, out: Location) -> None:
-    """ValueError unless ``out`` is no folder, or a folder of an HF export alone."""
-    if not storage.is_dir(out):
-        return
-    here = Path.cwd()
-    if storage.atomic_rename and Path(out).resolve() in (here, *here.parents):
-        raise ValueError(
-            f"refused to replace {os.fspath(out)!r}: it is or holds the current "
-            "folder. Write the export to a folder of its own"
-        )
-    others = [  # a folder named model.safetensors is no export's
-        n
-        for n in storage.listdir(out)
-        if not _HF_NAMES.fullmatch(n) or storage.size(storage.join(out, n)) is None
-    ]
-    if others:
-        shown = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
-        raise ValueError(
-            f"refused to replace {os.fspath(out)!r}: it holds {shown}, which no "
-            "Hugging Face export writes, and force replaces an earlier export "
-            "only. Write the export to a folder of its own"
-        )
-
-
-def _is_zero(value: Any) -> bool:
-    """Whether a stored count is 0 (an int, or a one-element tensor)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1 and value.item() == 0
-    return isinstance(value, int) and value == 0
+#: torchtitan's count of tokens trained on, which pippy does not keep.
+_NTOKENS = "train_state.ntokens_seen"
 
 
 def convert_layout(
@@ -672,7 +652,7 @@ def convert_layout(
         flat = to_torchtitan(flat, param_groups=True)
         if "train_state.step" in flat:
             flat.setdefault(_NTOKENS, 0)
-    elif _NTOKENS in flat and _is_zero(flat[_NTOKENS]):
+    elif _is_zero(flat.get(_NTOKENS)):
         del flat[_NTOKENS]  # no count: what the line above writes for pippy's step
     step = int(flat.get("step", flat.get("train_state.step", 0)))
     name = storage.name(out)  # find_latest_step would skip or refuse another
@@ -688,3 +668,10 @@ def convert_layout(
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.save(flat, storage_writer=writer, planner=planner, no_dist=True)
     return len(flat)
+
+
+def _is_zero(value: Any) -> bool:
+    """Whether a stored count is 0 (an int, or a one-element tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.item() == 0
+    return isinstance(value, int) and value == 0
