@@ -55,13 +55,11 @@ def _size(text: str) -> int:
 
 def _human(n: float) -> str:
     """A byte count as B, kB, MB or GB (powers of 1,000, as the example prints)."""
-    if n < 1000:
-        return f"{n:.0f} B"
-    for unit in ("kB", "MB"):
-        n /= 1000
+    for unit in ("B", "kB", "MB"):
         if n < 1000:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1000:.1f} GB"
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def _table(header: list[str], rows: list[list], right: set[int]) -> None:
@@ -147,12 +145,11 @@ def _print_step(report: offline.StepReport, keys: list[str], listed: bool) -> No
         key_files[key].add(name)
         file_bytes[name] += size
         key_bytes[key] += size
+    layout = report.layout
     if not listed:  # the files alone
-        print(
-            f"{folder}: {len(items)} keys ({report.layout} layout); --keys lists them"
-        )
+        print(f"{folder}: {len(items)} keys ({layout} layout); --keys lists them")
     else:
-        print(f"{folder}: {len(keys)} of {len(items)} keys ({report.layout} layout)")
+        print(f"{folder}: {len(keys)} of {len(items)} keys ({layout} layout)")
         rows: list[list] = []
         for key in keys:
             item, where = items[key], ",".join(sorted(key_files[key]))
@@ -189,12 +186,9 @@ def _export(args: argparse.Namespace) -> None:
         verify=not args.allow_no_manifest,
     )
     if args.hf_config:  # a folder from_pretrained opens
+        limit = args.max_shard_size
         files = offline.export_hf(
-            folder,
-            args.out,
-            config=args.hf_config,
-            max_shard_size=args.max_shard_size,
-            **options,
+            folder, args.out, config=args.hf_config, max_shard_size=limit, **options
         )
         names = ", ".join(f.name for f in files)
         print(f"{folder} -> {args.out}: {names} (Hugging Face)")

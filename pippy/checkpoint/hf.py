@@ -110,12 +110,10 @@ class _Place:
 class StageReader(HuggingFaceStorageReader):
     """DCP's Hugging Face reader, reading each tensor's own bytes and no more.
 
-    The metadata comes from each shard's header (two ``pread`` calls); a
-    tensor (or the rows of it that an FSDP2 shard holds) is read with
-    ``pread`` straight into the stage's tensor, the file opened with
-    ``POSIX_FADV_RANDOM`` so that the kernel reads nothing ahead. A header
-    whose tensors overlap it or lie past the file's end is refused. Made by
-    :func:`load_hf_stage`.
+    The metadata comes from each shard's header; a tensor (or the rows of it
+    that an FSDP2 shard holds) is read with ``pread`` straight into the stage's
+    tensor, with no readahead (:class:`~pippy.checkpoint.storage.RangeFile`). A
+    header whose tensors overlap it or lie past the file's end is refused.
 
     Args:
         path: The folder ``save_pretrained`` wrote.
@@ -349,11 +347,10 @@ def experts_one_by_one(
     """The weights named as ``save_pretrained`` stores them: experts one by one.
 
     For a model type whose experts ``save_pretrained`` is known to store one
-    by one, each fused expert weight (``<moe>.experts.gate_up_proj``, experts
-    along dim 0) becomes one tensor per expert and part, copied: Mixtral's
-    names (``block_sparse_moe``, ``w1``, ``w3``, ``w2``) or Qwen2-MoE's
-    (``gate_proj``, ``up_proj``, ``down_proj``). Any other model type keeps
-    its fused tensors, which ``from_pretrained`` reads as they are.
+    by one (Mixtral's family, Qwen2-MoE's), each fused expert weight
+    (``<moe>.experts.gate_up_proj``, experts along dim 0) becomes one tensor
+    per expert and part, copied. Any other model type keeps its fused tensors,
+    which ``from_pretrained`` reads as they are.
 
     Args:
         weights: ``{fqn: tensor}`` of the whole model.

@@ -171,25 +171,20 @@ def inspect_step(
     raised (:attr:`StepReport.error`).
 
     Args:
-        path: A step folder, or a run's checkpoint folder (``step-<N>``
-            folders in it).
-        step: The step of a run's folder to report; None: the newest complete
-            one, the one a resume would take.
-        verify: Also check every item against ``manifest.json``, if there is
-            one.
+        path: A step folder, or a run's checkpoint folder (``step-<N>`` in it).
+        step: The step of a run's folder; None: the newest complete one, which
+            a resume would take.
+        verify: Also check every item against ``manifest.json``, if any.
         trusted: As :func:`read_checkpoint`.
 
     Returns:
-        The step's report; its ``folder`` is ``path`` itself where ``path``
-        is a step folder.
+        The step's report.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
-        NotADirectoryError: ``path`` is a file.
-        ValueError: ``step`` is given with a step folder of another step, or
-            is not in the run's folder.
+        FileNotFoundError, NotADirectoryError, CheckpointDirError: As
+            :func:`inspect_steps`.
+        ValueError: ``step`` is not the step folder's, or not in the run's.
         CheckpointNotFoundError: The run's folder holds no complete step.
-        CheckpointDirError: As :func:`inspect_steps`.
         UnsafeCheckpointError: A ``manifest.json`` leads out of its folder
             (the newest step's, or with ``verify`` the step's), or with
             ``verify`` an item is refused.
@@ -252,11 +247,10 @@ def read_checkpoint(
 
     Keys come back flat, in pippy's names (a torchtitan checkpoint's too), with
     ``prefix`` removed: ``prefix="model."`` gives the un-split model's
-    ``state_dict``; floating-point tensors outside the model's and the
-    optimizer's sections are then left out with a warning naming them (a plain
-    DCP step keyed as a Hugging Face model keeps ``lm_head.weight`` there).
-    This rank alone reads, with no collective, through the safe reader and
-    planner.
+    ``state_dict``, and a warning names the floating-point tensors outside the
+    model's and the optimizer's sections (a plain DCP step keyed as a Hugging
+    Face model keeps ``lm_head.weight`` there). This rank alone reads, with no
+    collective, through the safe reader and planner.
 
     Args:
         path: A ``step-<N>`` folder, in pippy's or torchtitan's layout.
@@ -429,10 +423,9 @@ def export_hf(
 ) -> list[Any]:
     """Writes a step's model weights as a folder ``from_pretrained`` opens.
 
-    ``config.json`` and ``model.safetensors``, or above ``max_shard_size``
-    ``model-0000i-of-0000n.safetensors`` shards and their index; the experts
-    of a mixture of experts one by one, named as ``save_pretrained`` names
-    them (:func:`~pippy.checkpoint.hf.experts_one_by_one`). Written beside
+    ``config.json`` and ``model.safetensors`` (or shards and their index), the
+    experts of a mixture of experts one by one as ``save_pretrained`` stores
+    them (:func:`~pippy.checkpoint.hf.experts_one_by_one`); written beside
     ``out`` and renamed when complete: a failed export leaves nothing at ``out``.
 
     Args:
@@ -453,11 +446,9 @@ def export_hf(
     Raises:
         FileExistsError: ``out`` exists and ``force`` is False.
         FileNotFoundError: ``config`` names no file.
-        ValueError: ``out`` is or lies in a step folder, or holds steps (even
-            with ``force``: see :func:`refuse_out`); with ``force``, ``out`` is
-            a folder holding anything an export does not write, or holds the
-            current folder; ``config`` is not a JSON object, or a model entry
-            of the checkpoint is not a tensor.
+        ValueError: As :func:`export_weights`, even with ``force``; with it,
+            ``out`` holds anything an export does not write, or the current
+            folder; ``config`` is not a JSON object.
         CheckpointError: As :func:`read_checkpoint`.
         CheckpointDirError: ``out`` is on storage without atomic renames.
     """
@@ -565,8 +556,8 @@ def export_weights(
 
     Raises:
         ValueError: ``format`` is neither; ``out`` is or lies in a step
-            folder, or holds steps (see :func:`refuse_out`); a model entry is
-            not a tensor.
+            folder, or holds steps (:func:`~pippy.checkpoint.owner.refuse_out`);
+            a model entry is not a tensor.
         IsADirectoryError: ``out`` is a folder.
         FileExistsError: ``out`` exists and ``force`` is False.
         FileNotFoundError: There is no folder to write ``out`` in.
@@ -614,11 +605,10 @@ def convert_layout(
 ) -> int:
     """Writes a checkpoint in the other layout: pippy's or torchtitan's.
 
-    Reads every key in one process and saves it with ``dcp.save`` under the other
-    layout's names (see :mod:`~pippy.checkpoint.state`), published as ``out`` when
-    complete. torchtitan's ``train_state.ntokens_seen``, which pippy does not
-    keep, is written as 0 and a 0 dropped converting back, so a round trip gives
-    the same keys and values.
+    Every key, read in one process and saved with ``dcp.save`` under the other
+    layout's names, published as ``out`` when complete. torchtitan's
+    ``train_state.ntokens_seen``, which pippy does not keep, is written as 0 and
+    a 0 dropped converting back: a round trip gives the same keys and values.
 
     Args:
         path: A ``step-<N>`` folder in either layout.
@@ -634,11 +624,10 @@ def convert_layout(
 
     Raises:
         FileExistsError: ``out`` exists.
-        ValueError: ``out`` is or lies in a step folder (see
-            :func:`refuse_out`), or is named ``step-<M>`` (``step-06`` too) for
-            another step than the one it holds; ``to`` is not a layout, or a
-            key has no place in torchtitan's (see
-            :func:`~pippy.checkpoint.keys.to_torchtitan`).
+        ValueError: ``out`` is or lies in a step folder, or is named
+            ``step-<M>`` (``step-06`` too) for another step than the one it
+            holds; ``to`` is not a layout, or a key has no place in
+            torchtitan's (:func:`~pippy.checkpoint.keys.to_torchtitan`).
         CheckpointError: As :func:`read_checkpoint`.
     """
     if to not in (PIPPY, TORCHTITAN):
