@@ -509,6 +509,15 @@ def test_bad_arguments_are_argparse_errors(run, capsys):
         main(["export", str(run[0])])  # no --out
     assert exit_.value.code == 2
     assert "required: --out" in capsys.readouterr().err
+    export = ["export", str(run[0]), "--out", "m.safetensors"]
+    for flags, expected in [
+        (["--hf-config", "c.json", "--format", "pt"], "not allowed with argument"),
+        (["--hf-config", "c.json", "--max-shard-size", "5XB"], "is not a size"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main([*export, *flags])
+        assert exit_.value.code == 2
+        assert expected in capsys.readouterr().err
 
 
 @pytest.mark.launches

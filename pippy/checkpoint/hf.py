@@ -271,10 +271,7 @@ def _renamed(key: str, naming: str) -> str:
 
 
 def _expert_names(key: str, naming: str, experts: range) -> list[str]:
-    """The stored names of experts' parts of a fused expert weight, part by part.
-
-    Empty for a key that is no fused expert weight.
-    """
+    """The stored names of experts' parts of a fused expert weight (else none)."""
     block, _, fused = _renamed(key, naming).rpartition(".experts.")
     parts = _PARTS[naming].get(fused, ())
     return [f"{block}.experts.{e}.{part}.weight" for part in parts for e in experts]
@@ -322,11 +319,7 @@ def _stored_naming(key: str, value: Any, stored: Collection[str]) -> str | None:
 
 
 def _local_experts(key: str, value: Any) -> tuple[torch.Tensor, int]:
-    """A fused expert weight's experts on this rank, and the index of the first.
-
-    Raises:
-        CheckpointError: A DTensor split along another dim than the experts'.
-    """
+    """A fused expert weight's rows on this rank, and its first expert's index."""
     if not isinstance(value, DTensor):
         return value.detach(), 0
     if any(isinstance(p, Shard) and p.dim != 0 for p in value.placements):
