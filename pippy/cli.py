@@ -183,7 +183,7 @@ def _export(args: argparse.Namespace) -> None:
         dtype=_DTYPES.get(args.dtype),
         force=args.force,
         trusted=args.trusted,
-        verify=not args.allow_no_manifest,
+        verify=args.verify,
     )
     if args.hf_config:  # a folder from_pretrained opens
         limit = args.max_shard_size
@@ -203,9 +203,8 @@ def _export(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     """``convert``: a step rewritten in the other layout."""
     folder = offline.inspect_step(args.path, trusted=args.trusted).folder
-    verify = not args.allow_no_manifest
     count = offline.convert_layout(
-        folder, args.out, to=args.to, trusted=args.trusted, verify=verify
+        folder, args.out, to=args.to, trusted=args.trusted, verify=args.verify
     )
     print(f"{folder} -> {args.out}: {count} items ({args.to} layout)")
 
@@ -270,7 +269,8 @@ def parser() -> argparse.ArgumentParser:
     )
     unverified.add_argument(
         "--allow-no-manifest",
-        action="store_true",
+        dest="verify",  # as inspect's --verify: check items against the manifest
+        action="store_false",
         help="read a step that has no manifest.json (plain DCP's, torchtitan's), "
         "its items unchecked against checksums",
     )
@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _ERRORS as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         text = " ".join(str(message).split())
-        if "allow_no_manifest" in args:  # export, convert: name their flag
+        if args.run is not _inspect:  # export, convert: name their flag
             text = text.replace("load it with verify=False", "pass --allow-no-manifest")
         print(f"error: {text}", file=sys.stderr)
         return 2
