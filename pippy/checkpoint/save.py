@@ -427,6 +427,10 @@ class StepWriter(ManifestWriter):
         """Writes ``.metadata`` and the manifest, then publishes, if the lease holds."""
         self._check_owner()
         super().finish(metadata, results)
+        self.publish()
+
+    def publish(self) -> None:
+        """On the coordinator: renames staging to ``step-<N>``, durably; then prunes."""
         try:
             self._check_owner()
             if self.staging != self.final:  # on a store: committed by its record
