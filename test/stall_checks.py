@@ -28,7 +28,7 @@ from torch.distributed.distributed_c10d import _get_default_store
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "checkpoint"))
 from pippy import checkpoint  # noqa: E402
 from pippy.checkpoint.collectives import pippy_group
-from pippy.checkpoint.load import load_into, open_step  # noqa: E402
+from pippy.checkpoint.load import load_into  # noqa: E402
 from pippy.checkpoint.safe_load import SafeLoadPlanner  # noqa: E402
 from pippy.checkpoint.steps import list_steps  # noqa: E402
 from pippy.checkpoint.storage import LocalStorage
@@ -192,10 +192,9 @@ def check_load_logs(out: Path, rank: int, world_size: int) -> dict:
     group = dist.new_group(backend="gloo")
     path = out / "ckpt" / "step-1"
     state = stage(rank, 0.0)
-    reader, _ = open_step(path)
     lines = Lines()
     try:
-        with load_into(state, reader, process_group=group) as state_dict:
+        with load_into(state, path, process_group=group) as (state_dict, reader, _):
             dcp.load(
                 state_dict,
                 storage_reader=reader,
@@ -215,8 +214,8 @@ def check_load_timeout(out: Path, rank: int, world_size: int) -> dict:
     state = stage(rank, 0.0)
 
     def load():
-        reader, _ = open_step(path)
-        with load_into(state, reader, process_group=group, timeout=TIMEOUT_S) as sd:
+        options = dict(process_group=group, timeout=TIMEOUT_S)
+        with load_into(state, path, **options) as (sd, reader, _):
             dcp.load(
                 sd,
                 storage_reader=reader,

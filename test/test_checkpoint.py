@@ -8,7 +8,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+)
 
 from pippy import SplitPoint, checkpoint, pipeline
 from pippy.checkpoint import offline
@@ -266,7 +270,7 @@ def test_the_cyclic_gc_is_paused_in_a_save_and_a_load_and_on_again_after(tmp_pat
         checkpoint.load_stage(other, step)  # takes the state, then refuses
     assert probe.seen == [False] * 4
     assert gc.isenabled()
-    # Opening a step of 400 items (open_step, as before load_into): at most the one
+    # Opening a step of 400 items (open_step, as load_into does): at most the one
     # collection once the collector is on again (10 without the pause).
     layers = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(200)))
     step = checkpoint.save_stage(checkpoint.StageState(layers), tmp_path / "big")
@@ -279,29 +283,28 @@ def test_the_cyclic_gc_is_paused_in_a_save_and_a_load_and_on_again_after(tmp_pat
     assert started.count("start") <= 1
 
 
-def test_load_into_refuses_a_path_where_it_takes_the_reader(tmp_path):
-    """A path given to load_into (its reader's step) is a TypeError naming the
-    fix, before the state is taken; with the reader the same load works."""
+def test_load_into_opens_the_step_or_takes_another_reader(tmp_path):
+    """load_into opens a step for pippy's reader and planner, filling a stage or
+    a plain state_dict in place; given another reader, it applies after it."""
     probe = GcProbe()
     state = checkpoint.StageState(torch.nn.Linear(2, 2), extra={"probe": probe})
     step = checkpoint.save_stage(state, tmp_path)
-    with pytest.raises(TypeError, match=r"open_step\(path\)"):
-        with checkpoint.load_into(state, step):
-            pass
-    assert probe.seen == [False]  # the save's
-    reader, planner = checkpoint.open_step(step)
-    with checkpoint.load_into(state, reader) as state_dict:
+    with checkpoint.load_into(state, step) as (state_dict, reader, planner):
         dcp.load(state_dict, storage_reader=reader, planner=planner)
-    assert len(probe.seen) == 3
+    assert len(probe.seen) == 3  # the save's, then taken and applied
     plain = {"step": -1}  # a plain state_dict, filled in place
-    reader, planner = checkpoint.open_step(step, must_read=("step",))
-    with checkpoint.load_into(plain, reader) as state_dict:
-        dcp.load(state_dict, storage_reader=reader, planner=planner)
+    with checkpoint.load_into(plain, step, must_read=("step",)) as (sd, reader, p):
+        dcp.load(sd, storage_reader=reader, planner=p)
+    assert plain == {"step": 0}
+    plain = {"step": -1}
+    with checkpoint.load_into(plain, FileSystemReader(step)) as (sd, reader, p):
+        assert p is None
+        dcp.load(sd, storage_reader=reader, planner=p)
     assert plain == {"step": 0}
 
 
 def test_the_reader_and_writer_refuse_to_be_used_other_than_as_made(tmp_path):
-    """open_step's reader: not with a planner that unpickles items with plain
+    """load_into's reader: not with a planner that unpickles items with plain
     pickle (unless trusted), not for another checkpoint_id, and load_into
     raises if the body read without it; publish_step raises if the body saved
     without its writer or elsewhere. Each leaves what was saved as it was."""
@@ -311,23 +314,21 @@ def test_the_reader_and_writer_refuse_to_be_used_other_than_as_made(tmp_path):
     two = checkpoint.save_stage(state, tmp_path)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     fresh = checkpoint.StageState(torch.nn.Linear(2, 2))
-    reader, planner = checkpoint.open_step(one)
-    with pytest.raises(checkpoint.UnsafeCheckpointError, match="planner open_step"):
-        with checkpoint.load_into(fresh, reader) as state_dict:
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="planner load_into"):
+        with checkpoint.load_into(fresh, one) as (state_dict, reader, _):
             dcp.load(state_dict, storage_reader=reader, planner=DefaultLoadPlanner())
     with pytest.raises(ValueError, match="opened for .*step-1, not .*step-2"):
-        with checkpoint.load_into(fresh, reader) as state_dict:
+        with checkpoint.load_into(fresh, one) as (state_dict, reader, _):
             dcp.load(state_dict, checkpoint_id=two, storage_reader=reader)
     with pytest.raises(ValueError, match="did not read with its reader"):
-        with checkpoint.load_into(fresh, reader) as state_dict:
+        with checkpoint.load_into(fresh, one) as (state_dict, reader, _):
             dcp.load(state_dict, checkpoint_id=two)  # plain DCP's reader
     assert fresh.step == 0  # nothing applied
-    with checkpoint.load_into(fresh, reader) as state_dict:  # the reader still works
-        dcp.load(state_dict, checkpoint_id=one, storage_reader=reader, planner=planner)
+    with checkpoint.load_into(fresh, one) as (state_dict, reader, planner):
+        dcp.load(state_dict, storage_reader=reader, planner=planner)
     assert fresh.step == 1
-    trusted, _ = checkpoint.open_step(two, trusted=True)
-    with checkpoint.load_into(fresh, trusted) as state_dict:
-        dcp.load(state_dict, storage_reader=trusted, planner=DefaultLoadPlanner())
+    with checkpoint.load_into(fresh, two, trusted=True) as (state_dict, reader, _):
+        dcp.load(state_dict, storage_reader=reader, planner=DefaultLoadPlanner())
     assert fresh.step == 2
     state.step = 3
     state_dict, step, _ = checkpoint.take_state(state)

@@ -101,21 +101,20 @@ def test_damage_in_a_large_tensor_read_into_its_storage_is_refused(tmp_path, whe
     checkpoint.load_stage(intact, folder)  # every byte checked, the skipped too
     assert torch.equal(intact.module.weight, big.module.weight)
     fresh = checkpoint.StageState(torch.nn.Linear(1024, 512, bias=False))
-    reader, planner = checkpoint.open_step(folder)
     raw = path.read_bytes()
     data = raw.index(big.module.weight.detach().numpy().tobytes(), offset)
     if where == "data":
         flip_bit(path, data + 1000)
     elif where == "padding":
         flip_bit(path, data - 1)  # the zip record's alignment padding
-    else:
-        path.write_bytes(raw[: data + 1000])
     if where != "cut short after opening":
         plain = {"model": {"weight": torch.empty(512, 1024)}}
         dcp.load(plain, checkpoint_id=folder)  # DCP: no error
     fix = "Restore the file" if where == "cut short after opening" else "checksum"
     with pytest.raises(checkpoint.CheckpointError, match=f"'model.weight'.*{fix}"):
-        with checkpoint.load_into(fresh, reader) as state_dict:
+        with checkpoint.load_into(fresh, folder) as (state_dict, reader, planner):
+            if where == "cut short after opening":
+                path.write_bytes(raw[: data + 1000])  # once the step was opened
             dcp.load(state_dict, storage_reader=reader, planner=planner)
     assert not torch.equal(fresh.module.weight, big.module.weight)
     if where != "cut short after opening":

@@ -177,7 +177,7 @@ def bucket(s3_endpoint):
 def test_only_rank_0_lists_the_bucket(bucket, tmp_path):
     # One run: it owns a new folder, saves step-2 and step-4 (--keep-last
     # then deletes step-2), and loads the newest step to verify it, by the
-    # same find_latest_step and open_step as a resume.
+    # same find_latest_step and load_into as a resume.
     env, url = bucket
     logged = f'exec {sys.executable} -u "$@" 2>"$0/rank-$RANK.log"'
     env = {**env, "S3FS_LOGGING_LEVEL": "DEBUG"}

@@ -79,12 +79,11 @@ def save(state: checkpoint.StageState, args, mesh: DeviceMesh | None, owner) -> 
 def load(state: checkpoint.StageState, path, args, check=None, must_read=("",)):
     """Every rank at once: fills the state in place from the step at path, which
     check(metadata, path) sees first; refused: pickled code, damage, unread keys."""
-    wait = args.checkpoint_timeout
-    reader, planner = checkpoint.open_step(path, must_read=must_read, timeout=wait)
-    if check is not None:
-        check(reader.read_metadata(), path)
-    with checkpoint.load_into(state, reader, timeout=wait) as state_dict:
-        pg = reader.process_group
+    options = dict(must_read=must_read, timeout=args.checkpoint_timeout)
+    with checkpoint.load_into(state, path, **options) as (state_dict, reader, planner):
+        if check is not None:
+            check(reader.read_metadata(), path)
+        pg = reader.process_group  # pippy's gloo group, which the timeout bounds
         dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=pg)
 
 

@@ -11,8 +11,8 @@ spells ``dcp.save`` and ``dcp.load`` out uses their pieces::
     with publish_step(checkpoint_dir, step) as writer:  # published once complete
         dcp.save(state_dict, storage_writer=writer, planner=planner)
 
-    reader, planner = open_step(path)  # checked on rank 0 before any read
-    with load_into(state, reader) as state_dict:  # if one rank fails, all raise
+    # the step checked on rank 0 before any read; if one rank fails, all raise
+    with load_into(state, path) as (state_dict, reader, planner):
         dcp.load(state_dict, storage_reader=reader, planner=planner)
 
 They are DCP's plug-ins, public by name for a script that builds them itself::

@@ -3,10 +3,10 @@
 Rank 0 alone answers every question about the checkpoint folder and
 broadcasts its answer or its error: NFS attribute caching can make ranks
 disagree on what a folder holds, and hundreds of ranks listing a bucket at
-once get throttled into "no checkpoint". A load is :func:`open_step` (pippy's
-reader and planner, the step opened on rank 0), then ``dcp.load`` inside
-:func:`load_into` (the stage's state_dict to fill, applied once every rank
-has read); :func:`read_any_layout` reads a step in torchtitan's layout too.
+once get throttled into "no checkpoint". A load is ``dcp.load`` inside
+:func:`load_into` (the step opened on rank 0 for pippy's reader, made with
+the stage's state_dict to apply once this rank has read); :func:`open_step`
+opens a step for a reader without a stage.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def open_step(
     """The storage reader and load planner to pass to ``dcp.load`` for a step.
 
     Call it on every rank of ``process_group`` at once: rank 0 alone reads
-    the step's ``.metadata`` and manifest, and the others take its answer.
+    the step's ``.metadata`` and manifest, and the others take its answer. To
+    load a stage, :func:`load_into` opens the step itself.
 
     Args:
         path: A ``step-<N>`` folder.
@@ -109,15 +110,11 @@ def open_step(
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days].
     """
     waiting = collectives.waiting(f"opening {path}", "read", timeout, process_group)
+    options = dict(
+        trusted=trusted, verify=verify, extension_registry=extension_registry
+    )
     with nullcontext() if no_dist else waiting:
-        reader = open_reader(
-            path,
-            trusted=trusted,
-            verify=verify,
-            process_group=process_group,
-            no_dist=no_dist,
-            extension_registry=extension_registry,
-        )
+        reader = open_reader(path, process_group, no_dist, **options)
     return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
 
 
@@ -134,65 +131,31 @@ def read_into(
         dcp.load(state_dict, storage_reader=reader, planner=planner, **options)
 
 
-def read_any_layout(
-    state_dict: dict[str, Any],
-    reader: SafeFileSystemReader,
-    planner: SafeLoadPlanner,
-    **options: Any,
-) -> None:
-    """Fills a state_dict from a step in either layout, in place.
-
-    By name, unless the step is in torchtitan's layout and pippy's names
-    renamed to torchtitan's find more of it.
-    """
-    saved = reader.read_metadata().state_dict_metadata
-    wanted = dict(named_leaves(state_dict))
-    found, flat = sum(k in saved for k in wanted), None
-    if detect_layout(saved) != PIPPY and found < len(wanted):
-        with suppress(ValueError):  # a key with no torchtitan name: by name
-            flat = to_torchtitan(wanted)
-    if flat is None or sum(k in saved for k in flat) <= found:
-        return read_into(state_dict, reader, planner, **options)
-    # torchtitan keeps an LR scheduler's initial_lr as a key of its own: an
-    # optimizer without one may leave it unread (pippy keeps it in scalars).
-    planner.must_read = tuple(
-        k
-        for k in saved
-        if pippy_name(k).startswith(planner.must_read)
-        and not (k.startswith("optimizer.param_groups.") and k.endswith(".initial_lr"))
-    )
-    apply = reader.after_reads
-
-    def convert(filled: dict[str, Any]) -> None:  # then apply, as load_into's would
-        places = {name: (parent, key) for name, parent, key in leaf_places(state_dict)}
-        for name, value in from_torchtitan(filled).items():
-            if name in places:
-                parent, key = places[name]
-                parent[key] = value
-        if apply is not None:
-            apply(state_dict)
-
-    reader.after_reads = convert
-    read_into(flat, reader, planner, **options)
-
-
 @contextmanager
 def load_into(
     state: Stateful | dict[str, Any],
-    reader: StorageReader,
+    path: Location | StorageReader,
     *,
+    must_read: tuple[str, ...] = ("",),
+    trusted: bool | None = None,
+    verify: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    no_dist: bool = False,
     timeout: Timeout = None,
-) -> Iterator[dict[str, Any]]:
-    """Gives the stage's state_dict to fill, then applies it; if one rank fails, all do.
+    extension_registry: ExtensionRegistry | None = None,
+) -> Iterator[tuple[dict[str, Any], StorageReader, SafeLoadPlanner | None]]:
+    """Opens a step for ``dcp.load`` into the stage; if one rank fails, all do.
 
-    Use it around ``dcp.load``, on every rank: DCP loads in place, into the
-    stage's own tensors (``state.state_dict()``, which creates the optimizer's
-    empty state). With pippy's reader each rank applies inside ``dcp.load``
-    once its reads are done, and DCP's last collective carries the outcome;
-    with another reader it applies after ``dcp.load``, and an
-    ``all_gather_object`` carries it. Python's cyclic garbage collector is
-    paused in the block.
+    Use it around ``dcp.load``, on every rank at once: it takes the stage's
+    state_dict (``state.state_dict()``, which creates the optimizer's empty
+    state; DCP loads in place, into the stage's own tensors), then rank 0 alone
+    opens the step (as :func:`open_step`) for pippy's reader, which applies
+    the state_dict once this rank has read its items: DCP's last collective
+    carries the outcome. A step in torchtitan's layout is read under
+    torchtitan's names where they find more of it. Given another storage
+    reader instead of a path, it applies after ``dcp.load``, and an
+    ``all_gather_object`` carries the outcome. Python's cyclic garbage
+    collector is paused in the block.
 
     Note:
         When a load fails on some rank, every rank raises, but the ranks that
@@ -206,89 +169,123 @@ def load_into(
             ``state_dict()`` holds the tensors to fill, or a nested state_dict,
             filled in place (its top-level ``Stateful`` objects loaded, as
             ``dcp.load`` does).
-        reader: The storage reader ``dcp.load`` in the body reads with:
-            pippy's, from :func:`open_step`, or another.
+        path: A ``step-<N>`` folder; or the ``StorageReader`` that ``dcp.load``
+            in the block reads with (the options below but ``process_group``
+            and ``timeout`` then unused).
+        must_read: As :func:`open_step`.
+        trusted: As :func:`open_step`.
+        verify: As :func:`open_step`.
         process_group: The ranks that load; the default group if None.
-            ``dcp.load`` must run on the same ranks: with pippy's reader, pass
-            it ``process_group=reader.process_group`` (pippy's gloo group over
+            ``dcp.load`` must run on the same ranks: pass it
+            ``process_group=reader.process_group`` (pippy's gloo group over
             them, which ``timeout`` bounds).
+        no_dist: As :func:`open_step`.
         timeout: Seconds (or a ``timedelta``) a rank waits for the others at
             the start of the load and, with pippy's reader, once it has read its
             items; None: no deadline. Late ranks are logged either way.
+        extension_registry: As :func:`open_step`.
 
     Yields:
-        The state_dict to pass to ``dcp.load``.
+        ``(state_dict, storage_reader, planner)`` to pass to ``dcp.load``:
+        pippy's reader and :class:`SafeLoadPlanner` (with a reader given: it,
+        and None, DCP's default planner).
 
     Raises:
-        CheckpointError: Taking the state, ``dcp.load`` or applying failed on
-            some rank (one line per rank), on every other rank; the rank where
-            it failed raises its own error.
+        CheckpointNotFoundError, UnsafeCheckpointError: As :func:`open_step`.
+        CheckpointError: Opening the step, taking the state, ``dcp.load`` or
+            applying failed on some rank (one line per rank), on every other
+            rank; the rank where it failed raises its own error.
         CheckpointTimeout: Some rank was not there within ``timeout``, on every
             rank; nothing is applied. After one inside ``dcp.load``,
             ``reader.process_group`` is not fit for more collectives.
-        TypeError: ``reader`` is not a ``StorageReader`` (a path, say).
         ValueError: ``timeout`` is not a number of seconds in (0, 365 days];
-            ``dcp.load`` in the body did not read with ``reader``, or read
+            ``dcp.load`` in the block did not read with pippy's reader, or read
             another ``checkpoint_id``.
     """
-    if not isinstance(reader, StorageReader):
-        raise TypeError(
-            f"load_into takes the storage reader dcp.load reads with, not "
-            f"{reader!r}: reader, planner = open_step(path), then "
-            "load_into(state, reader)"
-        )
-    ours = reader if isinstance(reader, SafeFileSystemReader) else None
-    action = f"loading {ours.folder if ours else getattr(reader, 'path', reader)}"
-    with (
-        gc_paused(),
-        collectives.waiting(action, "read", timeout, process_group) as waits,
-        _filled(state, reader, action, process_group, waits) as state_dict,
-    ):
-        yield state_dict
+    options = dict(
+        trusted=trusted, verify=verify, extension_registry=extension_registry
+    )
+    opening = _loading(
+        state, path, must_read, process_group, no_dist, timeout, **options
+    )
+    with opening as (_, state_dict, reader, planner):
+        yield state_dict, reader, planner
 
 
 @contextmanager
-def _filled(
+def _loading(
     state: Stateful | dict[str, Any],
-    reader: StorageReader,
-    action: str,
+    path: Location | StorageReader,
+    must_read: tuple[str, ...],
     process_group: dist.ProcessGroup | None,
-    waits: collectives.Waits | None,
-) -> Iterator[dict[str, Any]]:
-    """:func:`load_into`'s block, inside the watch ``waits``."""
+    no_dist: bool,
+    timeout: Timeout,
+    **options: Any,
+) -> Iterator[tuple[dict[str, Any], dict[str, Any], Any, Any]]:
+    """:func:`load_into`'s block; it also yields the state_dict under pippy's names."""
     if not isinstance(state, dict):
         take, give = state.state_dict, state.load_state_dict
     else:  # taken and loaded as DCP does
         take, give = partial(statefuls_taken, state), partial(_load_plain, state)
-    applied = False
+    applied, torchtitan = False, False
 
-    def apply(filled: dict[str, Any]) -> None:
+    def apply(filled: dict[str, Any]) -> None:  # by pippy's reader, once it has read
         nonlocal applied
         applied = True
+        if torchtitan:  # read under torchtitan's names: placed under pippy's
+            places = {name: (p, key) for name, p, key in leaf_places(state_dict)}
+            for name, value in from_torchtitan(filled).items():
+                if name in places:
+                    parent, key = places[name]
+                    parent[key] = value
+            filled = state_dict
         give(filled)
 
-    state_dict, failure = take_or_failure(take)
-    ours = reader if isinstance(reader, SafeFileSystemReader) else None
-    if ours:  # what its dcp.load needs of this block, for that load only
-        ours.waits, ours.after_reads = waits, apply
-        ours.process_group = waits.ours if waits else process_group
-        ours.failure = failure or ours.failure  # or open_step's (another step)
-    try:
+    action = f"loading {getattr(path, 'path', path)}"
+    waiting = collectives.waiting(action, "read", timeout, process_group)
+    with gc_paused(), nullcontext() if no_dist else waiting as waits:
+        state_dict, failure = take_or_failure(take)
+        if isinstance(path, StorageReader):  # applied after its dcp.load
+            with explain_failures(action):
+                yield state_dict, state_dict, path, None
+            with fail_together(action, process_group):
+                if failure is not None:  # its planning did not raise it
+                    raise failure
+                give(state_dict)
+            return
+        group = waits.ours if waits else process_group
+        made = dict(
+            after_reads=apply, waits=waits, failure=failure, process_group=group
+        )
+        reader = open_reader(path, process_group, no_dist, **made, **options)
+        # by torchtitan's names where they find more of it than pippy's
+        saved = reader.metadata.state_dict_metadata
+        wanted = dict(named_leaves(state_dict))
+        found, to_read = sum(k in saved for k in wanted), state_dict
+        if detect_layout(saved) != PIPPY and found < len(wanted):
+            with suppress(ValueError):  # a key with no torchtitan name: by name
+                flat = to_torchtitan(wanted)
+                to_read = flat if sum(k in saved for k in flat) > found else to_read
+        if torchtitan := to_read is not state_dict:
+            # torchtitan keeps an LR scheduler's initial_lr as a key of its own:
+            # an optimizer without one may leave it unread (pippy: in scalars)
+            must_read = tuple(
+                k
+                for k in saved
+                if pippy_name(k).startswith(must_read)
+                and not (
+                    k.startswith("optimizer.param_groups.")
+                    and k.endswith(".initial_lr")
+                )
+            )
+        planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
         with explain_failures(action):
-            yield state_dict
-        if ours and ours.after_reads is not None:  # its read_data never ran
+            yield state_dict, to_read, reader, planner
+        if not applied:
             raise ValueError(
                 f"dcp.load in load_into's block did not read with its reader, "
-                f"so {ours.folder} is not loaded: pass it storage_reader=reader"
+                f"so {reader.folder} is not loaded: pass it storage_reader=reader"
             )
-    finally:
-        if ours:
-            ours.waits = ours.after_reads = ours.failure = ours.process_group = None
-    if not applied:  # not read by pippy's reader: its own all_gather
-        with fail_together(action, process_group):
-            if failure is not None:  # another reader's planning did not raise it
-                raise failure
-            give(state_dict)
 
 
 def _load_plain(state: dict[str, Any], filled: dict[str, Any]) -> None:
@@ -341,19 +338,13 @@ def load_stage(
             in an item leaves the tensors read before it loaded.
         CheckpointTimeout: As :func:`load_into`.
     """
-    action, group = f"loading {path}", process_group
-    waiting = collectives.waiting(action, "read", timeout, group)
-    with gc_paused(), nullcontext() if no_dist else waiting as waits:
-        # one watch over the open and the load
-        reader = open_reader(
-            path, trusted=trusted, verify=verify, process_group=group, no_dist=no_dist
-        )
-        planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
-        with _filled(state, reader, action, group, waits) as filled:
-            ours = reader.process_group
-            read_any_layout(
-                filled, reader, planner, process_group=ours, no_dist=no_dist
-            )
+    options = dict(trusted=trusted, verify=verify)
+    opening = _loading(
+        state, path, must_read, process_group, no_dist, timeout, **options
+    )
+    with opening as (filled, state_dict, reader, planner):
+        group = reader.process_group
+        read_into(state_dict, reader, planner, process_group=group, no_dist=no_dist)
     return filled if isinstance(state, StageState) else state
 
 

@@ -203,6 +203,14 @@ class SafeFileSystemReader(FileSystemReader):
         extension_registry: DCP's registry of the stream extensions the step
             was written with (``FileSystemWriter``'s ``_extensions``); None:
             DCP's default one (ZStandard).
+        after_reads: What ``read_data`` calls with the planner's state_dict
+            once this rank has read (DCP's last collective carries its error).
+        waits: The watch this rank reports its progress and arrival to.
+        process_group: The group to pass ``dcp.load`` (in ``load_into``'s
+            block, pippy's gloo group, which its ``timeout`` bounds).
+        failure: This rank's error before reading, raised in DCP's planning.
+        opened: ``(metadata_bytes, manifest)`` that another process's reader
+            read and checked: none is read again.
 
     Raises:
         CheckpointNotFoundError: ``path`` is None, is not a folder, or has
@@ -218,15 +226,6 @@ class SafeFileSystemReader(FileSystemReader):
 
     manifest: Manifest | None
     metadata_bytes: bytes  # .metadata as read, which rank 0 broadcasts
-    # Given by load_into for one dcp.load: its watch, what to apply after the
-    # reads, and this rank's failure to take its state (raised in DCP's planning).
-    waits: Waits | None = None
-    after_reads: Callable[[dict[str, Any]], None] | None = None
-    failure: Exception | None = None
-    #: In :func:`~pippy.checkpoint.load_into`'s block, the group to pass
-    #: ``dcp.load``: pippy's own gloo group over the loading ranks, whose
-    #: collectives its ``timeout`` bounds; None where no other rank loads.
-    process_group: dist.ProcessGroup | None = None
 
     def __init__(
         self,
@@ -237,9 +236,33 @@ class SafeFileSystemReader(FileSystemReader):
         verify: bool = True,
         storage: Storage | None = None,
         extension_registry: ExtensionRegistry | None = None,
+        after_reads: Callable[[dict[str, Any]], None] | None = None,
+        waits: Waits | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        failure: Exception | None = None,
+        opened: tuple[bytes, Manifest | None] | None = None,
     ) -> None:
-        self._open(path, trusted, storage, extension_registry)
-        folder, storage = self.folder, self.storage
+        if path is None:
+            raise CheckpointNotFoundError(
+                "no step to load: the path is None (find_latest_step returns None "
+                "where the folder holds no complete step); check for it first"
+            )
+        super().__init__(path, _extension_registry=extension_registry)
+        self.extension_registry = extension_registry or ExtensionRegistry()
+        self.storage = storage = storage or storage_for(path)
+        if is_url(path):  # DCP's FileSystemReader would read a local folder
+            self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
+            self.path = self.fs.init_path(path)
+        self.trusted = resolve_trusted(trusted)
+        self.folder = folder = join(path)
+        self.after_reads, self.waits, self.failure = after_reads, waits, failure
+        self.process_group = process_group
+        self.manifest = None
+        if opened is not None:  # read and checked by rank 0's reader
+            self.metadata_bytes, self.manifest = opened
+            unpickler = _MetadataUnpickler(opened[0], str(folder), self.trusted)
+            self.metadata = unpickler.load()
+            return
         read = _read_metadata_file(storage, folder, self.trusted)
         self.metadata, self.metadata_bytes = read
         check_structure(storage, folder, self.metadata)
@@ -254,29 +277,6 @@ class SafeFileSystemReader(FileSystemReader):
             self.manifest = check_manifest(
                 storage, folder, ranges, sizes, parse_step(folder)
             )
-
-    def _open(
-        self,
-        path: str | os.PathLike,
-        trusted: bool | None,
-        storage: Storage | None,
-        extension_registry: ExtensionRegistry | None,
-    ) -> None:
-        """DCP's reader of ``path``, set up without touching a file."""
-        if path is None:
-            raise CheckpointNotFoundError(
-                "no step to load: the path is None (find_latest_step returns None "
-                "where the folder holds no complete step); check for it first"
-            )
-        super().__init__(path, _extension_registry=extension_registry)
-        self.extension_registry = extension_registry or ExtensionRegistry()
-        self.storage = storage = storage or storage_for(path)
-        if is_url(path):  # DCP's FileSystemReader would read a local folder
-            self.fs = storage.dcp_filesystem(path)  # type: ignore[assignment]
-            self.path = self.fs.init_path(path)
-        self.trusted = resolve_trusted(trusted)
-        self.folder = join(path)
-        self.manifest = None
 
     def check_extensions(self) -> None:
         """Refuses a step whose items need a stream extension not registered.
@@ -297,7 +297,7 @@ class SafeFileSystemReader(FileSystemReader):
                 raise CheckpointError(
                     f"{self.folder} was written with DCP's stream extension(s) "
                     f"{list(descriptors)}, which this reader cannot undo ({e}): "
-                    "pass open_step an extension_registry holding them, with "
+                    "pass load_into an extension_registry holding them, with "
                     "their modules installed"
                 ) from None
 
@@ -313,7 +313,7 @@ class SafeFileSystemReader(FileSystemReader):
         if checkpoint_id is not None and not same_location(checkpoint_id, self.folder):
             raise ValueError(
                 f"this reader was opened for {self.folder}, not {checkpoint_id}: "
-                "open_step that step, or leave dcp.load's checkpoint_id out"
+                "open that step, or leave dcp.load's checkpoint_id out"
             )
         super().reset()
 
@@ -344,7 +344,7 @@ class SafeFileSystemReader(FileSystemReader):
             raise UnsafeCheckpointError(
                 f"refused to load {self.folder} with {type(planner).__name__}: it "
                 "unpickles non-tensor items with plain pickle, which could run "
-                "code. Pass dcp.load the planner open_step returned, or, if you "
+                "code. Pass dcp.load the planner load_into gives, or, if you "
                 f"trust the checkpoint, set {TRUST_ENV}=1"
             )
         self.check_extensions()
@@ -364,11 +364,10 @@ class SafeFileSystemReader(FileSystemReader):
                 with self.fs.create_stream(path, "rb") as f:
                     for index, reqs in items.items():
                         self._read_item(f, index, reqs, counted)
-        apply, self.after_reads = self.after_reads, None  # once
         filled = getattr(planner, "original_state_dict", None)
-        if apply is not None and filled is not None:
+        if self.after_reads is not None and filled is not None:
             try:
-                apply(filled)
+                self.after_reads(filled)
             except Exception as e:  # DCP's last gather sends it to every rank
                 if (sent := portable(e)) is e:
                     raise
@@ -503,20 +502,19 @@ def verify_step(
 
 def open_reader(
     path: Location,
-    *,
-    trusted: bool | None = None,
-    verify: bool = True,
-    process_group: dist.ProcessGroup | None = None,
-    no_dist: bool = False,
-    extension_registry: ExtensionRegistry | None = None,
+    group: dist.ProcessGroup | None,
+    no_dist: bool,
+    **options: Any,
 ) -> SafeFileSystemReader:
-    """A :class:`SafeFileSystemReader` made on rank 0, its metadata broadcast."""
+    """A :class:`SafeFileSystemReader` (``options``: its own) made on rank 0.
+
+    The other ranks of ``group`` make theirs from the ``.metadata`` and
+    manifest rank 0 broadcast, reading no file.
+    """
     made: list[SafeFileSystemReader] = []
 
     def make() -> Any:  # on rank 0; a CheckpointError reaches every rank as itself
-        reader = SafeFileSystemReader(
-            path, trusted=trusted, verify=verify, extension_registry=extension_registry
-        )
+        reader = SafeFileSystemReader(path, **options)
         reader.check_extensions()
         made.append(reader)
         # .metadata's bytes, not the object: pickling DCP's Metadata again
@@ -527,17 +525,15 @@ def open_reader(
         make()
         return made[0]
     trusted, data, manifest, theirs = on_coordinator(
-        f"cannot read {os.fspath(path)}", make, process_group
+        f"cannot read {os.fspath(path)}", make, group
     )
     if made:
         return made[0]
-    reader = SafeFileSystemReader.__new__(SafeFileSystemReader)  # checked on rank 0
-    reader._open(path, trusted, None, extension_registry)
-    reader.metadata_bytes, reader.manifest = data, manifest
-    reader.metadata = _MetadataUnpickler(data, str(reader.folder), trusted).load()
-    if reader.storage.name(theirs) != reader.storage.name(path):  # another step
-        reader.failure = ValueError(  # raised in DCP's planning, so on every rank
+    storage = storage_for(path)
+    if storage.name(theirs) != storage.name(path):  # another step
+        options["failure"] = options.get("failure") or ValueError(
             f"this rank opened {str(path)!r} and rank 0 {theirs!r}: every rank "
             "must load the same step (one checkpoint_id for all ranks)"
-        )
-    return reader
+        )  # raised in DCP's planning, so on every rank
+    options.update(trusted=trusted, storage=storage, opened=(data, manifest))
+    return SafeFileSystemReader(path, **options)
