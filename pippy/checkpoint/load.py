@@ -265,7 +265,8 @@ def _loading(
         if detect_layout(saved) != PIPPY and found < len(wanted):
             with suppress(ValueError):  # a key with no torchtitan name: by name
                 flat = to_torchtitan(wanted)
-                to_read = flat if sum(k in saved for k in flat) > found else to_read
+                if sum(k in saved for k in flat) > found:
+                    to_read = flat
         if torchtitan := to_read is not state_dict:
             # torchtitan keeps an LR scheduler's initial_lr as a key of its own:
             # an optimizer without one may leave it unread (pippy: in scalars)
