@@ -46,7 +46,11 @@ from pippy.checkpoint.keys import (
     to_torchtitan,
 )
 from pippy.checkpoint.manifest import MANIFEST_FILE
-from pippy.checkpoint.reader import SafeFileSystemReader, open_reader, verify_step
+from pippy.checkpoint.reader import (
+    SafeFileSystemReader,
+    opened_on_rank_0,
+    verify_step,
+)
 from pippy.checkpoint.safe_load import SafeLoadPlanner
 from pippy.checkpoint.save import gc_paused
 from pippy.checkpoint.state import StageState, statefuls_taken, take_or_failure
@@ -114,7 +118,8 @@ def open_step(
         trusted=trusted, verify=verify, extension_registry=extension_registry
     )
     with nullcontext() if no_dist else waiting:
-        reader = open_reader(path, process_group, no_dist, **options)
+        opened = opened_on_rank_0(path, process_group, no_dist, **options)
+        reader = SafeFileSystemReader(path, **opened)
     return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
 
 
@@ -146,11 +151,11 @@ def load_into(
 ) -> Iterator[tuple[dict[str, Any], StorageReader, SafeLoadPlanner | None]]:
     """Opens a step for ``dcp.load`` into the stage; if one rank fails, all do.
 
-    Use it around ``dcp.load``, on every rank at once: it takes the stage's
-    state_dict (``state.state_dict()``, which creates the optimizer's empty
-    state; DCP loads in place, into the stage's own tensors), then rank 0 alone
-    opens the step (as :func:`open_step`) for pippy's reader, which applies
-    the state_dict once this rank has read its items: DCP's last collective
+    Use it around ``dcp.load``, on every rank at once: rank 0 alone opens the
+    step (as :func:`open_step`), then each rank takes its stage's state_dict
+    (``state.state_dict()``, which creates the optimizer's empty state; DCP
+    loads in place, into the stage's own tensors) and makes pippy's reader,
+    which applies it once this rank has read its items: DCP's last collective
     carries the outcome. A step in torchtitan's layout is read under
     torchtitan's names where they find more of it. Given another storage
     reader instead of a path, it applies after ``dcp.load``, and an
@@ -244,8 +249,8 @@ def _loading(
     action = f"loading {getattr(path, 'path', path)}"
     waiting = collectives.waiting(action, "read", timeout, process_group)
     with gc_paused(), nullcontext() if no_dist else waiting as waits:
-        state_dict, failure = take_or_failure(take)
         if isinstance(path, StorageReader):  # applied after its dcp.load
+            state_dict, failure = take_or_failure(take)
             with explain_failures(action):
                 yield state_dict, state_dict, path, None
             with fail_together(action, process_group):
@@ -253,11 +258,12 @@ def _loading(
                     raise failure
                 give(state_dict)
             return
+        opened = opened_on_rank_0(path, process_group, no_dist, **options)
+        state_dict, failure = take_or_failure(take)  # once the step is open
         group = waits.ours if waits else process_group
-        made = dict(
-            after_reads=apply, waits=waits, failure=failure, process_group=group
-        )
-        reader = open_reader(path, process_group, no_dist, **made, **options)
+        opened.update(after_reads=apply, waits=waits, process_group=group)
+        opened["failure"] = failure or opened["failure"]
+        reader = SafeFileSystemReader(path, **opened)
         # by torchtitan's names where they find more of it than pippy's
         saved = reader.metadata.state_dict_metadata
         wanted = dict(named_leaves(state_dict))

@@ -5,7 +5,7 @@ whoever can write a checkpoint folder could run code on every rank that
 loads it. :class:`SafeFileSystemReader` unpickles it under an allow-list of
 DCP's own classes, reads each item only from a file inside its step and
 within that file's size, and checks each against its CRC-32C in
-``manifest.json``. Rank 0 opens the step for all (:func:`open_reader`).
+``manifest.json``. Rank 0 opens the step for all (:func:`opened_on_rank_0`).
 """
 
 from __future__ import annotations
@@ -209,8 +209,9 @@ class SafeFileSystemReader(FileSystemReader):
         process_group: The group to pass ``dcp.load`` (in ``load_into``'s
             block, pippy's gloo group, which its ``timeout`` bounds).
         failure: This rank's error before reading, raised in DCP's planning.
-        opened: ``(metadata_bytes, manifest)`` that another process's reader
-            read and checked: none is read again.
+        opened: ``(metadata_bytes, manifest, metadata)`` that another reader
+            read and checked (``metadata`` None: unpickled from the bytes):
+            none is read again.
 
     Raises:
         CheckpointNotFoundError: ``path`` is None, is not a folder, or has
@@ -240,7 +241,7 @@ class SafeFileSystemReader(FileSystemReader):
         waits: Waits | None = None,
         process_group: dist.ProcessGroup | None = None,
         failure: Exception | None = None,
-        opened: tuple[bytes, Manifest | None] | None = None,
+        opened: tuple[bytes, Manifest | None, Metadata | None] | None = None,
     ) -> None:
         if path is None:
             raise CheckpointNotFoundError(
@@ -259,9 +260,9 @@ class SafeFileSystemReader(FileSystemReader):
         self.process_group = process_group
         self.manifest = None
         if opened is not None:  # read and checked by rank 0's reader
-            self.metadata_bytes, self.manifest = opened
+            self.metadata_bytes, self.manifest, metadata = opened
             unpickler = _MetadataUnpickler(opened[0], str(folder), self.trusted)
-            self.metadata = unpickler.load()
+            self.metadata = metadata or unpickler.load()
             return
         read = _read_metadata_file(storage, folder, self.trusted)
         self.metadata, self.metadata_bytes = read
@@ -500,16 +501,16 @@ def verify_step(
     return len(mine)
 
 
-def open_reader(
+def opened_on_rank_0(
     path: Location,
     group: dist.ProcessGroup | None,
     no_dist: bool,
     **options: Any,
-) -> SafeFileSystemReader:
-    """A :class:`SafeFileSystemReader` (``options``: its own) made on rank 0.
+) -> dict[str, Any]:
+    """A :class:`SafeFileSystemReader`'s arguments (``options``: its own), opened.
 
-    The other ranks of ``group`` make theirs from the ``.metadata`` and
-    manifest rank 0 broadcast, reading no file.
+    Rank 0 of ``group`` opens and checks the step; the reader these make reads
+    no file to open, on the other ranks what rank 0 broadcast.
     """
     made: list[SafeFileSystemReader] = []
 
@@ -522,18 +523,16 @@ def open_reader(
         return reader.trusted, reader.metadata_bytes, reader.manifest, str(path)
 
     if no_dist or not dist.is_initialized():
-        make()
-        return made[0]
-    trusted, data, manifest, theirs = on_coordinator(
-        f"cannot read {os.fspath(path)}", make, group
-    )
-    if made:
-        return made[0]
-    storage = storage_for(path)
-    if storage.name(theirs) != storage.name(path):  # another step
-        options["failure"] = options.get("failure") or ValueError(
+        trusted, data, manifest, theirs = make()
+    else:
+        action = f"cannot read {os.fspath(path)}"
+        trusted, data, manifest, theirs = on_coordinator(action, make, group)
+    storage, failure = made[0].storage if made else storage_for(path), None
+    if storage.name(theirs) != storage.name(path):  # raised in DCP's planning
+        failure = ValueError(
             f"this rank opened {str(path)!r} and rank 0 {theirs!r}: every rank "
             "must load the same step (one checkpoint_id for all ranks)"
-        )  # raised in DCP's planning, so on every rank
-    options.update(trusted=trusted, storage=storage, opened=(data, manifest))
-    return SafeFileSystemReader(path, **options)
+        )
+    opened = (data, manifest, made[0].metadata if made else None)
+    options.update(trusted=trusted, storage=storage, failure=failure)
+    return dict(options, opened=opened)
