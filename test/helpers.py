@@ -260,13 +260,18 @@ class Payload:
 
 
 def poison_metadata(folder, marker):
-    """Hides a payload in an otherwise valid .metadata: loads still work."""
-    path = Path(folder) / ".metadata"
+    """Hides a payload in an otherwise valid .metadata, its checksum in the
+    manifest made to match (as a crafted step would): trusted loads still work."""
+    from pippy.checkpoint.manifest import crc32c
+
+    path, manifest = Path(folder) / ".metadata", Path(folder) / "manifest.json"
     with open(path, "rb") as f:
         metadata = pickle.load(f)  # our own file, written just now
     metadata.storage_meta.modules.append(Payload(marker))
-    with open(path, "wb") as f:
-        pickle.dump(metadata, f)
+    path.write_bytes(data := pickle.dumps(metadata))
+    if manifest.exists():
+        record = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({**record, "metadata_crc32c": crc32c(data)}))
 
 
 def linear_state(optimizer_groups=None):

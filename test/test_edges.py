@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from ranks import run_ranks
 from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
@@ -485,6 +486,50 @@ def test_a_crafted_metadata_that_misshapes_or_hides_a_key_is_damage(
         [line] = capsys.readouterr().err.splitlines()
         assert line.startswith("error: ") and damage in line
     assert not (tmp_path / "m.pt").exists()
+
+
+def _retyped(metadata):  # the bytes stay float32
+    metadata.state_dict_metadata["model.weight"].properties.dtype = torch.int32
+
+
+def _reshaped(metadata):  # 16 elements as before, in one dim
+    item = metadata.state_dict_metadata["model.weight"]
+    item.size, item.chunks[0] = (
+        torch.Size([16]),
+        ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([16])),
+    )
+    for index in [i for i in metadata.storage_data if i.fqn == "model.weight"]:
+        info = metadata.storage_data.pop(index)
+        metadata.storage_data[replace(index, offset=torch.Size([0]))] = info
+
+
+@pytest.mark.parametrize(
+    "edit, stored",
+    [
+        (_retyped, "torch.float32 [4, 4], its .metadata says torch.int32 [[4, 4]]"),
+        (_reshaped, "torch.float32 [4, 4], its .metadata says torch.float32 [[16]]"),
+    ],
+)
+def test_a_metadata_that_misdescribes_its_items_is_damage_never_cast(
+    tmp_path, capsys, edit, stored
+):
+    """A .metadata edited to another dtype or shape of the same size: refused by
+    its checksum in the manifest (verified reads, inspect --verify, export), and
+    unverified by each item's own dtype and shape as stored; never cast."""
+    _, folder = saved_linear(tmp_path / "ckpt")
+    craft(folder, edit)
+    edited = "its .metadata does not match its checksum in manifest.json"
+    verified = [READ_PATHS[name] for name in ("load_stage", "load_model")]
+    for read in [*verified, offline.read_checkpoint, offline.verify_step]:
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(edited)):
+            read(folder)
+    for argv in (["inspect", "--verify"], ["export", "--out", str(tmp_path / "m.pt")]):
+        assert main([argv[0], str(folder), *argv[1:]]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("error: ") and edited in line
+    assert not (tmp_path / "m.pt").exists()
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(stored)):
+        offline.read_checkpoint(folder, verify=False)
 
 
 def test_a_metadata_that_is_no_file_is_refused_or_damage(tmp_path):

@@ -4,15 +4,17 @@ DCP stores no checksums and ``torch.load`` never checks the zip CRC-32
 (pytorch/pytorch#126952). :class:`ManifestWriter`'s file system
 (:class:`Checksumming`) takes each item's CRC-32C from the bytes as they are
 written, with ``torch.save``'s CRC-32 off (:func:`no_crc32`); the coordinator
-writes them in ``manifest.json`` after ``.metadata``. A load checks the
-manifest against the folder (:func:`check_manifest`) and each item as it is
-read (:class:`ItemReader`, :func:`verify_item`). ``optim_layout`` is
+writes them in ``manifest.json`` after ``.metadata``, with ``.metadata``'s own.
+A load checks the manifest against the folder and ``.metadata``
+(:func:`check_manifest`) and each item as it is read (:class:`ItemReader`,
+:func:`verify_item`). ``optim_layout`` is
 :data:`~pippy.checkpoint.keys.LAYOUT_VERSION`:
 
 .. code-block:: json
 
     {"format": "pippy-manifest/1", "step": 20, "checksum": "crc32c",
      "optim_layout": 1, "written_by": {"torch": "2.13.0+cpu", "pippy": "0.3.0"},
+     "metadata_crc32c": 1137295361,
      "files": {"__0_0.distcp": 5123456, "...": 0},
      "items": [{"key": "model.layers.0.qkv.weight", "file": "__0_0.distcp",
                 "offset": 0, "length": 49920, "crc32c": 2596996162}]}
@@ -53,6 +55,8 @@ from pippy.checkpoint.keys import LAYOUT_VERSION, check_layout_version
 from pippy.checkpoint.storage import Location, Storage, is_url, join, step_file
 
 MANIFEST_FILE = "manifest.json"
+#: DCP's index of a step's items, written last: a step folder without it is partial.
+METADATA_FILE = ".metadata"
 _FORMAT = "pippy-manifest/1"
 
 #: Bytes one CRC-32C call takes: google_crc32c holds the GIL in a call, and
@@ -192,6 +196,7 @@ class Manifest:
     items: dict[tuple[str, int, int], tuple[str, int]]
     optim_layout: object
     written_by: dict[str, str]
+    metadata_crc: int | None = None  # absent from manifests before it was recorded
 
 
 def read_crcs(
@@ -261,6 +266,7 @@ class ManifestWriter(FileSystemWriter):
             for rank in results
         ]
         super().finish(metadata, plain)
+        stored = self.storage.read_bytes(join(self.path, METADATA_FILE))
         written = [(r.index.fqn, *r.storage_data) for r in itertools.chain(*results)]
         manifest = {
             "format": _FORMAT,
@@ -268,6 +274,7 @@ class ManifestWriter(FileSystemWriter):
             "checksum": "crc32c",
             "optim_layout": LAYOUT_VERSION,
             "written_by": {"torch": str(torch.__version__), "pippy": _pippy_version()},
+            "metadata_crc32c": crc32c(stored),
             "files": dict(sorted(file_ends(i for _, i, _ in written).items())),
             "items": [
                 {
@@ -315,7 +322,9 @@ def read_manifest(storage: Storage, folder: Location) -> Manifest | None:
             items[place] = (str(i["key"]), _count(i["crc32c"]))
         versions = {str(k): str(v) for k, v in raw.get("written_by", {}).items()}
         step = _count(raw["step"])
-        return Manifest(step, files, items, raw.get("optim_layout"), versions)
+        crc = raw.get("metadata_crc32c")
+        crc = None if crc is None else _count(crc)
+        return Manifest(step, files, items, raw.get("optim_layout"), versions, crc)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(
             f"{path} is damaged ({type(e).__name__}: {e}): restore it, or load "
@@ -336,11 +345,13 @@ def check_manifest(
     ranges: Mapping[tuple[str, int, int], str],
     sizes: Mapping[str, int | None],
     named: int | None,
+    metadata: bytes,
 ) -> Manifest:
     """Reads a step's manifest; refuses one absent or at odds with the folder.
 
     ``sizes``: data files' sizes already found (by ``steps.find_damage``);
-    ``named``: the step the folder's name says, if any.
+    ``named``: the step the folder's name says, if any; ``metadata``: the
+    bytes of its ``.metadata``.
     """
     manifest = read_manifest(storage, folder)
     if manifest is None and not storage.atomic_rename:  # its commit record
@@ -379,6 +390,12 @@ def check_manifest(
             f"disagree on where {', '.join(map(repr, differ[:4]))} "
             f"{'is' if len(differ) == 1 else 'are'} stored. "
             f"Restore the step, or {MOVE_ASIDE}"
+        )
+    if manifest.metadata_crc not in (None, crc32c(metadata)):
+        raise CheckpointError(
+            f"{str(folder)!r} is damaged: its .metadata does not match its checksum "
+            f"in {MANIFEST_FILE} (edited, or a flipped bit), so it may describe its "
+            f"items wrongly. Restore the step, or {MOVE_ASIDE}"
         )
     return manifest
 

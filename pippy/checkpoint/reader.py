@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     StorageMeta,
     TensorProperties,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -276,7 +277,7 @@ class SafeFileSystemReader(FileSystemReader):
         if verify:
             ranges = storage_ranges(self.metadata)
             self.manifest = check_manifest(
-                storage, folder, ranges, sizes, parse_step(folder)
+                storage, folder, ranges, sizes, parse_step(folder), self.metadata_bytes
             )
 
     def check_extensions(self) -> None:
@@ -408,6 +409,17 @@ class SafeFileSystemReader(FileSystemReader):
             if not stream.seekable():  # torch.load seeks
                 stream = io.BytesIO(stream.read(-1))
             tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        declared = cast(
+            TensorStorageMetadata, self.metadata.state_dict_metadata[index.fqn]
+        )
+        sizes = [c.sizes for c in declared.chunks if c.offsets == index.offset]
+        if tensor.dtype != declared.properties.dtype or [tensor.size()] != sizes:
+            raise self._damaged(
+                f"item {index.fqn!r} of {info.relative_path} is stored as "
+                f"{tensor.dtype} {list(tensor.size())}, its .metadata says "
+                f"{declared.properties.dtype} {[list(s) for s in sizes]}",
+                f"Restore the step, or {MOVE_ASIDE}",
+            )
         for req in reqs:  # the part of the tensor each reads, into the planner's
             part = tensor
             for dim, (offset, size) in enumerate(

@@ -59,13 +59,16 @@ from pippy.checkpoint.errors import (
     UnsafeCheckpointError,
     check_number,
 )
-from pippy.checkpoint.manifest import MANIFEST_FILE, file_ends, read_manifest
+from pippy.checkpoint.manifest import (
+    MANIFEST_FILE,
+    METADATA_FILE,
+    file_ends,
+    read_manifest,
+)
 from pippy.checkpoint.storage import Location, Storage, is_url, join, step_file
 
 logger = logging.getLogger(__name__)
 
-#: DCP's index of a step's items, written last: a step folder without it is partial.
-METADATA_FILE = ".metadata"
 _STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 _STEP_LIKE = re.compile(r"^step-[0-9]+$")
 #: Hidden step folders, ``.step-<N>.<kind>-<token>``: a save's staging (``partial``)
