@@ -61,9 +61,14 @@ def test_the_writer_publishes_the_step_inside_dcp_save(tmp_path):
 def test_publish_step_never_overwrites_a_step(tmp_path):
     save_step(tmp_path, 5, tiny_model())
     before = (tmp_path / "step-5" / ".metadata").read_bytes()
-    with pytest.raises(checkpoint.CheckpointDirError, match="never overwritten"):
+    with pytest.raises(checkpoint.CheckpointDirError, match="never overwritten") as e:
         save_step(tmp_path, 5, tiny_model())
+    assert str(e.value).startswith(f"{str(tmp_path / 'step-5')!r} already exists")
     assert (tmp_path / "step-5" / ".metadata").read_bytes() == before
+    (tmp_path / "file").touch()  # a checkpoint folder that is a file
+    with pytest.raises(checkpoint.CheckpointDirError, match="is a file") as e:
+        save_step(tmp_path / "file", 1, tiny_model())
+    assert str(e.value).startswith("checkpoint dir ")  # its reason alone
 
 
 @pytest.mark.parametrize("overwrite", [False, True])

@@ -352,6 +352,8 @@ class StepWriter(ManifestWriter):
             )
         try:
             self.staging = self._make_staging()
+        except CheckpointDirError:  # its own reason, said whole
+            raise
         except OSError as e:
             where = self.storage.join(
                 self.checkpoint_dir, f".step-{self.step}.partial-*"
