@@ -233,6 +233,13 @@ def test_export_round_trip(run, tmp_path, capsys, name, flags, fmt, dtype):
             assert torch.equal(tensor, saved[key]), key
 
 
+def test_export_where_no_file_can_be_made_names_the_file_asked_for(run, capsys):
+    root, _ = run  # /proc: a folder that exists, where no file can be created
+    assert main(["export", str(root), "--out", "/proc/model.pt"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == "error: [Errno 2] No such file or directory: '/proc/model.pt'"
+
+
 def test_export_force_overwrites(run, tmp_path):
     root, saved = run
     out = tmp_path / "model.pt"

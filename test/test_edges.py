@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from pippy import checkpoint
 from pippy.checkpoint import offline
+from pippy.checkpoint.errors import MOVE_ASIDE
 from pippy.checkpoint.manifest import MANIFEST_FILE, read_manifest
 from pippy.checkpoint.owner import OWNER_FILE
 from pippy.checkpoint.reader import SafeFileSystemReader, read_metadata
@@ -470,7 +471,7 @@ def _unlisted(metadata):  # stored (and in the manifest), but not a key to load
     "edit, damage",
     [
         (_negative, "'model.weight' has shape [-4, 4]"),
-        (_unlisted, "it stores 'model.bias', no key"),
+        (_unlisted, "it stores 'model.bias' but lists no such key"),
     ],
 )
 def test_a_crafted_metadata_that_misshapes_or_hides_a_key_is_damage(
@@ -479,8 +480,9 @@ def test_a_crafted_metadata_that_misshapes_or_hides_a_key_is_damage(
     _, folder = saved_linear(tmp_path / "ckpt")
     craft(folder, edit)
     for read in READ_PATHS.values():
-        with pytest.raises(checkpoint.CheckpointError, match=re.escape(damage)):
+        with pytest.raises(checkpoint.CheckpointError, match=re.escape(damage)) as e:
             read(folder)
+        assert str(e.value).endswith(f"Restore it, or {MOVE_ASIDE}")  # the fix
     for argv in (["inspect", "--verify"], ["export", "--out", str(tmp_path / "m.pt")]):
         assert main([argv[0], str(folder), *argv[1:]]) == 2
         [line] = capsys.readouterr().err.splitlines()

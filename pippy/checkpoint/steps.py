@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from pippy.checkpoint.errors import (
+    MOVE_ASIDE,
     CheckpointDirError,
     CheckpointError,
     UnsafeCheckpointError,
@@ -331,11 +332,17 @@ def find_damage(
 
 def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> None:
     """Refuses ``.metadata`` whose items are not where, or not as large as, it says."""
-    damaged = f"{os.fspath(storage.join(folder, METADATA_FILE))!r} is damaged"
+    path = os.fspath(storage.join(folder, METADATA_FILE))
+
+    def damage(what: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path!r} is damaged: {what}. Restore it, or {MOVE_ASIDE}"
+        )
+
     try:  # a malformed entry raises anything: it is damage, not a KeyError
         places, items = metadata.storage_data, metadata.state_dict_metadata
         if not isinstance(places, dict) or not isinstance(items, dict):
-            raise CheckpointError(f"{damaged}: it has no table of items and files")
+            raise damage("it has no table of items and files")
         contained: set[str] = set()  # each file once: resolving a path stats it
         lengths: dict[tuple[str, Any], int] = {}  # (key, chunk offsets): bytes
         for index, info in places.items():
@@ -353,11 +360,9 @@ def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> N
                 contained.add(name)
             offset, length = (getattr(info, a, None) for a in ("offset", "length"))
             if not (type(offset) is type(length) is int and min(offset, length) >= 0):
-                raise CheckpointError(
-                    f"{damaged}: item {index.fqn!r} has no valid place"
-                )
+                raise damage(f"item {index.fqn!r} has no valid place")
             if index.fqn not in items:  # stored, and left out of the keys loaded
-                raise CheckpointError(f"{damaged}: it stores {index.fqn!r}, no key")
+                raise damage(f"it stores {index.fqn!r} but lists no such key")
             # a stream extension (compression) may store fewer bytes than it holds
             transformed = getattr(info, "transform_descriptors", None)
             lengths[index.fqn, index.offset] = -1 if transformed else length
@@ -367,7 +372,7 @@ def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> N
             elif isinstance(item, TensorStorageMetadata):
                 itemsize, shape = item.properties.dtype.itemsize, item.size
                 if not all(type(d) is int and d >= 0 for d in shape):
-                    raise CheckpointError(f"{damaged}: {key!r} has shape {list(shape)}")
+                    raise damage(f"{key!r} has shape {list(shape)}")
                 chunks, volume, inside = [], 0, True
                 for c in item.chunks:
                     n = math.prod(c.sizes)
@@ -377,25 +382,23 @@ def check_structure(storage: Storage, folder: Location, metadata: Metadata) -> N
                     inside = inside and len(c.offsets) == len(c.sizes) == len(shape)
                     inside = inside and all(0 <= o and o + s <= d for o, s, d in fits)
                 if not inside or volume != math.prod(shape):
-                    raise CheckpointError(
-                        f"{damaged}: {key!r} declares shape {list(shape)}, which "
+                    raise damage(
+                        f"{key!r} declares shape {list(shape)}, which "
                         "its stored chunks do not fill"
                     )
             else:
-                raise CheckpointError(
-                    f"{damaged}: {key!r} is neither tensor nor object"
-                )
+                raise damage(f"{key!r} is neither tensor nor object")
             for offsets, nbytes in chunks:
                 length = lengths.get((key, offsets))
                 if length is None:
-                    raise CheckpointError(f"{damaged}: no file holds {key!r}")
+                    raise damage(f"no file holds {key!r}")
                 if nbytes > length >= 0:  # torch.save adds headers, removes none
-                    raise CheckpointError(
-                        f"{damaged}: {key!r} declares {nbytes} bytes, but its file "
+                    raise damage(
+                        f"{key!r} declares {nbytes} bytes, but its file "
                         f"holds {length} for it"
                     )
     except (AttributeError, TypeError, ValueError, IndexError, KeyError) as e:
-        raise CheckpointError(f"{damaged}: {type(e).__name__}: {e}") from None
+        raise damage(f"{type(e).__name__}: {e}") from None
 
 
 def storage_ranges(metadata: Metadata) -> dict:

@@ -290,7 +290,11 @@ class LocalStorage(Storage):
         path = Path(location)
         draft = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with _DurableWriter(io.FileIO(draft, "xb")) as f:
+            raw = io.FileIO(draft, "xb")
+        except OSError as e:  # named by the file asked for, not its draft
+            raise type(e)(e.errno, e.strerror, os.fspath(path)) from None
+        try:
+            with _DurableWriter(raw) as f:
                 yield cast(IO[bytes], f)
             commit(draft, path)
         finally:
