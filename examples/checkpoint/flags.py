@@ -114,18 +114,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_saved_shape(args, metadata, path) -> None:
     """Raises ValueError if the step at `path`, whose DCP .metadata is given, was
-    saved with another --n-layers or --dim, naming the flag; quiet where the
-    step cannot tell (a weights-only step)."""
+    saved with another --n-layers or --dim, naming the flag (and --init-from
+    where it is that step); quiet where the step cannot tell (weights only)."""
     items = metadata.state_dict_metadata
     layers = {k.split(".")[2] for k in items if k.startswith("model.layers.")}
     embedding = items.get("model.tok_embeddings.weight")
     saved = {"--n-layers": len(layers), "--dim": embedding and embedding.size[1]}
+    given = "--init-from" if str(path) == str(args.init_from) else "--checkpoint-dir"
     for flag, value in saved.items():
         ours = getattr(args, flag[2:].replace("-", "_"))
         if value and value != ours:
             raise ValueError(
                 f"{path} was saved with {flag} {value}, this run has {ours}: "
-                f"pass {flag} {value}, or another --checkpoint-dir"
+                f"pass {flag} {value}, or another {given}"
             )
 
 
