@@ -171,6 +171,9 @@ def test_a_step_damaged_after_publishing_names_its_files_and_the_way_out(tmp_pat
     data.unlink()  # a rank's file lost
     with pytest.raises(checkpoint.CheckpointError, match=f"{data.name} is missing"):
         offline.load_model(folder, linear_state().module)
+    data.mkdir()  # a folder where the file was
+    with pytest.raises(checkpoint.CheckpointError, match=f"{data.name} is not a file"):
+        load(linear_state(), folder)
 
 
 def test_another_optimizer_class_is_refused_not_loaded_with_wrong_options(tmp_path):

@@ -314,7 +314,7 @@ def find_damage(
     metadata: Metadata,
     sizes: dict[str, int | None] | None = None,
 ) -> list[str]:
-    """One line per data file ``.metadata`` names that is missing or short.
+    """One line per data file ``.metadata`` names that is missing, no file, or short.
 
     ``sizes``, if given, is filled with each file's size (None: missing).
     """
@@ -324,7 +324,8 @@ def find_damage(
         if sizes is not None:
             sizes[name] = actual
         if actual is None:
-            problems.append(f"{name} is missing")
+            there = storage.exists(storage.join(path, name))  # a folder, say
+            problems.append(f"{name} is {'not a file' if there else 'missing'}")
         elif actual < size:
             problems.append(f"{name} has {actual} bytes, its items need {size}")
     return problems
