@@ -811,6 +811,24 @@ def test_optimizer_state_the_optimizer_loaded_into_cannot_take_says_why(tmp_path
         load(rolled_back, folder)
 
 
+def test_a_model_with_fewer_layers_is_told_so_before_its_optimizer_state(tmp_path):
+    def layered(n):
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(n))
+        optimizer = torch.optim.AdamW(model.parameters())
+        sum(layer(torch.ones(1, 4)).sum() for layer in model.layers).backward()
+        optimizer.step()
+        return checkpoint.StageState(model, optimizer)
+
+    folder = save(layered(2), tmp_path)
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        load(layered(1), folder)
+    split, optim = "does not match the checkpoint (fewer layers?", "has no place for"
+    assert split in str(e.value) and optim in str(e.value)
+    assert str(e.value).index(split) < str(e.value).index(optim)  # the cause first
+
+
 def test_optimizer_state_with_its_tensors_lost_is_an_error_not_fresh_moments(
     tmp_path,
 ):

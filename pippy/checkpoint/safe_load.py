@@ -345,12 +345,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
         mine = modules(read)
         theirs = sorted(modules(others) - mine) if mine else []  # modules it lacks
-        causes = {
+        causes = {  # the model's first: its keys' optimizer state is unread too
+            "module": self._in_model(others) and theirs,
+            "split": self._in_model(others) and not theirs,
             "extra": extra,
             "own": own,
             "optim state": len(others) < len(unread),
-            "module": self._in_model(others) and theirs,
-            "split": self._in_model(others) and not theirs,
         }
         it, each = ("it", "that") if len(extra) == 1 else ("them", "each")
         fields = dict(
