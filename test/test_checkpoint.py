@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from ranks import run_ranks
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
@@ -110,6 +111,18 @@ def test_a_step_path_of_none_is_named(tmp_path):
     for call in (checkpoint.load_stage, lambda _, path: checkpoint.open_step(path)):
         with pytest.raises(checkpoint.CheckpointNotFoundError, match="no step to load"):
             call(state, checkpoint.find_latest_step(tmp_path))
+
+
+def test_a_step_path_of_none_is_named_on_every_rank(tmp_path):
+    def on_rank(rank, world):
+        state = checkpoint.StageState(tiny_model())
+        with pytest.raises(checkpoint.CheckpointNotFoundError, match="no step to load"):
+            checkpoint.load_stage(state, checkpoint.find_latest_step(tmp_path))
+        with pytest.raises(checkpoint.CheckpointNotFoundError, match="no step to load"):
+            with checkpoint.load_into(state, None):
+                pass
+
+    run_ranks(2, on_rank)
 
 
 def test_failed_save_publishes_nothing(tmp_path):

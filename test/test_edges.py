@@ -508,8 +508,8 @@ def _reshaped(metadata):  # 16 elements as before, in one dim
 @pytest.mark.parametrize(
     "edit, stored",
     [
-        (_retyped, "torch.float32 [4, 4], its .metadata says torch.int32 [[4, 4]]"),
-        (_reshaped, "torch.float32 [4, 4], its .metadata says torch.float32 [[16]]"),
+        (_retyped, "torch.float32 [4, 4], its .metadata says torch.int32 [4, 4]"),
+        (_reshaped, "torch.float32 [4, 4], its .metadata says torch.float32 [16]"),
     ],
 )
 def test_a_metadata_that_misdescribes_its_items_is_damage_never_cast(

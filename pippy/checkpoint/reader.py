@@ -412,12 +412,12 @@ class SafeFileSystemReader(FileSystemReader):
         declared = cast(
             TensorStorageMetadata, self.metadata.state_dict_metadata[index.fqn]
         )
-        sizes = [c.sizes for c in declared.chunks if c.offsets == index.offset]
-        if tensor.dtype != declared.properties.dtype or [tensor.size()] != sizes:
+        sizes = [list(c.sizes) for c in declared.chunks if c.offsets == index.offset]
+        if tensor.dtype != declared.properties.dtype or [list(tensor.size())] != sizes:
             raise self._damaged(
                 f"item {index.fqn!r} of {info.relative_path} is stored as "
                 f"{tensor.dtype} {list(tensor.size())}, its .metadata says "
-                f"{declared.properties.dtype} {[list(s) for s in sizes]}",
+                f"{declared.properties.dtype} {sizes[0] if sizes else 'no chunk'}",
                 f"Restore the step, or {MOVE_ASIDE}",
             )
         for req in reqs:  # the part of the tensor each reads, into the planner's
@@ -537,7 +537,7 @@ def opened_on_rank_0(
     if no_dist or not dist.is_initialized():
         trusted, data, manifest, theirs = make()
     else:
-        action = f"cannot read {os.fspath(path)}"
+        action = f"cannot read {path}"  # None too: refused by rank 0 for all
         trusted, data, manifest, theirs = on_coordinator(action, make, group)
     storage, failure = made[0].storage if made else storage_for(path), None
     if storage.name(theirs) != storage.name(path):  # raised in DCP's planning
