@@ -1,5 +1,6 @@
 """pippy.checkpoint in one process: step folders, comparisons, traced stages."""
 
+import copy
 import gc
 import logging
 import subprocess
@@ -338,9 +339,15 @@ def test_the_reader_and_writer_refuse_to_be_used_other_than_as_made(tmp_path):
     with pytest.raises(ValueError, match="opened for .*step-1, not .*step-2"):
         with checkpoint.load_into(fresh, one) as (state_dict, reader, _):
             dcp.load(state_dict, checkpoint_id=two, storage_reader=reader)
-    with pytest.raises(ValueError, match="did not read with its reader"):
+    weights = copy.deepcopy(fresh.module.state_dict())
+    with pytest.raises(checkpoint.CheckpointError, match="another storage reader"):
+        with checkpoint.load_into(fresh, one) as (state_dict, reader, planner):
+            plain = FileSystemReader(one)  # refused before it reads
+            dcp.load(state_dict, storage_reader=plain, planner=planner)
+    assert all(torch.equal(weights[k], v) for k, v in fresh.module.state_dict().items())
+    with pytest.raises(ValueError, match="did not read with its reader.*unchecked"):
         with checkpoint.load_into(fresh, one) as (state_dict, reader, _):
-            dcp.load(state_dict, checkpoint_id=two)  # plain DCP's reader
+            dcp.load(state_dict, checkpoint_id=two)  # plain DCP's reader and planner
     assert fresh.step == 0  # nothing applied
     with checkpoint.load_into(fresh, one) as (state_dict, reader, planner):
         dcp.load(state_dict, storage_reader=reader, planner=planner)

@@ -285,13 +285,16 @@ def _loading(
                     and k.endswith(".initial_lr")
                 )
             )
-        planner = SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
+        planner = SafeLoadPlanner(
+            trusted=reader.trusted, must_read=must_read, reads_from=reader.metadata
+        )
         with explain_failures(action):
             yield state_dict, to_read, reader, planner
         if not applied:
             raise ValueError(
-                f"dcp.load in load_into's block did not read with its reader, "
-                f"so {reader.folder} is not loaded: pass it storage_reader=reader"
+                f"dcp.load in load_into's block did not read with its reader, so "
+                f"{reader.folder} is not loaded, though the stage's tensors may hold "
+                "what it read unchecked: pass it storage_reader=reader and load again"
             )
 
 

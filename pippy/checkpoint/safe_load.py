@@ -179,6 +179,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         must_read: Prefixes of the checkpoint keys that some rank must read;
             ``("",)`` (the default) is every key, ``()`` none. Loading only
             the weights (a fine-tuning start) passes ``("model.",)``.
+        reads_from: The metadata of the reader it must be used with (as
+            :func:`~pippy.checkpoint.load_into` gives it): planning a load
+            whose reader gave other metadata is refused, before any read.
         **kwargs: Passed to ``DefaultLoadPlanner``.
 
     Raises:
@@ -194,11 +197,13 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         *,
         trusted: bool | None = None,
         must_read: tuple[str, ...] = ("",),
+        reads_from: Metadata | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.trusted = resolve_trusted(trusted)
         self.must_read = must_read
+        self.reads_from = reads_from
         self._parser: OptimKeys | None = None  # built when a message needs it
         self.layout_name: Callable[[str], str] = str  # a key's pippy name
 
@@ -209,6 +214,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         is_coordinator: bool = False,
     ) -> None:
         """DCP's, less the state of parameters saved without any."""
+        if self.reads_from is not None and metadata is not self.reads_from:
+            raise ValueError(
+                "dcp.load in load_into's block reads with another storage reader "
+                "than the one load_into gives, unchecked: pass it storage_reader=reader"
+            )
         super().set_up_planner(state_dict, metadata, is_coordinator)
         wanted = list(self.state_dict)  # as DCP flattened them
         saved = metadata.state_dict_metadata if metadata is not None else {}
