@@ -11,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from ranks import run_ranks
 from torch.distributed.checkpoint import (
+    CheckpointException,
     DefaultLoadPlanner,
     DefaultSavePlanner,
     FileSystemReader,
@@ -344,6 +345,12 @@ def test_the_reader_and_writer_refuse_to_be_used_other_than_as_made(tmp_path):
         with checkpoint.load_into(fresh, one) as (state_dict, reader, planner):
             plain = FileSystemReader(one)  # refused before it reads
             dcp.load(state_dict, storage_reader=plain, planner=planner)
+    assert all(torch.equal(weights[k], v) for k, v in fresh.module.state_dict().items())
+    reader, planner = checkpoint.open_step(one)  # its planner, likewise (in DCP's)
+    with pytest.raises(CheckpointException, match="another storage reader"):
+        dcp.load(
+            fresh.state_dict(), storage_reader=FileSystemReader(one), planner=planner
+        )
     assert all(torch.equal(weights[k], v) for k, v in fresh.module.state_dict().items())
     with pytest.raises(ValueError, match="did not read with its reader.*unchecked"):
         with checkpoint.load_into(fresh, one) as (state_dict, reader, _):

@@ -103,7 +103,8 @@ def open_step(
     Returns:
         ``(storage_reader, planner)``. The reader reads this step alone (another
         ``checkpoint_id``: ``ValueError``) and, unless trusted, hands non-tensor
-        items only to a :class:`SafeLoadPlanner`.
+        items only to a :class:`SafeLoadPlanner`; the planner refuses, before
+        any read, a ``dcp.load`` with another reader.
 
     Raises:
         CheckpointNotFoundError, UnsafeCheckpointError, CheckpointError: As
@@ -120,7 +121,10 @@ def open_step(
     with nullcontext() if no_dist else waiting:
         opened = opened_on_rank_0(path, process_group, no_dist, **options)
         reader = SafeFileSystemReader(path, **opened)
-    return reader, SafeLoadPlanner(trusted=reader.trusted, must_read=must_read)
+    planner = SafeLoadPlanner(
+        trusted=reader.trusted, must_read=must_read, reads_from=reader.metadata
+    )
+    return reader, planner
 
 
 def read_into(

@@ -262,8 +262,9 @@ class SafeFileSystemReader(FileSystemReader):
         self.manifest = None
         if opened is not None:  # read and checked by rank 0's reader
             self.metadata_bytes, self.manifest, metadata = opened
-            unpickler = _MetadataUnpickler(opened[0], str(folder), self.trusted)
-            self.metadata = metadata or unpickler.load()
+            self.metadata = metadata or (
+                _MetadataUnpickler(opened[0], str(folder), self.trusted).load()
+            )
             return
         read = _read_metadata_file(storage, folder, self.trusted)
         self.metadata, self.metadata_bytes = read

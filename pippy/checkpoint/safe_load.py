@@ -180,8 +180,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             ``("",)`` (the default) is every key, ``()`` none. Loading only
             the weights (a fine-tuning start) passes ``("model.",)``.
         reads_from: The metadata of the reader it must be used with (as
-            :func:`~pippy.checkpoint.load_into` gives it): planning a load
-            whose reader gave other metadata is refused, before any read.
+            :func:`~pippy.checkpoint.load_into` and ``open_step`` give it):
+            planning a load whose reader gave other metadata is refused,
+            before any read.
         **kwargs: Passed to ``DefaultLoadPlanner``.
 
     Raises:
@@ -216,8 +217,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's, less the state of parameters saved without any."""
         if self.reads_from is not None and metadata is not self.reads_from:
             raise ValueError(
-                "dcp.load in load_into's block reads with another storage reader "
-                "than the one load_into gives, unchecked: pass it storage_reader=reader"
+                "dcp.load reads with another storage reader than the one this "
+                "planner came with (from load_into or open_step), unchecked: pass "
+                "it storage_reader=reader"
             )
         super().set_up_planner(state_dict, metadata, is_coordinator)
         wanted = list(self.state_dict)  # as DCP flattened them
